@@ -1,0 +1,1 @@
+"""Benchmarks: each measures one claim against a baseline in the same run."""

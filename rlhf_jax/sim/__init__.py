@@ -1,0 +1,1 @@
+"""rlhf_jax.sim."""
