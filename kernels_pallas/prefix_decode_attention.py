@@ -1,0 +1,156 @@
+"""Decode attention for G samples that share one prompt: prefix part + suffix part.
+
+Dimension letters: R prompt rows (groups), G samples per row, H query heads,
+N kv heads, K head dim, P prefix (prompt) length, M suffix (own tokens) length.
+
+The G samples of a row attend to the row's prompt KV (read once per row: one
+[G*H/N, K] x [K, P] matmul per kv head) and to their own tokens. Each part
+returns its normalised output and log-sum-exp; the two merge exactly in fp32:
+  O = exp(L_a - L) O_a + exp(L_b - L) O_b,  L = logaddexp(L_a, L_b).
+Empty parts (L = -inf: a free slot, an empty suffix) contribute nothing and
+never produce NaN; a query with no keys at all returns zeros.
+
+`prefix_decode_attention` dispatches by `impl`: "xla" is the jnp reference
+below (used on CPU and as the oracle), "pallas" a Pallas kernel, "auto" picks
+by backend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+
+
+def _softcap(scores, cap):
+  return scores if cap is None else cap * jnp.tanh(scores / cap)
+
+
+def attention_part(scores, mask, v, v_spec):
+  """Masked softmax attention over one key set.
+
+  Args:
+    scores: fp32 logits, keys on the last axis.
+    mask: bool, broadcastable to scores; False keys are excluded.
+    v: values, contracted against the last axis of scores by `v_spec`.
+    v_spec: einsum spec "<probs>,<v>-><out>".
+
+  Returns:
+    (out, lse): out normalised over the part's keys (zeros if it has none),
+    in the layout `v_spec` gives; lse the log-sum-exp of the kept logits
+    (-inf if none), in the layout of scores without its last axis.
+  """
+  scores = jnp.where(mask, scores, NEG_INF)
+  m = jnp.max(scores, axis=-1)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(scores - m_safe[..., None])
+  s = jnp.sum(p, axis=-1)
+  s_safe = jnp.where(s > 0, s, 1.0)
+  lse = jnp.where(s > 0, m_safe + jnp.log(s_safe), NEG_INF)
+  out = jnp.einsum(v_spec, p / s_safe[..., None], v.astype(jnp.float32))
+  return out, lse
+
+
+def merge_parts(parts):
+  """Exact merge of [(out, lse), ...] attention parts over disjoint key sets."""
+  lses = jnp.stack([lse for _, lse in parts])
+  total = jax.nn.logsumexp(lses, axis=0)
+  total_safe = jnp.where(jnp.isfinite(total), total, 0.0)
+  out = 0.0
+  for o, lse in parts:
+    out = out + jnp.exp(lse - total_safe)[..., None] * o
+  return out, total
+
+
+def prefix_decode_attention_reference(
+    q_RxGxHxK,
+    prefix_k_RxPxNxK,
+    prefix_v_RxPxNxK,
+    prefix_len_R,
+    suffix_k_RxGxMxNxK,
+    suffix_v_RxGxMxNxK,
+    suffix_len_RxG,
+    *,
+    scale=None,
+    logit_softcap=None,
+    return_lse=False,
+):
+  """Pure-jnp prefix-shared decode attention (see module docstring)."""
+  R, G, H, K = q_RxGxHxK.shape
+  N = prefix_k_RxPxNxK.shape[2]
+  P = prefix_k_RxPxNxK.shape[1]
+  M = suffix_k_RxGxMxNxK.shape[2]
+  scale = K**-0.5 if scale is None else scale
+  q = q_RxGxHxK.reshape(R, G, N, H // N, K)
+
+  # Prefix: all G*H/N queries of a row against the row's keys in one matmul.
+  s_pre = jnp.einsum(
+      "rgnqk,rpnk->rnqgp", q, prefix_k_RxPxNxK,
+      preferred_element_type=jnp.float32) * scale
+  s_pre = _softcap(s_pre, logit_softcap)
+  mask_pre = (jnp.arange(P)[None, :] < prefix_len_R[:, None])
+  o_pre, l_pre = attention_part(
+      s_pre, mask_pre[:, None, None, None, :], prefix_v_RxPxNxK,
+      "rnqgp,rpnk->rnqgk")
+  o_pre = jnp.transpose(o_pre, (0, 3, 1, 2, 4))  # r g n q k
+  l_pre = jnp.transpose(l_pre, (0, 3, 1, 2))
+
+  # Suffix: each sample against its own tokens.
+  s_suf = jnp.einsum(
+      "rgnqk,rgmnk->rgnqm", q, suffix_k_RxGxMxNxK,
+      preferred_element_type=jnp.float32) * scale
+  s_suf = _softcap(s_suf, logit_softcap)
+  mask_suf = jnp.arange(M)[None, None, :] < suffix_len_RxG[..., None]
+  o_suf, l_suf = attention_part(
+      s_suf, mask_suf[:, :, None, None, :], suffix_v_RxGxMxNxK,
+      "rgnqm,rgmnk->rgnqk")
+
+  out, lse = merge_parts([(o_pre, l_pre), (o_suf, l_suf)])
+  out = out.reshape(R, G, H, K).astype(q_RxGxHxK.dtype)
+  if return_lse:
+    return out, lse.reshape(R, G, H)
+  return out
+
+
+def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
+                            **kwargs):
+  """Dispatch: "xla" (jnp reference), "pallas" (kernel), "auto" (by backend).
+
+  "auto" is the Pallas TPU kernel on TPU and the reference elsewhere. On GPU
+  the reference is the prefix path too: XLA lowers its prefix einsum to one
+  batched [G*H/N, K] x [K, P] matmul per row and kv head, which already reads
+  the prompt KV once per row. `jax.nn.dot_product_attention` is not used:
+  its cuDNN residual (the LSE) comes back in the output dtype (bf16), which
+  would make the fp32 merge inexact, and it has no logit soft-cap. "pallas"
+  runs the Mosaic kernel, in interpret mode off TPU (CPU tests); it is not a
+  GPU kernel.
+
+  Args:
+    *args: as `prefix_decode_attention_reference`.
+    impl: "auto" | "xla" | "pallas".
+    block_sizes: `BlockSizes` for the Pallas kernel (default if None); unused
+      by the reference.
+    **kwargs: scale, logit_softcap, return_lse.
+
+  Returns:
+    As `prefix_decode_attention_reference`.
+  """
+  backend = jax.default_backend()
+  if impl == "auto":
+    impl = "pallas" if backend == "tpu" else "xla"
+  if impl == "xla":
+    return prefix_decode_attention_reference(*args, **kwargs)
+  if impl == "pallas":
+    if backend == "gpu":
+      raise ValueError(
+          "attention_impl='pallas' is a TPU (Mosaic) kernel; on GPU use "
+          "attention_impl='auto' or 'xla'.")
+    # Imported here: the kernel module imports merge_parts from this one.
+    from kernels_pallas import prefix_decode_attention_tpu as tpu  # pylint: disable=g-import-not-at-top
+    if block_sizes is not None:
+      kwargs["block_sizes"] = block_sizes
+    return tpu.prefix_decode_attention_tpu(
+        *args, interpret=backend != "tpu", **kwargs)
+  raise ValueError(
+      f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")

@@ -1,0 +1,129 @@
+"""Engine data: the prefix-shared decode state, prefill results, packed results.
+
+Slots are a flat range [0, R*G): slot = row * G + j. A row holds one prompt's
+KV once (`prefix_*`); its G slots hold the samples' own tokens (`suffix_*`).
+Dimension letters: L layers, R rows, G samples per row, P max prompt length,
+M max new tokens, N kv heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# Logical axes of each decode-state field (for the layout's shardings).
+STATE_AXES = {
+    "prefix_k": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
+    "prefix_v": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
+    "prefix_len": ("batch",),
+    "suffix_k": ("layers", "batch", None, "cache_length", "kv_heads",
+                 "head_dim"),
+    "suffix_v": ("layers", "batch", None, "cache_length", "kv_heads",
+                 "head_dim"),
+    "suffix_len": ("batch", None),
+    "tokens": ("batch", None),
+    "positions": ("batch", None),
+    "generated": ("batch", None),
+    "active": ("batch", None),
+    "prompt_id": ("batch",),
+    "sample_idx": ("batch", None),
+    "seed": ("batch",),
+}
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything `generate` reads and writes; pure pytree, donated each step."""
+  prefix_k: jax.Array     # [L, R, P, N, K] prompt keys, once per row
+  prefix_v: jax.Array     # [L, R, P, N, K]
+  prefix_len: jax.Array   # [R] valid prompt tokens
+  suffix_k: jax.Array     # [L, R, G, M, N, K] each sample's own keys
+  suffix_v: jax.Array     # [L, R, G, M, N, K]
+  suffix_len: jax.Array   # [R, G] own tokens already in the cache
+  tokens: jax.Array       # [R, G] last sampled token, fed next step
+  positions: jax.Array    # [R, G] position of `tokens`
+  generated: jax.Array    # [R, G] tokens generated so far (incl. `tokens`)
+  active: jax.Array       # [R, G] live and not finished
+  prompt_id: jax.Array    # [R]
+  sample_idx: jax.Array   # [R, G]
+  seed: jax.Array         # [R] uint32 sampling seed of the row's request
+
+
+@struct.dataclass
+class Prefix:
+  """A prefill result: one prompt's KV and its G first tokens."""
+  k: jax.Array              # [L, Pb, N, K] for the prompt's bucket Pb
+  v: jax.Array
+  true_length: jax.Array    # [] int32
+  first_tokens: jax.Array   # [G]
+  first_logp: jax.Array     # [G] under the sampling distribution
+  first_logp_raw: jax.Array  # [G] temperature-1 policy log-prob
+  prompt_id: int = struct.field(pytree_node=False, default=0)
+  sample_indices: tuple[int, ...] = struct.field(pytree_node=False,
+                                                 default=())
+  seed: int = struct.field(pytree_node=False, default=0)
+
+
+# Columns of the packed per-slot result array.
+TOKEN, VALID, DONE, LENGTH, LOGP, LOGP_RAW = range(6)
+NUM_COLUMNS = 6
+
+
+@struct.dataclass
+class ResultTokens:
+  """One step's output for every slot packed in ONE int32 array [S, 6].
+
+  Columns: token, valid (slot produced a token), done (it finished now),
+  length (tokens generated so far), sampling log-prob and raw log-prob (fp32
+  bit patterns). One array means one device->host copy per step.
+  """
+  data: jax.Array
+
+  @staticmethod
+  def pack(tokens, valid, done, length, logp, logp_raw) -> "ResultTokens":
+    cols = [tokens, valid.astype(jnp.int32), done.astype(jnp.int32), length,
+            jax.lax.bitcast_convert_type(logp.astype(jnp.float32), jnp.int32),
+            jax.lax.bitcast_convert_type(logp_raw.astype(jnp.float32),
+                                         jnp.int32)]
+    return ResultTokens(jnp.stack([c.reshape(-1).astype(jnp.int32)
+                                   for c in cols], axis=-1))
+
+  def copy_to_host_async(self) -> None:
+    self.data.copy_to_host_async()
+
+  def convert_to_numpy(self) -> "HostResult":
+    return HostResult(np.asarray(self.data))
+
+
+@dataclasses.dataclass
+class HostResult:
+  """Numpy view of ResultTokens."""
+  data: np.ndarray
+
+  @property
+  def tokens(self):
+    return self.data[:, TOKEN]
+
+  @property
+  def valid(self):
+    return self.data[:, VALID].astype(bool)
+
+  @property
+  def done(self):
+    return self.data[:, DONE].astype(bool)
+
+  @property
+  def lengths(self):
+    return self.data[:, LENGTH]
+
+  @property
+  def logp(self):
+    return self.data[:, LOGP].view(np.float32)
+
+  @property
+  def logp_raw(self):
+    return self.data[:, LOGP_RAW].view(np.float32)

@@ -1,0 +1,143 @@
+"""Typed, frozen model configuration for the decoder family, with presets.
+
+One decoder covers Llama 3, Qwen2, Qwen3 and Gemma 2 by switches: norm form,
+RoPE theta and scaling, GQA, gated MLP activation, QKV bias, QK-norm, tied
+embeddings, attention and final-logit soft-caps, post-norms, embedding scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+  factor: float = 32.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and family switches of a decoder-only transformer."""
+  vocab_size: int
+  num_layers: int
+  embed_dim: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
+  norm_eps: float = 1e-6
+  norm_plus_one: bool = False     # Gemma: x * (1 + w).
+  mlp_activation: str = "silu"    # "silu" (SwiGLU) or "gelu" (GeGLU, tanh).
+  qkv_bias: bool = False          # Qwen2.
+  qk_norm: bool = False           # Qwen3: RMSNorm on each q and k head.
+  tie_embeddings: bool = False
+  post_norms: bool = False        # Gemma 2: norms after attention and MLP.
+  embed_scale: bool = False       # Gemma: embeddings times sqrt(embed_dim).
+  query_scale: float | None = None  # Scores scale; None means head_dim**-0.5.
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
+  sliding_window: int | None = None  # Gemma 2: every other layer is local.
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must be a multiple of "
+          f"num_kv_heads={self.num_kv_heads}")
+    if self.mlp_activation not in ("silu", "gelu"):
+      raise ValueError(
+          f"mlp_activation must be 'silu' or 'gelu', got {self.mlp_activation!r}")
+    for name in ("param_dtype", "compute_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, "
+                         f"got {getattr(self, name)!r}")
+
+  @property
+  def param_jnp_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  @property
+  def compute_jnp_dtype(self):
+    return _DTYPES[self.compute_dtype]
+
+  @property
+  def scores_scale(self) -> float:
+    return self.head_dim**-0.5 if self.query_scale is None else self.query_scale
+
+  def is_local_layer(self, layer: int) -> bool:
+    """Gemma 2 alternates local (sliding window) and global layers."""
+    return self.sliding_window is not None and layer % 2 == 0
+
+  def replace(self, **kwargs) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+  def num_params(self) -> int:
+    d, h, n, k, f = (self.embed_dim, self.num_heads, self.num_kv_heads,
+                     self.head_dim, self.mlp_dim)
+    attn = d * k * (2 * h + 2 * n) + (self.qkv_bias and (h + 2 * n) * k)
+    per_layer = attn + 3 * d * f + d * (4 if self.post_norms else 2)
+    per_layer += 2 * k if self.qk_norm else 0
+    head = 0 if self.tie_embeddings else d * self.vocab_size
+    return self.num_layers * per_layer + d * self.vocab_size + head + d
+
+  # Presets. Real shapes follow the published config.json of each model.
+  @classmethod
+  def tiny(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=256, num_layers=2, embed_dim=128, num_heads=4,
+                num_kv_heads=2, head_dim=32, mlp_dim=384)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def qwen2_5_0_5b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=151936, num_layers=24, embed_dim=896, num_heads=14,
+                num_kv_heads=2, head_dim=64, mlp_dim=4864, rope_theta=1e6,
+                qkv_bias=True, tie_embeddings=True, norm_eps=1e-6)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def llama3_2_1b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=128256, num_layers=16, embed_dim=2048,
+                num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
+                rope_theta=500_000.0, rope_scaling=RopeScaling(),
+                tie_embeddings=True, norm_eps=1e-5)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def qwen3_0_6b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=151936, num_layers=28, embed_dim=1024,
+                num_heads=16, num_kv_heads=8, head_dim=128, mlp_dim=3072,
+                rope_theta=1e6, qk_norm=True, tie_embeddings=True,
+                norm_eps=1e-6)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def gemma2_2b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=256000, num_layers=26, embed_dim=2304, num_heads=8,
+                num_kv_heads=4, head_dim=256, mlp_dim=9216, rope_theta=10_000.0,
+                norm_plus_one=True, mlp_activation="gelu", tie_embeddings=True,
+                post_norms=True, embed_scale=True, query_scale=256**-0.5,
+                attn_logit_softcap=50.0, final_logit_softcap=30.0,
+                sliding_window=4096, norm_eps=1e-6)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def preset(cls, name: str, **kw: Any) -> "ModelConfig":
+    presets = {"tiny": cls.tiny, "qwen2.5-0.5b": cls.qwen2_5_0_5b,
+               "llama3.2-1b": cls.llama3_2_1b, "qwen3-0.6b": cls.qwen3_0_6b,
+               "gemma2-2b": cls.gemma2_2b}
+    if name not in presets:
+      raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
+    return presets[name](**kw)

@@ -1,0 +1,143 @@
+"""Decoder building blocks: RMSNorm, RoPE, attention projections, gated MLP.
+
+Dimension letters: B batch, T length, D embed, H query heads, N kv heads,
+K head dim, F mlp hidden, V vocab. Every parameter carries `logical_axes`
+metadata; `rlhf_jax.parallel.layout` maps those names onto a mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlhf_jax.models.config import ModelConfig, RopeScaling
+from rlhf_jax.parallel.layout import constrain
+
+
+def _param(rngs, shape, axes, dtype, fan_in=None, value=None):
+  if value is None:
+    std = 1.0 / math.sqrt(fan_in)
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm in fp32; Gemma's form multiplies by (1 + w) with w born at 0."""
+
+  def __init__(self, dim: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    del rngs
+    self.eps = cfg.norm_eps
+    self.plus_one = cfg.norm_plus_one
+    init = jnp.zeros if self.plus_one else jnp.ones
+    self.scale = _param(None, (dim,), ("norm",), cfg.param_jnp_dtype,
+                        value=init((dim,), jnp.float32))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+    w = self.scale.value.astype(jnp.float32)
+    return (x32 * (1.0 + w if self.plus_one else w)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float,
+                  scaling: RopeScaling | None) -> jax.Array:
+  """Inverse frequencies, with Llama-3 frequency-dependent scaling if given."""
+  inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  if scaling is None:
+    return inv
+  low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+  wavelen = 2 * jnp.pi / inv
+  scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+  smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x, positions, inv_freq):
+  """Rotate-half RoPE (the Hugging Face convention). x: [..., T, heads, K]."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, K/2]
+  cos = jnp.cos(angles)[..., None, :]
+  sin = jnp.sin(angles)[..., None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class AttentionProjections(nnx.Module):
+  """Q/K/V projections (with optional bias and QK-norm, then RoPE) and output."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, n, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dt = cfg.param_jnp_dtype
+    self.cfg = cfg
+    self.q = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), dt, d)
+    self.k = _param(rngs, (d, n, k), ("embed", "kv_heads", "head_dim"), dt, d)
+    self.v = _param(rngs, (d, n, k), ("embed", "kv_heads", "head_dim"), dt, d)
+    self.o = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), dt, h * k)
+    if cfg.qkv_bias:
+      zeros = lambda *s: jnp.zeros(s, jnp.float32)
+      self.q_bias = _param(None, (h, k), ("heads", "head_dim"), dt,
+                           value=zeros(h, k))
+      self.k_bias = _param(None, (n, k), ("kv_heads", "head_dim"), dt,
+                           value=zeros(n, k))
+      self.v_bias = _param(None, (n, k), ("kv_heads", "head_dim"), dt,
+                           value=zeros(n, k))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(k, cfg, rngs=rngs)
+      self.k_norm = RMSNorm(k, cfg, rngs=rngs)
+
+  def qkv(self, x_BxTxD, positions_BxT):
+    """Returns q [B,T,H,K], k and v [B,T,N,K], RoPE applied to q and k."""
+    cdt = self.cfg.compute_jnp_dtype
+    x = x_BxTxD.astype(cdt)
+    q = jnp.einsum("btd,dhk->bthk", x, self.q.value.astype(cdt))
+    k = jnp.einsum("btd,dnk->btnk", x, self.k.value.astype(cdt))
+    v = jnp.einsum("btd,dnk->btnk", x, self.v.value.astype(cdt))
+    if self.cfg.qkv_bias:
+      q = q + self.q_bias.value.astype(cdt)
+      k = k + self.k_bias.value.astype(cdt)
+      v = v + self.v_bias.value.astype(cdt)
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta,
+                             self.cfg.rope_scaling)
+    q = apply_rope(q, positions_BxT, inv_freq)
+    k = apply_rope(k, positions_BxT, inv_freq)
+    q = constrain(q, ("batch", "length", "heads", "head_dim"))
+    k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    return q, k, v
+
+  def out(self, o_BxTxHxK):
+    cdt = self.cfg.compute_jnp_dtype
+    y = jnp.einsum("bthk,hkd->btd", o_BxTxHxK.astype(cdt),
+                   self.o.value.astype(cdt))
+    return constrain(y, ("batch", "length", "embed_act"))
+
+
+class GatedMLP(nnx.Module):
+  """SwiGLU (silu) or GeGLU (tanh-approximate gelu) feed-forward."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, dt = cfg.embed_dim, cfg.mlp_dim, cfg.param_jnp_dtype
+    self.cfg = cfg
+    self.gate = _param(rngs, (d, f), ("embed", "mlp"), dt, d)
+    self.up = _param(rngs, (d, f), ("embed", "mlp"), dt, d)
+    self.down = _param(rngs, (f, d), ("mlp", "embed"), dt, f)
+
+  def __call__(self, x_BxTxD):
+    cdt = self.cfg.compute_jnp_dtype
+    x = x_BxTxD.astype(cdt)
+    gate = jnp.einsum("btd,df->btf", x, self.gate.value.astype(cdt))
+    up = jnp.einsum("btd,df->btf", x, self.up.value.astype(cdt))
+    act = (jax.nn.silu(gate) if self.cfg.mlp_activation == "silu"
+           else jax.nn.gelu(gate, approximate=True))
+    h = constrain(act * up, ("batch", "length", "mlp"))
+    y = jnp.einsum("btf,fd->btd", h, self.down.value.astype(cdt))
+    return constrain(y, ("batch", "length", "embed_act"))

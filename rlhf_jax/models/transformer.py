@@ -1,0 +1,168 @@
+"""The decoder: one set of weights, three forward modes.
+
+- `__call__(tokens, positions, mask)`: full sequence, causal + padding mask
+  (training, log-probs); with `return_kv=True` it is also the prefill and
+  returns every layer's keys/values.
+- `decode(...)`: one token per sample against the engine's prefix-shared KV
+  (a prompt row read once per group + each sample's own tokens).
+
+Dimension letters as in layers.py, plus L layers, R prompt rows, G samples
+per row, P prefix length, M per-sample suffix length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels_pallas.prefix_decode_attention import (
+    attention_part, prefix_decode_attention)
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.models.layers import (
+    AttentionProjections, GatedMLP, RMSNorm, _param)
+from rlhf_jax.parallel.layout import constrain
+
+
+def _softcap(x, cap):
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def causal_attention(q_BxTxHxK, k_BxSxNxK, v_BxSxNxK, allowed_BxTxS, cfg):
+  """Softmax attention with an explicit allowed-keys mask (fp32 softmax)."""
+  B, T, H, K = q_BxTxHxK.shape
+  N = k_BxSxNxK.shape[2]
+  q = q_BxTxHxK.reshape(B, T, N, H // N, K)
+  s = jnp.einsum("btnqk,bsnk->bnqts", q, k_BxSxNxK,
+                 preferred_element_type=jnp.float32) * cfg.scores_scale
+  s = _softcap(s, cfg.attn_logit_softcap)
+  out, _ = attention_part(s, allowed_BxTxS[:, None, None], v_BxSxNxK,
+                          "bnqts,bsnk->btnqk")
+  return out.reshape(B, T, H, K).astype(q_BxTxHxK.dtype)
+
+
+class Block(nnx.Module):
+  """Pre-norm attention + gated MLP, with Gemma 2's optional post-norms."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d = cfg.embed_dim
+    self.attn_norm = RMSNorm(d, cfg, rngs=rngs)
+    self.attn = AttentionProjections(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(d, cfg, rngs=rngs)
+    self.mlp = GatedMLP(cfg, rngs=rngs)
+    if cfg.post_norms:
+      self.attn_post_norm = RMSNorm(d, cfg, rngs=rngs)
+      self.mlp_post_norm = RMSNorm(d, cfg, rngs=rngs)
+    self.post_norms = cfg.post_norms
+
+  def _residual_mlp(self, x, attn_out):
+    if self.post_norms:
+      attn_out = self.attn_post_norm(attn_out)
+    x = x + attn_out.astype(x.dtype)
+    y = self.mlp(self.mlp_norm(x))
+    if self.post_norms:
+      y = self.mlp_post_norm(y)
+    return x + y.astype(x.dtype)
+
+
+class Decoder(nnx.Module):
+  """Decoder-only transformer for the Llama / Qwen2 / Qwen3 / Gemma 2 family."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, v = cfg.embed_dim, cfg.vocab_size
+    self.embed = _param(rngs, (v, d), ("vocab", "embed"), cfg.param_jnp_dtype,
+                        fan_in=d)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(d, cfg, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (d, v), ("embed", "vocab"),
+                            cfg.param_jnp_dtype, fan_in=d)
+
+  def _embed(self, tokens):
+    cdt = self.cfg.compute_jnp_dtype
+    x = jnp.take(self.embed.value, tokens, axis=0).astype(cdt)
+    if self.cfg.embed_scale:
+      x = x * jnp.asarray(math.sqrt(self.cfg.embed_dim), cdt)
+    return constrain(x, ("batch", "length", "embed_act"))
+
+  def _logits(self, x):
+    cdt = self.cfg.compute_jnp_dtype
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:
+      logits = jnp.einsum("btd,vd->btv", x, self.embed.value.astype(cdt),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("btd,dv->btv", x, self.lm_head.value.astype(cdt),
+                          preferred_element_type=jnp.float32)
+    logits = _softcap(logits, self.cfg.final_logit_softcap)
+    return constrain(logits, ("batch", "length", "vocab"))
+
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxT, *,
+               return_kv: bool = False):
+    """Full-sequence forward.
+
+    Args:
+      tokens_BxT: int token ids.
+      positions_BxT: RoPE positions.
+      mask_BxT: True for real tokens; padding keys are never attended.
+      return_kv: also return keys/values stacked over layers.
+
+    Returns:
+      logits [B,T,V] fp32, and with return_kv (k, v) each [L,B,T,N,K].
+    """
+    T = tokens_BxT.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    allowed = causal[None] & mask_BxT[:, None, :]
+    dist = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+    x = self._embed(tokens_BxT)
+    ks, vs = [], []
+    for i, block in enumerate(self.blocks):
+      layer_allowed = allowed
+      if self.cfg.is_local_layer(i):
+        layer_allowed = allowed & (dist < self.cfg.sliding_window)
+      q, k, v = block.attn.qkv(block.attn_norm(x), positions_BxT)
+      o = causal_attention(q, k, v, layer_allowed, self.cfg)
+      x = block._residual_mlp(x, block.attn.out(o))
+      ks.append(k)
+      vs.append(v)
+    logits = self._logits(x)
+    if return_kv:
+      return logits, (jnp.stack(ks), jnp.stack(vs))
+    return logits
+
+  def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,
+             suffix_k, suffix_v, suffix_len_RxG, *, attention_impl="auto"):
+    """One decode step for R rows x G samples against prefix-shared KV.
+
+    Args:
+      tokens_RxG: the token each sample feeds now (not yet in any cache).
+      positions_RxG: its position (prompt length + own tokens so far).
+      prefix_k, prefix_v: [L,R,P,N,K] prompt KV, one row per prompt.
+      prefix_len_R: valid prompt tokens per row.
+      suffix_k, suffix_v: [L,R,G,M,N,K] each sample's own KV.
+      suffix_len_RxG: own tokens already cached; the new KV is written there.
+      attention_impl: "auto" | "xla" | "pallas".
+
+    Returns:
+      logits [R,G,V] fp32, updated suffix_k, suffix_v.
+    """
+    R, G = tokens_RxG.shape
+    rows = jnp.arange(R)[:, None]
+    cols = jnp.arange(G)[None, :]
+    x = self._embed(tokens_RxG)  # [R, G, D]: rows as batch, samples as length.
+    for i, block in enumerate(self.blocks):
+      q, k, v = block.attn.qkv(block.attn_norm(x), positions_RxG)
+      suffix_k = suffix_k.at[i, rows, cols, suffix_len_RxG].set(
+          k.astype(suffix_k.dtype), mode="drop")
+      suffix_v = suffix_v.at[i, rows, cols, suffix_len_RxG].set(
+          v.astype(suffix_v.dtype), mode="drop")
+      o = prefix_decode_attention(
+          q, prefix_k[i], prefix_v[i], prefix_len_R, suffix_k[i], suffix_v[i],
+          suffix_len_RxG + 1, scale=self.cfg.scores_scale,
+          logit_softcap=self.cfg.attn_logit_softcap, impl=attention_impl)
+      x = block._residual_mlp(x, block.attn.out(o))
+    return self._logits(x), suffix_k, suffix_v

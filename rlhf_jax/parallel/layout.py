@@ -1,0 +1,99 @@
+"""Layouts: a mesh plus logical->mesh axis rules, and activation constraints.
+
+Models name their axes logically ("embed", "heads", "batch", ...). A `Layout`
+maps those names onto one mesh. Training and rollout are two layouts over the
+same devices (see `mesh.py`). Jitted functions are traced inside
+`use_layout(layout)`, so `constrain(x, names)` in model code becomes a
+`with_sharding_constraint` for that layout; with no layout active (a plain
+single-device call) it is the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = tuple[tuple[str, Any], ...]
+_ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar(
+    "rlhf_jax_layout", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A named mesh + logical axis rules (logical name -> mesh axis/axes/None)."""
+  name: str
+  mesh: Mesh
+  rules: Rules
+
+  def spec(self, logical: Sequence[str | None],
+           shape: Sequence[int] | None = None) -> PartitionSpec:
+    """PartitionSpec for logical axis names.
+
+    A mesh axis is used at most once per array, and is dropped for a
+    dimension it does not divide (e.g. 2 kv heads over tensor=4), so every
+    preset fits every mesh; the dropped axis means replication there.
+    """
+    rules = dict(self.rules)
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(logical):
+      target = rules.get(name) if name is not None else None
+      axes = (target,) if isinstance(target, str) else tuple(target or ())
+      kept = []
+      size = 1
+      for ax in axes:
+        if ax in used or self.mesh.shape[ax] == 1:
+          continue
+        if shape is not None and shape[i] % (size * self.mesh.shape[ax]):
+          continue
+        kept.append(ax)
+        size *= self.mesh.shape[ax]
+      used.update(kept)
+      out.append(None if not kept else kept[0] if len(kept) == 1
+                 else tuple(kept))
+    return PartitionSpec(*out)
+
+  def sharding(self, logical, shape=None) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(logical, shape))
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  def param_shardings(self, params: Any) -> Any:
+    """Shardings for an nnx.State of params whose Variables carry logical_axes."""
+    def one(v):
+      axes = v.get_metadata().get("logical_axes")
+      if axes is None:
+        return v.replace(self.replicated())
+      return v.replace(self.sharding(axes, v.value.shape))
+    return jax.tree.map(one, params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None):
+  """Make `layout` the target of `constrain` while tracing."""
+  token = _ACTIVE.set(layout)
+  try:
+    yield layout
+  finally:
+    _ACTIVE.reset(token)
+
+
+def active_layout() -> Layout | None:
+  return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint on an activation under the active layout."""
+  layout = _ACTIVE.get()
+  if layout is None:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, layout.sharding(logical, x.shape))

@@ -1,0 +1,79 @@
+"""Mesh construction and the two layouts (training, rollout) over one device set.
+
+Training: params FSDP over `fsdp` (optionally TP over `tensor`), batch over
+`data` x `fsdp`. Rollout: the same devices, in the same order, reshaped into
+replicas x tensor: params replicated across replicas, TP inside a replica,
+decode rows split across replicas. Both meshes use the axis names
+("data", "fsdp", "tensor"); the rollout mesh has fsdp = 1 and data = replicas.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from rlhf_jax.parallel.layout import Layout
+
+AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Names not listed are replicated.
+TRAIN_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+)
+ROLLOUT_RULES = (
+    ("batch", "data"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices=None) -> Mesh:
+  """A ("data", "fsdp", "tensor") mesh; one size may be -1 (fill the rest).
+
+  Axis types are Auto on purpose: `jax.make_mesh` defaults to Explicit axes,
+  under which sharding constraints become assertions.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(AXES, sizes))}")
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"mesh {dict(zip(AXES, sizes))} does not divide "
+                       f"{len(devices)} devices")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} "
+                     f"devices, have {len(devices)}")
+  return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3,
+                       devices=devices)
+
+
+def train_layout(mesh: Mesh) -> Layout:
+  return Layout("train", mesh, TRAIN_RULES)
+
+
+def rollout_layout(mesh: Mesh, tensor: int = 1) -> Layout:
+  """Replicas x tensor over the devices of `mesh`, in the same order."""
+  devices = mesh.devices.reshape(-1)
+  if len(devices) % tensor:
+    raise ValueError(f"rollout tensor={tensor} does not divide "
+                     f"{len(devices)} devices")
+  grid = devices.reshape(len(devices) // tensor, 1, tensor)
+  rmesh = Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+  return Layout("rollout", rmesh, ROLLOUT_RULES)
+
+
+def to_layout(params, layout: Layout):
+  """Move a param pytree into `layout` (plain device_put; [mesh] bounds memory)."""
+  return jax.device_put(params, layout.param_shardings(params))
