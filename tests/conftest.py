@@ -6,3 +6,21 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after XLA_FLAGS on purpose)
+import pytest  # noqa: E402
+
+from rlhf_jax.parallel import mesh as mesh_lib  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+  """The 8-device training mesh (FSDP 8)."""
+  assert jax.device_count() == 8, "tests need 8 fake CPU devices"
+  return mesh_lib.make_mesh(fsdp=-1)
+
+
+@pytest.fixture(scope="session")
+def mesh1():
+  """A one-device mesh, the reference for sharded results."""
+  return mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])

@@ -1,0 +1,149 @@
+"""Engine and driver: prefix sharing, placement independence, compiles, errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+
+CFG = ModelConfig.tiny(vocab_size=64)
+STOP = 5
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95,
+                         max_new_tokens=10, stop_tokens=(STOP,))
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def model(mesh8):
+  return model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+
+
+def _prompts(n=5, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(6, CFG.vocab_size, rng.integers(3, 14)).astype(np.int32)
+          for _ in range(n)]
+
+
+def _run(model, layout, requests, *, rows, per_row, sampling=SAMPLED,
+         buckets=(8, 16)):
+  graphdef, params = model
+  engine = Engine(CFG, graphdef, layout, num_rows=rows,
+                  samples_per_row=per_row, prefill_buckets=buckets,
+                  sampling=sampling)
+  driver = Driver(engine, mesh_lib.to_layout(params, layout))
+  out = {s.key: s for s in driver.run(requests)}
+  return out, engine, driver
+
+
+def _grouped(prompts, g, seed=3):
+  return [Request(i, p, g, seed=seed) for i, p in enumerate(prompts)]
+
+
+def _repeated(prompts, g, seed=3):
+  return [Request(i, p, 1, seed=seed, first_sample_index=j)
+          for i, p in enumerate(prompts) for j in range(g)]
+
+
+def _assert_same(a, b, logp_atol=1e-5):
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].tokens == b[k].tokens, k
+    assert a[k].finish_reason == b[k].finish_reason, k
+    np.testing.assert_allclose(a[k].logp_raw, b[k].logp_raw, atol=logp_atol)
+    np.testing.assert_allclose(a[k].logp, b[k].logp, atol=logp_atol)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_prefix_rows_equal_independent_copies(model, mesh8, sampling):
+  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
+  prompts, g = _prompts(), 4
+  shared, *_ = _run(model, layout, _grouped(prompts, g), rows=4, per_row=g,
+                    sampling=sampling)
+  copies, *_ = _run(model, layout, _repeated(prompts, g), rows=8, per_row=1,
+                    sampling=sampling)
+  assert len(shared) == len(prompts) * g
+  _assert_same(shared, copies)
+  if not sampling.greedy:  # The G samples of a prompt really differ.
+    assert len({tuple(shared[0, j].tokens) for j in range(g)}) > 1
+
+
+def test_placement_independence(model, mesh8):
+  prompts, g = _prompts(7, seed=1), 2
+  base, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=2),
+                  _grouped(prompts, g), rows=4, per_row=g)
+  # Fewer slots, reversed admission order, and 8 replicas instead of 4.
+  reordered, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=1),
+                       _grouped(prompts, g)[::-1], rows=8, per_row=4)
+  _assert_same(base, reordered)
+  # One replica of tensor 8 (kv heads are not split: 2 heads over 8 devices).
+  tp8, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=8),
+                 _grouped(prompts, g), rows=2, per_row=g)
+  _assert_same(base, tp8)
+
+
+def test_sharded_rollout_equals_one_device(model, mesh8, mesh1):
+  prompts, g = _prompts(4, seed=2), 4
+  sharded, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=2),
+                     _grouped(prompts, g), rows=4, per_row=g)
+  single, *_ = _run(model, mesh_lib.rollout_layout(mesh1),
+                    _grouped(prompts, g), rows=4, per_row=g)
+  _assert_same(sharded, single)
+
+
+def test_generate_compiles_once_over_50_steps(model, mesh8):
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=25)
+  prompts = _prompts(6, seed=4)  # Two waves through 4 rows: >= 50 steps.
+  out, engine, driver = _run(model, mesh_lib.rollout_layout(mesh8, tensor=2),
+                             _grouped(prompts, 2), rows=4, per_row=2,
+                             sampling=sampling)
+  assert driver.stats.steps >= 50
+  assert engine.trace_counts["generate"] == 1
+  assert engine.trace_counts["insert"] <= len(engine.buckets)
+  assert all(len(s.tokens) == 25 and s.finish_reason == "length"
+             for s in out.values())
+
+
+def test_stop_tokens_and_sample_fields(model, mesh8):
+  out, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=2),
+                 _grouped(_prompts(4), 4), rows=4, per_row=4)
+  reasons = {s.finish_reason for s in out.values()}
+  for s in out.values():
+    assert s.weight_version == 0
+    assert len(s.tokens) == len(s.logp) == len(s.logp_raw)
+    if s.finish_reason == "stop":
+      assert s.tokens[-1] == STOP and STOP not in s.tokens[:-1]
+    else:
+      assert len(s.tokens) == SAMPLED.max_new_tokens
+      assert STOP not in s.tokens
+    assert all(lp <= 0 for lp in s.logp_raw)
+  assert reasons  # at least one sample finished
+
+
+def test_bad_inputs_raise_clear_errors(model, mesh8):
+  graphdef, params = model
+  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
+  run = lambda reqs, **kw: list(_run(model, layout, reqs, rows=4, per_row=2,
+                                     **kw)[0])
+  with pytest.raises(ValueError, match="prompt 7 has 17 tokens, longer than"):
+    run([Request(7, np.ones(17, np.int32), 1)])
+  with pytest.raises(ValueError, match="prompt 3 asks for num_samples=3"):
+    run([Request(3, np.ones(4, np.int32), 3)])
+  with pytest.raises(ValueError, match=r"prompt 2 has token ids \[64\] outside"):
+    run([Request(2, np.array([6, 64], np.int32), 1)])
+  with pytest.raises(ValueError, match="prompt 9 is empty"):
+    run([Request(9, np.array([], np.int32), 1)])
+  for bad, msg in [(dict(temperature=-1.0), "temperature"),
+                   (dict(top_p=0.0), "top_p"), (dict(top_k=100), "top_k"),
+                   (dict(max_new_tokens=0), "max_new_tokens"),
+                   (dict(stop_tokens=(64,)), "stop_tokens")]:
+    with pytest.raises(ValueError, match=f"invalid sampling parameters.*{msg}"):
+      Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=2,
+             prefill_buckets=(8,), sampling=SamplingParams(**bad))
+  with pytest.raises(ValueError, match="divisible by the rollout replicas"):
+    Engine(CFG, graphdef, layout, num_rows=3, samples_per_row=2,
+           prefill_buckets=(8,), sampling=SAMPLED)
