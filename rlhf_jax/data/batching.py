@@ -1,0 +1,183 @@
+"""Host-side batches of the addition task: RL prompts, eval prompts, SFT.
+
+Dimension letters: N prompts, P prompt length, B sequences, L sequence length.
+
+Arrays are numpy on the host; the trainer places them on the mesh. Shapes are
+fixed per task (prompts padded to `task.max_prompt_len`, SFT sequences to
+`sft_length(task)`), so each jitted consumer compiles once.
+"""
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from rlhf_jax.data.tasks import AdditionTask, Example
+from rlhf_jax.data.tokenizer import PAD_ID, CharTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+  """Prompts for one rollout (or eval) batch."""
+
+  prompt_ids: np.ndarray  # [N] int32, unique per prompt, stable across runs
+  tokens_NxP: np.ndarray  # [N, P] int32, <bos> + prompt, right-padded
+  lengths_N: np.ndarray  # [N] int32, true lengths incl. <bos>
+  prompts: list[str]  # prompt texts, for reward functions
+  metadata: list[dict]  # Example.metadata() per prompt (answer, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTBatch:
+  """Teacher-forcing batch: inputs predict targets; loss on the answer only."""
+
+  inputs_BxL: np.ndarray  # [B, L] int32: <bos> prompt answer (<eos> dropped)
+  targets_BxL: np.ndarray  # [B, L] int32: inputs shifted left by one
+  mask_BxL: np.ndarray  # [B, L] float32: 1 on answer-digit and <eos> targets
+
+
+def make_prompt_batch(
+    examples: Sequence[Example], tokenizer: CharTokenizer, prompt_len: int
+) -> PromptBatch:
+  """Tokenizes examples into a PromptBatch.
+
+  Args:
+    examples: the problems.
+    tokenizer: the character tokenizer.
+    prompt_len: padded prompt length P (usually task.max_prompt_len).
+
+  Returns:
+    The PromptBatch.
+  """
+  prompts = [ex.prompt for ex in examples]
+  tokens_NxP, lengths_N = tokenizer.encode_batch(prompts, prompt_len)
+  return PromptBatch(
+      prompt_ids=np.asarray([ex.prompt_id for ex in examples], np.int32),
+      tokens_NxP=tokens_NxP,
+      lengths_N=lengths_N,
+      prompts=prompts,
+      metadata=[ex.metadata() for ex in examples],
+  )
+
+
+class PromptIterator:
+  """Infinite iterator over RL prompt batches with a resumable position.
+
+  Batch k holds train examples [k * N, (k + 1) * N). The state is plain ints,
+  so it checkpoints with the train state; restoring it continues with exactly
+  the batches an uninterrupted run would have produced.
+  """
+
+  def __init__(
+      self, task: AdditionTask, tokenizer: CharTokenizer, batch_size: int
+  ):
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    self._task = task
+    self._tokenizer = tokenizer
+    self._batch_size = batch_size
+    self._next_index = 0
+
+  def __iter__(self) -> Iterator[PromptBatch]:
+    return self
+
+  def __next__(self) -> PromptBatch:
+    start = self._next_index
+    examples = [
+        self._task.train_example(i)
+        for i in range(start, start + self._batch_size)
+    ]
+    self._next_index = start + self._batch_size
+    return make_prompt_batch(
+        examples, self._tokenizer, self._task.max_prompt_len
+    )
+
+  def get_state(self) -> dict[str, int]:
+    """Returns the position as {"next_index", "seed", "batch_size"} ints."""
+    return {
+        "next_index": self._next_index,
+        "seed": self._task.seed,
+        "batch_size": self._batch_size,
+    }
+
+  def set_state(self, state: dict[str, int]) -> None:
+    """Restores a position saved by `get_state`.
+
+    Args:
+      state: a dict from `get_state` (values may be numpy/jax integer
+        scalars, as they come back from a checkpoint).
+
+    Raises:
+      ValueError: the state was saved for another seed or batch size, which
+        would silently change the data order of the resumed run.
+    """
+    for key in ("seed", "batch_size"):
+      mine = self.get_state()[key]
+      if int(state[key]) != mine:
+        raise ValueError(
+            f"Iterator state has {key}={int(state[key])}, this iterator has "
+            f"{key}={mine}; refusing to resume with a different data order."
+        )
+    self._next_index = int(state["next_index"])
+
+
+def eval_batches(
+    task: AdditionTask, tokenizer: CharTokenizer, batch_size: int
+) -> list[PromptBatch]:
+  """The held-out prompts in fixed order, split into batches.
+
+  Args:
+    task: the task.
+    tokenizer: the character tokenizer.
+    batch_size: prompts per batch; the last batch is smaller when
+      batch_size does not divide task.num_eval.
+
+  Returns:
+    List of PromptBatch covering every eval example once.
+  """
+  examples = task.eval_examples()
+  return [
+      make_prompt_batch(
+          examples[i : i + batch_size], tokenizer, task.max_prompt_len
+      )
+      for i in range(0, len(examples), batch_size)
+  ]
+
+
+def sft_length(task: AdditionTask) -> int:
+  """L of SFT batches: whole sequence (prompt + response) minus the shift."""
+  return task.max_prompt_len + task.max_response_len - 1
+
+
+def sft_batch(
+    task: AdditionTask, tokenizer: CharTokenizer, start: int, batch_size: int
+) -> SFTBatch:
+  """Teacher-forcing batch of SFT examples [start, start + batch_size).
+
+  Sequences are <bos> prompt answer <eos>; only the targets after the "="
+  (answer digits and <eos>) are trained, the same tokens RL later samples.
+
+  Args:
+    task: the task.
+    tokenizer: the character tokenizer.
+    start: index of the first example in the SFT stream.
+    batch_size: B.
+
+  Returns:
+    The SFTBatch, shapes [B, sft_length(task)].
+  """
+  length = sft_length(task) + 1
+  seq_BxL1 = np.full((batch_size, length), PAD_ID, np.int32)
+  mask_BxL = np.zeros((batch_size, length - 1), np.float32)
+  for row in range(batch_size):
+    ex = task.sft_example(start + row)
+    prompt = tokenizer.encode(ex.prompt, add_bos=True)
+    answer = tokenizer.encode(ex.answer, add_eos=True)
+    seq_BxL1[row, : len(prompt) + len(answer)] = prompt + answer
+    # Target t is token t + 1: the answer starts at target len(prompt) - 1.
+    mask_BxL[row, len(prompt) - 1 : len(prompt) - 1 + len(answer)] = 1.0
+  return SFTBatch(
+      inputs_BxL=seq_BxL1[:, :-1],
+      targets_BxL=seq_BxL1[:, 1:],
+      mask_BxL=mask_BxL,
+  )

@@ -1,0 +1,171 @@
+"""Weighted scoring of a batch with several reward functions, on the host.
+
+A reward function that raises (or returns a wrong number of values, or a
+non-finite value) either stops the run with a `RewardError` naming the
+function and the prompt id of the sample it failed on (on_error="raise"), or
+scores that sample 0 for that function and counts it in `rewards/errors`
+(on_error="zero"). Reward functions work on batches; when a batch call fails,
+the samples are re-scored one by one to find which ones fail, so the error
+can name a prompt and "zero" only zeroes the samples that actually fail.
+"""
+
+import dataclasses
+import math
+from typing import Callable, Mapping, Sequence
+
+from absl import logging
+import numpy as np
+
+from rlhf_jax.rl import registry
+
+RewardFn = Callable[
+    [Sequence[str], Sequence[str], Sequence[Mapping]], Sequence[float]
+]
+ON_ERROR_MODES = ("raise", "zero")
+
+
+class RewardError(RuntimeError):
+  """A reward function failed on a sample; names the function and prompt."""
+
+  def __init__(self, message: str, fn_name: str, prompt_id: int | None):
+    super().__init__(message)
+    self.fn_name = fn_name
+    self.prompt_id = prompt_id
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardBatch:
+  """Finished samples to score, one entry per sample."""
+
+  prompt_ids: Sequence[int]
+  prompts: Sequence[str]
+  completions: Sequence[str]
+  metadata: Sequence[Mapping]
+
+  def __post_init__(self):
+    sizes = {
+        len(self.prompt_ids),
+        len(self.prompts),
+        len(self.completions),
+        len(self.metadata),
+    }
+    if len(sizes) != 1:
+      raise ValueError(
+          "RewardBatch fields differ in length: prompt_ids "
+          f"{len(self.prompt_ids)}, prompts {len(self.prompts)}, completions "
+          f"{len(self.completions)}, metadata {len(self.metadata)}."
+      )
+
+  def __len__(self) -> int:
+    return len(self.prompts)
+
+
+def _resolve(fn: str | RewardFn) -> tuple[str, RewardFn]:
+  """(name, function) from a registered name or a callable."""
+  if isinstance(fn, str):
+    return fn, registry.get("reward", fn)
+  return getattr(fn, "__name__", repr(fn)), fn
+
+
+def _call(fn: RewardFn, batch: RewardBatch, rows: Sequence[int]) -> np.ndarray:
+  """Calls fn on `rows` of the batch; raises unless it returns finite floats."""
+  values = fn(
+      [batch.prompts[i] for i in rows],
+      [batch.completions[i] for i in rows],
+      [batch.metadata[i] for i in rows],
+  )
+  values = [float(v) for v in values]
+  if len(values) != len(rows):
+    raise ValueError(f"returned {len(values)} values for {len(rows)} samples")
+  bad = [v for v in values if not math.isfinite(v)]
+  if bad:
+    raise ValueError(f"returned non-finite value {bad[0]}")
+  return np.asarray(values, np.float64)
+
+
+def _score_one_fn(
+    name: str, fn: RewardFn, batch: RewardBatch, on_error: str
+) -> tuple[np.ndarray, int]:
+  """Values of one function over the batch and its number of failed samples."""
+  n = len(batch)
+  try:
+    return _call(fn, batch, range(n)), 0
+  except Exception as batch_error:  # pylint: disable=broad-exception-caught
+    values, failures = np.zeros((n,), np.float64), []
+    for i in range(n):
+      try:
+        values[i] = _call(fn, batch, [i])[0]
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        failures.append((i, e))
+    if on_error == "raise":
+      if failures:
+        i, e = failures[0]
+        pid = int(batch.prompt_ids[i])
+        raise RewardError(
+            f"Reward function {name!r} failed on prompt id {pid} (batch row "
+            f"{i}, completion {batch.completions[i]!r}): "
+            f"{type(e).__name__}: {e}",
+            name,
+            pid,
+        ) from e
+      # Every sample passes alone: the batch call itself is broken.
+      raise RewardError(
+          f"Reward function {name!r} failed on the batch of prompt ids "
+          f"{[int(p) for p in batch.prompt_ids]} although each sample scores "
+          f"alone: {type(batch_error).__name__}: {batch_error}",
+          name,
+          None,
+      ) from batch_error
+    for i, e in failures:
+      logging.warning(
+          "Reward %r failed on prompt id %d, scored 0: %s: %s",
+          name,
+          int(batch.prompt_ids[i]),
+          type(e).__name__,
+          e,
+      )
+    return values, len(failures)
+
+
+def score(
+    fns: Sequence[str | RewardFn],
+    weights: Sequence[float] | None,
+    batch: RewardBatch,
+    on_error: str = "raise",
+) -> tuple[np.ndarray, dict[str, float]]:
+  """Scores a batch: sum_k weights[k] * fns[k](batch).
+
+  Args:
+    fns: registered reward names or reward callables.
+    weights: one weight per function; None means all 1.
+    batch: the samples to score.
+    on_error: "raise" to stop with a RewardError naming the function and the
+      prompt id, or "zero" to score failed samples 0 and count them.
+
+  Returns:
+    (rewards [B] float32, metrics) where metrics has "rewards/errors" (number
+    of failed (sample, function) pairs) and "rewards/<name>" (mean value of
+    each function, failed samples counted as 0).
+
+  Raises:
+    RewardError: a function failed and on_error == "raise".
+    ValueError: bad on_error, weights of the wrong length, unknown name.
+  """
+  if on_error not in ON_ERROR_MODES:
+    raise ValueError(
+        f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}."
+    )
+  weights = [1.0] * len(fns) if weights is None else list(weights)
+  if len(weights) != len(fns):
+    raise ValueError(
+        f"Got {len(weights)} reward weights for {len(fns)} reward functions."
+    )
+  total_B = np.zeros((len(batch),), np.float64)
+  metrics = {"rewards/errors": 0}
+  for fn, weight in zip(fns, weights):
+    name, fn = _resolve(fn)
+    values_B, errors = _score_one_fn(name, fn, batch, on_error)
+    total_B += float(weight) * values_B
+    metrics["rewards/errors"] += errors
+    metrics[f"rewards/{name}"] = float(values_B.mean()) if len(batch) else 0.0
+  return total_B.astype(np.float32), metrics

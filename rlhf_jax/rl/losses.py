@@ -1,0 +1,217 @@
+"""Policy-gradient, KL and entropy terms, per token.
+
+Dimension letters: B sequences, T response positions, V vocabulary.
+
+Every loss here is per token ([B, T], 0 on padding); turning it into a scalar
+is `aggregation.aggregate_loss`'s job, so the aggregation mode is chosen once
+for all terms. Metrics are masked means over valid tokens and carry no
+gradient.
+
+Registered names:
+  "policy_loss": "ppo" (clipped ratio, DAPO clip-higher, optional dual-clip).
+  "kl_estimator": "k1", "k2", "k3" (Schulman's estimators of KL(pi || ref)
+    from samples of pi; k3 is the low-variance, always >= 0 one).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from rlhf_jax.rl import registry
+from rlhf_jax.rl.aggregation import masked_mean
+from rlhf_jax.rl.logprobs import token_entropy
+
+
+@registry.register("policy_loss", "ppo")
+def ppo_policy_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO clipped-ratio policy loss, per token.
+
+  ratio = exp(logp - old_logp);
+  loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
+  A clip_high above clip_low (DAPO "clip-higher", e.g. 0.2 / 0.28) lets
+  low-probability tokens with A > 0 grow further and keeps entropy up.
+  Dual-clip (clip_c > 1): for A < 0 the loss is also capped at -A * clip_c, so
+  one token whose ratio exploded cannot dominate the batch.
+
+  Args:
+    logp_BxT: [B, T] log-probs under the policy being trained.
+    old_logp_BxT: [B, T] log-probs under the policy that sampled (no grad).
+    adv: [B, T] per-token advantages, or [B] per-sequence advantages.
+    mask_BxT: [B, T] 1 on response tokens.
+    clip_low: lower clip range epsilon_low (ratio >= 1 - clip_low).
+    clip_high: upper clip range epsilon_high (ratio <= 1 + clip_high).
+    clip_c: dual-clip constant (> 1), or None to disable (static).
+
+  Returns:
+    (loss_BxT, metrics): fp32 per-token loss, 0 on padding; metrics are fp32
+    scalars "clip_frac" (either clip active), "clip_frac_low",
+    "clip_frac_high", "dual_clip_frac", "approx_kl" (k3 of old vs. new) and
+    "ratio_mean".
+  """
+  if clip_c is not None and clip_c <= 1.0:
+    raise ValueError(f"Dual-clip constant clip_c must be > 1, got {clip_c}.")
+  adv_BxT = jnp.asarray(adv, jnp.float32)
+  if adv_BxT.ndim == 1:
+    adv_BxT = adv_BxT[:, None]
+  old_logp_BxT = jax.lax.stop_gradient(old_logp_BxT.astype(jnp.float32))
+  log_ratio_BxT = logp_BxT.astype(jnp.float32) - old_logp_BxT
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - clip_low, 1.0 + clip_high)
+  pg_BxT = -adv_BxT * ratio_BxT
+  pg_clipped_BxT = -adv_BxT * clipped_BxT
+  loss_BxT = jnp.maximum(pg_BxT, pg_clipped_BxT)
+  # The clipped branch wins exactly when it is the (strictly) larger loss.
+  clip_active_BxT = pg_clipped_BxT > pg_BxT
+  dual_active_BxT = jnp.zeros_like(clip_active_BxT)
+  if clip_c is not None:
+    capped_BxT = jnp.minimum(loss_BxT, -adv_BxT * clip_c)
+    dual_active_BxT = (adv_BxT < 0) & (capped_BxT < loss_BxT)
+    loss_BxT = jnp.where(adv_BxT < 0, capped_BxT, loss_BxT)
+  mask_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
+  loss_BxT = jnp.where(mask_BxT > 0, loss_BxT, 0.0)
+
+  def mean(x):
+    return masked_mean(jax.lax.stop_gradient(x).astype(jnp.float32), mask_BxT)
+
+  metrics = {
+      "clip_frac": mean(clip_active_BxT),
+      "clip_frac_low": mean(clip_active_BxT & (ratio_BxT < 1.0)),
+      "clip_frac_high": mean(clip_active_BxT & (ratio_BxT > 1.0)),
+      "dual_clip_frac": mean(dual_active_BxT),
+      "approx_kl": mean(kl_k3(logp_BxT, old_logp_BxT)),
+      "ratio_mean": mean(ratio_BxT),
+  }
+  return loss_BxT, metrics
+
+
+@registry.register("kl_estimator", "k1")
+def kl_k1(logp_BxT: jax.Array, ref_logp_BxT: jax.Array) -> jax.Array:
+  """k1 = log pi - log ref: unbiased, high variance, can be negative.
+
+  Args:
+    logp_BxT: [B, T] policy log-probs of the sampled tokens.
+    ref_logp_BxT: [B, T] reference log-probs of the same tokens.
+
+  Returns:
+    [B, T] fp32 per-token estimate.
+  """
+  return logp_BxT.astype(jnp.float32) - ref_logp_BxT.astype(jnp.float32)
+
+
+@registry.register("kl_estimator", "k2")
+def kl_k2(logp_BxT: jax.Array, ref_logp_BxT: jax.Array) -> jax.Array:
+  """k2 = (log pi - log ref)^2 / 2: biased, low variance, >= 0.
+
+  Args:
+    logp_BxT: [B, T] policy log-probs of the sampled tokens.
+    ref_logp_BxT: [B, T] reference log-probs of the same tokens.
+
+  Returns:
+    [B, T] fp32 per-token estimate.
+  """
+  return 0.5 * jnp.square(kl_k1(logp_BxT, ref_logp_BxT))
+
+
+@registry.register("kl_estimator", "k3")
+def kl_k3(logp_BxT: jax.Array, ref_logp_BxT: jax.Array) -> jax.Array:
+  """k3 = ref/pi - log(ref/pi) - 1: unbiased, low variance, >= 0.
+
+  Args:
+    logp_BxT: [B, T] policy log-probs of the sampled tokens.
+    ref_logp_BxT: [B, T] reference log-probs of the same tokens.
+
+  Returns:
+    [B, T] fp32 per-token estimate.
+  """
+  log_r_BxT = -kl_k1(logp_BxT, ref_logp_BxT)
+  # expm1 keeps precision when ref ~= pi, where k3 is a tiny difference.
+  return jnp.expm1(log_r_BxT) - log_r_BxT
+
+
+def kl_loss(
+    logp_BxT: jax.Array,
+    ref_logp_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    beta: float,
+    estimator: str = "k3",
+) -> jax.Array:
+  """beta * KL(pi || ref) per token, as a loss term (gradient flows to pi).
+
+  Args:
+    logp_BxT: [B, T] policy log-probs.
+    ref_logp_BxT: [B, T] reference log-probs (treated as constants).
+    mask_BxT: [B, T] 1 on response tokens.
+    beta: KL coefficient.
+    estimator: registered "kl_estimator" name.
+
+  Returns:
+    [B, T] fp32 per-token loss, 0 on padding.
+  """
+  ref_logp_BxT = jax.lax.stop_gradient(ref_logp_BxT)
+  kl_BxT = registry.get("kl_estimator", estimator)(logp_BxT, ref_logp_BxT)
+  return jnp.where(jnp.asarray(mask_BxT) > 0, beta * kl_BxT, 0.0)
+
+
+def kl_reward_penalty(
+    rewards: jax.Array,
+    logp_BxT: jax.Array,
+    ref_logp_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    beta: float,
+    estimator: str = "k1",
+) -> tuple[jax.Array, jax.Array]:
+  """Subtracts beta * KL(pi || ref) from rewards (InstructGPT-style penalty).
+
+  Sequence rewards [B] lose beta * sum_t KL_t (k1 summed over a sampled
+  response is an unbiased estimate of the sequence KL); per-token rewards
+  [B, T] lose beta * KL_t at each valid token. No gradient flows.
+
+  Args:
+    rewards: [B] sequence rewards or [B, T] per-token rewards.
+    logp_BxT: [B, T] log-probs of the sampling policy.
+    ref_logp_BxT: [B, T] reference log-probs.
+    mask_BxT: [B, T] 1 on response tokens.
+    beta: KL coefficient.
+    estimator: registered "kl_estimator" name.
+
+  Returns:
+    (penalised rewards with the shape of `rewards`, fp32 sequence KL [B]).
+  """
+  kl_BxT = registry.get("kl_estimator", estimator)(
+      jax.lax.stop_gradient(logp_BxT), jax.lax.stop_gradient(ref_logp_BxT)
+  )
+  kl_BxT = jnp.where(jnp.asarray(mask_BxT) > 0, kl_BxT, 0.0)
+  rewards = jnp.asarray(rewards, jnp.float32)
+  penalty = kl_BxT if rewards.ndim == 2 else jnp.sum(kl_BxT, axis=1)
+  return rewards - beta * penalty, jnp.sum(kl_BxT, axis=1)
+
+
+def entropy_metric(
+    logits_BxTxV: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    temperature: float = 1.0,
+) -> jax.Array:
+  """Mean token entropy over valid tokens; a metric, so no gradient.
+
+  Args:
+    logits_BxTxV: [B, T, V] logits at the response positions.
+    mask_BxT: [B, T] 1 on response tokens.
+    temperature: static sampling temperature.
+
+  Returns:
+    fp32 scalar mean entropy in nats.
+  """
+  logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV)
+  ent_BxT = token_entropy(logits_BxTxV, temperature=temperature)
+  return masked_mean(ent_BxT, mask_BxT)

@@ -1,0 +1,113 @@
+"""Registries of swappable pieces, chosen by a config string.
+
+One decorator style for every category:
+
+  @registry.register("advantage", "grpo")
+  def grpo_advantages(rewards_B, group_size, *, eps=1e-6): ...
+
+  fn = registry.get("advantage", config.rl.advantage)
+
+Categories are a whitelist; each one names the module that registers its
+built-in entries, and `get` imports that module on first use, so callers never
+depend on import order to find a built-in name. User code can register more
+entries in an existing category from its own modules.
+
+The reward category lives here too, although rewards are not RL math, so that
+there is a single registry style in the code base; this module imports nothing
+from the rest of `rlhf_jax`.
+"""
+
+import importlib
+from typing import Callable, TypeVar
+
+_F = TypeVar("_F", bound=Callable)
+
+# category -> module that registers the built-in entries of that category.
+CATEGORIES: dict[str, str] = {
+    "advantage": "rlhf_jax.rl.advantages",
+    "policy_loss": "rlhf_jax.rl.losses",
+    "kl_estimator": "rlhf_jax.rl.losses",
+    "aggregation": "rlhf_jax.rl.aggregation",
+    "reward": "rlhf_jax.rewards.verifiable",
+}
+
+_ENTRIES: dict[str, dict[str, Callable]] = {c: {} for c in CATEGORIES}
+
+
+def _check_category(category: str) -> None:
+  if category not in CATEGORIES:
+    raise ValueError(
+        f"Unknown registry category {category!r}; known categories: "
+        f"{sorted(CATEGORIES)}."
+    )
+
+
+def register(category: str, name: str) -> Callable[[_F], _F]:
+  """Returns a decorator that registers a function under `category/name`.
+
+  Args:
+    category: one of `CATEGORIES`.
+    name: the config string that selects the function.
+
+  Returns:
+    A decorator that registers its argument and returns it unchanged.
+  """
+  _check_category(category)
+
+  def decorator(fn: _F) -> _F:
+    entries = _ENTRIES[category]
+    old = entries.get(name)
+    # Re-registering the same definition (a module reload) is harmless; two
+    # different functions under one name is a silent-override bug.
+    if old is not None and _qualname(old) != _qualname(fn):
+      raise ValueError(
+          f"{category}/{name} is already registered to {_qualname(old)}; "
+          f"cannot register {_qualname(fn)}."
+      )
+    entries[name] = fn
+    return fn
+
+  return decorator
+
+
+def get(category: str, name: str) -> Callable:
+  """Returns the function registered as `category/name`.
+
+  Args:
+    category: one of `CATEGORIES`.
+    name: a registered name.
+
+  Returns:
+    The registered function.
+
+  Raises:
+    ValueError: unknown category or name; the message lists the known ones.
+  """
+  _check_category(category)
+  importlib.import_module(CATEGORIES[category])
+  entries = _ENTRIES[category]
+  if name not in entries:
+    raise ValueError(
+        f"Unknown {category} {name!r}; known {category} names: "
+        f"{sorted(entries)}."
+    )
+  return entries[name]
+
+
+def names(category: str) -> list[str]:
+  """Returns the sorted registered names of `category`.
+
+  Args:
+    category: one of `CATEGORIES`.
+
+  Returns:
+    Sorted list of names, built-ins included.
+  """
+  _check_category(category)
+  importlib.import_module(CATEGORIES[category])
+  return sorted(_ENTRIES[category])
+
+
+def _qualname(fn: Callable) -> str:
+  """`module.qualname` of a function, for duplicate detection and messages."""
+  return f"{fn.__module__}.{fn.__qualname__}"
