@@ -147,7 +147,7 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
           "attention_impl='pallas' is a TPU (Mosaic) kernel; on GPU use "
           "attention_impl='auto' or 'xla'.")
     # Imported here: the kernel module imports merge_parts from this one.
-    from kernels_pallas import prefix_decode_attention_tpu as tpu  # pylint: disable=g-import-not-at-top
+    from kernels_pallas import prefix_decode_attention_tpu as tpu
     if block_sizes is not None:
       kwargs["block_sizes"] = block_sizes
     return tpu.prefix_decode_attention_tpu(
