@@ -1,0 +1,42 @@
+"""Helpers shared by config files."""
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses "a=1,b,c=x" into a ConfigDict; bare words are True flags.
+
+  Every accepted key must have a default, so a typo fails loudly.
+  """
+  out = ml_collections.ConfigDict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, _, value = item.partition("=")
+    if key not in defaults:
+      raise ValueError(f"unknown config argument {key!r}; known: "
+                       f"{sorted(defaults)}")
+    default = defaults[key]
+    if not value:
+      out[key] = True
+    elif isinstance(default, bool):
+      out[key] = value.lower() in ("1", "true", "yes")
+    else:
+      out[key] = type(default)(value)
+  return out
+
+
+def model_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+  """Model section: a preset name plus optional field overrides."""
+  return ml_collections.ConfigDict(dict(
+      preset=preset,
+      overrides=ml_collections.ConfigDict(),  # e.g. num_layers=4
+      param_dtype="float32",
+      compute_dtype="float32",
+  ))
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+  """Training mesh axes (one may be -1) and the rollout tensor size."""
+  return ml_collections.ConfigDict(dict(
+      data=1, fsdp=-1, tensor=1,
+      rollout_tensor=1,  # Rollout = the same devices as replicas x tensor.
+  ))

@@ -1,0 +1,1 @@
+"""Simulator configs: one per seed headline; docstring = the run command."""

@@ -1,0 +1,13 @@
+r"""RLBoost headline, Qwen3-14B: 1.97x throughput, +49% cost efficiency vs veRL.
+
+python -m rlhf_jax.sim --config=configs/sim/rlboost_qwen3_14b.py
+"""
+
+from configs.sim import common
+from configs.sim import rlboost_common
+
+
+def get_config(arg=None):
+  arg = common.parse_arg(arg, runlocal=False)
+  return rlboost_common.rlboost_config("qwen3-14b", 8, 1.97, 0.49,
+                                       runlocal=arg.runlocal)

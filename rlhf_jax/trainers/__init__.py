@@ -1,0 +1,14 @@
+"""Jobs run by `rlhf_jax.main`, one file each, chosen by `config.job`."""
+
+import importlib
+
+JOBS = ("generate", "grpo")
+
+
+def run(config, workdir: str):
+  """Runs `config.job` (a module of this package exposing `run`)."""
+  if config.job not in JOBS:
+    raise ValueError(f"config.job={config.job!r} is not a known job; "
+                     f"known: {list(JOBS)}")
+  module = importlib.import_module(f"rlhf_jax.trainers.{config.job}")
+  return module.run(config, workdir)

@@ -1,0 +1,39 @@
+"""Config sections -> typed objects: model config, layouts, engine."""
+
+from __future__ import annotations
+
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+
+
+def model_config(section, **fixed) -> ModelConfig:
+  """ModelConfig from `config.model` (preset + overrides); `fixed` wins."""
+  overrides = dict(section.overrides)
+  overrides.update(param_dtype=section.param_dtype,
+                   compute_dtype=section.compute_dtype, **fixed)
+  return ModelConfig.preset(section.preset, **overrides)
+
+
+def layouts(section):
+  """(train, rollout) layouts over one mesh from `config.mesh`."""
+  mesh = mesh_lib.make_mesh(section.data, section.fsdp, section.tensor)
+  return (mesh_lib.train_layout(mesh),
+          mesh_lib.rollout_layout(mesh, section.rollout_tensor))
+
+
+def sampling_params(section, stop_tokens=()) -> SamplingParams:
+  return SamplingParams(
+      temperature=section.temperature, top_k=section.top_k,
+      top_p=section.top_p, max_new_tokens=section.max_new_tokens,
+      stop_tokens=tuple(stop_tokens))
+
+
+def engine(cfg: ModelConfig, graphdef, layout, section,
+           stop_tokens=()) -> Engine:
+  return Engine(cfg, graphdef, layout, num_rows=section.num_rows,
+                samples_per_row=section.samples_per_row,
+                prefill_buckets=tuple(section.prefill_buckets),
+                sampling=sampling_params(section, stop_tokens),
+                attention_impl=section.attention_impl)
