@@ -1,0 +1,84 @@
+"""One metric writer (process 0): metrics.jsonl, TensorBoard events, log lines.
+
+Keys are namespaced (`train/`, `rollout/`, `eval/`, `perf/`, `sft/`). Values
+arrive as device arrays or floats; they are fetched only at write time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+
+def _to_float(v):
+  return float(np.asarray(jax.device_get(v)))
+
+
+class MetricWriter:
+  """Appends {"step": s, key: value, ...} records; TensorBoard via tensorboardX."""
+
+  def __init__(self, workdir: str, *, enabled: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if enabled:
+      os.makedirs(workdir, exist_ok=True)
+      from tensorboardX import SummaryWriter  # No TensorFlow needed.
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def truncate_after(self, phase: str, step: int) -> None:
+    """Drops records of `phase` past `step` (written before a crash/resume)."""
+    if not (self.enabled and os.path.exists(self.path)):
+      return
+    kept = [r for r in self.read()
+            if not (r.get("phase") == phase and r["step"] > step)]
+    with open(self.path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+
+  def read(self) -> list[dict]:
+    if not os.path.exists(self.path):
+      return []
+    with open(self.path) as f:
+      return [json.loads(line) for line in f if line.strip()]
+
+  def write(self, phase: str, step: int, metrics: dict) -> dict:
+    record = {k: _to_float(v) for k, v in metrics.items()}
+    if self.enabled:
+      with open(self.path, "a") as f:
+        f.write(json.dumps({"phase": phase, "step": step, **record}) + "\n")
+      for k, v in record.items():
+        self._tb.add_scalar(k, v, step if phase != "sft" else step)
+      self._tb.flush()
+    return record
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+class Progress:
+  """A one-line progress report with rate and ETA (a ReportProgress hook)."""
+
+  def __init__(self, total: int, first: int = 0, *, name: str = "step",
+               enabled: bool = True):
+    self.total, self.first, self.name = total, first, name
+    self.enabled = enabled
+    self._start = time.perf_counter()
+
+  def update(self, step: int, summary: str = "") -> None:
+    if not self.enabled:
+      return
+    done = step - self.first
+    elapsed = time.perf_counter() - self._start
+    eta = elapsed / max(done, 1) * (self.total - step)
+    line = (f"{self.name} {step}/{self.total} "
+            f"[{elapsed:.0f}s elapsed, ETA {eta:.0f}s] {summary}")
+    logging.info(line)
+    if sys.stdout.isatty():
+      print("\r" + line[:150], end="", flush=True)

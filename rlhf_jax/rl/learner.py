@@ -1,0 +1,192 @@
+"""The learner: a jitted, micro-batched optax step on the training layout.
+
+Losses are given as "terms" functions returning a numerator whose sum over
+micro-batches, divided by one batch-level weight, is the exact full-batch
+loss (see `aggregation.aggregate_terms`). So gradient accumulation over any
+number of micro-batches gives the same update as one big batch.
+
+Dimension letters: B sequences, T length, U micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.parallel.layout import Layout, constrain, use_layout
+from rlhf_jax.rl.logprobs import token_logprobs
+
+Batch = dict[str, jax.Array]
+# terms_fn(graphdef, params, micro_batch) -> (numerator, aux metrics dict)
+TermsFn = Callable[[Any, Any, Batch], tuple[jax.Array, dict]]
+# weight_fn(batch) -> scalar normaliser of the whole batch (param-free).
+WeightFn = Callable[[Batch], jax.Array]
+
+
+@struct.dataclass
+class TrainState:
+  params: Any
+  opt_state: Any
+  step: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  decay_steps: int = 0         # 0 means constant after warmup.
+  end_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+
+
+def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
+  """AdamW + global-norm clipping + warmup/cosine schedule."""
+  if c.decay_steps:
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, c.learning_rate, c.warmup_steps,
+        max(c.decay_steps, c.warmup_steps + 1),
+        end_value=c.learning_rate * c.end_lr_ratio)
+  elif c.warmup_steps:
+    lr = optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
+  else:
+    lr = c.learning_rate
+  return optax.chain(
+      optax.clip_by_global_norm(c.grad_clip),
+      optax.adamw(lr, c.b1, c.b2, c.eps, weight_decay=c.weight_decay))
+
+
+def _batch_axes(x):
+  return ("batch",) + (None,) * (x.ndim - 1)
+
+
+def split_micro(batch: Batch, num_micro: int) -> Batch:
+  """[B, ...] -> [U, B/U, ...], micro-batch u = rows u, u+U, u+2U, ...
+
+  Strided so every micro-batch keeps rows on every data shard.
+  """
+  def one(x):
+    B = x.shape[0]
+    if B % num_micro:
+      raise ValueError(f"batch of {B} does not split into {num_micro} "
+                       "micro-batches")
+    return jnp.swapaxes(x.reshape((B // num_micro, num_micro) + x.shape[1:]),
+                        0, 1)
+  return jax.tree.map(one, batch)
+
+
+class Learner:
+  """Owns the jitted train step and forward-only log-prob pass for one model."""
+
+  def __init__(self, graphdef, layout: Layout, optimizer, *,
+               terms_fn: TermsFn, weight_fn: WeightFn, micro_batches: int):
+    self.graphdef, self.layout, self.optimizer = graphdef, layout, optimizer
+    self.terms_fn, self.weight_fn = terms_fn, weight_fn
+    self.micro_batches = micro_batches
+    self.trace_counts = {"train": 0, "logprobs": 0}
+    self._step_jit = jax.jit(self._step_fn, donate_argnums=0)
+    self._logprobs_jit = jax.jit(self._logprobs_fn)
+    self._rows_jit = jax.jit(
+        lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
+
+  def batch_shardings(self, batch: Batch):
+    return {k: self.layout.sharding(_batch_axes(v), v.shape)
+            for k, v in batch.items()}
+
+  def put_batch(self, batch: dict) -> Batch:
+    """Host arrays -> device, sharded over the batch axes of the layout."""
+    return jax.device_put(batch, self.batch_shardings(batch))
+
+  def rows(self, batch: Batch, idx) -> Batch:
+    """Mini-batch of the given rows, gathered on device, batch-sharded."""
+    out = self._rows_jit(batch, idx)
+    return jax.device_put(out, self.batch_shardings(out))
+
+  def init_state(self, params) -> TrainState:
+    """Optimizer state born with the shardings of the params it mirrors."""
+    opt_shape = jax.eval_shape(self.optimizer.init, params)
+    opt_state = jax.jit(self.optimizer.init,
+                        out_shardings=self.opt_shardings(params, opt_shape))(
+                            params)
+    return TrainState(params=params, opt_state=opt_state,
+                      step=jnp.zeros((), jnp.int32))
+
+  def opt_shardings(self, params, opt_state):
+    """Each optimizer leaf whose path ends with a param's path (Adam moments)
+    takes that param's sharding; everything else (counts) is replicated."""
+    by_path = {
+        jax.tree_util.keystr(path): leaf.sharding
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+    def one(path, leaf):
+      key = jax.tree_util.keystr(path)
+      for suffix, sharding in by_path.items():
+        if key.endswith(suffix) and leaf.ndim:
+          return sharding
+      return self.layout.replicated()
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+  def step(self, state: TrainState, batch: Batch):
+    """One optimizer update on `batch` (a dict of [B, ...] device arrays)."""
+    return self._step_jit(state, batch)
+
+  def _step_fn(self, state: TrainState, batch: Batch):
+    self.trace_counts["train"] += 1
+    with use_layout(self.layout):
+      weight = jnp.maximum(self.weight_fn(batch), 1e-9)
+      micro = split_micro(batch, self.micro_batches)
+
+      def loss(params, mb):
+        mb = {k: constrain(v, _batch_axes(v)) for k, v in mb.items()}
+        num, aux = self.terms_fn(self.graphdef, params, mb)
+        return num / weight, aux
+
+      grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+      def body(carry, mb):
+        g_acc, l_acc, a_acc = carry
+        (l, aux), g = grad_fn(state.params, mb)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l,
+                jax.tree.map(jnp.add, a_acc, aux)), None
+
+      first = jax.tree.map(lambda x: x[0], micro)
+      _, aux_shape = jax.eval_shape(loss, state.params, first)
+      zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+      init = (zeros(state.params), jnp.zeros((), jnp.float32),
+              zeros(aux_shape))
+      (grads, loss_value, aux), _ = jax.lax.scan(body, init, micro)
+      updates, opt_state = self.optimizer.update(grads, state.opt_state,
+                                                 state.params)
+      params = optax.apply_updates(state.params, updates)
+      metrics = {k: v / self.micro_batches for k, v in aux.items()}
+      metrics.update(loss=loss_value, grad_norm=optax.global_norm(grads))
+      return TrainState(params, opt_state, state.step + 1), metrics
+
+  def logprobs(self, params, batch: Batch) -> jax.Array:
+    """Per-token log-probs of batch["targets"] [B, T] (forward only)."""
+    return self._logprobs_jit(params, batch)
+
+  def _logprobs_fn(self, params, batch):
+    self.trace_counts["logprobs"] += 1
+    with use_layout(self.layout):
+      micro = split_micro(batch, self.micro_batches)
+
+      def one(mb):
+        logits = model_lib.forward(self.graphdef, params, mb["tokens"],
+                                   mb["positions"], mb["attn_mask"])
+        return token_logprobs(logits, mb["targets"])
+
+      logp = jax.lax.map(one, micro)  # [U, B/U, T]
+      B = batch["tokens"].shape[0]
+      logp = jnp.swapaxes(logp, 0, 1).reshape((B,) + logp.shape[2:])
+      return constrain(logp, ("batch", None))

@@ -1,0 +1,81 @@
+"""Loss "terms" for the learner: SFT cross-entropy and the clipped policy loss.
+
+Each factory returns (terms_fn, weight_fn) for `Learner`: terms_fn gives a
+micro-batch numerator (summed over micro-batches), weight_fn the batch-level
+normaliser. Batches are dicts of [B, T] arrays: tokens, positions, attn_mask,
+targets (tokens shifted left), loss_mask (1 where the target is trained) and,
+for RL, old_logp, ref_logp and advantages [B].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.rl import aggregation, losses, registry
+from rlhf_jax.rl.logprobs import token_entropy, token_logprobs
+
+
+def _masked_mean(x, mask):
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def sft_terms():
+  """Token-mean cross-entropy on the loss_mask targets."""
+  def terms(graphdef, params, mb):
+    logits = model_lib.forward(graphdef, params, mb["tokens"], mb["positions"],
+                               mb["attn_mask"])
+    logp = token_logprobs(logits, mb["targets"])
+    mask = mb["loss_mask"]
+    return -jnp.sum(logp * mask), {"accuracy": _masked_mean(
+        (jnp.argmax(logits, -1) == mb["targets"]).astype(jnp.float32), mask)}
+
+  return terms, lambda batch: jnp.sum(batch["loss_mask"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+  """The clipped policy-gradient objective (GRPO family)."""
+  policy_loss: str = "ppo"
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  clip_c: float | None = None      # Dual-clip constant (> 1) or None.
+  kl_coef: float = 0.0             # beta.
+  kl_estimator: str = "k3"
+  kl_in_loss: bool = True          # False: KL is a reward penalty instead.
+  aggregation: str = "token-mean"
+  max_len: int | None = None       # For seq-mean-token-sum-norm.
+
+
+def policy_terms(c: PolicyLossConfig):
+  """Clipped surrogate (+ beta * KL to the reference) with `c.aggregation`."""
+  loss_fn = registry.get("policy_loss", c.policy_loss)
+  registry.get("kl_estimator", c.kl_estimator)  # Fail early on a bad name.
+
+  def terms(graphdef, params, mb):
+    logits = model_lib.forward(graphdef, params, mb["tokens"], mb["positions"],
+                               mb["attn_mask"])
+    logp = token_logprobs(logits, mb["targets"])
+    mask = mb["loss_mask"]
+    loss, m = loss_fn(logp, mb["old_logp"], mb["advantages"], mask,
+                      clip_low=c.clip_low, clip_high=c.clip_high,
+                      clip_c=c.clip_c)
+    kl = registry.get("kl_estimator", c.kl_estimator)(logp, mb["ref_logp"])
+    if c.kl_in_loss and c.kl_coef:
+      loss = loss + losses.kl_loss(logp, mb["ref_logp"], mask,
+                                   beta=c.kl_coef, estimator=c.kl_estimator)
+    num, _ = aggregation.aggregate_terms(loss, mask, c.aggregation,
+                                         max_len=c.max_len)
+    aux = {"kl": _masked_mean(kl, mask),
+           "entropy": _masked_mean(token_entropy(logits), mask),
+           "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
+    return num, aux
+
+  def weight(batch):
+    zeros = jnp.zeros(batch["loss_mask"].shape, jnp.float32)
+    return aggregation.aggregate_terms(zeros, batch["loss_mask"],
+                                       c.aggregation, max_len=c.max_len)[1]
+
+  return terms, weight

@@ -1,0 +1,114 @@
+"""Long-tail policies: RLHFuse global tail consolidation, RLHFless local cut.
+
+RLHFuse: once the unfinished fraction of the batch drops below R_t, keep the
+m instances with the most remaining work, move the other instances' samples
+(with their KV cache) onto them, and free the rest for inference. m is the
+smallest count whose decode batch capacity holds every unfinished sample at
+the batching plateau and whose KV memory holds their caches.
+
+RLHFless: each actor cuts locally, once, when the fraction of its own samples
+that finished reaches tau; its unfinished samples move to actors that still
+have free slots, and the actor is released.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceLoad:
+  """What a tail policy may know about one instance."""
+
+  iid: str
+  unfinished: int
+  kv_tokens: float
+  free_slots: int
+  assigned: int = 0
+  finished: int = 0
+
+
+def should_consolidate(unfinished: int, total: int, r_t: float) -> bool:
+  """RLHFuse trigger: the unfinished fraction fell below R_t."""
+  return total > 0 and unfinished > 0 and unfinished / total < r_t
+
+
+def latency_capacity(step_time: Callable[[int], float], max_batch: int,
+                     slack: float = 0.1) -> int:
+  """Largest batch whose decode step is within (1 + slack) of batch 1.
+
+  RLHFuse keeps enough survivors that "tail decoding does not slow down";
+  this is that capacity for the tail's current context length.
+  """
+  limit = (1 + slack) * step_time(1)
+  best = 1
+  for b in range(1, max_batch + 1):
+    if step_time(b) <= limit:
+      best = b
+    else:
+      break
+  return best
+
+
+def consolidation_survivors(loads: list[InstanceLoad], batch_capacity: int,
+                            kv_capacity_tokens: float) -> list[str]:
+  """Instances that keep decoding the tail.
+
+  Args:
+    loads: every generation instance.
+    batch_capacity: samples one instance decodes without slowing down
+      (see latency_capacity).
+    kv_capacity_tokens: KV tokens one instance can hold.
+
+  Returns:
+    Ids of the m survivors, the ones with the most unfinished work first.
+  """
+  ranked = sorted(loads, key=lambda s: (-s.unfinished, -s.kv_tokens, s.iid))
+  need = sum(s.unfinished for s in loads)
+  kv_need = sum(s.kv_tokens for s in loads)
+  for m in range(1, len(ranked) + 1):
+    if (m * batch_capacity >= need and m * kv_capacity_tokens >= kv_need):
+      return [s.iid for s in ranked[:m]]
+  return [s.iid for s in ranked]
+
+
+def cut_moves(loads: list[InstanceLoad], tau: float,
+              already_cut: set[str]) -> list[tuple[str, str, int]]:
+  """RLHFless local cut-and-migrate decisions.
+
+  An actor whose completion fraction reached tau moves its unfinished
+  samples to actors with free slots (most free first); it only cuts if all
+  of them fit, since a partial cut would not let it be released.
+
+  Args:
+    loads: active actors (assigned = samples given to the actor this step,
+      finished = those done).
+    tau: completion-fraction threshold.
+    already_cut: actors that already cut this step (cut fires once).
+
+  Returns:
+    (source, destination, count) moves.
+  """
+  free = {s.iid: s.free_slots for s in loads}
+  moves = []
+  for src in sorted(loads, key=lambda s: s.iid):
+    if src.iid in already_cut or src.unfinished == 0 or src.assigned == 0:
+      continue
+    if src.finished / src.assigned < tau:
+      continue
+    others = sorted((d for d in loads if d.iid != src.iid and
+                     d.iid not in already_cut and free[d.iid] > 0),
+                    key=lambda d: (-free[d.iid], d.iid))
+    if sum(free[d.iid] for d in others) < src.unfinished:
+      continue
+    left = src.unfinished
+    for dst in others:
+      n = min(left, free[dst.iid])
+      if n:
+        moves.append((src.iid, dst.iid, n))
+        free[dst.iid] -= n
+        left -= n
+      if not left:
+        break
+    free[src.iid] = 0
+    already_cut.add(src.iid)
+  return moves

@@ -1,0 +1,117 @@
+"""Turns a sim config into runs, a table and headline numbers.
+
+A config lists `cases` (e.g. spot segments or model pairs), the policies to
+run on each (the first is the reference), and `headlines`: a metric of one
+policy relative to another, averaged over cases, with the paper's number.
+"""
+
+import math
+
+from rlhf_jax.sched import policy as policy_lib
+from rlhf_jax.sim import runner
+from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sim.workload import WorkloadSpec
+
+
+def _metric(kind: str, subject: dict, reference: dict) -> float:
+  """Relative metric of subject vs reference summaries."""
+  if kind == "throughput_ratio":
+    return subject["tokens_per_s"] / reference["tokens_per_s"]
+  if kind == "speedup":
+    return reference["step_s"] / subject["step_s"]
+  if kind == "train_speedup":
+    return reference["train_s"] / subject["train_s"]
+  if kind == "gen_score_speedup":
+    return reference["gen_score_s"] / subject["gen_score_s"]
+  if kind == "cost_efficiency_gain":
+    return (subject["trained_tokens_per_dollar"] /
+            reference["trained_tokens_per_dollar"] - 1)
+  if kind == "cost_reduction":
+    return 1 - subject["cost_per_step"] / reference["cost_per_step"]
+  raise ValueError(f"unknown metric {kind!r}")
+
+
+def _policies(config) -> list:
+  out = []
+  for name in config.policies.split(","):
+    overrides = dict(config.policy_overrides.get(name, {}))
+    out.append(policy_lib.get_policy(name, **overrides))
+  return out
+
+
+def run_case(config, case) -> dict[str, dict]:
+  """Runs every policy on one case; returns per-policy summaries."""
+  setting_kw = dict(config.setting)
+  setting_kw.update(case.get("setting", {}))
+  workload_kw = dict(config.workload)
+  workload_kw.update(case.get("workload", {}))
+  if "train_pp" in setting_kw:
+    setting_kw["train_pp"] = tuple(setting_kw["train_pp"])
+  if "scoring_models" in setting_kw:
+    setting_kw["scoring_models"] = tuple(setting_kw["scoring_models"])
+  setting = Setting(**setting_kw)
+  spec = WorkloadSpec(**workload_kw)
+  spot = case.get("spot", config.spot.segment)
+  events = runner.spot_trace(spot, config.spot.max_instances,
+                             config.spot.duration_s, config.spot.seed)
+  return runner.compare(setting, _policies(config), spec, config.steps,
+                        events, warmup=config.warmup)
+
+
+def reproduce(config) -> tuple[list[dict], list[dict]]:
+  """Runs all cases; returns (table rows, headline dicts)."""
+  rows, per_case = [], []
+  for case in config.cases:
+    case = dict(case)
+    summaries = run_case(config, case)
+    per_case.append(summaries)
+    for name, summary in summaries.items():
+      row = {"case": case.get("name", ""), "policy": name}
+      row.update({k: v for k, v in summary.items() if not k.startswith("_")})
+      rows.append(row)
+  headlines = []
+  for h in config.headlines:
+    values = [_metric(h.metric, s[h.subject], s[h.reference])
+              for s in per_case]
+    if h.get("best_of", ""):
+      # Margin over the best of several policies (combined vs best seed).
+      values = []
+      for s in per_case:
+        others = [_metric(h.metric, s[o], s[h.reference])
+                  for o in h.best_of.split(",")]
+        values.append(_metric(h.metric, s[h.subject], s[h.reference]) -
+                      max(others))
+    ours = (max(values) if h.aggregate == "max" else
+            sum(values) / len(values))
+    paper = h.paper if h.paper is not None else None
+    rel = (abs(ours - paper) / abs(paper)) if paper else None
+    headlines.append({
+        "headline": h.name, "paper": paper, "ours": round(ours, 4),
+        "rel_error": None if rel is None else round(rel, 4),
+        "per_case": [round(v, 4) for v in values]})
+  return rows, headlines
+
+
+def format_table(rows: list[dict]) -> str:
+  """Fixed-width table of the per-case, per-policy summaries."""
+  cols = ["case", "policy", "step_s", "rollout_s", "tokens_per_s",
+          "cost_per_step", "trained_tokens_per_dollar", "utilization",
+          "n_remote", "migrations", "preemptions"]
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+  cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+  widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in
+            enumerate(cols)]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+  lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in cells]
+  return "\n".join(lines)
+
+
+def results_of(config, case_index: int = 0) -> dict:
+  """Per-policy StepResults of one case (for timelines and tests)."""
+  summaries = run_case(config, dict(config.cases[case_index]))
+  return {k: v["_results"] for k, v in summaries.items()}
+
+

@@ -1,0 +1,79 @@
+"""Multi-step runs: state carried across steps and policy comparisons."""
+
+import dataclasses
+
+from rlhf_jax.sched import length_history, offload
+from rlhf_jax.sched.policy import Policy
+from rlhf_jax.sim import availability, accounting
+from rlhf_jax.sim.pool import RemotePool
+from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sim.step import StepSimulator
+from rlhf_jax.sim.workload import Workload
+
+
+@dataclasses.dataclass
+class RunState:
+  """What survives from one step to the next (checkpointed in a live run)."""
+
+  clock: float
+  history: length_history.LengthHistory
+  controller: offload.SeedWindowController | None
+  pool: RemotePool
+
+
+def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
+        spot_events: list | None = None) -> list:
+  """Simulates `steps` RL steps; returns the per-step StepResults.
+
+  Args:
+    setting: hardware and job.
+    policy: scheduling policy.
+    workload: length source (same seed -> same lengths for every policy).
+    steps: number of steps.
+    spot_events: availability trace of remote instances (None = none).
+  """
+  controller = None
+  if policy.seeding:
+    controller = offload.SeedWindowController(
+        n_resv=setting.n_local_engines, t_init=policy.t_init, eta=policy.eta,
+        floor=policy.seed_floor, use_memory=policy.seed_memory)
+  state = RunState(
+      clock=0.0, history=length_history.LengthHistory(policy.ewma_alpha),
+      controller=controller,
+      pool=RemotePool(spot_events or [], setting.remote_price_per_s))
+  results = []
+  for step in range(steps):
+    batch = workload.batch(step)
+    result = StepSimulator(setting, policy, batch, state, step).run()
+    results.append(result)
+    state.clock = result.t_end
+    by_prompt = {}
+    for p, _, _, length in batch.samples:
+      by_prompt.setdefault(p, []).append(length)
+    for p, lengths in by_prompt.items():
+      state.history.update(p, lengths)
+    if controller is not None and result.observation is not None:
+      controller.update(result.observation)
+  return results
+
+
+def compare(setting: Setting, policies: list[Policy], workload_spec, steps: int,
+            spot_events=None, warmup: int = 0) -> dict[str, dict]:
+  """Runs each policy on the same workload and trace; returns summaries."""
+  out = {}
+  for policy in policies:
+    results = run(setting, policy, Workload(workload_spec), steps,
+                  spot_events)
+    out[policy.name] = accounting.summarize(results, warmup)
+    out[policy.name]["_results"] = results
+  return out
+
+
+def spot_trace(segment: str, max_instances: int, duration_s: float,
+               seed: int) -> list:
+  """'static' or a generated A/B/C segment."""
+  if segment == "none":
+    return []
+  if segment == "static":
+    return availability.static(max_instances)
+  return availability.generate(segment, max_instances, duration_s, seed)

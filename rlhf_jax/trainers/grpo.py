@@ -1,0 +1,215 @@
+"""The GRPO-family job: SFT warm-start, then rollout -> score -> train steps.
+
+Resume order: (1) the latest checkpoint in workdir, else (2) a fresh run
+(SFT, then RL from step 0). A run killed at any point and restarted with the
+same command continues from its last checkpoint and writes the same metrics
+an uninterrupted run would have (all randomness derives from seed and step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from rlhf_jax.checkpoint import Checkpointer
+from rlhf_jax.data.batching import PromptIterator, eval_batches
+from rlhf_jax.data.tasks import AdditionTask
+from rlhf_jax.data.tokenizer import CharTokenizer
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.metrics import MetricWriter, Progress
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.rl import losses, objectives, registry
+from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+from rlhf_jax.trainers import builders, report, rollout
+from rlhf_jax.trainers.sft import run_sft
+from rlhf_jax.trainers.validate import validate_rl
+
+
+class _StopFlag:
+  """Set by SIGTERM/SIGINT (preemption): save and exit after this step."""
+
+  def __init__(self):
+    self.requested = False
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, self._set)
+
+  def _set(self, signum, frame):
+    del frame
+    logging.warning("signal %d: checkpointing after this step", signum)
+    self.requested = True
+
+
+def _learner(config, graphdef, layout, max_len):
+  rl = config.rl
+  terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
+      policy_loss=rl.policy_loss, clip_low=rl.clip_low,
+      clip_high=rl.clip_high, clip_c=rl.clip_c or None, kl_coef=rl.kl_coef,
+      kl_estimator=rl.kl_estimator, kl_in_loss=rl.kl_in_loss,
+      aggregation=rl.aggregation, max_len=max_len))
+  o = config.optim
+  optimizer = make_optimizer(OptimConfig(
+      learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
+      decay_steps=o.decay_steps, end_lr_ratio=o.end_lr_ratio, b1=o.b1,
+      b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip))
+  return Learner(graphdef, layout, optimizer, terms_fn=terms,
+                 weight_fn=weight, micro_batches=rl.micro_batches)
+
+
+def evaluate(engine: Engine, params, batches, tokenizer, config) -> dict:
+  """Greedy accuracy of the first reward function on held-out prompts."""
+  values = []
+  for prompts in batches:
+    samples = rollout.generate(Driver(engine, params), prompts, 1, seed=0)
+    rewards, _ = rollout.score(samples, prompts, tokenizer,
+                               [config.rl.rewards[0]], None, "zero")
+    values.extend(rewards.tolist())
+  return {"eval/accuracy": float(np.mean(values))}
+
+
+def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
+            rollout_layout, tokenizer, prompt_len):
+  """One GRPO step; returns the new state and its metrics (host floats)."""
+  rl, G = config.rl, config.rollout.samples_per_row
+  t0 = time.perf_counter()
+  rollout_params = jax.block_until_ready(
+      mesh_lib.to_layout(state.params, rollout_layout))
+  t1 = time.perf_counter()
+  driver = Driver(engine, rollout_params, weight_version=step - 1)
+  samples = rollout.generate(driver, prompts, G,
+                             rollout.step_seed(config.seed, step))
+  t2 = time.perf_counter()
+  rewards, reward_metrics = rollout.score(
+      samples, prompts, tokenizer, list(rl.rewards),
+      list(rl.reward_weights) or None, rl.on_reward_error)
+  packed = rollout.pack(samples, prompt_len, config.rollout.max_new_tokens)
+  batch = learner.put_batch(packed.arrays)
+  old_logp = learner.logprobs(state.params, batch)
+  ref_logp = learner.logprobs(ref_params, batch)
+  mask = batch["loss_mask"]
+  rewards = jnp.asarray(rewards)
+  if rl.kl_coef and not rl.kl_in_loss:
+    rewards, _ = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask,
+                                          beta=rl.kl_coef,
+                                          estimator=rl.kl_estimator)
+  advantages = registry.get("advantage", rl.advantage)(rewards, G)
+  batch = learner.put_batch({**batch, "old_logp": old_logp,
+                             "ref_logp": ref_logp, "advantages": advantages})
+  gap = jnp.abs(old_logp - packed.sampler_logp) * mask
+  gap_max, gap_mean = jnp.max(gap), jnp.sum(gap) / jnp.sum(mask)
+  jax.block_until_ready(batch)
+  t3 = time.perf_counter()
+
+  rng = np.random.default_rng(rollout.step_seed(config.seed, step))
+  B, n = len(samples), rl.num_minibatches
+  train = []
+  for _ in range(rl.ppo_epochs):
+    perm = rng.permutation(B)
+    for k in range(n):
+      state, m = learner.step(state, learner.rows(batch, perm[k::n]))
+      train.append(m)
+  train = jax.device_get(train)
+  t4 = time.perf_counter()
+
+  gen_tokens = float(packed.response_len.sum())
+  metrics = {
+      "rollout/reward_mean": float(np.mean(rewards)),
+      "rollout/response_len_mean": float(packed.response_len.mean()),
+      "rollout/logprob_gap": float(gap_max),
+      "rollout/logprob_gap_mean": float(gap_mean),
+      "rollout/weight_version": float(step - 1),
+      **{k: float(v) for k, v in reward_metrics.items()},
+      **{f"train/{k}": float(np.mean([m[k] for m in train]))
+         for k in train[0]},
+      "perf/repartition_s": t1 - t0, "perf/rollout_s": t2 - t1,
+      "perf/scoring_s": t3 - t2, "perf/train_s": t4 - t3,
+      "perf/step_s": t4 - t0, "perf/tokens_per_s": gen_tokens / (t4 - t0),
+  }
+  return state, metrics
+
+
+def run(config, workdir: str):
+  tokenizer = CharTokenizer()
+  task = AdditionTask(**config.task)
+  prompt_len = task.max_prompt_len
+  validate_rl(config, prompt_len=prompt_len)
+  cfg = builders.model_config(config.model, vocab_size=tokenizer.vocab_size)
+  train_layout, rollout_layout = builders.layouts(config.mesh)
+  main_process = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if main_process:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  writer = MetricWriter(workdir, enabled=main_process)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+                      keep=config.train.keep_checkpoints)
+  stop = _StopFlag()
+
+  graphdef, params = model_lib.init_params(cfg, config.seed, train_layout)
+  learner = _learner(config, graphdef, train_layout,
+                     max_len=config.rollout.max_new_tokens)
+  iterator = PromptIterator(task, tokenizer, config.train.prompts_per_step)
+  sampling = builders.sampling_params(config.rollout, (tokenizer.eos_id,))
+  engine = builders.engine(cfg, graphdef, rollout_layout, config.rollout,
+                           (tokenizer.eos_id,))
+  eval_engine = Engine(
+      cfg, graphdef, rollout_layout, num_rows=config.eval.num_rows,
+      samples_per_row=1, prefill_buckets=tuple(config.rollout.prefill_buckets),
+      sampling=SamplingParams(temperature=0.0,
+                              max_new_tokens=sampling.max_new_tokens,
+                              stop_tokens=sampling.stop_tokens))
+  evals = eval_batches(task, tokenizer, config.eval.batch_size)
+  do_eval = lambda p: evaluate(eval_engine, mesh_lib.to_layout(
+      p, rollout_layout), evals, tokenizer, config)
+
+  start = ckpt.latest_step()
+  if start is None:
+    writer.truncate_after("sft", -1)
+    writer.truncate_after("rl", -1)
+    params = run_sft(config, graphdef, params, train_layout, task, tokenizer,
+                     writer, verbose=main_process)
+    # The reference is a frozen copy: the policy's buffers are donated.
+    ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    state, start = learner.init_state(params), 0
+    writer.write("rl", 0, do_eval(state.params))
+    ckpt.save(0, {"policy": state, "ref": ref_params},
+              {"iterator": iterator.get_state()})
+  else:
+    like = {"policy": learner.init_state(params), "ref": params}
+    restored, meta = ckpt.restore(start, like)
+    state, ref_params = restored["policy"], restored["ref"]
+    iterator.set_state(meta["iterator"])
+    writer.truncate_after("rl", start)
+    logging.info("resumed from step %d", start)
+
+  total = config.train.steps
+  progress = Progress(total, start, name="rl", enabled=main_process)
+  for step in range(start + 1, total + 1):
+    state, metrics = rl_step(
+        step, state, ref_params, next(iterator), config=config,
+        learner=learner, engine=engine, rollout_layout=rollout_layout,
+        tokenizer=tokenizer, prompt_len=prompt_len)
+    if step % config.eval.every == 0 or step == total:
+      metrics.update(do_eval(state.params))
+    record = writer.write("rl", step, metrics)
+    progress.update(step, report.log_line(record))
+    if step % config.train.checkpoint_every == 0 or step == total or (
+        stop.requested):
+      ckpt.save(step, {"policy": state, "ref": ref_params},
+                {"iterator": iterator.get_state()})
+    if stop.requested:
+      break
+  ckpt.close()
+  writer.close()
+  if main_process and not stop.requested:
+    report.finish(writer.read(), workdir)
+  return state

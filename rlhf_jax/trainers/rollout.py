@@ -1,0 +1,86 @@
+"""Rollout phase: prompts -> engine samples -> scored, packed training batch.
+
+Dimension letters: N prompts, G samples per prompt, B = N*G sequences,
+T = P + M (largest prompt bucket + max new tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.engine.driver import Driver, Request, Sample
+from rlhf_jax.rewards import scoring
+
+
+def step_seed(seed: int, step: int) -> int:
+  """Sampling seed of one RL step (placement-independent keys derive from it)."""
+  return (seed * 1_000_003 + step * 7_919 + 1) % (2**32)
+
+
+def requests_for(prompts: PromptBatch, num_samples: int, seed: int):
+  return [Request(int(pid), prompts.tokens_NxP[i, :prompts.lengths_N[i]],
+                  num_samples, seed=seed)
+          for i, pid in enumerate(prompts.prompt_ids)]
+
+
+def generate(driver: Driver, prompts: PromptBatch, num_samples: int,
+             seed: int) -> list[Sample]:
+  """All samples of the batch, ordered by (prompt order, sample index)."""
+  order = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
+  samples = list(driver.run(requests_for(prompts, num_samples, seed)))
+  samples.sort(key=lambda s: (order[s.prompt_id], s.sample_idx))
+  expected = len(prompts.prompt_ids) * num_samples
+  if len(samples) != expected:
+    raise RuntimeError(f"rollout returned {len(samples)} samples, expected "
+                       f"{expected}")
+  return samples
+
+
+def score(samples: list[Sample], prompts: PromptBatch, tokenizer, reward_fns,
+          weights, on_error: str):
+  """Rewards [B] and reward metrics for samples ordered as `generate` returns."""
+  index = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
+  rows = [index[s.prompt_id] for s in samples]
+  batch = scoring.RewardBatch(
+      prompt_ids=[s.prompt_id for s in samples],
+      prompts=[prompts.prompts[r] for r in rows],
+      completions=[tokenizer.decode(s.tokens) for s in samples],
+      metadata=[{**prompts.metadata[r], "finish_reason": s.finish_reason}
+                for r, s in zip(rows, samples)])
+  return scoring.score(reward_fns, weights, batch, on_error)
+
+
+@dataclasses.dataclass
+class PackedBatch:
+  """Host arrays for the learner plus the sampler's log-probs."""
+  arrays: dict            # tokens, positions, attn_mask, targets, loss_mask
+  sampler_logp: np.ndarray  # [B, T] raw log-probs from the engine
+  response_len: np.ndarray  # [B]
+
+
+def pack(samples: list[Sample], prompt_len: int, max_new: int) -> PackedBatch:
+  """Prompt + response per row, right-padded to T; targets are shifted left."""
+  B, T = len(samples), prompt_len + max_new
+  tokens = np.zeros((B, T), np.int32)
+  loss_mask = np.zeros((B, T), np.float32)
+  sampler_logp = np.zeros((B, T), np.float32)
+  lengths = np.zeros(B, np.int32)
+  for b, s in enumerate(samples):
+    p, r = len(s.prompt_tokens), len(s.tokens)
+    tokens[b, :p] = s.prompt_tokens
+    tokens[b, p:p + r] = s.tokens
+    # Target t is token t+1, so response token j is target p-1+j.
+    loss_mask[b, p - 1:p - 1 + r] = 1.0
+    sampler_logp[b, p - 1:p - 1 + r] = s.logp_raw
+    lengths[b] = p + r
+  targets = np.concatenate([tokens[:, 1:], np.zeros((B, 1), np.int32)], 1)
+  arrays = dict(
+      tokens=tokens,
+      positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+      attn_mask=np.arange(T)[None] < lengths[:, None],
+      targets=targets, loss_mask=loss_mask)
+  response_len = np.array([len(s.tokens) for s in samples], np.float32)
+  return PackedBatch(arrays, sampler_logp, response_len)

@@ -1,0 +1,45 @@
+"""SFT warm-start: teacher forcing on task solutions with a small budget."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlhf_jax.data.batching import sft_batch
+from rlhf_jax.metrics import MetricWriter, Progress
+from rlhf_jax.rl import objectives
+from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+
+
+def sft_arrays(task, tokenizer, start: int, batch_size: int) -> dict:
+  b = sft_batch(task, tokenizer, start, batch_size)
+  B, L = b.inputs_BxL.shape
+  return dict(tokens=b.inputs_BxL,
+              positions=np.broadcast_to(np.arange(L, dtype=np.int32),
+                                        (B, L)).copy(),
+              attn_mask=b.inputs_BxL != tokenizer.pad_id,
+              targets=b.targets_BxL, loss_mask=b.mask_BxL)
+
+
+def run_sft(config, graphdef, params, layout, task, tokenizer,
+            writer: MetricWriter, *, verbose: bool = True):
+  """Runs `config.sft.steps` updates and returns the trained params."""
+  c = config.sft
+  if c.steps == 0:
+    return params
+  terms, weight = objectives.sft_terms()
+  learner = Learner(graphdef, layout, make_optimizer(OptimConfig(
+      learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
+      grad_clip=c.grad_clip)), terms_fn=terms, weight_fn=weight,
+      micro_batches=1)
+  state = learner.init_state(params)
+  progress = Progress(c.steps, name="sft", enabled=verbose)
+  for step in range(1, c.steps + 1):
+    batch = learner.put_batch(sft_arrays(task, tokenizer,
+                                         (step - 1) * c.batch_size,
+                                         c.batch_size))
+    state, metrics = learner.step(state, batch)
+    if step % c.log_every == 0 or step == c.steps:
+      record = writer.write("sft", step, {
+          "sft/loss": metrics["loss"], "sft/accuracy": metrics["accuracy"]})
+      progress.update(step, f"loss {record['sft/loss']:.3f}")
+  return state.params

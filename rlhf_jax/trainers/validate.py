@@ -1,0 +1,89 @@
+"""Config checks that run before anything compiles: one clear error each."""
+
+from __future__ import annotations
+
+import jax
+
+from rlhf_jax.rl import registry
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work, named by its key."""
+
+
+def _positive(config, *keys):
+  for key in keys:
+    section, name = key.rsplit(".", 1)
+    value = config
+    for part in section.split("."):
+      value = value[part]
+    value = value[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f"config.{key} must be a positive int, got {value!r}")
+
+
+def _known(category, name, key):
+  try:
+    registry.get(category, name)
+  except ValueError as e:
+    raise ConfigError(f"config.{key}: {e}") from None
+
+
+def validate_rl(config, *, prompt_len: int, num_devices: int | None = None):
+  """Checks the GRPO-family config; raises ConfigError naming the key."""
+  _positive(config, "train.steps", "train.prompts_per_step",
+            "rollout.samples_per_row", "rollout.num_rows",
+            "rollout.max_new_tokens", "rl.ppo_epochs", "rl.num_minibatches",
+            "rl.micro_batches")
+  rl, ro = config.rl, config.rollout
+  _known("advantage", rl.advantage, "rl.advantage")
+  _known("policy_loss", rl.policy_loss, "rl.policy_loss")
+  _known("kl_estimator", rl.kl_estimator, "rl.kl_estimator")
+  _known("aggregation", rl.aggregation, "rl.aggregation")
+  for name in rl.rewards:
+    _known("reward", name, "rl.rewards")
+  if len(rl.reward_weights) not in (0, len(rl.rewards)):
+    raise ConfigError(f"config.rl.reward_weights has {len(rl.reward_weights)} "
+                      f"entries for {len(rl.rewards)} rewards")
+  if rl.on_reward_error not in ("raise", "zero"):
+    raise ConfigError("config.rl.on_reward_error must be 'raise' or 'zero', "
+                      f"got {rl.on_reward_error!r}")
+  G = ro.samples_per_row
+  if rl.advantage in GROUP_ESTIMATORS and G < 2:
+    raise ConfigError(f"config.rl.advantage={rl.advantage!r} is a group "
+                      f"estimator and needs rollout.samples_per_row >= 2, "
+                      f"got {G}")
+  if not isinstance(rl.kl_coef, float) or rl.kl_coef < 0:
+    raise ConfigError(f"config.rl.kl_coef must be a float >= 0, got "
+                      f"{rl.kl_coef!r}")
+  if max(ro.prefill_buckets) < prompt_len:
+    raise ConfigError(f"config.rollout.prefill_buckets={tuple(ro.prefill_buckets)}"
+                      f": the task's prompts need {prompt_len} tokens")
+  cache = max(ro.prefill_buckets) + ro.max_new_tokens
+  if cache > ro.max_seq_len:
+    raise ConfigError(
+        f"config.rollout.prefill_buckets max {max(ro.prefill_buckets)} + "
+        f"max_new_tokens {ro.max_new_tokens} = {cache} exceeds the KV cache "
+        f"length config.rollout.max_seq_len={ro.max_seq_len}")
+  n = num_devices or jax.device_count()
+  m = config.mesh
+  shards = n // max(m.tensor, 1) if m.data == -1 or m.fsdp == -1 else (
+      m.data * m.fsdp)
+  B = config.train.prompts_per_step * G
+  per_update = B // rl.num_minibatches
+  if B % rl.num_minibatches:
+    raise ConfigError(f"batch {B} (train.prompts_per_step x samples_per_row) "
+                      f"is not divisible by rl.num_minibatches="
+                      f"{rl.num_minibatches}")
+  if per_update % (rl.micro_batches * shards):
+    raise ConfigError(
+        f"mini-batch of {per_update} sequences does not split into "
+        f"rl.micro_batches={rl.micro_batches} x {shards} data shards of the "
+        f"mesh ({n} devices, config.mesh)")
+  replicas = n // max(config.mesh.rollout_tensor, 1)
+  if ro.num_rows % replicas:
+    raise ConfigError(f"config.rollout.num_rows={ro.num_rows} must be "
+                      f"divisible by the rollout replicas={replicas} "
+                      f"({n} devices / rollout_tensor)")
