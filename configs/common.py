@@ -37,6 +37,7 @@ def model_config(preset: str = "tiny") -> ml_collections.ConfigDict:
 def mesh_config() -> ml_collections.ConfigDict:
   """Training mesh axes (one may be -1) and the rollout tensor size."""
   return ml_collections.ConfigDict(dict(
+      num_devices=0,  # 0 = all devices; n = the first n.
       data=1, fsdp=-1, tensor=1,
       rollout_tensor=1,  # Rollout = the same devices as replicas x tensor.
   ))

@@ -17,8 +17,16 @@ _WORKDIR = flags.DEFINE_string(
 flags.mark_flags_as_required(["config"])
 
 
+class _QuietOrbax(logging.logging.Filter):
+  """Orbax logs every save step at INFO; keep its warnings only."""
+
+  def filter(self, record):
+    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
 def main(argv):
   del argv
+  logging.get_absl_handler().addFilter(_QuietOrbax())
   import jax  # After flags, so XLA/JAX env set by launchers takes effect.
 
   from rlhf_jax import trainers

@@ -38,7 +38,11 @@ def rlhfless_config(models: list[str], hardware: str, devices: int, tp: int,
   # 3 epochs of a 384-prompt subset: step time averaged over them, as the
   # paper averages over 3 epochs; epoch 1 has no length history.
   c.steps, c.warmup = 9, 0
-  c.policies = "baseline,rlhfless"
+  # RLHFless with RLHFuse's global consolidation in place of its own length
+  # grouping + local cut (the paper's prompt-assignment comparison).
+  c.policies = "baseline,rlhfless,global_cut=rlhfless"
+  c.policy_overrides = {"global_cut": dict(
+      length_grouping=False, cut_tau=0.0, tail_r_t=0.2)}
   c.cases = []
   for model in models:
     for name, shape in DATASETS.items():
@@ -52,6 +56,9 @@ def rlhfless_config(models: list[str], hardware: str, devices: int, tp: int,
       common.headline(f"RLHFless cost reduction vs VERL ({aggregate})",
                       "cost_reduction", "rlhfless", "baseline", cost_cut,
                       aggregate),
+      common.headline("[S] extra cost saving of ranking+grouping vs "
+                      "RLHFuse-style global cut (mean)", "cost_reduction",
+                      "rlhfless", "global_cut", 0.128),
   ]
   if runlocal:
     c.steps = 2

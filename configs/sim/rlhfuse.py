@@ -6,7 +6,8 @@ paper's 2.5-3.7x vs DeepSpeed-Chat and 1.4-2.4x vs ReaLHF compare against
 other systems' engineering, which this simulator does not model.
 
 python -m rlhf_jax.sim --config=configs/sim/rlhfuse.py
-python -m rlhf_jax.sim --config=configs/sim/rlhfuse.py:pairs=65b/33b,lengths=2048
+python -m rlhf_jax.sim \
+  --config=configs/sim/rlhfuse.py:pairs=65b/33b,lengths=2048
 """
 
 from configs.sim import common

@@ -85,7 +85,8 @@ def save(path: str, cfg: ModelConfig, params, tokenizer_dir: str | None = None,
   dtype = dtype or cfg.param_dtype
   arch = hf_config.family(cfg)
   if dtype not in _NP_DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
+    raise ValueError(
+        f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
   np_dtype = np.dtype(_NP_DTYPES[dtype])
   hf_weights.save_params(path, cfg, arch, params, dtype=np_dtype,
                          max_shard_bytes=max_shard_size)

@@ -62,8 +62,9 @@ class TensorSpec:
     return (math.prod(shape[self.n_in:]), math.prod(shape[:self.n_in]))
 
   def to_ours(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return w if self.n_in == 0 else (w if self.n_in < 0 else w.T).reshape(
-        shape)
+    if self.n_in == 0:
+      return w
+    return (w if self.n_in < 0 else w.T).reshape(shape)
 
   def to_hf(self, x: np.ndarray) -> np.ndarray:
     if self.n_in == 0:
@@ -143,7 +144,8 @@ def _read(handle, file: str, name: str) -> np.ndarray:
   return np.memmap(file, _ML_DTYPES[dtype], "r", start + begin, shape)
 
 
-def read_tensors(path: str, names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+def read_tensors(path: str,
+                 names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (name, host array) for `names`, one file open at a time."""
   by_file: dict[str, list[str]] = {}
   for name, file in checkpoint_files(path).items():

@@ -1,1 +1,18 @@
-"""rlhf_jax.sched."""
+"""Scheduling policies of the seed papers, as plain Python decisions.
+
+Nothing here touches arrays or time: each function takes what a scheduler can
+observe (queue lengths, predicted lengths, idle times) and returns a
+decision. rlhf_jax.sim executes the decisions in simulated time; the live
+engine and elastic workers will execute the same ones.
+
+  policy          named policies (baseline, rlhfuse, rlhfless, rlboost,
+                  combined) = mechanism switches + knobs
+  length_history  per-prompt EWMA of response lengths (RLHFless)
+  assignment      contiguous and length-grouped group -> actor assignment
+  actor_scaling   lambda-weighted latency/cost choice of the actor count
+  tail            RLHFuse consolidation at R_t, RLHFless cut at tau
+  offload         RLBoost T_seed controller, N_prem cap, JSQ-Theta dispatch,
+                  CONTINUOUSLB with the batching plateau
+  pipeline        fused actor/critic pipeline problem, evaluator, bound
+  pipeline_search schedule search for the fused pipeline
+"""

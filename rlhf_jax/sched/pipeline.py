@@ -1,4 +1,4 @@
-"""Fused actor/critic pipeline (RLHFuse intra-stage fusion): problem and scoring.
+"""Fused actor/critic pipeline (RLHFuse intra-stage fusion): problem, scoring.
 
 Two models train on the same pp0 nodes. The large model's stages 0..pp0-1
 run forward on nodes 0..pp0-1; pp0/pp1 copies of the small model each span
@@ -18,7 +18,7 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class FusedProblem:
-  """One published FlexFusion instance (pp0, pp1, m0, m1, f0, f1, mem0, mem1)."""
+  """A FlexFusion instance: (pp0, pp1, m0, m1, f0, f1, mem0, mem1)."""
 
   pp0: int
   pp1: int

@@ -149,8 +149,8 @@ PRESETS = {
 }
 
 
-def get_policy(name: str, **overrides) -> Policy:
-  """Preset by name, with field overrides."""
-  if name not in PRESETS:
-    raise KeyError(f"unknown policy {name!r}; have {sorted(PRESETS)}")
-  return dataclasses.replace(PRESETS[name](), **overrides)
+def get_policy(preset: str, **overrides) -> Policy:
+  """Preset by name, with field overrides (including a new `name`)."""
+  if preset not in PRESETS:
+    raise KeyError(f"unknown policy {preset!r}; have {sorted(PRESETS)}")
+  return dataclasses.replace(PRESETS[preset](), **overrides)

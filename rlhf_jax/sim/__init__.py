@@ -1,1 +1,16 @@
-"""rlhf_jax.sim."""
+"""Trace-driven discrete-event simulator of RL post-training at scale.
+
+Run: python -m rlhf_jax.sim --config=configs/sim/<name>.py (docs/sim.md).
+
+  hardware, models  device and model profiles (roofline inputs, prices)
+  costs             roofline costs of decode, prefill, training, transfers
+  workload          long-tailed, correlated, drifting lengths or a CSV trace
+  availability      spot traces (generated A/B/C segments or CSV)
+  instance          continuous-batching decode engine as a fluid model
+  setting           cluster + job shape shared by the compared policies
+  step, step_tail, step_elastic, step_phases
+                    one RL step as events, executing rlhf_jax.sched
+  training          pipeline-parallel actor/critic training time
+  pool, accounting  billing, utilization, Chrome-trace timelines
+  runner, reproduce multi-step runs, policy comparisons, headlines
+"""

@@ -40,8 +40,8 @@ def account(sim, t_roll_end, t_end, tokens, phases):
   pool = sim.state.pool
   remote_cost = pool.cost(t0, t_end)
   remote_held = pool.held_seconds(t0, t_end)
-  busy = sum(i.busy_s * i.tp for i in sim.local)
-  busy += sum(i.busy_s * i.tp for i in sim.remote.values())
+  remote_busy = sum(i.busy_s * i.tp for i in sim.remote.values())
+  busy = sum(i.busy_s * i.tp for i in sim.local) + remote_busy
   train_s = sum(b - a for _, a, b in phases)
   busy += train_s * s.reserved_devices
   device_price = s.hw.ondemand_per_h / 3600
@@ -72,6 +72,7 @@ def account(sim, t_roll_end, t_end, tokens, phases):
     phase_s[label] = phase_s.get(label, 0.0) + end - start
   return step_phases.StepResult(
       phase_s=phase_s,
+      remote_device_s=(remote_busy, remote_held * s.remote_devices),
       step=sim.step, t0=t0, t_end=t_end, rollout_s=t_roll_end - t0,
       gen_tokens=gen, trained_tokens=tokens, cost=cost, device_s_held=held,
       device_s_busy=busy, counters=dict(sim.counters),
@@ -122,6 +123,9 @@ def summarize(results, warmup: int = 0) -> dict:
       "migrations": sum(r.counters.get("migrations", 0) for r in kept),
       "preemptions": sum(r.counters.get("preemptions", 0) for r in kept),
       "n_remote": sum(r.n_remote for r in kept) / len(kept),
+      "remote_utilization": (
+          sum(r.remote_device_s[0] for r in kept) /
+          max(sum(r.remote_device_s[1] for r in kept), 1e-9)),
       "train_s": sum(r.phase_s.get("train", 0.0) for r in kept) / len(kept),
       "gen_score_s": sum(r.step_s - r.phase_s.get("train", 0.0)
                          for r in kept) / len(kept),

@@ -7,8 +7,8 @@ serve every reproduction; none is fitted to a headline (see docs/sim.md).
 
 Efficiency sources (fractions of peak):
   * decode_mem_eff = 0.77: vLLM Llama-3.1-8B batch-1 decode on A100 runs at
-    ~77% of the HBM roofline (johnmusgrave.com/p/vllm-throughput-latency-sweep-on,
-    vLLM 0.23). Used as the fraction of HBM bandwidth a decode step achieves.
+    ~77% of the HBM roofline (vLLM 0.23; johnmusgrave.com/p/
+    vllm-throughput-latency-sweep-on). Used as the fraction of HBM bandwidth a decode step achieves.
   * train_mfu = 0.40: Llama 3 pre-training reports 38-43% BF16 MFU on H100
     (Llama 3 Herd of Models, Table 4). Used for fwd/bwd compute.
   * prefill_mfu = 0.50: prefill and scoring forwards are large GEMMs like the
@@ -90,7 +90,8 @@ _PROFILES = {
     "l40s": Hardware(
         name="l40s", peak_flops=362e12, hbm_bw=864 * GB, hbm_bytes=48 * GB,
         intra_bw=32 * GB, nic_bw=400 * GBIT, rdma_bw=50 * GBIT,
-        devices_per_node=8, ondemand_per_h=30.13 / 8, spot_per_h=30.13 / 8 * 0.4),
+        devices_per_node=8, ondemand_per_h=30.13 / 8,
+        spot_per_h=30.13 / 8 * 0.4),
     # TPU v5e datasheet: 197 TFLOP/s BF16, 819 GB/s, 16 GB, ICI 1600 Gbit/s.
     # GCP list: $1.20/chip-h on demand, $0.48 spot (approximate).
     "tpu_v5e": Hardware(

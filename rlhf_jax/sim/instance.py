@@ -34,6 +34,9 @@ class Sample:
   finish_time: float | None = None
   migrations: int = 0
   location: object = None
+  kv_ready: bool = False  # its KV cache arrived with it (no re-prefill).
+  pred_left: float = 0.0  # predicted remaining tokens when placed.
+  scored: bool = False  # reference / old log-probs computed.
 
   @property
   def done(self) -> bool:
@@ -64,8 +67,14 @@ class DecodeInstance:
     self.group_running = collections.Counter()
     self.prefilled_prompts = set()
     self.alive = True
-    self.accepting = True
+    self.ready = kind == "local"  # remotes become ready after weight pull.
     self.version = 0
+    # Scheduler bookkeeping for this step.
+    self.assigned = self.finished = 0
+    self.pred_work = 0.0
+    self.in_transit = 0
+    self.scoring = self.ref_loaded = False
+    self.released_at = None
     self.busy_s = 0.0
     self.last_completion = start_time
     self.timeline = []  # [start, end, label]
@@ -130,7 +139,7 @@ class DecodeInstance:
     prefill_tokens, context = 0.0, 0.0
     while self.queue and len(self.running) < self.max_slots:
       sample = self.queue.popleft()
-      if not getattr(sample, "kv_ready", False):
+      if not sample.kv_ready:
         prompt_cached = (self.dedup_prefill and
                          sample.prompt_id in self.prefilled_prompts)
         new_tokens = sample.generated + (0 if prompt_cached else

@@ -58,6 +58,7 @@ class RemotePool:
     return held * self.price_per_s
 
   def held_seconds(self, t0: float, t1: float) -> float:
-    spans = list(self.intervals) + [(i, s, t1) for i, s in self.acquired.items()]
+    spans = list(self.intervals)
+    spans += [(i, s, t1) for i, s in self.acquired.items()]
     return sum(max(0.0, min(end, t1) - max(start, t0))
                for _, start, end in spans)

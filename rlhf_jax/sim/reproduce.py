@@ -32,10 +32,14 @@ def _metric(kind: str, subject: dict, reference: dict) -> float:
 
 
 def _policies(config) -> list:
+  """Policies of a config: 'preset' or 'alias=preset' entries, with
+  overrides keyed by the (alias) name."""
   out = []
-  for name in config.policies.split(","):
-    overrides = dict(config.policy_overrides.get(name, {}))
-    out.append(policy_lib.get_policy(name, **overrides))
+  for entry in config.policies.split(","):
+    alias, _, preset = entry.partition("=")
+    preset = preset or alias
+    overrides = dict(config.policy_overrides.get(alias, {}))
+    out.append(policy_lib.get_policy(preset, name=alias, **overrides))
   return out
 
 

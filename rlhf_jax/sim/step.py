@@ -66,8 +66,6 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
     self.trainer = step_phases.StreamingTrainer(setting, policy, len(
         self.samples))
     self.local_open = True
-    self.active_samples_area = 0.0  # for mean active remote count
-    self.last_area_t = self.t0
 
   # --- event plumbing -----------------------------------------------------
 
@@ -106,12 +104,6 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
         kind=kind, start_time=start,
         shared_prefix_decode=self.p.prefix_shared_decode,
         dedup_prefill=self.p.dedup_prefill, price_per_s=price)
-    inst.assigned = inst.finished = 0
-    inst.pred_work = 0.0
-    inst.in_transit = 0
-    inst.scoring = inst.ref_loaded = False
-    inst.ready = kind == "local"
-    inst.released_at = None
     return inst
 
   def _setup_local(self, predicted, ctx):
@@ -135,9 +127,11 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
 
   def _setup_remote(self, ctx):
     s, p, pool = self.s, self.p, self.state.pool
-    pool.apply_until(self.t0)
-    for iid in [i for i in pool.acquired if i not in pool.present]:
-      pool.release(iid, self.t0)
+    # Trace events between the previous step's end and now: an instance
+    # preempted in between stops being billed when it vanished.
+    for event in pool.apply_until(self.t0):
+      if event.kind == "remove" and event.iid in pool.acquired:
+        pool.release(event.iid, event.time)
     if not p.use_remote:
       return
     allowed = len(pool.present)
@@ -233,15 +227,16 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
     self.local_open = True
     self.counters["fallbacks"] += 1
     for inst in self.local:
-      inst.alive, inst.accepting = True, True
+      inst.alive = True
       inst.t = max(inst.t, t)
     self._dispatch(t)
 
   def _requeue(self, moved: list[Sample], t: float):
     """Moved samples go to the front of the central queue, tokens kept."""
     for x in reversed(moved):
-      x.migrations += 1
-      self.counters["migrations"] += 1
+      if x.generated > 0:  # started: it resumes elsewhere (re-prefill).
+        x.migrations += 1
+        self.counters["migrations"] += 1
       if self.p.migration == "recompute":
         x.generated = 0.0
       self.queue.appendleft(x)
@@ -288,7 +283,8 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
           [x for x in self._group(sample.prompt_id)], t)
     if self.p.tail_r_t and self.consolidated_at is None:
       unfinished = self.ledger.total - len(self.ledger.finished)
-      if tail.should_consolidate(unfinished, self.ledger.total, self.p.tail_r_t):
+      if tail.should_consolidate(unfinished, self.ledger.total,
+                                 self.p.tail_r_t):
         self._consolidate(t)
     if self.p.cut_tau:
       self._cut(t)

@@ -42,7 +42,11 @@ class ElasticEvents:
 
   def _scored(self, t, inst, chunk):
     inst.scoring = False
-    self.trainer.mark_scored(chunk, t)
+    if inst.released_at is not None and inst.released_at <= t:
+      # Preempted while scoring: the work is lost, the samples go back.
+      self.trainer.return_unscored(chunk, t)
+    else:
+      self.trainer.mark_scored(chunk, t)
     self._offload_scoring(t)
 
   # --- RLBoost events ------------------------------------------------------

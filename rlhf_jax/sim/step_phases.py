@@ -39,6 +39,12 @@ class StreamingTrainer:
     chunk, self.unscored = self.unscored[:n], self.unscored[n:]
     return chunk
 
+  def return_unscored(self, samples, t: float):
+    """Scoring elsewhere failed (preemption): the samples need scoring."""
+    self.unscored.extend(samples)
+    if self.sim is not None:
+      self._try(t)
+
   def mark_scored(self, samples, t: float):
     for x in samples:
       x.scored = True
@@ -172,6 +178,7 @@ class StepResult:
   timeline: list
   observation: object = None
   phase_s: dict = dataclasses.field(default_factory=dict)
+  remote_device_s: tuple = (0.0, 0.0)  # (busy, held) device-seconds.
 
   @property
   def step_s(self) -> float:

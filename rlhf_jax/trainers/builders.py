@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models.config import ModelConfig
@@ -18,7 +20,9 @@ def model_config(section, **fixed) -> ModelConfig:
 
 def layouts(section):
   """(train, rollout) layouts over one mesh from `config.mesh`."""
-  mesh = mesh_lib.make_mesh(section.data, section.fsdp, section.tensor)
+  devices = jax.devices()[:section.num_devices or None]
+  mesh = mesh_lib.make_mesh(section.data, section.fsdp, section.tensor,
+                            devices=devices)
   return (mesh_lib.train_layout(mesh),
           mesh_lib.rollout_layout(mesh, section.rollout_tensor))
 

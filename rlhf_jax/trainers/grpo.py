@@ -8,10 +8,11 @@ an uninterrupted run would have (all randomness derives from seed and step).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import signal
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -137,13 +138,61 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
   return state, metrics
 
 
-def run(config, workdir: str):
+@dataclasses.dataclass
+class Job:
+  """Everything a GRPO run builds before its first step."""
+  config: Any
+  tokenizer: CharTokenizer
+  task: AdditionTask
+  graphdef: Any
+  params: Any
+  train_layout: Any
+  rollout_layout: Any
+  learner: Learner
+  engine: Engine
+  eval_engine: Engine
+  iterator: PromptIterator
+
+  @property
+  def prompt_len(self) -> int:
+    return self.task.max_prompt_len
+
+  def step(self, step, state, ref_params):
+    return rl_step(step, state, ref_params, next(self.iterator),
+                   config=self.config, learner=self.learner,
+                   engine=self.engine, rollout_layout=self.rollout_layout,
+                   tokenizer=self.tokenizer, prompt_len=self.prompt_len)
+
+
+def build(config) -> Job:
+  """Validates the config, then builds model, layouts, learner and engines."""
   tokenizer = CharTokenizer()
   task = AdditionTask(**config.task)
-  prompt_len = task.max_prompt_len
-  validate_rl(config, prompt_len=prompt_len)
+  validate_rl(config, prompt_len=task.max_prompt_len)
   cfg = builders.model_config(config.model, vocab_size=tokenizer.vocab_size)
   train_layout, rollout_layout = builders.layouts(config.mesh)
+  graphdef, params = model_lib.init_params(cfg, config.seed, train_layout)
+  stops = (tokenizer.eos_id,)
+  greedy = builders.sampling_params(config.rollout, stops)
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=greedy.max_new_tokens,
+                          stop_tokens=stops)
+  return Job(
+      config=config, tokenizer=tokenizer, task=task, graphdef=graphdef,
+      params=params, train_layout=train_layout, rollout_layout=rollout_layout,
+      learner=_learner(config, graphdef, train_layout,
+                       max_len=config.rollout.max_new_tokens),
+      engine=builders.engine(cfg, graphdef, rollout_layout, config.rollout,
+                             stops),
+      eval_engine=Engine(
+          cfg, graphdef, rollout_layout, num_rows=config.eval.num_rows,
+          samples_per_row=1,
+          prefill_buckets=tuple(config.rollout.prefill_buckets),
+          sampling=greedy),
+      iterator=PromptIterator(task, tokenizer, config.train.prompts_per_step))
+
+
+def run(config, workdir: str):
+  job = build(config)
   main_process = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   if main_process:
@@ -153,30 +202,17 @@ def run(config, workdir: str):
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
                       keep=config.train.keep_checkpoints)
   stop = _StopFlag()
-
-  graphdef, params = model_lib.init_params(cfg, config.seed, train_layout)
-  learner = _learner(config, graphdef, train_layout,
-                     max_len=config.rollout.max_new_tokens)
-  iterator = PromptIterator(task, tokenizer, config.train.prompts_per_step)
-  sampling = builders.sampling_params(config.rollout, (tokenizer.eos_id,))
-  engine = builders.engine(cfg, graphdef, rollout_layout, config.rollout,
-                           (tokenizer.eos_id,))
-  eval_engine = Engine(
-      cfg, graphdef, rollout_layout, num_rows=config.eval.num_rows,
-      samples_per_row=1, prefill_buckets=tuple(config.rollout.prefill_buckets),
-      sampling=SamplingParams(temperature=0.0,
-                              max_new_tokens=sampling.max_new_tokens,
-                              stop_tokens=sampling.stop_tokens))
-  evals = eval_batches(task, tokenizer, config.eval.batch_size)
-  do_eval = lambda p: evaluate(eval_engine, mesh_lib.to_layout(
-      p, rollout_layout), evals, tokenizer, config)
+  learner, iterator, params = job.learner, job.iterator, job.params
+  evals = eval_batches(job.task, job.tokenizer, config.eval.batch_size)
+  do_eval = lambda p: evaluate(job.eval_engine, mesh_lib.to_layout(
+      p, job.rollout_layout), evals, job.tokenizer, config)
 
   start = ckpt.latest_step()
   if start is None:
     writer.truncate_after("sft", -1)
     writer.truncate_after("rl", -1)
-    params = run_sft(config, graphdef, params, train_layout, task, tokenizer,
-                     writer, verbose=main_process)
+    params = run_sft(config, job.graphdef, params, job.train_layout,
+                     job.task, job.tokenizer, writer, verbose=main_process)
     # The reference is a frozen copy: the policy's buffers are donated.
     ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     state, start = learner.init_state(params), 0
@@ -194,10 +230,7 @@ def run(config, workdir: str):
   total = config.train.steps
   progress = Progress(total, start, name="rl", enabled=main_process)
   for step in range(start + 1, total + 1):
-    state, metrics = rl_step(
-        step, state, ref_params, next(iterator), config=config,
-        learner=learner, engine=engine, rollout_layout=rollout_layout,
-        tokenizer=tokenizer, prompt_len=prompt_len)
+    state, metrics = job.step(step, state, ref_params)
     if step % config.eval.every == 0 or step == total:
       metrics.update(do_eval(state.params))
     record = writer.write("rl", step, metrics)

@@ -67,8 +67,8 @@ def validate_rl(config, *, prompt_len: int, num_devices: int | None = None):
         f"config.rollout.prefill_buckets max {max(ro.prefill_buckets)} + "
         f"max_new_tokens {ro.max_new_tokens} = {cache} exceeds the KV cache "
         f"length config.rollout.max_seq_len={ro.max_seq_len}")
-  n = num_devices or jax.device_count()
   m = config.mesh
+  n = num_devices or m.num_devices or jax.device_count()
   shards = n // max(m.tensor, 1) if m.data == -1 or m.fsdp == -1 else (
       m.data * m.fsdp)
   B = config.train.prompts_per_step * G

@@ -1,0 +1,69 @@
+"""Per-phase time and throughput of one GRPO step (rollout, scoring, train).
+
+python -m benchmarks.grpo_step [--quick] [--config.model.overrides.num_layers=4]
+    [--config.train.prompts_per_step=32] [--config.rollout.samples_per_row=8]
+    [--config.rollout.max_new_tokens=4] [--config.rollout.prefill_buckets=(8,)]
+
+Runs the default job's config (no SFT: the phases cost the same on random
+weights), skips the first step (compilation), and reports medians over the
+rest. The baseline for `steps_per_s_vs_first` is the compile-included first
+step of the same run.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/tiny_grpo.py", "GRPO config to time.")
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer steps (< 3 minutes).")
+_STEPS = flags.DEFINE_integer("steps", 12, "Timed steps (after one warm-up).")
+
+PHASES = ("perf/repartition_s", "perf/rollout_s", "perf/scoring_s",
+          "perf/train_s", "perf/step_s", "perf/tokens_per_s")
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+
+  from rlhf_jax.trainers import grpo
+
+  config = _CONFIG.value
+  job = grpo.build(config)
+  state = job.learner.init_state(job.params)
+  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
+  steps = 4 if _QUICK.value else _STEPS.value
+  t0 = time.perf_counter()
+  state, _ = job.step(1, state, ref)
+  first_s = time.perf_counter() - t0
+  records = []
+  for step in range(2, steps + 2):
+    state, metrics = job.step(step, state, ref)
+    records.append(metrics)
+  med = {k: statistics.median(r[k] for r in records) for k in PHASES}
+  B = config.train.prompts_per_step * config.rollout.samples_per_row
+  print(f"GRPO step: {config.train.prompts_per_step} prompts x "
+        f"{config.rollout.samples_per_row} samples = {B} sequences, "
+        f"{jax.device_count()} device(s), median of {len(records)} steps")
+  print(f"{'phase':<22}{'seconds':>10}{'share':>8}")
+  for k in PHASES[:4]:
+    print(f"{k:<22}{med[k]:>10.3f}{med[k] / med['perf/step_s']:>8.0%}")
+  print(f"{'perf/step_s':<22}{med['perf/step_s']:>10.3f}")
+  print(f"{'perf/tokens_per_s':<22}{med['perf/tokens_per_s']:>10.1f}")
+  print(f"{'first step (compile)':<22}{first_s:>10.3f}")
+  summary = {"steps_per_s": 1.0 / med["perf/step_s"],
+             "tokens_per_s": med["perf/tokens_per_s"],
+             "steps_per_s_vs_first": first_s / med["perf/step_s"],
+             **{k.split("/")[1]: med[k] for k in PHASES[:4]}}
+  sys.stdout.flush()
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  app.run(main)

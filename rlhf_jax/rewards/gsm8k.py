@@ -1,0 +1,132 @@
+"""GSM8K-style rewards: numeric final-answer match and an answer-format check.
+
+The final answer of a completion is the number after its last "####" (the
+GSM8K solution format) or, failing that, inside its last \\boxed{...}. The
+reference is metadata["answer"]: a full GSM8K solution ("... #### 72") or
+the bare answer. Numbers compare as values, tolerant of thousands commas,
+"$", "%", LaTeX spacing and \\frac{a}{b} / a/b fractions ("1,000.00" equals
+"$1000"). Registered as reward "gsm8k" and "gsm8k_format".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping, Sequence
+
+from rlhf_jax.rl import registry
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+(?:\.\d+)?)?|-?\.\d+")
+_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}")
+# Decorations that never change the value.
+_NOISE = ("\\$", "$", "\\%", "%", "\\!", "\\,", "\\;", "\\ ", "\\left",
+          "\\right", "−")
+
+
+def last_boxed(text: str) -> str | None:
+  """Content of the last \\boxed{...} (or \\fbox{...}), nested braces ok."""
+  start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+  if start < 0:
+    return None
+  i = text.index("{", start) + 1
+  depth = 1
+  for j in range(i, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[j], 0)
+    if depth == 0:
+      return text[i:j]
+  return None
+
+
+def _clean(text: str) -> str:
+  text = _FRAC.sub(r"(\1)/(\2)", text)
+  text = _TEXT.sub(r"\1", text)
+  for noise in _NOISE:
+    text = text.replace(noise, "-" if noise == "−" else "")
+  return text.replace("(", "").replace(")", "")
+
+
+def to_number(text: str) -> float | None:
+  """The first number in `text` as a float (commas, fractions ok), or None."""
+  match = _NUMBER.search(_clean(text))
+  if match is None:
+    return None
+  token = match.group().replace(",", "")
+  try:
+    if "/" in token:
+      num, den = token.split("/")
+      return float(num) / float(den) if float(den) else None
+    return float(token)
+  except ValueError:
+    return None
+
+
+def extract_answer(text: str) -> float | None:
+  """The final answer of a completion: after the last '####', else boxed."""
+  if "####" in text:
+    return to_number(text.rsplit("####", 1)[1])
+  boxed = last_boxed(text)
+  return None if boxed is None else to_number(boxed)
+
+
+def reference_answer(answer) -> float:
+  """The numeric reference from a GSM8K answer field (solution or number)."""
+  if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+    return float(answer)
+  text = str(answer)
+  value = extract_answer(text) if ("####" in text or "\\boxed" in text) else (
+      to_number(text))
+  if value is None:
+    raise ValueError(f"reference answer {text!r} has no number")
+  return value
+
+
+def same_number(a: float, b: float) -> bool:
+  return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+
+
+@registry.register("reward", "gsm8k")
+def gsm8k_correct(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """1.0 where the completion's final answer equals the reference number.
+
+  Args:
+    prompts: prompt texts (unused).
+    completions: decoded responses.
+    metadata: per-sample dicts with "answer" (GSM8K solution or number).
+
+  Returns:
+    One float per sample.
+  """
+  del prompts
+  out = []
+  for c, m in zip(completions, metadata):
+    pred = extract_answer(c)
+    out.append(float(pred is not None
+                     and same_number(pred, reference_answer(m["answer"]))))
+  return out
+
+
+@registry.register("reward", "gsm8k_format")
+def gsm8k_format(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """1.0 where the completion states a numeric final answer in a known form.
+
+  The form is "#### <number>" or "\\boxed{<number>}", whatever the value.
+
+  Args:
+    prompts: prompt texts (unused).
+    completions: decoded responses.
+    metadata: unused.
+
+  Returns:
+    One float per sample.
+  """
+  del prompts, metadata
+  return [float(extract_answer(c) is not None) for c in completions]
