@@ -34,11 +34,27 @@ def base_config() -> ml_collections.ConfigDict:
 
 def headline(name: str, metric: str, subject: str, reference: str,
              paper: float | None, aggregate: str = "mean",
-             best_of: str = "") -> ml_collections.ConfigDict:
-  """One compared number: metric of subject vs reference over cases."""
+             best_of: str = "", case: str = "",
+             base_case: str = "") -> ml_collections.ConfigDict:
+  """One compared number: metric of subject vs reference over cases.
+
+  Args:
+    name: what is compared.
+    metric: throughput_ratio | speedup | cost_efficiency_gain |
+      cost_reduction | train_speedup | gen_score_speedup |
+      overhead_reduction (uses `case` vs `base_case`).
+    subject: policy measured.
+    reference: policy it is compared with.
+    paper: the paper's number (None for our own claims).
+    aggregate: 'mean' or 'max' ("up to") over cases.
+    best_of: comma-separated policies; report subject's margin over the best.
+    case: fault case (overhead_reduction).
+    base_case: no-fault case (overhead_reduction).
+  """
   return ml_collections.ConfigDict(dict(
       name=name, metric=metric, subject=subject, reference=reference,
-      paper=paper, aggregate=aggregate, best_of=best_of))
+      paper=paper, aggregate=aggregate, best_of=best_of, case=case,
+      base_case=base_case))
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
@@ -48,8 +64,11 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     if not part:
       continue
     key, _, value = part.partition("=")
+    kind = type(defaults.get(key, ""))
     if not value:
       out[key] = True
+    elif kind is bool:
+      out[key] = value.lower() in ("1", "true", "yes")
     else:
-      out[key] = type(defaults.get(key, ""))(value)
+      out[key] = kind(value)
   return out

@@ -15,8 +15,10 @@ for resource-constrained project scheduling):
 3. Simulated annealing over priorities: perturb the incumbent's start times
    with Gaussian noise, decode and justify; accept worse makespans with
    probability exp(-delta / T). Stop at the lower bound.
-4. Memory pass: at the best makespan, prefer schedules with lower peak and
-   sum-of-peaks activation memory (lexicographic, as FlexFusion).
+4. Memory pass: retry under 1F1B-shaped caps on in-flight micro-batches
+   (stage s of an S-stage model holds at most S - s + extra), tightest
+   first, keeping the first that still reaches the best makespan. Ties are
+   broken by peak, then sum of peaks (FlexFusion's lexicographic order).
 
 `anneal_swaps` keeps FlexFusion's adjacent-swap annealing on order lists.
 """
@@ -28,7 +30,7 @@ import random
 from collections.abc import Callable
 
 from rlhf_jax.sched.pipeline import Evaluation, FusedProblem, evaluate
-from rlhf_jax.sched.pipeline import lower_bound, serial_peak_memory
+from rlhf_jax.sched.pipeline import lower_bound
 
 Task = tuple[int, int, bool]  # (model, micro-batch, forward?)
 Schedule = list[list[Task]]
@@ -38,25 +40,32 @@ Timed = list
 
 def list_schedule(problem: FusedProblem,
                   priority: Callable[[int, int, int], float],
-                  mem_cap: float = math.inf) -> list[Timed] | None:
+                  inflight_extra: int | None = None) -> list[Timed] | None:
   """Non-delay list scheduling; lower priority value runs first.
 
-  A forward may only start on a node whose activation memory (+mem per
-  forward, -mem per backward, in start order) stays within `mem_cap`.
-  Returns None when the cap deadlocks every node.
+  With `inflight_extra`, a node may hold at most S - s + extra forwarded,
+  not yet backwarded micro-batches of a model whose stage s it runs (1F1B
+  holds S - s): the activation-memory shape of 1F1B plus slack. Returns None
+  if the caps deadlock every node.
   """
   chains = [problem.chain(m) for m in range(problem.n_models)]
+  cap = {}
+  if inflight_extra is not None:
+    for m in range(problem.n_models):
+      nodes = problem.fwd_nodes(m)
+      for s, node in enumerate(nodes):
+        cap[(node, m)] = len(nodes) - s + inflight_extra
   available = [[] for _ in range(problem.pp0)]
   for m, chain in enumerate(chains):
     for k in range(problem.micro_batches(m)):
       available[chain[0][0]].append((0.0, m, k, 0))
   free_at = [0.0] * problem.pp0
-  memory = [0.0] * problem.pp0
+  inflight = {}
   timed = []
 
   def eligible(node):
     return [e for e in available[node] if not chains[e[1]][e[3]][2] or
-            memory[node] + problem.mem(e[1]) <= mem_cap + 1e-9]
+            inflight.get((node, e[1]), 0) < cap.get((node, e[1]), math.inf)]
 
   while any(available):
     options = []
@@ -75,7 +84,8 @@ def list_schedule(problem: FusedProblem,
     _, m, k, j = chosen
     end = t + chains[m][j][1]
     free_at[node] = end
-    memory[node] += problem.mem(m) if chains[m][j][2] else -problem.mem(m)
+    inflight[(node, m)] = inflight.get((node, m), 0) + (
+        1 if chains[m][j][2] else -1)
     timed.append([node, t, end, m, k, j])
     if j + 1 < len(chains[m]):
       available[chains[m][j + 1][0]].append((end, m, k, j + 1))
@@ -122,23 +132,23 @@ def to_schedule(problem: FusedProblem, timed: list[Timed]) -> Schedule:
 
 
 def _decode(problem, priority,
-            mem_cap=math.inf) -> tuple[Schedule | None, Evaluation]:
-  """Priority -> list schedule -> repeated double justification."""
-  timed = list_schedule(problem, priority, mem_cap)
+            inflight_extra=None) -> tuple[Schedule | None, Evaluation]:
+  """Priority -> list schedule -> repeated double justification.
+
+  Justification never lengthens a schedule but may reorder a node and raise
+  its memory peak; among the passes, the shortest, then leanest, is kept.
+  """
+  timed = list_schedule(problem, priority, inflight_extra)
   if timed is None:
     return None, Evaluation(math.inf, math.inf, math.inf)
-  makespan = max(x[2] for x in timed)
   schedule = to_schedule(problem, timed)
   result = evaluate(problem, schedule)
+  makespan = result.makespan
   while True:
-    # Justification can reorder a node and so move its memory peak; keep
-    # the justified schedule only while it respects the cap.
     improved = justify(problem, timed)
     candidate = to_schedule(problem, timed)
     cand_eval = evaluate(problem, candidate)
-    if cand_eval.peak_mem > mem_cap + 1e-9:
-      break
-    if cand_eval.makespan <= result.makespan:
+    if _key(cand_eval) < _key(result):
       schedule, result = candidate, cand_eval
     if improved >= makespan - 1e-9:
       break
@@ -152,6 +162,8 @@ def _key(e: Evaluation) -> tuple[float, float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
+  """Best schedule found, its makespan and peak memory, and the bound."""
+
   schedule: Schedule
   makespan: float
   lower_bound: int
@@ -168,9 +180,8 @@ def search(problem: FusedProblem, *, iterations: int = 60,
   Args:
     problem: the instance.
     iterations: annealing iterations (stops early at the lower bound).
-    memory_tries: decodes per activation-memory cap in the memory pass; caps
-      step down from the found peak toward the serial-1F1B peak, and the
-      lowest cap that keeps the best makespan wins (0 = no memory pass).
+    memory_tries: perturbed decodes per in-flight cap in the memory pass
+      (0 = no memory pass); see _reduce_memory.
     t0: initial temperature, in units of the smaller forward time.
     seed: random seed (deterministic search).
 
@@ -207,35 +218,38 @@ def search(problem: FusedProblem, *, iterations: int = 60,
                       greedy_makespan, done)
 
 
-def _perturbed(problem, schedule, rng, unit, bwd_bias=0.0):
-  """Priority = incumbent start time + Gaussian noise (- bias for bwd)."""
-  chains = [problem.chain(m) for m in range(problem.n_models)]
+def _perturbed(problem, schedule, rng, unit):
+  """Priority = incumbent start time + Gaussian noise."""
   starts = _start_times(problem, schedule)
   sigma = rng.choice((0.5, 1.0, 2.0, 4.0)) * unit
   noise = {key: rng.gauss(0.0, sigma) for key in starts}
-  def priority(m, k, j):
-    backward = not chains[m][j][2]
-    return starts[(m, k, j)] + noise[(m, k, j)] - bwd_bias * backward
-  return priority
+  return lambda m, k, j: starts[(m, k, j)] + noise[(m, k, j)]
 
 
 def _reduce_memory(problem, best, best_eval, tries, rng, unit):
-  """Lowest activation cap (from the peak down) keeping the best makespan."""
-  floor = max(serial_peak_memory(problem), problem.mem0, problem.mem1)
-  cap = best_eval.peak_mem
-  while cap > floor + 1e-9:
-    cap = max(floor, cap * 0.85)
-    found = None
+  """Tightest 1F1B-shaped in-flight cap that keeps the best makespan.
+
+  Caps S - s + extra for extra = 0, 1, 2, 4, 8: each gets a critical-path
+  decode and up to `tries` perturbed ones; the first cap reaching the best
+  makespan with a lower memory peak wins.
+  """
+  chains = [problem.chain(m) for m in range(problem.n_models)]
+  tails = [[sum(d for _, d, _ in chain[j + 1:]) for j in range(len(chain))]
+           for chain in chains]
+  for extra in (0, 1, 2, 4, 8):
+    cand, cand_eval = _decode(problem, lambda m, k, j: -tails[m][j], extra)
     for _ in range(tries):
-      cand, cand_eval = _decode(
-          problem, _perturbed(problem, best, rng, unit, bwd_bias=2 * unit),
-          mem_cap=cap)
       if cand is not None and cand_eval.makespan <= best_eval.makespan:
-        found = (cand, cand_eval)
         break
-    if found is None:
-      break
-    best, best_eval = found
+      if cand is None:
+        break
+      nxt, nxt_eval = _decode(problem, _perturbed(problem, cand, rng, unit),
+                              extra)
+      if nxt is not None and _key(nxt_eval) < _key(cand_eval):
+        cand, cand_eval = nxt, nxt_eval
+    if (cand is not None and cand_eval.makespan <= best_eval.makespan and
+        cand_eval.peak_mem < best_eval.peak_mem):
+      return cand, cand_eval
   return best, best_eval
 
 

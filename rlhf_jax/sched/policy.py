@@ -39,9 +39,11 @@ class Policy:
     continuous_lb: RLBoost CONTINUOUSLB polling.
     lb_period_s: polling period ([U], default 1 s).
     plateau_fraction: throughput fraction defining the batching plateau B.
-    migration: how moved samples resume: 'kv' (cache moved over RDMA),
-      'reprefill' (prompt + partial re-prefilled, RLBoost), 'recompute'
-      (partial tokens dropped; the ablation baseline).
+    migration: how samples the scheduler moves resume: 'kv' (cache moved
+      over RDMA) or 'reprefill' (prompt + partial re-prefilled, RLBoost).
+    preemption_recovery: samples of a preempted instance keep their tokens
+      ('tokens', RLBoost's token-level migration) or restart from the prompt
+      ('recompute', the fault-handling ablation baseline).
     pull_weights: remote instances pull weights and may join mid-step
       (False = synchronous push at step start only).
     streaming_train: trainer consumes finished groups in micro-batches.
@@ -79,6 +81,7 @@ class Policy:
   lb_period_s: float = 1.0
   plateau_fraction: float = 0.8
   migration: str = "reprefill"
+  preemption_recovery: str = "tokens"
   pull_weights: bool = True
   streaming_train: bool = False
   micro_batch_min: int = 64

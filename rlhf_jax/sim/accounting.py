@@ -1,4 +1,4 @@
-"""Step accounting: training phase time, billing, utilization, timelines.
+"""Step accounting: results, billing, utilization, Chrome-trace timelines.
 
 Throughput follows RLBoost: (tokens generated + tokens trained) / step time.
 Cost is dollars (or device-seconds when prices are equal); timelines are
@@ -6,20 +6,40 @@ Chrome trace JSON events (load in chrome://tracing or Perfetto), the same
 format the live trainer writes.
 """
 
+import dataclasses
 import json
 
 from rlhf_jax.sched import offload
-from rlhf_jax.sim import step_phases
-from rlhf_jax.sim import training
 
 
-def train_phase_time(sim, tokens: float, ctx: float) -> float:
-  """Actor (+ critic) training after the rollout."""
-  s = sim.s
-  if s.train_pp:
-    return training.pipeline_train_time(s, len(sim.samples), tokens, ctx,
-                                        fused=sim.p.fused_training)
-  return s.fsdp_train_time(tokens, len(sim.samples), ctx)
+@dataclasses.dataclass
+class StepResult:
+  """Per-step accounting (RLBoost's definitions)."""
+
+  step: int
+  t0: float
+  t_end: float
+  rollout_s: float
+  gen_tokens: float
+  trained_tokens: float
+  cost: float
+  device_s_held: float
+  device_s_busy: float
+  counters: dict
+  n_remote: float
+  t_seed: float
+  timeline: list
+  observation: object = None
+  phase_s: dict = dataclasses.field(default_factory=dict)
+  remote_device_s: tuple = (0.0, 0.0)  # (busy, held) device-seconds.
+
+  @property
+  def step_s(self) -> float:
+    return self.t_end - self.t0
+
+  @property
+  def tokens_per_s(self) -> float:
+    return (self.gen_tokens + self.trained_tokens) / self.step_s
 
 
 def _engine_billed_until(inst) -> float:
@@ -70,7 +90,7 @@ def account(sim, t_roll_end, t_end, tokens, phases):
   phase_s = {}
   for label, start, end in phases:
     phase_s[label] = phase_s.get(label, 0.0) + end - start
-  return step_phases.StepResult(
+  return StepResult(
       phase_s=phase_s,
       remote_device_s=(remote_busy, remote_held * s.remote_devices),
       step=sim.step, t0=t0, t_end=t_end, rollout_s=t_roll_end - t0,

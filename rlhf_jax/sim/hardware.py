@@ -8,18 +8,20 @@ serve every reproduction; none is fitted to a headline (see docs/sim.md).
 Efficiency sources (fractions of peak):
   * decode_mem_eff = 0.77: vLLM Llama-3.1-8B batch-1 decode on A100 runs at
     ~77% of the HBM roofline (vLLM 0.23; johnmusgrave.com/p/
-    vllm-throughput-latency-sweep-on). Used as the fraction of HBM bandwidth a decode step achieves.
+    vllm-throughput-latency-sweep-on): the fraction of HBM bandwidth a
+    decode step achieves, scheduler overhead included.
   * train_mfu = 0.40: Llama 3 pre-training reports 38-43% BF16 MFU on H100
     (Llama 3 Herd of Models, Table 4). Used for fwd/bwd compute.
-  * prefill_mfu = 0.50: prefill and scoring forwards are large GEMMs like the
-    training forward but without recompute; we take the upper end of the
-    same Llama 3 range plus a small margin rather than a separate fit.
-  * nvlink_eff = 0.80, nic_eff = 0.80: nccl-tests on DGX H100 reach ~360 of
-    450 GB/s NVLink bus bandwidth; multi-stream TCP reaches ~80% of line rate.
+  * prefill_mfu = 0.50: prefill and scoring forwards are the same GEMMs as
+    the training forward without backward or recompute; a judgement call
+    above the Llama 3 range, not a measurement (docs/sim.md says so).
+  * link_eff = 0.80: nccl-tests on DGX H100 reach ~360 of 450 GB/s NVLink bus
+    bandwidth; multi-stream TCP reaches ~80% of line rate.
 
 Prices: on-demand 8xH100 $83.79/h and spot 2xH100 $5.32/h are the averages a
-third-party note reports for RLBoost's Table 3 [S]; L40S uses AWS g6e.48xlarge
-on-demand ($30.13/h for 8 GPUs); TPU v5e uses the GCP list price.
+third-party note reports for RLBoost's Table 3 [S]; L40S uses AWS
+g6e.48xlarge on-demand ($30.13/h for 8 GPUs; its spot price is an assumed
+60% discount that no reproduction uses); TPU v5e uses the GCP list price.
 """
 
 import dataclasses

@@ -31,9 +31,17 @@ class RemotePool:
     self.cursor += 1
     if event.kind == "add":
       self.present.append(event.iid)
-    else:
+    elif event.iid in self.present:
       self.present.remove(event.iid)
     return event
+
+  def preempt_at(self, t: float, count: int):
+    """Schedules removal of `count` instances present now (a fault burst)."""
+    victims = list(self.present)[:count]
+    burst = [SpotEvent(t, iid, "remove") for iid in victims]
+    pending = self.events[self.cursor:] + burst
+    pending.sort(key=lambda e: (e.time, e.kind != "remove", e.iid))
+    self.events = self.events[:self.cursor] + pending
 
   def apply_until(self, t: float) -> list[SpotEvent]:
     """Applies every event up to time t; returns them."""

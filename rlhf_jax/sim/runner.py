@@ -22,7 +22,8 @@ class RunState:
 
 
 def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
-        spot_events: list | None = None) -> list:
+        spot_events: list | None = None,
+        fault: tuple[int, float, int] | None = None) -> list:
   """Simulates `steps` RL steps; returns the per-step StepResults.
 
   Args:
@@ -31,6 +32,9 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
     workload: length source (same seed -> same lengths for every policy).
     steps: number of steps.
     spot_events: availability trace of remote instances (None = none).
+    fault: (step, seconds into the step, count): that many held remote
+      instances are preempted at once (RLBoost's fault-handling ablation),
+      and do not come back.
   """
   controller = None
   if policy.seeding:
@@ -43,6 +47,8 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
       pool=RemotePool(spot_events or [], setting.remote_price_per_s))
   results = []
   for step in range(steps):
+    if fault is not None and fault[0] == step:
+      state.pool.preempt_at(state.clock + fault[1], fault[2])
     batch = workload.batch(step)
     result = StepSimulator(setting, policy, batch, state, step).run()
     results.append(result)
@@ -58,12 +64,13 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
 
 
 def compare(setting: Setting, policies: list[Policy], workload_spec, steps: int,
-            spot_events=None, warmup: int = 0) -> dict[str, dict]:
+            spot_events=None, warmup: int = 0,
+            fault=None) -> dict[str, dict]:
   """Runs each policy on the same workload and trace; returns summaries."""
   out = {}
   for policy in policies:
     results = run(setting, policy, Workload(workload_spec), steps,
-                  spot_events)
+                  spot_events, fault)
     out[policy.name] = accounting.summarize(results, warmup)
     out[policy.name]["_results"] = results
   return out

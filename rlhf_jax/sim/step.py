@@ -16,7 +16,8 @@ import math
 
 from rlhf_jax.sched import actor_scaling, assignment, offload, tail
 from rlhf_jax.sched.policy import Policy
-from rlhf_jax.sim import costs, step_elastic, step_phases, step_tail
+from rlhf_jax.sim import accounting, costs, step_elastic, step_phases
+from rlhf_jax.sim import step_tail
 from rlhf_jax.sim.instance import DecodeInstance, Sample
 from rlhf_jax.sim.setting import Setting
 
@@ -231,13 +232,15 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
       inst.t = max(inst.t, t)
     self._dispatch(t)
 
-  def _requeue(self, moved: list[Sample], t: float):
-    """Moved samples go to the front of the central queue, tokens kept."""
+  def _requeue(self, moved: list[Sample], t: float,
+               preempted: bool = False):
+    """Moved samples go to the front of the central queue, tokens kept
+    (unless preempted under `preemption_recovery='recompute'`)."""
     for x in reversed(moved):
       if x.generated > 0:  # started: it resumes elsewhere (re-prefill).
         x.migrations += 1
         self.counters["migrations"] += 1
-      if self.p.migration == "recompute":
+      if preempted and self.p.preemption_recovery == "recompute":
         x.generated = 0.0
       self.queue.appendleft(x)
     self._dispatch(t)
@@ -253,8 +256,6 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
       if running:  # a queued sample that never started is not a migration.
         x.migrations += 1
         self.counters["migrations"] += 1
-        if self.p.migration == "recompute":
-          x.generated = 0.0
       if kv:
         tokens = x.prompt_len + x.generated
         dst.in_transit += 1
@@ -298,7 +299,7 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
 
   # --- main loop -------------------------------------------------------------
 
-  def run(self) -> step_phases.StepResult:
+  def run(self) -> accounting.StepResult:
     """Runs the step; returns its timing, tokens, cost and timeline."""
     predicted = self._predictions()
     self.predicted = predicted

@@ -66,7 +66,10 @@ class ElasticEvents:
     self.trainer.open(t, self)
 
   def _balance(self, t):
-    targets = [i for i in self.remote.values() if i.alive and i.ready]
+    # Every engine the manager dispatches to takes part, including the
+    # training cluster's engines while they seed (Algorithm 2 polls every
+    # instance), so remotes that finish their weight pull take work at once.
+    targets = self._targets()
     if len(targets) > 1:
       ctx = sum(i.kv_tokens for i in targets) / max(
           1, sum(i.n_running for i in targets))
@@ -94,7 +97,7 @@ class ElasticEvents:
         inst.alive = False
         inst.released_at = t
         self.counters["preemptions"] += 1
-        self._requeue(moved, t)
+        self._requeue(moved, t, preempted=True)
     elif event.kind == "add" and self.p.use_remote:
       allowed = len(pool.present)
       if self.p.remote_cap and self.state.controller is not None:

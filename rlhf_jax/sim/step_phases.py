@@ -1,8 +1,8 @@
 """After the rollout: streaming trainer, scoring, training, step accounting."""
 
-import dataclasses
-
+from rlhf_jax.sim import accounting
 from rlhf_jax.sim import costs
+from rlhf_jax.sim import training
 from rlhf_jax.sim.models import get_model
 
 
@@ -69,7 +69,8 @@ class StreamingTrainer:
     trainable = [x for x in self.ready
                  if not self.sample_level or x.scored]
     if trainable and len(trainable) >= min(self.p.micro_batch_min, remaining):
-      self.ready = [x for x in self.ready if x not in set(trainable)]
+      self.ready = [x for x in self.ready
+                    if self.sample_level and not x.scored]
       return ("train" if self.sample_level else "score_train"), trainable
     all_done = self.sim.ledger.done
     if self.unscored and (len(self.unscored) >= self.p.micro_batch_min or
@@ -159,40 +160,18 @@ def overlapped_scoring(sim, t_end: float) -> float:
   return done
 
 
-@dataclasses.dataclass
-class StepResult:
-  """Per-step accounting (RLBoost's definitions)."""
-
-  step: int
-  t0: float
-  t_end: float
-  rollout_s: float
-  gen_tokens: float
-  trained_tokens: float
-  cost: float
-  device_s_held: float
-  device_s_busy: float
-  counters: dict
-  n_remote: float
-  t_seed: float
-  timeline: list
-  observation: object = None
-  phase_s: dict = dataclasses.field(default_factory=dict)
-  remote_device_s: tuple = (0.0, 0.0)  # (busy, held) device-seconds.
-
-  @property
-  def step_s(self) -> float:
-    return self.t_end - self.t0
-
-  @property
-  def tokens_per_s(self) -> float:
-    return (self.gen_tokens + self.trained_tokens) / self.step_s
+def train_phase_time(sim, tokens: float, ctx: float) -> float:
+  """Actor (+ critic) training after the rollout."""
+  s = sim.s
+  if s.train_pp:
+    return training.pipeline_train_time(s, len(sim.samples), tokens, ctx,
+                                        fused=sim.p.fused_training)
+  return s.fsdp_train_time(tokens, len(sim.samples), ctx)
 
 
-def finish_step(sim) -> StepResult:
+def finish_step(sim) -> accounting.StepResult:
   """Post-rollout phases, billing and the timeline of one step."""
-  from rlhf_jax.sim import accounting  # local: accounting imports StepResult.
-  s, p = sim.s, sim.p
+  s = sim.s
   t_roll_end = max(t for t, _ in sim.finish_order)
   tokens, ctx = _tokens(sim.samples)
   trainer = sim.trainer
@@ -204,7 +183,7 @@ def finish_step(sim) -> StepResult:
     d = s.reserved_devices
     scoring_total = s.scoring_time(tokens, ctx, d) * d
     scoring = max(0.0, scoring_total - overlapped_scoring(sim, t_roll_end)) / d
-    train = accounting.train_phase_time(sim, tokens, ctx)
+    train = train_phase_time(sim, tokens, ctx)
     phases += [("scoring", t_roll_end, t_roll_end + scoring),
                ("train", t_roll_end + scoring, t_roll_end + scoring + train)]
     t_end = t_roll_end + scoring + train

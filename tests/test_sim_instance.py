@@ -1,0 +1,96 @@
+"""The fluid decode instance against a step-by-step reference."""
+
+import pytest
+
+from rlhf_jax.sim import costs
+from rlhf_jax.sim.hardware import get_hardware
+from rlhf_jax.sim.instance import DecodeInstance, Sample
+from rlhf_jax.sim.models import get_model
+
+MODEL, HW = get_model("qwen3-8b"), get_hardware("h100")
+
+
+def _instance(slots=8, **kw):
+  return DecodeInstance("i", MODEL, HW, 2, slots, kind="local",
+                        start_time=0.0, **kw)
+
+
+def _reference(lengths, prompt, slots):
+  """Discrete decode loop: one token per running sample per step."""
+  running = [[0, n] for n in lengths[:slots]]
+  queue = list(lengths[slots:])
+  t, finish = 0.0, []
+  while running:
+    kv = sum(prompt + g for g, _ in running)
+    t += costs.decode_step_time(MODEL, HW, 2, len(running), kv)
+    for r in running:
+      r[0] += 1
+    done = [r for r in running if r[0] == r[1]]
+    running = [r for r in running if r[0] < r[1]]
+    finish += [t] * len(done)
+    while queue and len(running) < slots:
+      running.append([0, queue.pop(0)])
+  return finish
+
+
+def test_fluid_matches_discrete_decode():
+  lengths = [50, 120, 300, 301, 800, 80, 1000, 640]
+  inst = _instance(slots=8)
+  samples = [Sample(i, i, 0, 100, n) for i, n in enumerate(lengths)]
+  for s in samples:
+    inst._start(s)  # straight into a slot: no prefill, as in the reference.
+  finished = inst.advance(1e9)
+  got = sorted(s.finish_time for s in finished)
+  want = sorted(_reference(lengths, 100, 8))
+  assert len(got) == len(lengths)
+  for g, w in zip(got, want):
+    assert g == pytest.approx(w, rel=1e-3)
+
+
+def test_tokens_survive_take_and_evict():
+  inst = _instance(slots=2)
+  a, b, c = (Sample(i, i, 0, 10, 1000) for i in range(3))
+  for s in (a, b, c):
+    inst.add(s, 0.0)
+  t = inst.next_event_time()
+  assert inst.advance(t / 2) == []
+  (moved,) = inst.take(1, running=True, now=t / 2)
+  assert 0 < moved.generated < 1000 and moved.location is None
+  assert inst.n_running == 2  # the queued sample took the free slot.
+  rest = inst.evict_all()
+  assert {s.uid for s in rest} | {moved.uid} == {0, 1, 2}
+  assert all(s.generated < 1000 for s in rest)
+  assert inst.n_work == 0 and inst.kv_tokens == pytest.approx(0.0, abs=1e-6)
+
+
+def test_prefix_shared_decode_reads_prompt_once_per_group():
+  shared, plain = _instance(shared_prefix_decode=True), _instance()
+  for inst in (shared, plain):
+    for j in range(4):
+      inst._start(Sample(j, 7, j, 500, 100))
+  assert plain.kv_tokens == 2000
+  assert shared.kv_tokens == 500
+
+
+def test_dedup_prefill_prefills_each_prompt_once():
+  dedup, plain = _instance(dedup_prefill=True), _instance()
+  for inst in (dedup, plain):
+    for j in range(4):
+      inst.add(Sample(j, 7, j, 2000, 100), 0.0)
+  assert dedup.stall_until < plain.stall_until
+
+
+def test_cpu_profile_calibration_hook(tmp_path):
+  from rlhf_jax.sim import hardware  # pylint: disable=g-import-not-at-top
+  missing = hardware.cpu_profile(str(tmp_path / "none.json"))
+  assert missing.name == "cpu"
+  path = tmp_path / "engine_costs_cpu.json"
+  path.write_text('{"decode_mem_eff": 0.31, "step_overhead_s": 0.0012}')
+  calibrated = hardware.cpu_profile(str(path))
+  assert calibrated.name == "cpu_calibrated"
+  assert calibrated.decode_mem_eff == 0.31
+  assert calibrated.step_overhead_s == 0.0012
+  assert calibrated.peak_flops == missing.peak_flops
+  path.write_text('{"decode_eff": 0.3}')
+  with pytest.raises(ValueError):
+    hardware.cpu_profile(str(path))
