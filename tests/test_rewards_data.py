@@ -215,7 +215,8 @@ class RewardFunctionsTest(parameterized.TestCase):
   def test_registered_names(self):
     self.assertEqual(
         registry.names("reward"),
-        ["addition", "digit_accuracy", "digits_format", "exact_match"],
+        ["addition", "digit_accuracy", "digits_format", "exact_match",
+         "gsm8k", "gsm8k_format"],
     )
     with self.assertRaisesRegex(ValueError, "known reward names: .*'exact_m"):
       registry.get("reward", "accuracy")
