@@ -47,7 +47,11 @@ def test_eight_devices_match_one_device(run8, tmp_path):
     for key in ("train/loss", "train/kl", "train/grad_norm",
                 "rollout/reward_mean"):
       a, b = sharded[step][key], single[step][key]
-      assert abs(a - b) <= 1e-5 * max(abs(b), 1e-3), (step, key, a, b)
+      # fp32 relative 1e-5; values near 0 (a loss of ~1e-4) get an 1e-8 floor.
+      assert abs(a - b) <= 1e-5 * abs(b) + 1e-8, (step, key, a, b)
+  # The comparison is not vacuous: updates and rewards are non-zero.
+  assert all(sharded[s]["train/grad_norm"] > 1e-3 for s in range(1, 7))
+  assert any(sharded[s]["rollout/reward_mean"] > 0 for s in range(1, 7))
   assert os.path.exists(os.path.join(run8, "reward_curve.png"))
   assert os.path.exists(os.path.join(run8, "tensorboard"))
 

@@ -68,6 +68,7 @@ class Example:
   answer: str  # digits of a + b, reversed if the task reverses answers
   reverse_answer: bool
   split: str  # "train", "sft" or "eval"
+  answer_width: int = 0  # zero-padded width of the answer (0: no padding)
 
   def metadata(self) -> dict:
     """Per-sample metadata handed to reward functions."""
@@ -77,21 +78,23 @@ class Example:
         "a": self.a,
         "b": self.b,
         "reverse_answer": self.reverse_answer,
+        "answer_width": self.answer_width,
         "split": self.split,
     }
 
 
-def format_answer(total: int, reverse_answer: bool) -> str:
+def format_answer(total: int, reverse_answer: bool, width: int = 0) -> str:
   """Writes a sum the way the task expects it.
 
   Args:
     total: the sum.
     reverse_answer: least-significant digit first.
+    width: zero-pad to this many digits (0: no padding).
 
   Returns:
     The answer string (no <eos>).
   """
-  digits = str(total)
+  digits = str(total).zfill(width)
   return digits[::-1] if reverse_answer else digits
 
 
@@ -103,6 +106,8 @@ class AdditionTask:
     max_digits: most digits per operand (2-3 suits a 2-4 layer model).
     min_digits: fewest digits per operand.
     reverse_answer: write the sum least-significant digit first.
+    zero_pad: write operands with max_digits digits and the answer with
+      max_digits + 1, so digit i of every number sits at a fixed position.
     num_eval: number of distinct held-out problems in the eval split.
     holdout_fraction: fraction of all distinct problems never trained on.
     seed: determines every stream and the held-out set.
@@ -111,6 +116,7 @@ class AdditionTask:
   max_digits: int = 2
   min_digits: int = 1
   reverse_answer: bool = True
+  zero_pad: bool = False  # Fixed-width operands and answer ("007+042=").
   num_eval: int = 200
   holdout_fraction: float = 0.1
   seed: int = 0
@@ -190,14 +196,17 @@ class AdditionTask:
 
   def _example(self, a: int, b: int, prompt_id: int, split: str) -> Example:
     """Builds the Example for operands (a, b)."""
+    w = self.max_digits if self.zero_pad else 0
+    answer_width = self.max_digits + 1 if self.zero_pad else 0
     return Example(
         prompt_id=prompt_id,
         a=a,
         b=b,
-        prompt=f"{a}+{b}=",
-        answer=format_answer(a + b, self.reverse_answer),
+        prompt=f"{a:0{w}d}+{b:0{w}d}=" if w else f"{a}+{b}=",
+        answer=format_answer(a + b, self.reverse_answer, answer_width),
         reverse_answer=self.reverse_answer,
         split=split,
+        answer_width=answer_width,
     )
 
   def _stream_example(self, stream: int, index: int, split: str) -> Example:

@@ -15,6 +15,7 @@ prompt id and the function, or a counted 0).
 import re
 from typing import Mapping, Sequence
 
+from rlhf_jax.data.tasks import format_answer
 from rlhf_jax.rl import registry
 
 _ADDITION_PROMPT = re.compile(r"(\d+)\+(\d+)=")
@@ -71,8 +72,9 @@ def addition_correct(
     match = _ADDITION_PROMPT.fullmatch(p)
     if match is None:
       raise ValueError(f"Not an addition prompt: {p!r}.")
-    total = str(int(match[1]) + int(match[2]))
-    out.append(float(c == (total[::-1] if m["reverse_answer"] else total)))
+    total = int(match[1]) + int(match[2])
+    out.append(float(c == format_answer(total, m["reverse_answer"],
+                                        m.get("answer_width", 0))))
   return out
 
 

@@ -117,8 +117,8 @@ class Learner:
     opt_state = jax.jit(self.optimizer.init,
                         out_shardings=self.opt_shardings(params, opt_shape))(
                             params)
-    return TrainState(params=params, opt_state=opt_state,
-                      step=jnp.zeros((), jnp.int32))
+    step = jax.device_put(jnp.zeros((), jnp.int32), self.layout.replicated())
+    return TrainState(params=params, opt_state=opt_state, step=step)
 
   def opt_shardings(self, params, opt_state):
     """Each optimizer leaf whose path ends with a param's path (Adam moments)
