@@ -27,15 +27,19 @@ def get_config(arg=None):
   c.mesh = common.mesh_config()
 
   c.task = ml_collections.ConfigDict(dict(
-      max_digits=2, min_digits=1, reverse_answer=True, num_eval=200,
+      max_digits=2, min_digits=1, reverse_answer=False, zero_pad=False,
+      num_eval=200,
       holdout_fraction=0.1, seed=0))
 
+  # Data source (rlhf_jax/trainers/sources.py): the addition task of c.task.
+  c.data = ml_collections.ConfigDict(dict(kind="addition"))
+
   c.sft = ml_collections.ConfigDict(dict(
-      steps=150, batch_size=64, learning_rate=3e-3, warmup_steps=20,
+      steps=500, batch_size=64, learning_rate=3e-3, warmup_steps=20,
       grad_clip=1.0, log_every=25))
 
   c.rollout = ml_collections.ConfigDict(dict(
-      num_rows=32, samples_per_row=8, prefill_buckets=(8,), max_new_tokens=4,
+      num_rows=64, samples_per_row=8, prefill_buckets=(8,), max_new_tokens=4,
       max_seq_len=64, temperature=1.0, top_k=0, top_p=1.0,
       attention_impl="auto"))
 
@@ -47,17 +51,17 @@ def get_config(arg=None):
       kl_coef=0.01, kl_estimator="k3", kl_in_loss=True,
       aggregation="token-mean",  # | seq-mean-token-mean | seq-mean-token-sum-norm
       ppo_epochs=1, num_minibatches=2, micro_batches=1,
-      rewards=("addition",), reward_weights=(),
+      rewards=("addition", "digit_accuracy"), reward_weights=(1.0, 0.5),
       on_reward_error="raise",   # | "zero": score 0 and count rewards/errors.
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-3, warmup_steps=5, decay_steps=0, end_lr_ratio=0.1,
+      learning_rate=3e-4, warmup_steps=5, decay_steps=0, end_lr_ratio=0.1,
       b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0))
 
   c.train = ml_collections.ConfigDict(dict(
-      steps=60, prompts_per_step=32, checkpoint_every=10, keep_checkpoints=2))
-  c.eval = ml_collections.ConfigDict(dict(every=10, num_rows=40,
+      steps=200, prompts_per_step=64, checkpoint_every=10, keep_checkpoints=2))
+  c.eval = ml_collections.ConfigDict(dict(every=25, num_rows=40,
                                           batch_size=200))
 
   if arg.runlocal:

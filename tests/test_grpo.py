@@ -27,7 +27,8 @@ def _config(num_devices=0, **extra):
 
 def _rl_records(workdir):
   from rlhf_jax.metrics import MetricWriter
-  return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")}
+  return {r["step"]: {k: v for k, v in r.items()
+                      if not k.startswith("perf/") and k != "phase"}
           for r in MetricWriter(workdir, enabled=False).read()
           if r["phase"] == "rl"}
 
@@ -47,8 +48,10 @@ def test_eight_devices_match_one_device(run8, tmp_path):
     for key in ("train/loss", "train/kl", "train/grad_norm",
                 "rollout/reward_mean"):
       a, b = sharded[step][key], single[step][key]
-      # fp32 relative 1e-5; values near 0 (a loss of ~1e-4) get an 1e-8 floor.
-      assert abs(a - b) <= 1e-5 * abs(b) + 1e-8, (step, key, a, b)
+      # fp32 relative 1e-5. The policy loss is a sum of +-A*ratio terms of
+      # size ~1 that nearly cancel (loss ~5e-3), so it is compared relative
+      # to that term scale: an absolute floor of 1e-6.
+      assert abs(a - b) <= 1e-5 * abs(b) + 1e-6, (step, key, a, b)
   # The comparison is not vacuous: updates and rewards are non-zero.
   assert all(sharded[s]["train/grad_norm"] > 1e-3 for s in range(1, 7))
   assert any(sharded[s]["rollout/reward_mean"] > 0 for s in range(1, 7))

@@ -389,16 +389,19 @@ class AggregationTest(_Base):
 class RegistryTest(_Base):
 
   def test_builtin_names(self):
-    self.assertEqual(registry.names("advantage"), ["drgrpo", "grpo", "rloo"])
+    self.assertEqual(registry.names("advantage"),
+                     ["drgrpo", "grpo", "reinforce_pp",
+                      "reinforce_pp_baseline", "rloo"])
     self.assertEqual(registry.names("aggregation"), sorted(_AGG_MODES))
     self.assertEqual(registry.names("kl_estimator"), ["k1", "k2", "k3"])
-    self.assertEqual(registry.names("policy_loss"), ["ppo"])
+    self.assertEqual(registry.names("policy_loss"), ["gspo", "ppo"])
 
   def test_unknown_name_lists_known(self):
     with self.assertRaisesRegex(
         ValueError,
         r"Unknown advantage 'gae'; known advantage names: "
-        r"\['drgrpo', 'grpo', 'rloo'\]",
+        r"\['drgrpo', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', "
+        r"'rloo'\]",
     ):
       registry.get("advantage", "gae")
     with self.assertRaisesRegex(ValueError, "token-mean"):

@@ -114,6 +114,19 @@ class Decoder(nnx.Module):
     Returns:
       logits [B,T,V] fp32, and with return_kv (k, v) each [L,B,T,N,K].
     """
+    x, ks, vs = self._trunk(tokens_BxT, positions_BxT, mask_BxT)
+    logits = self._logits(x)
+    if return_kv:
+      return logits, (jnp.stack(ks), jnp.stack(vs))
+    return logits
+
+  def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT):
+    """Final-norm hidden states [B,T,D] (compute dtype), for scalar heads."""
+    x, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT)
+    return self.final_norm(x)
+
+  def _trunk(self, tokens_BxT, positions_BxT, mask_BxT):
+    """Embedding + blocks: residual stream [B,T,D] and per-layer k, v lists."""
     T = tokens_BxT.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     allowed = causal[None] & mask_BxT[:, None, :]
@@ -129,10 +142,7 @@ class Decoder(nnx.Module):
       x = block._residual_mlp(x, block.attn.out(o))
       ks.append(k)
       vs.append(v)
-    logits = self._logits(x)
-    if return_kv:
-      return logits, (jnp.stack(ks), jnp.stack(vs))
-    return logits
+    return x, ks, vs
 
   def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,
              suffix_k, suffix_v, suffix_len_RxG, *, attention_impl="auto"):

@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (GRPO, Dr.GRPO, RLOO).
+"""Advantage estimators: group-relative (GRPO, Dr.GRPO, RLOO), REINFORCE++.
 
 Dimension letters: N prompts, G samples per prompt (group size), B = N * G
 sequences, T response positions.
@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from rlhf_jax.rl import registry
+from rlhf_jax.rl.critic import discounted_returns
+from rlhf_jax.rl.critic import last_token_rewards
+from rlhf_jax.rl.critic import masked_whiten
 
 
 def _as_groups(rewards: jax.Array, group_size: int | None) -> jax.Array:
@@ -112,6 +115,99 @@ def rloo_advantages(
   g = r_NxG.shape[1]
   baseline_NxG = (r_NxG.sum(axis=1, keepdims=True) - r_NxG) / (g - 1)
   return (r_NxG - baseline_NxG).reshape(jnp.shape(rewards))
+
+
+def _reinforce_pp(
+    r_B: jax.Array,
+    mask_BxT: jax.Array | None,
+    token_rewards_BxT: jax.Array | None,
+    gamma: float,
+    eps: float,
+) -> jax.Array:
+  """Shared body of the REINFORCE++ pair: returns then batch whitening."""
+  if mask_BxT is None:
+    if token_rewards_BxT is not None:
+      raise ValueError("token_rewards_BxT needs mask_BxT.")
+    return masked_whiten(r_B, jnp.ones_like(r_B), eps=eps)
+  r_BxT = last_token_rewards(r_B, mask_BxT)
+  if token_rewards_BxT is not None:
+    r_BxT = r_BxT + jnp.asarray(token_rewards_BxT, jnp.float32)
+  returns_BxT = discounted_returns(r_BxT, mask_BxT, gamma=gamma)
+  return masked_whiten(returns_BxT, mask_BxT, eps=eps)
+
+
+@registry.register("advantage", "reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: jax.Array,
+    group_size: int | None = None,
+    *,
+    mask_BxT: jax.Array | None = None,
+    token_rewards_BxT: jax.Array | None = None,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> jax.Array:
+  """REINFORCE++ (Hu 2025): discounted return, no baseline, batch-whitened.
+
+  Token form (`mask_BxT` given, as OpenRLHF): the sequence reward sits at the
+  last valid token, `token_rewards_BxT` (e.g. -beta * KL_t) is added, the
+  discounted return G_t is taken per token and whitened over all valid
+  tokens of the batch. Sequence form (no mask): the rewards themselves are
+  whitened over the batch, so it plugs into the GRPO trainer unchanged; the
+  two agree when gamma = 1, there are no token rewards and all responses
+  have the same length.
+
+  Args:
+    rewards: [B] sequence rewards, or [N, G] (grouping is ignored).
+    group_size: unused (the estimator is not group-relative); accepted so
+      every "advantage" entry shares one signature.
+    mask_BxT: [B, T] 1 on response tokens, for the token form.
+    token_rewards_BxT: optional [B, T] extra per-token rewards.
+    gamma: discount of the token form.
+    eps: added to the variance when whitening.
+
+  Returns:
+    Token form: [B, T] fp32, 0 off the mask. Sequence form: fp32 with the
+    shape of `rewards`.
+  """
+  del group_size
+  r = jnp.asarray(rewards, jnp.float32)
+  adv = _reinforce_pp(r.reshape(-1), mask_BxT, token_rewards_BxT, gamma, eps)
+  return adv if mask_BxT is not None else adv.reshape(r.shape)
+
+
+@registry.register("advantage", "reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards: jax.Array,
+    group_size: int | None = None,
+    *,
+    mask_BxT: jax.Array | None = None,
+    token_rewards_BxT: jax.Array | None = None,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> jax.Array:
+  """REINFORCE++-baseline: r - group mean, then REINFORCE++ (batch whitening).
+
+  Subtracting the group mean removes the prompt's difficulty (as Dr.GRPO);
+  the batch-level (not group-level) whitening keeps GRPO's per-group std
+  division out, which is REINFORCE++'s point. Forms as `reinforce_pp`.
+
+  Args:
+    rewards: [B] prompt-major flat rewards, or [N, G].
+    group_size: G; required for flat rewards.
+    mask_BxT: [B, T] 1 on response tokens, for the token form.
+    token_rewards_BxT: optional [B, T] extra per-token rewards (added after
+      the baseline, so they are not centred).
+    gamma: discount of the token form.
+    eps: added to the variance when whitening.
+
+  Returns:
+    Token form: [B, T] fp32, 0 off the mask. Sequence form: fp32 with the
+    shape of `rewards`.
+  """
+  r_NxG = _as_groups(rewards, group_size)
+  centred_B = (r_NxG - r_NxG.mean(axis=1, keepdims=True)).reshape(-1)
+  adv = _reinforce_pp(centred_B, mask_BxT, token_rewards_BxT, gamma, eps)
+  return adv if mask_BxT is not None else adv.reshape(jnp.shape(rewards))
 
 
 def token_advantages(adv_B: jax.Array, mask_BxT: jax.Array) -> jax.Array:

@@ -8,7 +8,8 @@ for all terms. Metrics are masked means over valid tokens and carry no
 gradient.
 
 Registered names:
-  "policy_loss": "ppo" (clipped ratio, DAPO clip-higher, optional dual-clip).
+  "policy_loss": "ppo" (clipped ratio, DAPO clip-higher, optional dual-clip);
+    "gspo" (the same clip on the sequence-level ratio).
   "kl_estimator": "k1", "k2", "k3" (Schulman's estimators of KL(pi || ref)
     from samples of pi; k3 is the low-variance, always >= 0 one).
 """
@@ -89,6 +90,63 @@ def ppo_policy_loss(
       "approx_kl": mean(kl_k3(logp_BxT, old_logp_BxT)),
       "ratio_mean": mean(ratio_BxT),
   }
+  return loss_BxT, metrics
+
+
+@registry.register("policy_loss", "gspo")
+def gspo_policy_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    clip_c: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """GSPO (Zheng et al. 2025): PPO's clip on a sequence-level ratio.
+
+  s_i = exp(mean over the valid tokens of row i of (logp - old_logp)), the
+  length-normalised sequence likelihood ratio; every token of row i uses it:
+  loss = max(-A * s, -A * clip(s, 1 - clip_low, 1 + clip_high)) (+ dual-clip
+  as "ppo"). Written in the GSPO-token form s_i,t = sg(s_i) * pi_t / sg(pi_t)
+  so per-token advantages work too; its value is s_i and, for a per-sequence
+  A, its gradient with "seq-mean-token-mean" aggregation is exactly GSPO's
+  (A * grad s_i per sequence). The paper's clip ranges are ~1e-4 scale
+  (defaults 3e-4 / 4e-4), far smaller than PPO's, because s_i is a geometric
+  mean and moves little.
+
+  Args:
+    logp_BxT: [B, T] log-probs under the policy being trained.
+    old_logp_BxT: [B, T] log-probs under the policy that sampled (no grad).
+    adv: [B, T] per-token advantages, or [B] per-sequence advantages.
+    mask_BxT: [B, T] 1 on response tokens.
+    clip_low: lower clip range of the sequence ratio.
+    clip_high: upper clip range of the sequence ratio.
+    clip_c: dual-clip constant (> 1), or None to disable (static).
+
+  Returns:
+    (loss_BxT, metrics) as "ppo"; "clip_frac" counts tokens of clipped
+    sequences, "ratio_mean" is the token-weighted mean of s_i, and
+    "seq_log_ratio" the token-weighted mean of log s_i.
+  """
+  mask_f_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
+  logp_BxT = logp_BxT.astype(jnp.float32)
+  old_BxT = jax.lax.stop_gradient(old_logp_BxT.astype(jnp.float32))
+  log_ratio_BxT = jnp.where(mask_f_BxT > 0, logp_BxT - old_BxT, 0.0)
+  seq_log_ratio_B = masked_mean(log_ratio_BxT, mask_f_BxT, axis=1)
+  # Value: seq_log_ratio_B; gradient: d logp_t per token (GSPO-token).
+  token_log_ratio_BxT = (jax.lax.stop_gradient(seq_log_ratio_B)[:, None]
+                         + logp_BxT - jax.lax.stop_gradient(logp_BxT))
+  loss_BxT, metrics = ppo_policy_loss(
+      token_log_ratio_BxT, jnp.zeros_like(token_log_ratio_BxT), adv,
+      mask_f_BxT, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
+  # The ppo metrics' approx_kl is of the sequence ratio; report the tokens'.
+  metrics["approx_kl"] = masked_mean(
+      jax.lax.stop_gradient(kl_k3(logp_BxT, old_BxT)), mask_f_BxT)
+  metrics["seq_log_ratio"] = masked_mean(
+      jnp.broadcast_to(jax.lax.stop_gradient(seq_log_ratio_B)[:, None],
+                       mask_f_BxT.shape), mask_f_BxT)
   return loss_BxT, metrics
 
 

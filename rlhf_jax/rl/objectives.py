@@ -1,4 +1,4 @@
-"""Loss "terms" for the learner: SFT cross-entropy and the clipped policy loss.
+"""Loss "terms" for the learner: SFT, the clipped policy loss, Bradley-Terry.
 
 Each factory returns (terms_fn, weight_fn) for `Learner`: terms_fn gives a
 micro-batch numerator (summed over micro-batches), weight_fn the batch-level
@@ -14,7 +14,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.rl import aggregation, losses, registry
+from rlhf_jax.models import reward_model
+from rlhf_jax.rl import aggregation, losses, preference, registry
 from rlhf_jax.rl.logprobs import token_entropy, token_logprobs
 
 
@@ -79,3 +80,25 @@ def policy_terms(c: PolicyLossConfig):
                                        c.aggregation, max_len=c.max_len)[1]
 
   return terms, weight
+
+
+def reward_model_terms():
+  """Bradley-Terry loss (+ margin) summed over pairs; weight = #pairs.
+
+  The batch holds P pairs as chosen_{tokens,positions,mask} and
+  rejected_{tokens,positions,mask} [P, T] plus margin [P]; both sides go
+  through one forward of 2P rows.
+  """
+  def terms(graphdef, params, mb):
+    both = {k: jnp.concatenate([mb[f"chosen_{k}"], mb[f"rejected_{k}"]])
+            for k in ("tokens", "positions", "mask")}
+    s = reward_model.score(graphdef, params, both["tokens"],
+                           both["positions"], both["mask"])
+    chosen, rejected = jnp.split(s, 2)
+    loss = preference.bradley_terry_loss(chosen, rejected, mb["margin"])
+    acc = preference.pair_accuracy(chosen, rejected)
+    return jnp.sum(loss), {"pair_accuracy": jnp.mean(acc),
+                           "score_gap": jnp.mean(chosen - rejected)}
+
+  return terms, lambda batch: jnp.asarray(batch["margin"].shape[0],
+                                          jnp.float32)

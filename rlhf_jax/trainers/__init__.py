@@ -2,7 +2,7 @@
 
 import importlib
 
-JOBS = ("generate", "grpo")
+JOBS = ("generate", "grpo", "rm")
 
 
 def run(config, workdir: str):

@@ -6,6 +6,8 @@ import jax
 
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import hf
+from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
@@ -16,6 +18,26 @@ def model_config(section, **fixed) -> ModelConfig:
   overrides.update(param_dtype=section.param_dtype,
                    compute_dtype=section.compute_dtype, **fixed)
   return ModelConfig.preset(section.preset, **overrides)
+
+
+def model(section, *, seed: int, layout, vocab_size: int):
+  """(cfg, graphdef, params) on `layout`: HF checkpoint or random init.
+
+  With `section.path` set (a local HF directory) the weights are loaded with
+  `section.param_dtype` / `section.compute_dtype`; otherwise the preset +
+  overrides are randomly initialised from `seed` with `vocab_size`.
+  """
+  path = section.get("path")
+  if not path:
+    cfg = model_config(section, vocab_size=vocab_size)
+    return (cfg, *model_lib.init_params(cfg, seed, layout))
+  cfg, graphdef, params = hf.load(path, layout=layout,
+                                  dtype=section.param_dtype,
+                                  compute_dtype=section.compute_dtype)
+  if cfg.vocab_size < vocab_size:
+    raise ValueError(f"the model in {path} has vocab_size={cfg.vocab_size}, "
+                     f"smaller than its tokenizer's {vocab_size} ids")
+  return cfg, graphdef, params
 
 
 def layouts(section):

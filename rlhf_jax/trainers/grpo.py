@@ -20,18 +20,14 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax.checkpoint import Checkpointer
-from rlhf_jax.data.batching import PromptIterator, eval_batches
-from rlhf_jax.data.tasks import AdditionTask
-from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.metrics import MetricWriter, Progress
-from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import losses, objectives, registry
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
-from rlhf_jax.trainers import builders, report, rollout
+from rlhf_jax.trainers import builders, report, rollout, sources
 from rlhf_jax.trainers.sft import run_sft
 from rlhf_jax.trainers.validate import validate_rl
 
@@ -142,8 +138,7 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
 class Job:
   """Everything a GRPO run builds before its first step."""
   config: Any
-  tokenizer: CharTokenizer
-  task: AdditionTask
+  source: sources.DataSource
   graphdef: Any
   params: Any
   train_layout: Any
@@ -151,11 +146,18 @@ class Job:
   learner: Learner
   engine: Engine
   eval_engine: Engine
-  iterator: PromptIterator
+
+  @property
+  def tokenizer(self):
+    return self.source.tokenizer
+
+  @property
+  def iterator(self):
+    return self.source.iterator
 
   @property
   def prompt_len(self) -> int:
-    return self.task.max_prompt_len
+    return self.source.prompt_len
 
   def step(self, step, state, ref_params):
     return rl_step(step, state, ref_params, next(self.iterator),
@@ -165,19 +167,23 @@ class Job:
 
 
 def build(config) -> Job:
-  """Validates the config, then builds model, layouts, learner and engines."""
-  tokenizer = CharTokenizer()
-  task = AdditionTask(**config.task)
-  validate_rl(config, prompt_len=task.max_prompt_len)
-  cfg = builders.model_config(config.model, vocab_size=tokenizer.vocab_size)
+  """Validates the config, then builds data, model, layouts, learner, engines.
+
+  The data comes from `sources.build` (`config.data.kind`); the model from
+  the HF directory `config.model.path` when set, else random init.
+  """
+  source = sources.build(config)
+  validate_rl(config, prompt_len=source.prompt_len)
   train_layout, rollout_layout = builders.layouts(config.mesh)
-  graphdef, params = model_lib.init_params(cfg, config.seed, train_layout)
-  stops = (tokenizer.eos_id,)
+  cfg, graphdef, params = builders.model(
+      config.model, seed=config.seed, layout=train_layout,
+      vocab_size=source.tokenizer.vocab_size)
+  stops = source.stop_ids
   greedy = builders.sampling_params(config.rollout, stops)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=greedy.max_new_tokens,
                           stop_tokens=stops)
   return Job(
-      config=config, tokenizer=tokenizer, task=task, graphdef=graphdef,
+      config=config, source=source, graphdef=graphdef,
       params=params, train_layout=train_layout, rollout_layout=rollout_layout,
       learner=_learner(config, graphdef, train_layout,
                        max_len=config.rollout.max_new_tokens),
@@ -187,11 +193,12 @@ def build(config) -> Job:
           cfg, graphdef, rollout_layout, num_rows=config.eval.num_rows,
           samples_per_row=1,
           prefill_buckets=tuple(config.rollout.prefill_buckets),
-          sampling=greedy),
-      iterator=PromptIterator(task, tokenizer, config.train.prompts_per_step))
+          sampling=greedy))
 
 
 def run(config, workdir: str):
+  """Runs (or resumes) the job in `workdir`; returns the final train state."""
+  config = sources.prepare(config, workdir)
   job = build(config)
   main_process = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
@@ -203,7 +210,7 @@ def run(config, workdir: str):
                       keep=config.train.keep_checkpoints)
   stop = _StopFlag()
   learner, iterator, params = job.learner, job.iterator, job.params
-  evals = eval_batches(job.task, job.tokenizer, config.eval.batch_size)
+  evals = job.source.eval_batches
   do_eval = lambda p: evaluate(job.eval_engine, mesh_lib.to_layout(
       p, job.rollout_layout), evals, job.tokenizer, config)
 
@@ -212,7 +219,7 @@ def run(config, workdir: str):
     writer.truncate_after("sft", -1)
     writer.truncate_after("rl", -1)
     params = run_sft(config, job.graphdef, params, job.train_layout,
-                     job.task, job.tokenizer, writer, verbose=main_process)
+                     job.source.sft_arrays, writer, verbose=main_process)
     # The reference is a frozen copy: the policy's buffers are donated.
     ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     state, start = learner.init_state(params), 0

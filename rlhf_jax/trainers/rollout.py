@@ -30,6 +30,10 @@ def generate(driver: Driver, prompts: PromptBatch, num_samples: int,
              seed: int) -> list[Sample]:
   """All samples of the batch, ordered by (prompt order, sample index)."""
   order = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
+  if len(order) != len(prompts.prompt_ids):
+    # Sampling keys derive from the prompt id: a repeat would be a copy.
+    raise ValueError(f"prompt ids repeat within one batch: "
+                     f"{sorted(prompts.prompt_ids.tolist())}")
   samples = list(driver.run(requests_for(prompts, num_samples, seed)))
   samples.sort(key=lambda s: (order[s.prompt_id], s.sample_idx))
   expected = len(prompts.prompt_ids) * num_samples

@@ -20,12 +20,28 @@ def sft_arrays(task, tokenizer, start: int, batch_size: int) -> dict:
               targets=b.targets_BxL, loss_mask=b.mask_BxL)
 
 
-def run_sft(config, graphdef, params, layout, task, tokenizer,
+def run_sft(config, graphdef, params, layout, arrays_fn,
             writer: MetricWriter, *, verbose: bool = True):
-  """Runs `config.sft.steps` updates and returns the trained params."""
+  """Runs `config.sft.steps` updates and returns the trained params.
+
+  Args:
+    config: the job config (`config.sft` is read).
+    graphdef: the model graph.
+    params: initial params (train layout).
+    layout: the train layout.
+    arrays_fn: (start, batch_size) -> host arrays of SFT examples
+      [start, start + batch_size) (`sft_arrays` of the data source), or None
+      when the data has no SFT targets.
+    writer: metric writer ("sft" phase).
+    verbose: show progress.
+  """
   c = config.sft
   if c.steps == 0:
     return params
+  if arrays_fn is None:
+    raise ValueError(f"config.sft.steps={c.steps} but the data source "
+                     "(config.data.kind) has no SFT data; set "
+                     "config.sft.steps=0")
   terms, weight = objectives.sft_terms()
   learner = Learner(graphdef, layout, make_optimizer(OptimConfig(
       learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
@@ -34,9 +50,8 @@ def run_sft(config, graphdef, params, layout, task, tokenizer,
   state = learner.init_state(params)
   progress = Progress(c.steps, name="sft", enabled=verbose)
   for step in range(1, c.steps + 1):
-    batch = learner.put_batch(sft_arrays(task, tokenizer,
-                                         (step - 1) * c.batch_size,
-                                         c.batch_size))
+    batch = learner.put_batch(arrays_fn((step - 1) * c.batch_size,
+                                        c.batch_size))
     state, metrics = learner.step(state, batch)
     if step % c.log_every == 0 or step == c.steps:
       record = writer.write("sft", step, {

@@ -6,7 +6,7 @@ import jax
 
 from rlhf_jax.rl import registry
 
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,67 @@
+"""Reward model on synthetic addition preferences, a tiny model, on CPU.
+
+python -m rlhf_jax.main --config=configs/tiny_rm.py --workdir=workdirs/tiny_rm
+python -m rlhf_jax.main --config=configs/tiny_rm.py:runlocal --workdir=/tmp/rm
+
+Pairs are "a+b=" with chosen = the correct sum and rejected = a wrong one
+(reversed digits, as configs/tiny_grpo.py's task); held-out pairs use the
+task's disjoint eval problems. The Bradley-Terry loss trains the decoder
+trunk plus a scalar head read at <eos>. For your own data set
+`--config.data.kind=jsonl --config.data.train_path=pairs.jsonl` (lines of
+{"prompt", "chosen", "rejected"}; char tokenizer). The final checkpoint in
+<workdir>/checkpoints is the reward model a PPO job loads.
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg=None):
+  arg = common.parse_arg(arg, runlocal=False)
+  c = ml_collections.ConfigDict()
+  c.name = "tiny_rm"
+  c.job = "rm"
+  c.seed = 0
+
+  c.model = common.model_config("tiny")
+  c.model.overrides = ml_collections.ConfigDict(dict(
+      num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
+      mlp_dim=384))
+  c.mesh = common.mesh_config()
+
+  # The addition task behind the synthetic pairs (rlhf_jax/data/tasks.py).
+  c.task = ml_collections.ConfigDict(dict(
+      max_digits=2, min_digits=1, reverse_answer=True, zero_pad=False,
+      num_eval=250, holdout_fraction=0.1, seed=0))
+
+  c.data = ml_collections.ConfigDict(dict(
+      kind="synthetic",     # | "jsonl"
+      max_offset=0,         # Synthetic wrong sum: 0 = any other sum.
+      train_path="",        # jsonl: {"prompt", "chosen", "rejected"} lines.
+      eval_path="",         # jsonl: held-out file; "" = split train.
+      holdout_fraction=0.1,
+      seq_len=16,           # <bos> prompt response <eos>, right-padded.
+  ))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, warmup_steps=20, decay_steps=1200, end_lr_ratio=0.1,
+      b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0))
+
+  c.train = ml_collections.ConfigDict(dict(
+      steps=1200, batch_size=64, micro_batches=1,
+      margin=0.0,           # Added to every pair's margin (BT with margin).
+      log_every=25, checkpoint_every=200, keep_checkpoints=2))
+  c.eval = ml_collections.ConfigDict(dict(every=100, batch_size=250))
+
+  if arg.runlocal:
+    c.task.num_eval = 40
+    c.optim.warmup_steps = 2
+    c.optim.decay_steps = 0
+    c.train.steps = 6
+    c.train.batch_size = 16
+    c.train.log_every = 2
+    c.train.checkpoint_every = 3
+    c.eval.every = 3
+    c.eval.batch_size = 40
+  return c

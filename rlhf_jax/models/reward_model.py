@@ -1,0 +1,90 @@
+"""Scalar-head models: the decoder trunk plus a linear value head.
+
+One module serves both the reward model (the value at the last real token
+is the sequence score) and, later, the critic (the value at every position).
+The decoder keeps its LM head (unused here) so a reward model or critic can
+be initialised from, and checkpointed like, a policy of the same config.
+
+Dimension letters: B sequences, T length, D model width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.models.layers import _param
+from rlhf_jax.models.transformer import Decoder
+from rlhf_jax.parallel.layout import Layout, constrain, use_layout
+
+
+class RewardModel(nnx.Module):
+  """Decoder trunk -> final-norm hidden state -> one scalar per position."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.decoder = Decoder(cfg, rngs=rngs)
+    # Born at zero: every score starts at 0 (BT loss log 2), and the head's
+    # first gradient steps set the scale instead of a random projection.
+    self.value_head = _param(None, (cfg.embed_dim,), ("embed",),
+                             jnp.float32,
+                             value=jnp.zeros((cfg.embed_dim,), jnp.float32))
+    self.value_bias = _param(None, (), (), jnp.float32,
+                             value=jnp.zeros((), jnp.float32))
+
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxT):
+    """Values [B, T] fp32: the head applied to every position's state."""
+    h_BxTxD = self.decoder.hidden_states(tokens_BxT, positions_BxT, mask_BxT)
+    v_BxT = jnp.einsum("btd,d->bt", h_BxTxD.astype(jnp.float32),
+                       self.value_head.value) + self.value_bias.value
+    return constrain(v_BxT, ("batch", "length"))
+
+
+def abstract_params(cfg: ModelConfig):
+  """(graphdef, params of ShapeDtypeStructs) without allocating anything."""
+  model = nnx.eval_shape(lambda: RewardModel(cfg, rngs=nnx.Rngs(0)))
+  return nnx.split(model, nnx.Param)
+
+
+def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
+  """Random params, born sharded under `layout` (shapes first, then arrays)."""
+  graphdef, abstract = abstract_params(cfg)
+
+  def init():
+    return nnx.split(RewardModel(cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1]
+
+  if layout is None:
+    return graphdef, jax.jit(init)()
+  with use_layout(layout):
+    params = jax.jit(init, out_shardings=layout.param_shardings(abstract))()
+  return graphdef, params
+
+
+def values(graphdef, params, tokens_BxT, positions_BxT, mask_BxT):
+  """Per-position values [B, T] fp32 (critic use)."""
+  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT)
+
+
+def last_index(mask_BxT: jax.Array) -> jax.Array:
+  """[B] index of the last True of each row (0 for an empty row)."""
+  t_BxT = jnp.arange(mask_BxT.shape[1])[None, :]
+  return jnp.max(jnp.where(mask_BxT, t_BxT, 0), axis=1)
+
+
+def score(graphdef, params, tokens_BxT, positions_BxT, mask_BxT):
+  """Sequence scores [B] fp32: the value at the last real token of each row.
+
+  Args:
+    graphdef: the RewardModel graph.
+    params: its params.
+    tokens_BxT: int token ids, right-padded (prompt + response + <eos>).
+    positions_BxT: RoPE positions.
+    mask_BxT: True for real tokens.
+
+  Returns:
+    [B] fp32 scores.
+  """
+  v_BxT = values(graphdef, params, tokens_BxT, positions_BxT, mask_BxT)
+  idx_B = last_index(mask_BxT)
+  return jnp.take_along_axis(v_BxT, idx_B[:, None], axis=1)[:, 0]

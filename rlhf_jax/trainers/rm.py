@@ -1,0 +1,201 @@
+"""Reward-model job: Bradley-Terry training on preference pairs.
+
+The model is the decoder trunk with a scalar head (`models/reward_model.py`)
+scored at <eos>. Data: a local JSONL of {"prompt", "chosen", "rejected"}
+(config.data.kind="jsonl") or the built-in synthetic addition preferences
+("synthetic"). Held-out pairs give `rm/pair_accuracy` and `rm/loss`.
+
+Resume order: (1) the latest checkpoint in workdir, else (2) random init.
+The train batch of step s is a pure function of (seed, s), so the checkpoint
+holds only the train state; a killed run restarted with the same command
+writes the same metrics an uninterrupted one would. The final checkpoint's
+"state.params" is what a PPO job loads as its reward model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from rlhf_jax.checkpoint import Checkpointer
+from rlhf_jax.data import preferences
+from rlhf_jax.data.tasks import AdditionTask
+from rlhf_jax.data.tokenizer import CharTokenizer
+from rlhf_jax.metrics import MetricWriter, Progress
+from rlhf_jax.models import reward_model
+from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.rl import objectives, preference
+from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+from rlhf_jax.trainers import builders
+
+
+@dataclasses.dataclass
+class Job:
+  """Everything a reward-model run builds before its first step."""
+  config: Any
+  tokenizer: CharTokenizer
+  train_pairs_fn: Any      # (start, count) -> list[preferences.Pair].
+  eval_pairs: list
+  graphdef: Any
+  params: Any
+  layout: Any
+  learner: Learner
+
+
+def _data(config, tokenizer):
+  """(train_pairs_fn, eval_pairs) of `config.data`."""
+  d = config.data
+  if d.kind == "synthetic":
+    task = AdditionTask(**config.task)
+    return (lambda start, n: preferences.synthetic_train_pairs(
+        task, start, n, max_offset=d.max_offset, seed=config.seed),
+            preferences.synthetic_eval_pairs(task, max_offset=d.max_offset,
+                                             seed=config.seed))
+  if d.kind != "jsonl":
+    raise ValueError(f"config.data.kind={d.kind!r}; known: synthetic, jsonl")
+  if not d.train_path:
+    raise ValueError("config.data.kind='jsonl' needs config.data.train_path")
+  train = preferences.load_jsonl(d.train_path)
+  if d.eval_path:
+    evals = preferences.load_jsonl(d.eval_path)
+  else:
+    train, evals = preferences.split_holdout(train, d.holdout_fraction,
+                                             config.seed)
+  fit = lambda p: preferences.fits(p, tokenizer, d.seq_len)
+  dropped = sum(not fit(p) for p in train + evals)
+  if dropped:
+    logging.warning("dropped %d pairs longer than seq_len=%d", dropped,
+                    d.seq_len)
+  train, evals = [p for p in train if fit(p)], [p for p in evals if fit(p)]
+  if not train or not evals:
+    raise ValueError(f"no pairs fit seq_len={d.seq_len} in {d.train_path}")
+
+  def train_fn(start, n):
+    # Epoch e visits the pairs in the seeded permutation e.
+    out = []
+    for g in range(start, start + n):
+      epoch, pos = divmod(g, len(train))
+      perm = np.random.default_rng([config.seed, epoch]).permutation(
+          len(train))
+      out.append(train[perm[pos]])
+    return out
+
+  return train_fn, evals
+
+
+def build(config) -> Job:
+  """Builds data, layout, the scalar-head model and its learner."""
+  tokenizer = CharTokenizer()
+  train_fn, evals = _data(config, tokenizer)
+  layout, _ = builders.layouts(config.mesh)
+  cfg = builders.model_config(config.model, vocab_size=tokenizer.vocab_size)
+  graphdef, params = reward_model.init_params(cfg, config.seed, layout)
+  o = config.optim
+  optimizer = make_optimizer(OptimConfig(
+      learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
+      decay_steps=o.decay_steps, end_lr_ratio=o.end_lr_ratio, b1=o.b1,
+      b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip))
+  terms, weight = objectives.reward_model_terms()
+  learner = Learner(graphdef, layout, optimizer, terms_fn=terms,
+                    weight_fn=weight, micro_batches=config.train.micro_batches)
+  return Job(config=config, tokenizer=tokenizer, train_pairs_fn=train_fn,
+             eval_pairs=evals, graphdef=graphdef, params=params,
+             layout=layout, learner=learner)
+
+
+def train_arrays(job: Job, step: int) -> dict:
+  """Host arrays of the train batch of `step` (1-based)."""
+  c = job.config
+  n = c.train.batch_size
+  pairs = job.train_pairs_fn((step - 1) * n, n)
+  arrays = preferences.encode_pairs(pairs, job.tokenizer, c.data.seq_len)
+  arrays["margin"] = arrays["margin"] + np.float32(c.train.margin)
+  return arrays
+
+
+def make_eval_fn(job: Job):
+  """Jitted (params, arrays) -> (loss_P, correct_P) of a chunk of pairs."""
+  def fn(params, batch):
+    with use_layout(job.layout):
+      both = {k: jnp.concatenate([batch[f"chosen_{k}"],
+                                  batch[f"rejected_{k}"]])
+              for k in ("tokens", "positions", "mask")}
+      s = reward_model.score(job.graphdef, params, both["tokens"],
+                             both["positions"], both["mask"])
+      chosen, rejected = jnp.split(s, 2)
+      # Held-out loss is plain Bradley-Terry (no margin): comparable runs.
+      return (preference.bradley_terry_loss(chosen, rejected),
+              preference.pair_accuracy(chosen, rejected))
+  return jax.jit(fn)
+
+
+def evaluate(job: Job, eval_fn, params) -> dict:
+  """rm/loss and rm/pair_accuracy over all held-out pairs."""
+  c = job.config
+  pairs, n = job.eval_pairs, c.eval.batch_size
+  losses, correct = [], []
+  for start in range(0, len(pairs), n):
+    chunk = pairs[start:start + n]
+    padded = chunk + pairs[:n - len(chunk)]  # Static shape; cut below.
+    arrays = preferences.encode_pairs(padded, job.tokenizer, c.data.seq_len)
+    loss, acc = jax.device_get(eval_fn(params, job.learner.put_batch(arrays)))
+    losses.append(loss[:len(chunk)])
+    correct.append(acc[:len(chunk)])
+  return {"rm/loss": float(np.concatenate(losses).mean()),
+          "rm/pair_accuracy": float(np.concatenate(correct).mean())}
+
+
+def run(config, workdir: str):
+  """Trains (or resumes) the reward model in `workdir`; returns the state."""
+  job = build(config)
+  main_process = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if main_process:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  writer = MetricWriter(workdir, enabled=main_process)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+                      keep=config.train.keep_checkpoints)
+  learner, eval_fn = job.learner, make_eval_fn(job)
+
+  state = learner.init_state(job.params)
+  start = ckpt.latest_step()
+  if start is None:
+    start = 0
+    writer.truncate_after("rm", -1)
+    writer.write("rm", 0, evaluate(job, eval_fn, state.params))
+  else:
+    state, _ = ckpt.restore(start, state)
+    writer.truncate_after("rm", start)
+    logging.info("resumed from step %d", start)
+
+  total, t = config.train.steps, config.train
+  progress = Progress(total, start, name="rm", enabled=main_process)
+  for step in range(start + 1, total + 1):
+    batch = learner.put_batch(train_arrays(job, step))
+    state, metrics = learner.step(state, batch)
+    if step % t.log_every == 0 or step % config.eval.every == 0 or (
+        step == total):
+      record = {"train/loss": metrics["loss"],
+                "train/pair_accuracy": metrics["pair_accuracy"],
+                "train/score_gap": metrics["score_gap"],
+                "train/grad_norm": metrics["grad_norm"]}
+      if step % config.eval.every == 0 or step == total:
+        record.update(evaluate(job, eval_fn, state.params))
+      # Device values are fetched only here, at log steps.
+      record = writer.write("rm", step, record)
+      if not np.isfinite(record["train/loss"]):
+        raise FloatingPointError(f"non-finite rm loss at step {step}")
+      progress.update(step, " ".join(f"{k} {v:.3f}"
+                                     for k, v in record.items()))
+    if step % t.checkpoint_every == 0 or step == total:
+      ckpt.save(step, state, {"step": step})
+  ckpt.close()
+  writer.close()
+  return state

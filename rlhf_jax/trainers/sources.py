@@ -1,0 +1,185 @@
+"""Data sources of the GRPO job, one builder per `config.data.kind`.
+
+  source = sources.build(config)   # tokenizer, prompts, eval, optional SFT
+
+- "addition": the synthetic addition task (`config.task`) with the character
+  tokenizer; prompts are padded to `task.max_prompt_len`; SFT warm-start
+  batches come from the task's solutions.
+- "jsonl": prompts from a local JSONL / Parquet file (`config.data.path`,
+  field mapping `config.data.fields`) tokenized with the checkpoint's own
+  tokenizer (`HFTokenizer.from_dir(config.model.path)`), padded to
+  `config.data.max_prompt_len`. Eval prompts: the first
+  `config.eval.num_prompts` records of `config.data.eval_path` when it is
+  set (0 = all of them); otherwise the first `config.eval.num_prompts`
+  records of `config.data.path` are held out and training uses the rest.
+  No SFT arrays (set `config.sft.steps = 0`).
+
+`prepare(config, workdir)` runs before `build`: with `config.data.synthetic`
+set it writes the tiny checkpoint and dataset of the `runlocal` configs
+under `<workdir>/runlocal_assets` and points the config at them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from rlhf_jax.data import jsonl
+from rlhf_jax.data.batching import PromptBatch, PromptIterator, eval_batches
+from rlhf_jax.data.tasks import AdditionTask
+from rlhf_jax.data.tokenizer import CharTokenizer
+from rlhf_jax.trainers.sft import sft_arrays
+from rlhf_jax.trainers.validate import ConfigError
+
+
+@dataclasses.dataclass
+class DataSource:
+  """What the GRPO job needs from its data, whatever the kind."""
+  tokenizer: Any             # encode/decode, pad_id (CharTokenizer | HF)
+  prompt_len: int            # P: every prompt batch is padded to it
+  stop_ids: tuple[int, ...]  # sampling stops at these tokens
+  iterator: Iterator[PromptBatch]  # train prompts; get_state/set_state
+  eval_batches: list[PromptBatch]
+  sft_arrays: Callable[[int, int], dict] | None = None  # (start, batch) ->
+
+
+def _data(config):
+  """`config.data`, or the addition default for configs that predate it."""
+  return config.get("data") or {"kind": "addition"}
+
+
+def prepare(config, workdir: str):
+  """Materializes synthetic assets if `config.data.synthetic`; returns config.
+
+  The assets (tiny random Qwen2 checkpoint + GSM8K-format JSONL) are written
+  once under `<workdir>/runlocal_assets` and reused by a resumed run; the
+  returned copy of the config points `model.path` / `data.path` at them.
+  """
+  if not _data(config).get("synthetic"):
+    return config
+  from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
+  model_dir, data_path = synthetic_gsm8k.build_assets(
+      os.path.join(workdir, "runlocal_assets"), seed=config.seed)
+  config = config.copy_and_resolve_references()
+  config.model.path = model_dir
+  config.data.path = data_path
+  return config
+
+
+def build(config) -> DataSource:
+  """The DataSource of `config.data.kind` (default "addition")."""
+  kind = _data(config).get("kind", "addition")
+  builders = {"addition": addition, "jsonl": from_jsonl}
+  if kind not in builders:
+    raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
+                      f"{sorted(builders)}")
+  source = builders[kind](config)
+  if config.sft.steps and source.sft_arrays is None:
+    raise ConfigError(f"config.sft.steps={config.sft.steps} but "
+                      f"config.data.kind={kind!r} has no SFT data; set "
+                      "--config.sft.steps=0")
+  return source
+
+
+def addition(config) -> DataSource:
+  """The addition task with the character tokenizer (configs/tiny_grpo.py)."""
+  tokenizer = CharTokenizer()
+  task = AdditionTask(**config.task)
+  return DataSource(
+      tokenizer=tokenizer, prompt_len=task.max_prompt_len,
+      stop_ids=(tokenizer.eos_id,),
+      iterator=PromptIterator(task, tokenizer, config.train.prompts_per_step),
+      eval_batches=eval_batches(task, tokenizer, config.eval.batch_size),
+      sft_arrays=lambda start, size: sft_arrays(task, tokenizer, start, size))
+
+
+def require_path(config, key: str, what: str, example: str) -> str:
+  """`config.<key>` as an existing path, else a ConfigError saying how to set it."""
+  section, name = key.split(".")
+  path = config[section].get(name) or ""
+  if not path:
+    raise ConfigError(
+        f"config.{key} is empty: set it to {what}, e.g. "
+        f"--config.{key}={example} (or run the ':runlocal' config, which "
+        "builds tiny local assets)")
+  if not os.path.exists(path):
+    raise ConfigError(f"config.{key}={path!r} does not exist ({what})")
+  if os.path.isdir(path) and not os.listdir(path):
+    raise ConfigError(f"config.{key}={path!r} is an empty directory ({what})")
+  return path
+
+
+def _format_kwargs(data) -> dict:
+  return dict(template=data.template, system_prompt=data.system_prompt or None,
+              use_chat_template=data.use_chat_template)
+
+
+def _eval_batches(examples, tokenizer, prompt_len: int, batch_size: int,
+                  **fmt) -> list[PromptBatch]:
+  """Fixed-order eval batches; prompts longer than prompt_len are dropped."""
+  items = []
+  for prompt, meta in examples:
+    ids = jsonl.format_prompt(tokenizer, prompt, **fmt)
+    if len(ids) <= prompt_len:
+      items.append((prompt, meta, ids))
+  if not items:
+    raise ConfigError(f"no eval prompt fits config.data.max_prompt_len="
+                      f"{prompt_len}")
+  out = []
+  for i in range(0, len(items), batch_size):
+    chunk = items[i:i + batch_size]
+    tokens = np.full((len(chunk), prompt_len), tokenizer.pad_id, np.int32)
+    for row, (_, _, ids) in enumerate(chunk):
+      tokens[row, :len(ids)] = ids
+    out.append(PromptBatch(
+        prompt_ids=np.asarray([m["prompt_id"] for _, m, _ in chunk], np.int32),
+        tokens_NxP=tokens,
+        lengths_N=np.asarray([len(ids) for _, _, ids in chunk], np.int32),
+        prompts=[p for p, _, _ in chunk], metadata=[m for _, m, _ in chunk]))
+  return out
+
+
+def from_jsonl(config) -> DataSource:
+  """Prompts from `config.data.path` with the checkpoint's tokenizer."""
+  from rlhf_jax.models.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+  data = config.data
+  model_path = require_path(config, "model.path",
+                            "a local Hugging Face checkpoint directory",
+                            "/ckpt/Qwen2.5-0.5B-Instruct")
+  data_path = require_path(config, "data.path",
+                           "a local GSM8K-format .jsonl or .parquet file",
+                           "/data/gsm8k/train.jsonl")
+  tokenizer = HFTokenizer.from_dir(model_path)
+  if not tokenizer.stop_ids:
+    raise ConfigError(f"the tokenizer in config.model.path={model_path!r} "
+                      "has no eos token or eos_token_id to stop sampling")
+  fields = dict(data.fields)
+  examples = jsonl.load_examples(data_path, fields)
+  num_eval = config.eval.num_prompts
+  if data.get("eval_path"):
+    eval_examples = jsonl.load_examples(data.eval_path, fields)
+    eval_examples = eval_examples[:num_eval or None]
+  else:
+    if not 0 < num_eval < len(examples):
+      raise ConfigError(
+          f"config.eval.num_prompts={num_eval} records of config.data.path "
+          f"are held out for eval, out of {len(examples)}; set it in "
+          "[1, #records) or set config.data.eval_path")
+    eval_examples, examples = examples[:num_eval], examples[num_eval:]
+  fmt = _format_kwargs(data)
+  source = jsonl.PromptSource(
+      examples, tokenizer, batch_size=config.train.prompts_per_step,
+      max_prompt_len=data.max_prompt_len, seed=data.seed,
+      shuffle=data.shuffle, **fmt)
+  if len(source) < config.train.prompts_per_step:
+    raise ConfigError(
+        f"config.data.path has {len(source)} usable prompts, fewer than "
+        f"config.train.prompts_per_step={config.train.prompts_per_step}")
+  return DataSource(
+      tokenizer=tokenizer, prompt_len=data.max_prompt_len,
+      stop_ids=tuple(tokenizer.stop_ids), iterator=source,
+      eval_batches=_eval_batches(eval_examples, tokenizer, data.max_prompt_len,
+                                 config.eval.batch_size, **fmt))
