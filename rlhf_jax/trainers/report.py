@@ -51,7 +51,8 @@ def plot_curve(records: list[dict], path: str) -> None:
   ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals],
           "o-", label="eval accuracy (greedy, held-out)")
   ax.set_xlabel("RL step")
-  ax.set_ylim(0, 1)
+  top = max([1.0] + [r["rollout/reward_mean"] for r in steps])
+  ax.set_ylim(0, top * 1.05)  # Weighted rewards can exceed 1.
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
