@@ -41,3 +41,12 @@ def mesh_config() -> ml_collections.ConfigDict:
       data=1, fsdp=-1, tensor=1,
       rollout_tensor=1,  # Rollout = the same devices as replicas x tensor.
   ))
+
+
+def tiny_model_config() -> ml_collections.ConfigDict:
+  """The 2-layer, 128-wide decoder the tiny CPU jobs share."""
+  c = model_config("tiny")
+  c.overrides = ml_collections.ConfigDict(dict(
+      num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
+      mlp_dim=384))
+  return c

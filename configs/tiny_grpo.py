@@ -20,10 +20,7 @@ def get_config(arg=None):
   c.job = "grpo"
   c.seed = 0
 
-  c.model = common.model_config("tiny")
-  c.model.overrides = ml_collections.ConfigDict(dict(
-      num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
-      mlp_dim=384))
+  c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
 
   c.task = ml_collections.ConfigDict(dict(

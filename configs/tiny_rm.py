@@ -24,10 +24,7 @@ def get_config(arg=None):
   c.job = "rm"
   c.seed = 0
 
-  c.model = common.model_config("tiny")
-  c.model.overrides = ml_collections.ConfigDict(dict(
-      num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
-      mlp_dim=384))
+  c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
 
   # The addition task behind the synthetic pairs (rlhf_jax/data/tasks.py).

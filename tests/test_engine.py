@@ -1,6 +1,5 @@
 """Engine and driver: prefix sharing, placement independence, compiles, errors."""
 
-import jax
 import numpy as np
 import pytest
 

@@ -118,7 +118,6 @@ class Driver:
     self.stats.decode_s += time.perf_counter() - t0
 
   def _consume(self, event, live) -> Iterator[Sample]:
-    eng = self.engine
     if event[0] == "insert":
       _, slots, prefix = event
       toks = np.asarray(prefix.first_tokens)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -127,7 +127,7 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
                   for i in range(n)]
 
   def _setup_remote(self, ctx):
-    s, p, pool = self.s, self.p, self.state.pool
+    p, pool = self.p, self.state.pool
     # Trace events between the previous step's end and now: an instance
     # preempted in between stops being billed when it vanished.
     for event in pool.apply_until(self.t0):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from rlhf_jax.engine.engine import Engine
@@ -63,3 +65,19 @@ def engine(cfg: ModelConfig, graphdef, layout, section,
                 prefill_buckets=tuple(section.prefill_buckets),
                 sampling=sampling_params(section, stop_tokens),
                 attention_impl=section.attention_impl)
+
+
+def workdir_outputs(config, workdir: str):
+  """(writer, checkpointer, is_main): config.json saved, process 0 writes."""
+  from rlhf_jax.checkpoint import Checkpointer
+  from rlhf_jax.metrics import MetricWriter
+
+  main_process = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if main_process:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  writer = MetricWriter(workdir, enabled=main_process)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+                      keep=config.train.keep_checkpoints)
+  return writer, ckpt, main_process

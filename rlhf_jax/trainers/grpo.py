@@ -9,7 +9,6 @@ an uninterrupted run would have (all randomness derives from seed and step).
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import time
 from typing import Any
@@ -19,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.engine.engine import Engine
-from rlhf_jax.metrics import MetricWriter, Progress
+from rlhf_jax.metrics import Progress
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import losses, objectives, registry
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
@@ -200,14 +198,7 @@ def run(config, workdir: str):
   """Runs (or resumes) the job in `workdir`; returns the final train state."""
   config = sources.prepare(config, workdir)
   job = build(config)
-  main_process = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  if main_process:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  writer = MetricWriter(workdir, enabled=main_process)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
-                      keep=config.train.keep_checkpoints)
+  writer, ckpt, main_process = builders.workdir_outputs(config, workdir)
   stop = _StopFlag()
   learner, iterator, params = job.learner, job.iterator, job.params
   evals = job.source.eval_batches

@@ -15,7 +15,6 @@ writes the same metrics an uninterrupted one would. The final checkpoint's
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -23,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.data import preferences
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.metrics import MetricWriter, Progress
+from rlhf_jax.metrics import Progress
 from rlhf_jax.models import reward_model
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl import objectives, preference
@@ -154,14 +152,7 @@ def evaluate(job: Job, eval_fn, params) -> dict:
 def run(config, workdir: str):
   """Trains (or resumes) the reward model in `workdir`; returns the state."""
   job = build(config)
-  main_process = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  if main_process:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  writer = MetricWriter(workdir, enabled=main_process)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
-                      keep=config.train.keep_checkpoints)
+  writer, ckpt, main_process = builders.workdir_outputs(config, workdir)
   learner, eval_fn = job.learner, make_eval_fn(job)
 
   state = learner.init_state(job.params)
