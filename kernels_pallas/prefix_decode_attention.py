@@ -10,6 +10,12 @@ returns its normalised output and log-sum-exp; the two merge exactly in fp32:
 Empty parts (L = -inf: a free slot, an empty suffix) contribute nothing and
 never produce NaN; a query with no keys at all returns zeros.
 
+Two-level sharing: an optional third part is a common prefix C (a system
+prompt or few-shot block in front of every prompt of a batch), stored once for
+all rows. Every query of every row attends to it in one matmul per kv head
+([R*G*H/N, K] x [K, C]); it merges with the other two by the same rule, which
+is associative, so the order of the merge does not matter.
+
 `prefix_decode_attention` dispatches by `impl`: "xla" is the jnp reference
 below (used on CPU and as the oracle), "pallas" a Pallas kernel, "auto" picks
 by backend.
@@ -63,6 +69,29 @@ def merge_parts(parts):
   return out, total
 
 
+def common_prefix_part(q_RxGxNxQxK, common_k_CxNxK, common_v_CxNxK,
+                       common_len, *, scale, logit_softcap=None):
+  """Attention of every query to one common prefix shared by all rows.
+
+  Args:
+    q_RxGxNxQxK: queries grouped by kv head.
+    common_k_CxNxK: common-prefix keys, one copy for the whole batch.
+    common_v_CxNxK: common-prefix values.
+    common_len: [] valid common tokens (0: no common prefix).
+    scale: logit scale.
+    logit_softcap: optional soft-cap of the logits.
+
+  Returns:
+    (out [R,G,N,Q,K] fp32, lse [R,G,N,Q] fp32), as `attention_part`.
+  """
+  C = common_k_CxNxK.shape[0]
+  s = jnp.einsum("rgnqk,cnk->rgnqc", q_RxGxNxQxK, common_k_CxNxK,
+                 preferred_element_type=jnp.float32) * scale
+  s = _softcap(s, logit_softcap)
+  mask = jnp.arange(C) < common_len
+  return attention_part(s, mask, common_v_CxNxK, "rgnqc,cnk->rgnqk")
+
+
 def prefix_decode_attention_reference(
     q_RxGxHxK,
     prefix_k_RxPxNxK,
@@ -72,11 +101,18 @@ def prefix_decode_attention_reference(
     suffix_v_RxGxMxNxK,
     suffix_len_RxG,
     *,
+    common_k_CxNxK=None,
+    common_v_CxNxK=None,
+    common_len=None,
     scale=None,
     logit_softcap=None,
     return_lse=False,
 ):
-  """Pure-jnp prefix-shared decode attention (see module docstring)."""
+  """Pure-jnp prefix-shared decode attention (see module docstring).
+
+  `common_k_CxNxK`, `common_v_CxNxK`, `common_len` (optional, together) add
+  the common-prefix part shared by all rows; C = 0 is the same as None.
+  """
   R, G, H, K = q_RxGxHxK.shape
   N = prefix_k_RxPxNxK.shape[2]
   P = prefix_k_RxPxNxK.shape[1]
@@ -106,7 +142,12 @@ def prefix_decode_attention_reference(
       s_suf, mask_suf[:, :, None, None, :], suffix_v_RxGxMxNxK,
       "rgnqm,rgmnk->rgnqk")
 
-  out, lse = merge_parts([(o_pre, l_pre), (o_suf, l_suf)])
+  parts = [(o_pre, l_pre), (o_suf, l_suf)]
+  if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:
+    parts.append(common_prefix_part(
+        q, common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
+        logit_softcap=logit_softcap))
+  out, lse = merge_parts(parts)
   out = out.reshape(R, G, H, K).astype(q_RxGxHxK.dtype)
   if return_lse:
     return out, lse.reshape(R, G, H)
@@ -124,14 +165,16 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
   its cuDNN residual (the LSE) comes back in the output dtype (bf16), which
   would make the fp32 merge inexact, and it has no logit soft-cap. "pallas"
   runs the Mosaic kernel, in interpret mode off TPU (CPU tests); it is not a
-  GPU kernel.
+  GPU kernel. The optional common-prefix part is jnp in every implementation
+  (see `prefix_decode_attention_tpu.py`), merged in fp32 with the others.
 
   Args:
     *args: as `prefix_decode_attention_reference`.
     impl: "auto" | "xla" | "pallas".
     block_sizes: `BlockSizes` for the Pallas kernel (default if None); unused
       by the reference.
-    **kwargs: scale, logit_softcap, return_lse.
+    **kwargs: common_k_CxNxK, common_v_CxNxK, common_len (the optional
+      third part), scale, logit_softcap, return_lse.
 
   Returns:
     As `prefix_decode_attention_reference`.

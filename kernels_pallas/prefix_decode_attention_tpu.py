@@ -27,6 +27,15 @@ the wrapper transposes the engine's token-major caches. That transpose is one
 extra pass over the KV (still once per row for the prefix, not G times); a
 head-major engine cache would remove it.
 
+The optional third part (a common prefix shared by ALL rows, see
+`prefix_decode_attention.py`) is not a Pallas kernel: it is
+`common_prefix_part` in jnp, merged with the kernels' fp32 parts by the same
+`merge_parts` before the cast. Its keys are the same for every row, so XLA
+reads them once per step as one [R*G*Q, K] x [K, C] matmul per kv head; a
+kernel would add nothing but a second copy of that code. (The prefix kernel
+with one row of R*G*Q queries would do it too, but its query block would
+then hold the whole batch in VMEM.)
+
 Inference only: there is no VJP (decode never differentiates through it).
 """
 
@@ -42,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from kernels_pallas.prefix_decode_attention import common_prefix_part
 from kernels_pallas.prefix_decode_attention import merge_parts
 
 # Lane width of the m / l / lse buffers: lane-dense like the flash attention
@@ -254,6 +264,9 @@ def prefix_decode_attention_tpu(
     suffix_v_RxGxMxNxK: jax.Array,
     suffix_len_RxG: jax.Array,
     *,
+    common_k_CxNxK: jax.Array | None = None,
+    common_v_CxNxK: jax.Array | None = None,
+    common_len: jax.Array | None = None,
     scale: float | None = None,
     logit_softcap: float | None = None,
     return_lse: bool = False,
@@ -272,6 +285,9 @@ def prefix_decode_attention_tpu(
     suffix_k_RxGxMxNxK: each sample's own keys.
     suffix_v_RxGxMxNxK: each sample's own values.
     suffix_len_RxG: valid own tokens per sample (0: empty suffix).
+    common_k_CxNxK: optional common-prefix keys shared by all rows (jnp part).
+    common_v_CxNxK: its values.
+    common_len: [] its valid tokens.
     scale: logit scale; default K**-0.5.
     logit_softcap: if set, logits become cap * tanh(logits / cap).
     return_lse: also return the [R,G,H] fp32 log-sum-exp (-inf: no keys).
@@ -310,6 +326,11 @@ def prefix_decode_attention_tpu(
         suffix_v_RxGxMxNxK.transpose(0, 1, 3, 2, 4),
         suffix_len_RxG, block_m=block_sizes.block_m, **kw)
     parts.append((o, lse[..., 0]))
+  if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:
+    o, lse = common_prefix_part(
+        q_RxNxGxQxK.transpose(0, 2, 1, 3, 4), common_k_CxNxK, common_v_CxNxK,
+        common_len, scale=scale, logit_softcap=logit_softcap)
+    parts.append((o.transpose(0, 2, 1, 3, 4), lse.transpose(0, 2, 1, 3)))
   if not parts:  # No keys at all: zeros and lse -inf, by convention.
     parts.append((jnp.zeros((R, N, G, Q, K), jnp.float32),
                   jnp.full((R, N, G, Q), -jnp.inf, jnp.float32)))

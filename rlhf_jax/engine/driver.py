@@ -6,6 +6,11 @@ soon as they free up (prefill once, bulk_insert G slots), dispatch one
 and read the previous step's result only after the next step is dispatched,
 so the host never stalls the device. Finished samples are yielded as soon as
 they complete (scoring can start while others still decode).
+
+`run(requests, common_prefix=...)` adds two-level sharing: a token prefix
+common to all requests (declared, or detected with "auto") is prefilled once
+and stored once; each request's row then holds only its tokens after it.
+Samples are the same as without it (same keys, same positions).
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.engine import Engine
 
 
@@ -60,6 +66,8 @@ class _Live:
 class DriverStats:
   steps: int = 0
   prefills: int = 0
+  prefill_tokens: int = 0       # Padded tokens run through prefill.
+  common_prefix_length: int = 0  # Of the last run (0: none).
   generated_tokens: int = 0
   decode_s: float = 0.0
 
@@ -73,15 +81,45 @@ class Driver:
     self.weight_version = weight_version
     self.stats = DriverStats()
 
-  def run(self, requests: Iterable[Request]) -> Iterator[Sample]:
+  def run(self, requests: Iterable[Request], *,
+          common_prefix: str | Sequence[int] | np.ndarray | None = None,
+          min_common_length: int = 16) -> Iterator[Sample]:
+    """Samples every request; yields each sample as soon as it finishes.
+
+    Args:
+      requests: prompts (whole, including any common prefix).
+      common_prefix: None (no common prefix), "auto" (the longest token
+        prefix of all requests, if >= `min_common_length`, capped at the
+        engine's `max_common_length`), or the common tokens themselves,
+        which every request must start with. It is prefilled once and
+        stored once for all rows (`Engine.set_common_prefix`).
+      min_common_length: threshold of "auto".
+
+    Yields:
+      `Sample`s; `prompt_tokens` is the whole request prompt.
+    """
     eng = self.engine
     pending = collections.deque(requests)
+    common = self._resolve_common_prefix(pending, common_prefix,
+                                         min_common_length)
     for req in pending:  # Reject bad input before any work starts.
-      eng.pad_prompt(req.tokens, req.prompt_id)
+      own = common_lib.strip_common_prefix(req.tokens, common, req.prompt_id)
+      if common.size and own.size > eng.max_prefill_length:
+        raise ValueError(
+            f"prompt {req.prompt_id} has {own.size} tokens after the common "
+            f"prefix of {common.size}, longer than the largest prefill "
+            f"bucket {eng.max_prefill_length}")
+      eng.pad_prompt(own, req.prompt_id)
       if not 1 <= req.num_samples <= eng.samples_per_row:
         raise ValueError(
             f"prompt {req.prompt_id} asks for num_samples={req.num_samples}; "
             f"the engine holds 1..{eng.samples_per_row} samples per prompt")
+    if common.size:
+      eng.set_common_prefix(self.params, common)
+      self.stats.prefill_tokens += eng.max_common_length
+    else:
+      eng.clear_common_prefix()
+    self.stats.common_prefix_length = int(common.size)
     state = eng.init_decode_state()
     live: dict[int, _Live] = {}
     events = collections.deque()  # ("insert", slots, prefix) | ("step", res)
@@ -92,7 +130,8 @@ class Driver:
       while pending and free:
         req = pending.popleft()
         row = free.pop(0)
-        padded, true_len = eng.pad_prompt(req.tokens, req.prompt_id)
+        padded, true_len = eng.pad_prompt(
+            np.asarray(req.tokens)[common.size:], req.prompt_id)
         prefix = eng.prefill_multisampling(
             self.params, padded, true_len, req.num_samples,
             prompt_id=req.prompt_id, seed=req.seed,
@@ -106,6 +145,7 @@ class Driver:
           x.copy_to_host_async()
         events.append(("insert", slots, prefix))
         self.stats.prefills += 1
+        self.stats.prefill_tokens += padded.size
       if live:
         state, result = eng.generate(self.params, state)
         result.copy_to_host_async()
@@ -116,6 +156,26 @@ class Driver:
                         events[0][0] == "insert"):
         yield from self._consume(events.popleft(), live)
     self.stats.decode_s += time.perf_counter() - t0
+
+  def _resolve_common_prefix(self, requests, common_prefix,
+                             min_common_length) -> np.ndarray:
+    """The common tokens of this run (empty: none), validated."""
+    eng = self.engine
+    if common_prefix is None:
+      return np.zeros(0, np.int32)
+    if isinstance(common_prefix, str):
+      if common_prefix != "auto":
+        raise ValueError(f"common_prefix must be None, 'auto' or tokens, got "
+                         f"{common_prefix!r}")
+      if not eng.max_common_length:
+        raise ValueError("common_prefix='auto' needs an engine built with "
+                         "max_common_length > 0")
+      return common_lib.longest_common_prefix(
+          [r.tokens for r in requests], min_length=min_common_length,
+          max_length=eng.max_common_length)
+    if not np.asarray(common_prefix).size:
+      return np.zeros(0, np.int32)
+    return eng.check_common_prefix(common_prefix)
 
   def _consume(self, event, live) -> Iterator[Sample]:
     if event[0] == "insert":

@@ -2,8 +2,12 @@
 
 Slots are a flat range [0, R*G): slot = row * G + j. A row holds one prompt's
 KV once (`prefix_*`); its G slots hold the samples' own tokens (`suffix_*`).
-Dimension letters: L layers, R rows, G samples per row, P max prompt length,
-M max new tokens, N kv heads, K head dim.
+Two-level sharing: a common prefix in front of every prompt of a batch (a
+system prompt, few-shot examples) is stored once for all rows (`common_*`);
+rows then hold only the tokens after it.
+Dimension letters: L layers, R rows, G samples per row, P max prompt length
+(after the common prefix), M max new tokens, N kv heads, K head dim, C max
+common-prefix length.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ STATE_AXES = {
     "prompt_id": ("batch",),
     "sample_idx": ("batch", None),
     "seed": ("batch",),
+    "common_k": ("layers", "cache_length", "kv_heads", "head_dim"),
+    "common_v": ("layers", "cache_length", "kv_heads", "head_dim"),
+    "common_len": (),
 }
 
 
@@ -51,11 +58,27 @@ class DecodeState:
   prompt_id: jax.Array    # [R]
   sample_idx: jax.Array   # [R, G]
   seed: jax.Array         # [R] uint32 sampling seed of the row's request
+  common_k: jax.Array     # [L, C, N, K] common prefix, once for all rows
+  common_v: jax.Array     # [L, C, N, K]
+  common_len: jax.Array   # [] valid common tokens (0: none); prompt rows
+                          # start at this position
+
+
+@struct.dataclass
+class CommonPrefix:
+  """A common prefix prefilled once, shared by every row of a decode state."""
+  k: jax.Array         # [L, C, N, K], C = the engine's max_common_length
+  v: jax.Array
+  length: jax.Array    # [] int32 valid tokens (0: no common prefix)
 
 
 @struct.dataclass
 class Prefix:
-  """A prefill result: one prompt's KV and its G first tokens."""
+  """A prefill result: one prompt's KV and its G first tokens.
+
+  With a common prefix set on the engine, the prompt is the part after it:
+  `k`, `v` and `true_length` cover only those tokens.
+  """
   k: jax.Array              # [L, Pb, N, K] for the prompt's bucket Pb
   v: jax.Array
   true_length: jax.Array    # [] int32
@@ -66,6 +89,8 @@ class Prefix:
   sample_indices: tuple[int, ...] = struct.field(pytree_node=False,
                                                  default=())
   seed: int = struct.field(pytree_node=False, default=0)
+  # Which common prefix of the engine the prompt was prefilled after.
+  common_version: int = struct.field(pytree_node=False, default=0)
 
 
 # Columns of the packed per-slot result array.

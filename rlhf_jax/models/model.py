@@ -40,10 +40,11 @@ def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
 
 
 def forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, *,
-            return_kv: bool = False):
+            return_kv: bool = False, context=None):
   """Full-sequence logits (and per-layer KV); see `Decoder.__call__`."""
   model = nnx.merge(graphdef, params)
-  return model(tokens_BxT, positions_BxT, mask_BxT, return_kv=return_kv)
+  return model(tokens_BxT, positions_BxT, mask_BxT, return_kv=return_kv,
+               context=context)
 
 
 def decode(graphdef, params, *args, **kwargs):

@@ -4,7 +4,11 @@
   (training, log-probs); with `return_kv=True` it is also the prefill and
   returns every layer's keys/values.
 - `decode(...)`: one token per sample against the engine's prefix-shared KV
-  (a prompt row read once per group + each sample's own tokens).
+  (a prompt row read once per group + each sample's own tokens, + optionally
+  a common prefix shared by every row).
+- `__call__(..., context=(k, v, length))`: the tokens also attend to a
+  context KV that precedes them (the engine's common prefix, prefilled once);
+  positions are the caller's (offset by the context length).
 
 Dimension letters as in layers.py, plus L layers, R prompt rows, G samples
 per row, P prefix length, M per-sample suffix length.
@@ -18,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.prefix_decode_attention import (
-    attention_part, prefix_decode_attention)
+    attention_part, merge_parts, prefix_decode_attention)
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import (
     AttentionProjections, GatedMLP, RMSNorm, _param)
@@ -39,6 +43,33 @@ def causal_attention(q_BxTxHxK, k_BxSxNxK, v_BxSxNxK, allowed_BxTxS, cfg):
   s = _softcap(s, cfg.attn_logit_softcap)
   out, _ = attention_part(s, allowed_BxTxS[:, None, None], v_BxSxNxK,
                           "bnqts,bsnk->btnqk")
+  return out.reshape(B, T, H, K).astype(q_BxTxHxK.dtype)
+
+
+def context_causal_attention(q_BxTxHxK, k_BxSxNxK, v_BxSxNxK, allowed_BxTxS,
+                             ctx_k_CxNxK, ctx_v_CxNxK, ctx_allowed_BxTxC, cfg):
+  """`causal_attention` plus a context KV shared by the batch, LSE-merged.
+
+  The context (the engine's common prefix) is one [C, N, K] copy for all B
+  sequences; it is its own attention part, merged exactly with the causal
+  part by log-sum-exp, so it is never broadcast to [B, C, N, K].
+  """
+  B, T, H, K = q_BxTxHxK.shape
+  N = k_BxSxNxK.shape[2]
+  q = q_BxTxHxK.reshape(B, T, N, H // N, K)
+  s = jnp.einsum("btnqk,bsnk->bnqts", q, k_BxSxNxK,
+                 preferred_element_type=jnp.float32) * cfg.scores_scale
+  own = attention_part(_softcap(s, cfg.attn_logit_softcap),
+                       allowed_BxTxS[:, None, None], v_BxSxNxK,
+                       "bnqts,bsnk->btnqk")
+  s = jnp.einsum("btnqk,cnk->bnqtc", q, ctx_k_CxNxK,
+                 preferred_element_type=jnp.float32) * cfg.scores_scale
+  ctx = attention_part(_softcap(s, cfg.attn_logit_softcap),
+                       ctx_allowed_BxTxC[:, None, None], ctx_v_CxNxK,
+                       "bnqtc,cnk->btnqk")
+  # lse comes back as [B, N, Q, T]; merge_parts wants out's layout minus K.
+  parts = [(o, jnp.transpose(lse, (0, 3, 1, 2))) for o, lse in (own, ctx)]
+  out, _ = merge_parts(parts)
   return out.reshape(B, T, H, K).astype(q_BxTxHxK.dtype)
 
 
@@ -101,7 +132,7 @@ class Decoder(nnx.Module):
     return constrain(logits, ("batch", "length", "vocab"))
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, *,
-               return_kv: bool = False):
+               return_kv: bool = False, context=None):
     """Full-sequence forward.
 
     Args:
@@ -109,11 +140,17 @@ class Decoder(nnx.Module):
       positions_BxT: RoPE positions.
       mask_BxT: True for real tokens; padding keys are never attended.
       return_kv: also return keys/values stacked over layers.
+      context: optional (k [L,C,N,K], v [L,C,N,K], length []) of tokens at
+        positions 0..length-1 that precede every sequence (one copy for the
+        batch); every token also attends to them. Positions must continue
+        after the context. C = 0 is the same as None.
 
     Returns:
-      logits [B,T,V] fp32, and with return_kv (k, v) each [L,B,T,N,K].
+      logits [B,T,V] fp32, and with return_kv (k, v) each [L,B,T,N,K] (the
+      tokens' own KV, not the context's).
     """
-    x, ks, vs = self._trunk(tokens_BxT, positions_BxT, mask_BxT)
+    x, ks, vs = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                            context=context)
     logits = self._logits(x)
     if return_kv:
       return logits, (jnp.stack(ks), jnp.stack(vs))
@@ -124,12 +161,19 @@ class Decoder(nnx.Module):
     x, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT)
     return self.final_norm(x)
 
-  def _trunk(self, tokens_BxT, positions_BxT, mask_BxT):
+  def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None):
     """Embedding + blocks: residual stream [B,T,D] and per-layer k, v lists."""
     T = tokens_BxT.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     allowed = causal[None] & mask_BxT[:, None, :]
     dist = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+    if context is not None and context[0].shape[1] == 0:
+      context = None
+    if context is not None:
+      ctx_k, ctx_v, ctx_len = context
+      ctx_pos = jnp.arange(ctx_k.shape[1])
+      ctx_dist = positions_BxT[:, :, None] - ctx_pos  # [B, T, C]
+      ctx_allowed = jnp.broadcast_to(ctx_pos < ctx_len, ctx_dist.shape)
     x = self._embed(tokens_BxT)
     ks, vs = [], []
     for i, block in enumerate(self.blocks):
@@ -137,14 +181,22 @@ class Decoder(nnx.Module):
       if self.cfg.is_local_layer(i):
         layer_allowed = allowed & (dist < self.cfg.sliding_window)
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_BxT)
-      o = causal_attention(q, k, v, layer_allowed, self.cfg)
+      if context is None:
+        o = causal_attention(q, k, v, layer_allowed, self.cfg)
+      else:
+        layer_ctx = ctx_allowed
+        if self.cfg.is_local_layer(i):
+          layer_ctx = ctx_allowed & (ctx_dist < self.cfg.sliding_window)
+        o = context_causal_attention(q, k, v, layer_allowed, ctx_k[i],
+                                     ctx_v[i], layer_ctx, self.cfg)
       x = block._residual_mlp(x, block.attn.out(o))
       ks.append(k)
       vs.append(v)
     return x, ks, vs
 
   def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,
-             suffix_k, suffix_v, suffix_len_RxG, *, attention_impl="auto"):
+             suffix_k, suffix_v, suffix_len_RxG, *, attention_impl="auto",
+             common_k=None, common_v=None, common_len=None):
     """One decode step for R rows x G samples against prefix-shared KV.
 
     Args:
@@ -155,10 +207,14 @@ class Decoder(nnx.Module):
       suffix_k, suffix_v: [L,R,G,M,N,K] each sample's own KV.
       suffix_len_RxG: own tokens already cached; the new KV is written there.
       attention_impl: "auto" | "xla" | "pallas".
+      common_k, common_v: optional [L,C,N,K] common prefix shared by every row
+        (positions 0..C-1; then prompt positions start after it).
+      common_len: [] its valid tokens.
 
     Returns:
       logits [R,G,V] fp32, updated suffix_k, suffix_v.
     """
+    common = common_k is not None and common_k.shape[1] > 0
     R, G = tokens_RxG.shape
     rows = jnp.arange(R)[:, None]
     cols = jnp.arange(G)[None, :]
@@ -172,6 +228,8 @@ class Decoder(nnx.Module):
       o = prefix_decode_attention(
           q, prefix_k[i], prefix_v[i], prefix_len_R, suffix_k[i], suffix_v[i],
           suffix_len_RxG + 1, scale=self.cfg.scores_scale,
-          logit_softcap=self.cfg.attn_logit_softcap, impl=attention_impl)
+          logit_softcap=self.cfg.attn_logit_softcap, impl=attention_impl,
+          **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
+                  common_len=common_len) if common else {}))
       x = block._residual_mlp(x, block.attn.out(o))
     return self._logits(x), suffix_k, suffix_v
