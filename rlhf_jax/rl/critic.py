@@ -9,12 +9,14 @@ valid token is terminal, so nothing is bootstrapped from padding. A hole in
 the middle of a row would also be treated as an episode end.
 
 All functions are pure jnp, jittable, fp32 and carry no model imports.
+`ppo_targets` chains them into what one PPO step trains on.
 """
 
 import jax
 import jax.numpy as jnp
 
 from rlhf_jax.rl.aggregation import masked_mean
+from rlhf_jax.rl.losses import kl_reward_penalty
 
 
 def _f32(x: jax.Array) -> jax.Array:
@@ -188,3 +190,51 @@ def last_token_rewards(
   next_m_BxT = jnp.pad(m_BxT[:, 1:], ((0, 0), (0, 1)))
   is_last_BxT = (m_BxT > 0) & (next_m_BxT == 0)
   return jnp.where(is_last_BxT, _f32(scores_B)[:, None], 0.0)
+
+
+def ppo_targets(
+    scores_B: jax.Array,
+    logp_BxT: jax.Array,
+    ref_logp_BxT: jax.Array,
+    values_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    kl_coef: float,
+    kl_estimator: str = "k1",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+) -> dict[str, jax.Array]:
+  """InstructGPT-style PPO targets from one rollout.
+
+  r_t = score * [t is the last response token] - kl_coef * KL_t (KL of the
+  sampling policy to the reference, per token; kl_coef 0 when the KL is a
+  loss term instead); GAE on r with the sampling-time critic values; the
+  advantages are whitened over valid tokens (the returns are not).
+
+  Args:
+    scores_B: [B] reward-model scores of the sampled sequences.
+    logp_BxT: [B, T] log-probs of the sampling policy.
+    ref_logp_BxT: [B, T] reference log-probs.
+    values_BxT: [B, T] critic values at sampling time.
+    mask_BxT: [B, T] 1 on response tokens (contiguous per row).
+    kl_coef: beta of the KL reward penalty.
+    kl_estimator: registered "kl_estimator" name.
+    gamma: discount.
+    lam: GAE lambda.
+    whiten: whiten the advantages.
+
+  Returns:
+    {"advantages", "returns", "token_rewards"} [B, T] and "kl" [B] (the
+    sequence KL estimate), fp32.
+  """
+  rewards_BxT = last_token_rewards(scores_B, mask_BxT)
+  rewards_BxT, kl_B = kl_reward_penalty(rewards_BxT, logp_BxT, ref_logp_BxT,
+                                        mask_BxT, beta=kl_coef,
+                                        estimator=kl_estimator)
+  adv_BxT, ret_BxT = gae(rewards_BxT, values_BxT, mask_BxT, gamma=gamma,
+                         lam=lam)
+  if whiten:
+    adv_BxT = masked_whiten(adv_BxT, mask_BxT)
+  return {"advantages": adv_BxT, "returns": ret_BxT,
+          "token_rewards": rewards_BxT, "kl": kl_B}

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from rlhf_jax.models import model as model_lib
+from rlhf_jax import distributed
 from rlhf_jax.parallel.layout import Layout, constrain, use_layout
-from rlhf_jax.rl.logprobs import token_logprobs
+from rlhf_jax.rl import grouped
 
 Batch = dict[str, jax.Array]
 # terms_fn(graphdef, params, micro_batch) -> (numerator, aux metrics dict)
@@ -103,8 +103,13 @@ class Learner:
             for k, v in batch.items()}
 
   def put_batch(self, batch: dict) -> Batch:
-    """Host arrays -> device, sharded over the batch axes of the layout."""
-    return jax.device_put(batch, self.batch_shardings(batch))
+    """Host arrays -> device, sharded over the batch axes of the layout.
+
+    Multi-host: every process holds the same global batch and places only
+    its own devices' rows (`distributed.put_global`).
+    """
+    return jax.tree.map(distributed.put_global, batch,
+                        self.batch_shardings(batch))
 
   def rows(self, batch: Batch, idx) -> Batch:
     """Mini-batch of the given rows, gathered on device, batch-sharded."""
@@ -173,7 +178,11 @@ class Learner:
       return TrainState(params, opt_state, state.step + 1), metrics
 
   def logprobs(self, params, batch: Batch) -> jax.Array:
-    """Per-token log-probs of batch["targets"] [B, T] (forward only)."""
+    """Per-token log-probs of the targets (forward only).
+
+    [B, T] for a repeated batch, [N, G, R] for a grouped one (each prompt
+    run once for its G responses; see `rl/grouped.py`).
+    """
     return self._logprobs_jit(params, batch)
 
   def _logprobs_fn(self, params, batch):
@@ -182,11 +191,9 @@ class Learner:
       micro = split_micro(batch, self.micro_batches)
 
       def one(mb):
-        logits = model_lib.forward(self.graphdef, params, mb["tokens"],
-                                   mb["positions"], mb["attn_mask"])
-        return token_logprobs(logits, mb["targets"])
+        return grouped.token_logprobs_in_layout(self.graphdef, params, mb)
 
-      logp = jax.lax.map(one, micro)  # [U, B/U, T]
-      B = batch["tokens"].shape[0]
+      logp = jax.lax.map(one, micro)  # [U, B/U, ...]
+      B = jax.tree.leaves(batch)[0].shape[0]  # Axis 0 is rows in any layout.
       logp = jnp.swapaxes(logp, 0, 1).reshape((B,) + logp.shape[2:])
-      return constrain(logp, ("batch", None))
+      return constrain(logp, _batch_axes(logp))

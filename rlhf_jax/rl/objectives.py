@@ -1,4 +1,4 @@
-"""Loss "terms" for the learner: SFT, the clipped policy loss, Bradley-Terry.
+"""Loss "terms" for the learner: SFT, policy loss, value loss, Bradley-Terry.
 
 Each factory returns (terms_fn, weight_fn) for `Learner`: terms_fn gives a
 micro-batch numerator (summed over micro-batches), weight_fn the batch-level
@@ -15,7 +15,14 @@ import jax.numpy as jnp
 
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import reward_model
-from rlhf_jax.rl import aggregation, losses, preference, registry
+from rlhf_jax.rl import (
+  aggregation,
+  critic,
+  grouped,
+  losses,
+  preference,
+  registry,
+)
 from rlhf_jax.rl.logprobs import token_entropy, token_logprobs
 
 
@@ -51,14 +58,18 @@ class PolicyLossConfig:
 
 
 def policy_terms(c: PolicyLossConfig):
-  """Clipped surrogate (+ beta * KL to the reference) with `c.aggregation`."""
+  """Clipped surrogate (+ beta * KL to the reference) with `c.aggregation`.
+
+  Takes batches in either layout of `rl/grouped.py` (repeated prompts, or
+  grouped: each prompt run once for its G responses); same loss either way.
+  """
   loss_fn = registry.get("policy_loss", c.policy_loss)
   registry.get("kl_estimator", c.kl_estimator)  # Fail early on a bad name.
 
   def terms(graphdef, params, mb):
-    logits = model_lib.forward(graphdef, params, mb["tokens"], mb["positions"],
-                               mb["attn_mask"])
-    logp = token_logprobs(logits, mb["targets"])
+    logits, targets = grouped.logits_and_targets(graphdef, params, mb)
+    logp = token_logprobs(logits, targets)
+    mb = grouped.per_sequence(mb)
     mask = mb["loss_mask"]
     loss, m = loss_fn(logp, mb["old_logp"], mb["advantages"], mask,
                       clip_low=c.clip_low, clip_high=c.clip_high,
@@ -75,6 +86,7 @@ def policy_terms(c: PolicyLossConfig):
     return num, aux
 
   def weight(batch):
+    batch = grouped.per_sequence(batch)
     zeros = jnp.zeros(batch["loss_mask"].shape, jnp.float32)
     return aggregation.aggregate_terms(zeros, batch["loss_mask"],
                                        c.aggregation, max_len=c.max_len)[1]
@@ -102,3 +114,20 @@ def reward_model_terms():
 
   return terms, lambda batch: jnp.asarray(batch["margin"].shape[0],
                                           jnp.float32)
+
+
+def value_terms(clip_range: float | None):
+  """PPO's clipped value loss, token-mean over loss_mask (the critic).
+
+  The batch also holds old_values and returns [B, T] (GAE targets); values
+  are read at the positions whose next token is a response token, the same
+  positions as the policy's log-probs.
+  """
+  def terms(graphdef, params, mb):
+    v = reward_model.values(graphdef, params, mb["tokens"], mb["positions"],
+                            mb["attn_mask"])
+    loss, m = critic.value_loss(v, mb["old_values"], mb["returns"],
+                                mb["loss_mask"], clip_range=clip_range)
+    return jnp.sum(loss), m
+
+  return terms, lambda batch: jnp.sum(batch["loss_mask"])

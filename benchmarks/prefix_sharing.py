@@ -1,0 +1,355 @@
+"""Prompt sharing vs repeating the prompt G times: rollout and one train step.
+
+  python -m benchmarks.prefix_sharing [--quick] [--repeats=N]
+
+In one run, on one CPU device, the same model and the same code, two ways:
+
+Rollout (the engine, prefill + decode until every sample has M tokens):
+  shared:   Engine(samples_per_row=G): each prompt is prefilled ONCE and its
+            G samples decode against one copy of its KV (prefix rows).
+  repeated: Engine(samples_per_row=1): the prompt is submitted G times
+            (sample indices 0..G-1), G prefills and G copies of its KV.
+  Settings (G, P, M): (16, 512, 64) and (4, 128, 64), 16 samples each
+  (1 resp. 4 prompts). Timed: prefill of every prompt copy, bulk_insert, and
+  M - 1 `generate` steps (temperature 1, no stop tokens), blocking at the
+  end of each phase.
+
+Common prefix (the engine's two-level sharing, `benchmarks/common_prefix.py`,
+also run here): 16 prompts = a 256-token prefix common to all + 8..32 own
+tokens, G=4; baseline prefills every whole prompt into its row, ours
+prefills and stores the 256 tokens once.
+
+Train step (Learner.step, GRPO policy loss with k3 KL, token-mean):
+  shared:   the grouped layout (rl/grouped.py): prompt tokens [N, P] run once,
+            the G responses attend to the prompt's K/V (prefix part) + their
+            own tokens, merged by log-sum-exp; autodiff sums the G responses'
+            gradients into the prompt.
+  repeated: [prompt; response] per sequence, [N*G, P+R].
+  Setting: G=8, P=256, R=64, N=2 prompts (16 sequences; --quick: N=1).
+
+Compile runs are excluded; variants alternate repeat by repeat (the machine
+is shared); the speedup is the median over repeats of the paired time ratio
+repeated / shared. Next to each measured ratio is the theoretical one:
+  rollout: KV read per decode step, ((P+M) G) / (P + G M) (the engine reads
+    the whole padded prompt and suffix buffers), and prefill FLOPs, G;
+  train: tokens through the weights, G (P+R) / (P + G R) (matmul FLOPs;
+    attention FLOPs favour sharing a bit more).
+Decode-state bytes are `Engine.decode_state_bytes` of the two engines.
+
+Model: `ModelConfig.tiny` widened as in benchmarks/engine.py (4 layers, embed
+256, 8 query / 2 kv heads of dim 64, MLP 768, vocab 1024: 4.2M params, fp32),
+bigger than the tests' tiny model so that attention and prompt work are not
+lost in per-op dispatch overhead on CPU.
+
+Prints a table, then one JSON line (last stdout line) with
+`rollout_speedup` and `theoretical_kv_read_ratio` (G=16, P=512),
+`train_step_speedup`, `kv_bytes_ratio` (repeated / shared decode state,
+G=16, P=512) and the per-setting numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from rlhf_jax.engine.driver import Sample
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.rl import objectives
+from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+from rlhf_jax.trainers import rollout
+
+from benchmarks import common_prefix
+
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats (< 3 minutes).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 0, "Timed repeats per setting; 0 means 2 (--quick) or 5.")
+
+SAMPLES = 16                                # Live samples per rollout.
+ROLLOUT_CASES = ((16, 512, 64), (4, 128, 64))  # (G, P, M); headline first.
+TRAIN_CASE = (8, 256, 64)                   # (G, P, R).
+
+
+def _model_config() -> ModelConfig:
+  return ModelConfig.tiny(num_layers=4, embed_dim=256, num_heads=8,
+                          num_kv_heads=2, head_dim=64, mlp_dim=768,
+                          vocab_size=1024)
+
+
+# ----------------------------------------------------------------- rollout
+class _Rollout:
+  """One engine plus its request list; `run` times one whole rollout."""
+
+  def __init__(self, cfg, graphdef, params, layout, G, P, M, prompts_NxP,
+               shared: bool):
+    N = prompts_NxP.shape[0]
+    self.engine = Engine(
+        cfg, graphdef, layout, num_rows=N if shared else N * G,
+        samples_per_row=G if shared else 1, prefill_buckets=(P,),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=M))
+    self.params, self.M = params, M
+    # (prompt id, tokens, num samples, first sample index) per prefill.
+    self.requests = ([(n, prompts_NxP[n], G, 0) for n in range(N)] if shared
+                     else [(n, prompts_NxP[n], 1, j) for n in range(N)
+                           for j in range(G)])
+    self.times = []  # (prefill_s, decode_s) per timed run.
+
+  def run(self, timed=True):
+    """One rollout; untimed = compile only (one prompt, one step)."""
+    eng = self.engine
+    requests = self.requests if timed else self.requests[:1]
+    state = eng.init_decode_state()
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    prefixes = [eng.prefill_multisampling(
+        self.params, tokens, tokens.shape[0], num, prompt_id=pid, seed=0,
+        first_sample_index=first) for pid, tokens, num, first in requests]
+    jax.block_until_ready(prefixes)
+    t1 = time.perf_counter()
+    for r, prefix in enumerate(prefixes):
+      state = eng.bulk_insert(prefix, state,
+                              eng.slots_of_row[r][:len(prefix.sample_indices)])
+    # The first token came with the prefill: M - 1 steps finish every sample.
+    for _ in range(self.M - 1 if timed else 1):
+      state, result = eng.generate(self.params, state)
+    result.data.block_until_ready()
+    t2 = time.perf_counter()
+    if timed:
+      if int(np.asarray(state.active).sum()):
+        raise AssertionError("samples still live after M - 1 steps")
+      self.times.append((t1 - t0, t2 - t1))
+
+
+def _rollout_case(cfg, graphdef, params, layout, G, P, M, repeats, rng):
+  N = SAMPLES // G
+  prompts = rng.integers(0, cfg.vocab_size, (N, P)).astype(np.int32)
+  shared = _Rollout(cfg, graphdef, params, layout, G, P, M, prompts, True)
+  repeated = _Rollout(cfg, graphdef, params, layout, G, P, M, prompts, False)
+  shared.run(timed=False)  # Compiles prefill, insert, generate.
+  repeated.run(timed=False)
+  for _ in range(repeats):
+    shared.run()
+    repeated.run()
+  def tot(v):
+    return np.array([a + b for a, b in v.times])
+
+  def med(v, i):
+    return float(np.median([t[i] for t in v.times]))
+
+  # Decode split, as in benchmarks/engine.py: step = rest + c * (KV tokens
+  # read per step), solved from the two variants (same projections, MLP,
+  # logits and sampling; they differ only in prompt KV reads).
+  step_sh, step_rep = (1e3 * med(v, 1) / (M - 1) for v in (shared, repeated))
+  kv_sh, kv_rep = N * P + SAMPLES * M, SAMPLES * P + SAMPLES * M
+  c = (step_rep - step_sh) / (kv_rep - kv_sh)
+  rest = step_rep - c * kv_rep
+  return dict(
+      step_ms_shared=step_sh, step_ms_repeated=step_rep, rest_ms=rest,
+      kv_ms_shared=c * kv_sh, kv_ms_repeated=c * kv_rep,
+      G=G, P=P, M=M, N=N,
+      speedup=float(np.median(tot(repeated) / tot(shared))),
+      shared_s=float(np.median(tot(shared))),
+      repeated_s=float(np.median(tot(repeated))),
+      shared_prefill_s=med(shared, 0), repeated_prefill_s=med(repeated, 0),
+      shared_decode_s=med(shared, 1), repeated_decode_s=med(repeated, 1),
+      decode_speedup=med(repeated, 1) / med(shared, 1),
+      prefill_speedup=med(repeated, 0) / med(shared, 0),
+      theory_kv_read=(P + M) * G / (P + G * M), theory_prefill=float(G),
+      shared_state_bytes=shared.engine.decode_state_bytes(),
+      repeated_state_bytes=repeated.engine.decode_state_bytes())
+
+
+# -------------------------------------------------------------- train step
+def _train_samples(cfg, G, P, R, N, rng):
+  """N prompts of exactly P tokens, G responses of exactly R tokens each."""
+  out = []
+  for n in range(N):
+    prompt = rng.integers(1, cfg.vocab_size, P).astype(np.int32)
+    for g in range(G):
+      out.append(Sample(
+          prompt_id=n, sample_idx=g, prompt_tokens=prompt,
+          tokens=rng.integers(1, cfg.vocab_size, R).tolist(),
+          logp=[0.0] * R, logp_raw=[0.0] * R, finish_reason="length",
+          weight_version=0))
+  return out
+
+
+def _train_case(cfg, layout, repeats, rng, N):
+  G, P, R = TRAIN_CASE
+  graphdef, params = model_lib.init_params(cfg, 0, layout)
+  terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
+      clip_high=0.28, kl_coef=0.01, aggregation="token-mean", max_len=R))
+  learner = Learner(graphdef, layout, make_optimizer(OptimConfig()),
+                    terms_fn=terms, weight_fn=weight, micro_batches=1)
+  samples = _train_samples(cfg, G, P, R, N, rng)
+  adv = rng.standard_normal(N * G).astype(np.float32)
+  batches = {}
+  for name, group_size in (("shared", G), ("repeated", 0)):
+    arrays = rollout.pack(samples, P, R, group_size=group_size).arrays
+    # Old/ref log-probs near a uniform policy's (timing does not depend on
+    # them; recomputing them would cost two more compiles).
+    logp = np.full(arrays["loss_mask"].shape, -np.log(cfg.vocab_size),
+                   np.float32)
+    batches[name] = learner.put_batch({
+        **arrays, "old_logp": logp, "ref_logp": logp - 0.01,
+        "advantages": adv.reshape(arrays["loss_mask"].shape[:-1])})
+  # One state per variant (steps donate it), both from the same params.
+  states = {name: learner.init_state(
+      jax.tree.map(lambda x: jnp.array(x, copy=True), params))
+            for name in batches}
+  times = {"shared": [], "repeated": []}
+  losses = {}
+  for i in range(repeats + 1):  # Run 0 compiles.
+    for name in ("shared", "repeated"):
+      t0 = time.perf_counter()
+      states[name], m = learner.step(states[name], batches[name])
+      jax.block_until_ready(m)
+      if i:
+        times[name].append(time.perf_counter() - t0)
+      losses.setdefault(name, float(m["loss"]))
+  ratios = np.array(times["repeated"]) / np.array(times["shared"])
+  tokens_shared, tokens_repeated = N * P + N * G * R, N * G * (P + R)
+  return dict(
+      G=G, P=P, R=R, N=N, speedup=float(np.median(ratios)),
+      shared_s=float(np.median(times["shared"])),
+      repeated_s=float(np.median(times["repeated"])),
+      theory_tokens=tokens_repeated / tokens_shared,
+      tokens_shared=tokens_shared, tokens_repeated=tokens_repeated,
+      # Same params, same data: the first step's losses must agree.
+      loss_shared=losses["shared"], loss_repeated=losses["repeated"])
+
+
+def _table(rollouts, train) -> str:
+  head = (f"{'rollout':<9}{'G':>3}{'P':>5}{'M':>4} | {'shared s':>8} "
+          f"{'repeat s':>8} | {'speedup':>7} | {'prefill':>7} {'theory':>6} |"
+          f" {'decode':>6} {'KV-read theory':>14} | {'state MB shared':>15} "
+          f"{'repeat':>6}")
+  lines = [head, "-" * len(head)]
+  for r in rollouts:
+    lines.append(
+        f"{'':<9}{r['G']:>3}{r['P']:>5}{r['M']:>4} | {r['shared_s']:>8.3f} "
+        f"{r['repeated_s']:>8.3f} | {r['speedup']:>6.2f}x | "
+        f"{r['prefill_speedup']:>6.2f}x {r['theory_prefill']:>5.1f}x | "
+        f"{r['decode_speedup']:>5.2f}x {r['theory_kv_read']:>13.2f}x | "
+        f"{r['shared_state_bytes'] / 2**20:>15.2f} "
+        f"{r['repeated_state_bytes'] / 2**20:>6.2f}")
+  lines += [
+      f"{SAMPLES} samples per rollout; prefill = every prompt copy, decode = "
+      f"M-1 generate steps; speedup = median paired ratio repeated/shared of "
+      f"the whole rollout, prefill/decode columns = ratio of medians. "
+      f"KV-read theory = ((P+M)G)/(P+GM) per decode step; prefill theory = "
+      f"G.", ""]
+  head = (f"{'decode':<9}{'G':>3}{'P':>5} | {'step ms shared':>14} "
+          f"{'repeat':>6} | {'KV-read ms shared':>17} {'repeat':>6} | "
+          f"{'rest ms':>7} | {'bound':>6}")
+  lines += [head, "-" * len(head)]
+  for r in rollouts:
+    # rest within noise of 0: decode time is all KV reads.
+    bound = (f"{r['step_ms_repeated'] / r['rest_ms']:>5.1f}x"
+             if r["rest_ms"] > 0.05 * r["step_ms_repeated"] else "KV-bnd")
+    lines.append(
+        f"{'':<9}{r['G']:>3}{r['P']:>5} | {r['step_ms_shared']:>14.2f} "
+        f"{r['step_ms_repeated']:>6.2f} | {r['kv_ms_shared']:>17.2f} "
+        f"{r['kv_ms_repeated']:>6.2f} | {r['rest_ms']:>7.2f} | {bound}")
+  lines += [
+      "Decode time split (estimate): step = rest + c * KV tokens read per "
+      "step (shared: N P + S M, repeated: S P + S M), solved from the two "
+      "variants; rest = weight-bound work both do alike. bound = repeated "
+      "step / rest, the decode speedup if KV reads were free (KV-bnd: rest "
+      "< 5% of the step, i.e. decode is bound by KV reads and the decode "
+      "speedup can reach the KV-read theory).", ""]
+  t = train
+  head = (f"{'train':<9}{'G':>3}{'P':>5}{'R':>4}{'N':>3} | {'shared s':>8} "
+          f"{'repeat s':>8} | {'speedup':>7} | {'token theory':>12}")
+  lines += [head, "-" * len(head),
+            f"{'':<9}{t['G']:>3}{t['P']:>5}{t['R']:>4}{t['N']:>3} | "
+            f"{t['shared_s']:>8.3f} {t['repeated_s']:>8.3f} | "
+            f"{t['speedup']:>6.2f}x | {t['theory_tokens']:>11.2f}x",
+            f"One Learner.step (forward + backward + AdamW); token theory = "
+            f"G(P+R)/(P+GR) = {t['tokens_repeated']}/{t['tokens_shared']} "
+            f"tokens through the weights. First-step loss shared "
+            f"{t['loss_shared']:.6f} vs repeated {t['loss_repeated']:.6f}."]
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  t_start = time.perf_counter()
+  quick = _QUICK.value
+  repeats = _REPEATS.value or (2 if quick else 5)
+  cfg = _model_config()
+  mesh = mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])
+  rollout_layout = mesh_lib.rollout_layout(mesh)
+  train_layout = mesh_lib.train_layout(mesh)
+  graphdef, params = model_lib.init_params(cfg, 0, rollout_layout)
+  print(f"model: {cfg.num_params() / 1e6:.2f}M params, L={cfg.num_layers} "
+        f"D={cfg.embed_dim} H={cfg.num_heads} N={cfg.num_kv_heads} "
+        f"K={cfg.head_dim} F={cfg.mlp_dim} V={cfg.vocab_size}; 1 of "
+        f"{jax.device_count()} {jax.default_backend()} devices; "
+        f"repeats={repeats}", flush=True)
+  rng = np.random.default_rng(0)
+  rollouts = []
+  for G, P, M in ROLLOUT_CASES:
+    rollouts.append(_rollout_case(cfg, graphdef, params, rollout_layout, G, P,
+                                  M, repeats, rng))
+    r = rollouts[-1]
+    print(f"  rollout G={G} P={P}: shared {r['shared_s']:.2f}s, repeated "
+          f"{r['repeated_s']:.2f}s, {r['speedup']:.2f}x "
+          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
+  del params
+  train = _train_case(cfg, train_layout, repeats, rng, N=1 if quick else 2)
+  print(f"  train G={train['G']} P={train['P']}: shared "
+        f"{train['shared_s']:.2f}s, repeated {train['repeated_s']:.2f}s, "
+        f"{train['speedup']:.2f}x ({time.perf_counter() - t_start:.0f}s)",
+        flush=True)
+  common = common_prefix.measure(quick, log=lambda m: print(m, flush=True))
+  print()
+  print(_table(rollouts, train))
+  print()
+  print(common_prefix.table(common))
+  head = rollouts[0]
+  wall = time.perf_counter() - t_start
+  print(f"wall time: {wall:.0f}s")
+  print(json.dumps(dict(
+      rollout_speedup=round(head["speedup"], 3),
+      train_step_speedup=round(train["speedup"], 3),
+      kv_bytes_ratio=round(head["repeated_state_bytes"] /
+                           head["shared_state_bytes"], 3),
+      theoretical_kv_read_ratio=round(head["theory_kv_read"], 3),
+      rollout_setting=f"G={head['G']}, P={head['P']}, M={head['M']}, "
+      f"{SAMPLES} samples",
+      rollout_prefill_speedup=round(head["prefill_speedup"], 3),
+      rollout_decode_speedup=round(head["decode_speedup"], 3),
+      rollout_prefill_s={k: round(head[f"{k}_prefill_s"], 4)
+                         for k in ("shared", "repeated")},
+      rollout_decode_s={k: round(head[f"{k}_decode_s"], 4)
+                        for k in ("shared", "repeated")},
+      rollout_by_g_p={f"g{r['G']}_p{r['P']}": round(r["speedup"], 3)
+                      for r in rollouts},
+      train_setting=f"G={train['G']}, P={train['P']}, R={train['R']}, "
+      f"N={train['N']}",
+      theoretical_train_token_ratio=round(train["theory_tokens"], 3),
+      train_shared_s=round(train["shared_s"], 4),
+      train_repeated_s=round(train["repeated_s"], 4),
+      decode_state_bytes_shared=head["shared_state_bytes"],
+      decode_state_bytes_repeated=head["repeated_state_bytes"],
+      common256_rollout_speedup=common["rollout_speedup_common256"],
+      common256_prefill_speedup=common["prefill_speedup_common256"],
+      common256_prefill_tokens_ratio=common["prefill_tokens_ratio"],
+      common256_kv_bytes_ratio=common["kv_bytes_ratio"],
+      common256_identical_fraction=common["tokens_identical_fraction"],
+      repeats=repeats, quick=quick, params_m=round(cfg.num_params() / 1e6, 2),
+      machine=platform.machine(), wall_s=round(wall, 1))))
+
+
+if __name__ == "__main__":
+  app.run(main)
