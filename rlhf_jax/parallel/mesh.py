@@ -75,5 +75,10 @@ def rollout_layout(mesh: Mesh, tensor: int = 1) -> Layout:
 
 
 def to_layout(params, layout: Layout):
-  """Move a param pytree into `layout` (plain device_put; [mesh] bounds memory)."""
+  """A copy of a param pytree on `layout` (plain `jax.device_put`).
+
+  Works across device sets (e.g. onto a one-device mesh). Between the
+  training and rollout layouts of one mesh use `repartition.py`: on device,
+  donated, one layer group in flight (this goes through host numpy there).
+  """
   return jax.device_put(params, layout.param_shardings(params))

@@ -1,0 +1,111 @@
+"""Sub-mesh splits: carve the device set into parts at run time, merge back.
+
+A rollout layout is replicas x tensor over the devices in mesh order. `split`
+cuts it into consecutive blocks of whole replicas, each a layout of its own
+(a rollout layout, or a training/FSDP layout for scoring), so e.g. 8 devices
+in 4 replicas x TP 2 become rollout on 2 replicas (devices 0-3) and scoring on
+devices 4-7. `merge` puts rollout parts back together. `move` carries a live
+pytree (params, a decode state) onto another part's shardings; `move_decode`
+also hands the engine's row bookkeeping over, so an in-flight rollout
+continues on the other engine exactly as it would have (sampling keys are a
+function of seed, prompt, sample and position, not of placement).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.parallel import repartition
+from rlhf_jax.parallel.layout import Layout
+
+
+def _rollout(devices_RxT) -> Layout:
+  R, T = devices_RxT.shape
+  mesh = Mesh(devices_RxT.reshape(R, 1, T), mesh_lib.AXES,
+              axis_types=(AxisType.Auto,) * 3)
+  return Layout("rollout", mesh, mesh_lib.ROLLOUT_RULES)
+
+
+def split(layout: Layout, replicas: Sequence[int],
+          kinds: Sequence[str] | None = None) -> tuple[Layout, ...]:
+  """Cuts a rollout layout into consecutive parts of whole replicas.
+
+  Args:
+    layout: a rollout layout (mesh data = replicas, tensor = TP size).
+    replicas: replicas per part; they must sum to the layout's replicas.
+    kinds: per part "rollout" (replicas x tensor, same TP) or "train"
+      (FSDP over the part's devices, for scoring); default all "rollout".
+
+  Returns:
+    One layout per part, over disjoint device sets, in device order.
+  """
+  grid = np.asarray(layout.mesh.devices).reshape(
+      layout.mesh.shape["data"], -1)  # [replicas, devices per replica]
+  if sum(replicas) != grid.shape[0] or min(replicas) < 1:
+    raise ValueError(f"parts of {list(replicas)} replicas do not split "
+                     f"{grid.shape[0]} replicas")
+  kinds = kinds or ("rollout",) * len(replicas)
+  out, start = [], 0
+  for n, kind in zip(replicas, kinds, strict=True):
+    part = grid[start:start + n]
+    start += n
+    if kind == "rollout":
+      out.append(_rollout(part))
+    elif kind == "train":
+      out.append(mesh_lib.train_layout(
+          mesh_lib.make_mesh(fsdp=-1, devices=list(part.reshape(-1)))))
+    else:
+      raise ValueError(f"part kind must be 'rollout' or 'train', got {kind!r}")
+  return tuple(out)
+
+
+def merge(parts: Sequence[Layout]) -> Layout:
+  """The rollout layout over the parts' devices, replicas in part order."""
+  grids = [np.asarray(p.mesh.devices).reshape(p.mesh.shape["data"], -1)
+           for p in parts]
+  if len({g.shape[1] for g in grids}) != 1:
+    raise ValueError("parts differ in devices per replica: "
+                     f"{[g.shape[1] for g in grids]}")
+  return _rollout(np.concatenate(grids, axis=0))
+
+
+def devices_of(layout: Layout) -> list:
+  return list(np.asarray(layout.mesh.devices).reshape(-1))
+
+
+def move(tree: Any, shardings: Any, *, donate: bool = True) -> Any:
+  """Puts a live pytree on `shardings` (another part or the merged mesh).
+
+  Across different device sets this is per-shard device-to-device copies
+  (`jax.device_put`); the source buffers are freed when donating.
+  """
+  out = jax.device_put(tree, shardings)
+  if donate:
+    repartition.free_unshared(tree, out)
+  return out
+
+
+def move_decode(state, src, dst):
+  """Moves a live `DecodeState` from engine `src` to engine `dst`.
+
+  Both engines must have the same rows, samples per row, cache lengths and
+  sampling; only their layouts differ. The rows in use move with the state,
+  so `dst` continues every in-flight sample and `src` is left empty.
+  """
+  same = (src.num_rows == dst.num_rows
+          and src.samples_per_row == dst.samples_per_row
+          and src.buckets == dst.buckets and src.sampling == dst.sampling
+          and src.cfg == dst.cfg)
+  if not same:
+    raise ValueError("move_decode needs engines that differ only in layout")
+  out = move(state, dst.state_shardings)
+  # Row bookkeeping is host state of the engine (which slots are live).
+  # pylint: disable=protected-access
+  dst._row_slots = [set(s) for s in src._row_slots]
+  src._row_slots = [set() for _ in src._row_slots]
+  return out

@@ -1,0 +1,279 @@
+"""Repartition between training and rollout layouts on 8 CPU devices.
+
+Logits agree in both layouts, the round trip is bitwise, no parameter goes
+through the host (transfer guard), memory stays near one copy, offload is
+bitwise, and weight versions reject stale samples.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhf_jax.engine.driver import Sample
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.parallel import repartition as rp
+from rlhf_jax.parallel import submesh
+from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.rl.learner import Learner, make_optimizer, OptimConfig
+from rlhf_jax.trainers import colocate
+
+CFG = ModelConfig.tiny(num_layers=3)
+_HOST = {}
+
+
+def _init(layout, cfg=CFG, seed=0):
+  """Params of `cfg` on `layout`: one jitted init per config, then placed."""
+  if (cfg, seed) not in _HOST:
+    _HOST[cfg, seed] = jax.device_get(model_lib.init_params(cfg, seed)[1])
+  host = _HOST[cfg, seed]
+  graphdef, _ = model_lib.abstract_params(cfg)
+  return graphdef, jax.device_put(host, layout.param_shardings(host))
+
+
+def _layouts(fsdp, tensor, rollout_tensor):
+  mesh = mesh_lib.make_mesh(fsdp=fsdp, tensor=tensor)
+  return (mesh_lib.train_layout(mesh),
+          mesh_lib.rollout_layout(mesh, rollout_tensor))
+
+
+def _host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def _logits(params, layout, tokens):
+  graphdef, _ = model_lib.abstract_params(CFG)
+
+  def f(p, t):
+    with use_layout(layout):
+      pos = jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape)
+      return model_lib.forward(graphdef, p, t, pos, jnp.ones(t.shape, bool))
+
+  return np.asarray(jax.jit(f)(params, tokens))
+
+
+# (training fsdp, training tensor, rollout tensor): FSDP 8 -> 8 replicas,
+# FSDP 4 x TP 2 -> 4 replicas x TP 2 (both supersets), FSDP 8 -> 4 x TP 2.
+LAYOUTS = [(8, 1, 1), (4, 2, 2), (8, 1, 2)]
+
+
+@pytest.fixture
+def host_fetches(monkeypatch):
+  """Counts whole-array device->host fetches, which the guard does not see.
+
+  `jax.device_put` between meshes of the same device order reshards through
+  `ArrayImpl._value` (host numpy) inside JAX, under any transfer guard.
+  """
+  from jax._src import array
+  count = [0]
+  orig = array.ArrayImpl._value
+
+  def counted(x):
+    count[0] += 1
+    return orig.fget(x)
+
+  monkeypatch.setattr(array.ArrayImpl, "_value", property(counted))
+  return count
+
+
+@pytest.mark.parametrize("fsdp,tensor,rollout_tensor", LAYOUTS)
+def test_round_trip_is_bitwise_and_never_touches_the_host(
+    fsdp, tensor, rollout_tensor, host_fetches):
+  train, rollout = _layouts(fsdp, tensor, rollout_tensor)
+  _, params = _init(train)
+  want = _host(params)
+  shardings = [x.sharding for x in jax.tree.leaves(params)]
+  co = colocate.Colocation(train, rollout, params, offload=False)
+  leaves = jax.tree.leaves(params)
+  if fsdp == 8 and rollout_tensor == 1:  # The counter does see device_put.
+    host_fetches[0] = 0
+    jax.device_put(params, co.rollout_shardings)
+    assert host_fetches[0] > 0
+  host_fetches[0] = 0
+  with jax.transfer_guard("disallow"):
+    rparams = co.to_rollout(params)
+  assert all(x.is_deleted() for x in leaves)  # One weight copy: donated.
+  for x, s in zip(jax.tree.leaves(rparams),
+                  jax.tree.leaves(co.rollout_shardings)):
+    assert x.sharding == rp.canonical(s)
+  with jax.transfer_guard("disallow"):
+    back = co.to_train(rparams)
+  assert host_fetches[0] == 0
+  assert [x.sharding for x in jax.tree.leaves(back)] == [
+      rp.canonical(s) for s in shardings]
+  for a, b in zip(_host(back), want):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_logits_identical_in_both_layouts():
+  """Same math, two layouts: logits agree to fp32 reduction order."""
+  train, rollout = _layouts(4, 2, 2)
+  _, params = _init(train, seed=1)
+  tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (8, 16))
+  a = _logits(params, train, tokens)
+  co = colocate.Colocation(train, rollout, params, offload=False)
+  b = _logits(co.to_rollout(params), rollout, tokens)
+  np.testing.assert_allclose(a, b, rtol=1e-6, atol=2e-6)
+  assert a.std() > 0.1  # Not vacuous.
+  assert np.argmax(a, -1).tolist() == np.argmax(b, -1).tolist()
+
+
+def test_rollout_shard_is_a_superset_of_the_training_shard():
+  for (fsdp, tensor, rt), superset in zip(LAYOUTS, (True, True, False)):
+    train, rollout = _layouts(fsdp, tensor, rt)
+    _, abstract = model_lib.abstract_params(CFG)
+    like = train.param_shardings(abstract)
+    structs = jax.tree.map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+        jax.tree.leaves(abstract), jax.tree.leaves(like))
+    plans = rp.plan(structs, jax.tree.leaves(rollout.param_shardings(abstract)))
+    assert all(p.superset for p in plans) == superset, (fsdp, tensor, rt)
+    assert sum(p.bytes_moved for p in plans) > 0
+
+
+@pytest.mark.parametrize("fsdp,tensor,rollout_tensor", LAYOUTS[:2])
+def test_live_bytes_stay_near_one_copy(fsdp, tensor, rollout_tensor):
+  train, rollout = _layouts(fsdp, tensor, rollout_tensor)
+  _, params = _init(train)
+  co = colocate.Colocation(train, rollout, params, offload=False)
+  small = rp.tree_device_bytes(params)
+  big = rp.tree_device_bytes(params, co.rollout_shardings)
+  base = rp.live_device_bytes() - small
+
+  def group_bytes(shardings):
+    leaves = jax.tree.leaves(shardings)
+    return [rp.tree_device_bytes([jax.tree.leaves(params)[i] for i in g],
+                                 [leaves[i] for i in g]) for g in co.groups]
+
+  group_train = max(group_bytes(co.train_shardings))
+  peaks = []
+  for dst in (co.rollout_shardings, co.train_shardings):
+    out = group_bytes(dst)
+    before = [rp.live_device_bytes() - base]
+    params = rp.repartition(
+        params, dst, groups=co.groups,
+        on_group=lambda _: before.append(rp.live_device_bytes() - base))
+    # While group i runs its sources and its targets are both alive.
+    peaks.append(max(b + o for b, o in zip(before, out)))
+    assert before[-1] == rp.tree_device_bytes(params)  # Sources freed.
+  # One copy of the larger layout plus one group (in the smaller layout);
+  # a one-shot reshard holds both copies: big + small.
+  assert max(peaks) <= big + group_train, (peaks, big, group_train)
+  assert group_train < small / 2
+
+
+def test_offload_round_trip_is_bitwise():
+  train, rollout = _layouts(8, 1, 1)
+  graphdef, params = _init(train)
+  learner = Learner(graphdef, train, make_optimizer(OptimConfig()),
+                    terms_fn=None, weight_fn=None, micro_batches=1)
+  # Adam state with non-zero moments (shardings as the learner makes them).
+  opt_state = jax.jit(lambda s: jax.tree.map(lambda x: x + 3, s))(
+      learner.init_state(params).opt_state)
+  want = _host(opt_state)
+  co = colocate.Colocation(train, rollout, params, offload=True)
+  assert co.host_kind in ("pinned_host", "unpinned_host")
+  before, opt_bytes = rp.live_device_bytes(), rp.tree_device_bytes(opt_state)
+  parked = co.park(opt_state)
+  assert not rp.on_device(parked)
+  assert all(x.sharding.memory_kind == co.host_kind
+             for x in jax.tree.leaves(parked))
+  assert rp.live_device_bytes() <= before - opt_bytes  # Left the device.
+  back = co.unpark(parked)
+  assert rp.on_device(back)
+  for a, b in zip(_host(back), want):
+    np.testing.assert_array_equal(a, b)
+  assert [x.sharding for x in jax.tree.leaves(back)] == [
+      x.sharding for x in jax.tree.leaves(opt_state)]
+
+
+def test_weight_version_increases_and_stale_samples_are_rejected():
+  train, rollout = _layouts(8, 1, 2)
+  _, params = _init(train)
+  co = colocate.Colocation(train, rollout, params, offload=False, version=3)
+  rparams = co.to_rollout(params)
+  assert co.version == 4
+  prompt = np.arange(1, 6, dtype=np.int32)
+  sample = lambda i, v: Sample(7, i, prompt, [1], [0.0], [0.0], "length", v)
+  samples = [sample(0, co.version), sample(1, co.version)]
+  assert co.fresh(samples).all()
+  co.to_rollout(co.to_train(rparams))
+  assert co.version == 5
+  with pytest.raises(colocate.StaleSampleError,
+                     match="weight versions \\[4\\]"):
+    co.fresh(samples)
+  co.on_stale = "drop"
+  assert co.fresh(samples + [sample(2, 5)]).tolist() == [False, False, True]
+  with pytest.raises(ValueError, match="on_stale"):
+    colocate.fresh_mask([1], 1, "keep")
+
+
+def test_layer_groups_cover_layers_and_top_level_entries():
+  _, abstract = model_lib.abstract_params(CFG)
+  groups = rp.layer_groups(abstract)
+  assert len(groups) == CFG.num_layers + 3  # blocks + embed, norm, head
+  assert len(rp.layer_groups(abstract, 2)) == 2 + 3
+  assert sorted(i for g in groups for i in g) == list(
+      range(len(jax.tree.leaves(abstract))))
+
+
+def _decode(engines, params, prompts, switch):
+  """Tokens per slot of a rollout that runs on engines[switch[step]]."""
+  eng = engines[switch[0]]
+  state = eng.init_decode_state()
+  tokens = {}
+  for row, (pid, prompt) in enumerate(prompts):
+    padded, n = eng.pad_prompt(prompt, pid)
+    prefix = eng.prefill_multisampling(params[switch[0]], padded, n,
+                                       eng.samples_per_row, prompt_id=pid,
+                                       seed=5)
+    slots = eng.slots_of_row[row]
+    state = eng.bulk_insert(prefix, state, slots)
+    for s, t in zip(slots, np.asarray(prefix.first_tokens)):
+      tokens[s] = [int(t)]
+  cur = switch[0]
+  for step, part in enumerate(switch[1:]):
+    if part != cur:  # Split or merge with the rollout in flight.
+      state = submesh.move_decode(state, engines[cur], engines[part])
+      cur = part
+    state, result = engines[cur].generate(params[cur], state)
+    res = result.convert_to_numpy()
+    for s in np.nonzero(res.valid)[0]:
+      tokens[int(s)].append(int(res.tokens[s]))
+  assert not np.asarray(state.active).any()
+  return tokens
+
+
+def test_split_and_merge_keep_an_in_flight_rollout_identical():
+  train, rollout = _layouts(4, 2, 2)  # 4 replicas x TP 2.
+  graphdef, params = _init(train)
+  rparams = colocate.Colocation(train, rollout, params,
+                                offload=False).to_rollout(params)
+  part, scoring = submesh.split(rollout, (2, 2), kinds=("rollout", "train"))
+  assert submesh.devices_of(part) == jax.devices()[:4]
+  assert submesh.devices_of(scoring) == jax.devices()[4:]
+  assert scoring.mesh.shape["fsdp"] == 4 and part.mesh.shape["data"] == 2
+  merged = submesh.merge(submesh.split(rollout, (1, 3)))
+  assert merged.mesh.devices.tolist() == rollout.mesh.devices.tolist()
+
+  M = 6
+  make = lambda layout: Engine(
+      CFG, graphdef, layout, num_rows=4, samples_per_row=2,
+      prefill_buckets=(8,), sampling=SamplingParams(max_new_tokens=M))
+  engines = {"all": make(rollout), "part": make(part)}
+  params = {"all": rparams,
+            "part": submesh.move(rparams, engines["part"].param_shardings,
+                                 donate=False)}
+  rng = np.random.default_rng(3)
+  prompts = [(100 + i, rng.integers(1, CFG.vocab_size, 3 + i))
+             for i in range(4)]
+  whole = _decode(engines, params, prompts, ["all"] * M)
+  split = _decode(engines, params, prompts,
+                  ["all", "all", "part", "part", "all", "all"])
+  assert whole == split
+  assert all(len(t) == M for t in whole.values())
+  assert len({tuple(t) for t in whole.values()}) > 4  # Samples differ.
