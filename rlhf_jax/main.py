@@ -1,6 +1,10 @@
 """Entry point: `python -m rlhf_jax.main --config=configs/<name>.py[:args]`.
 
 Intentionally short: flags, config, distributed init, then one `run` call.
+Multi-host: start one process per host with the same command plus
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`, or
+`--distributed=on` where JAX detects the cluster (Cloud TPU VMs, SLURM, GKE);
+see docs/running_at_scale.md and launch/.
 """
 
 import os
@@ -8,12 +12,25 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rlhf_jax import distributed
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (with optional :arg).",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where checkpoints, metrics and plots go; a run in an "
     "existing workdir resumes from its last checkpoint.")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", distributed.MODES,
+    "Start jax.distributed: 'on' (auto-detects Cloud TPU/SLURM/GKE when the "
+    "flags below are unset), 'off', or 'auto' (when the flags below or "
+    "JAX_COORDINATOR_ADDRESS are set).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (multi-host).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes (multi-host).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index in [0, num_processes).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -27,9 +44,12 @@ class _QuietOrbax(logging.logging.Filter):
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  import jax  # After flags, so XLA/JAX env set by launchers takes effect.
+  # Before any JAX computation: the backend must see every host.
+  distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value,
+                         _NUM_PROCESSES.value, _PROCESS_ID.value)
+  import jax  # pylint: disable=g-import-not-at-top
 
-  from rlhf_jax import trainers
+  from rlhf_jax import trainers  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
   workdir = os.path.abspath(_WORKDIR.value or os.path.join(

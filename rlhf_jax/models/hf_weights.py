@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rlhf_jax import distributed
 from rlhf_jax.models.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
@@ -204,7 +205,10 @@ def load_params(path: str, cfg: ModelConfig, arch: str, abstract,
     # astype copies: nothing placed on a device aliases the file's mmap.
     host = spec.to_ours(w, shape).astype(var.get_value().dtype)
     sharding = flat_sh[spec.path].get_value() if flat_sh else None
-    out[spec.path] = var.replace(jax.device_put(host, sharding))
+    # put_global: each host places its own shards of the tensor it read.
+    out[spec.path] = var.replace(
+        jax.device_put(host) if sharding is None
+        else distributed.put_global(host, sharding))
     out[spec.path].get_value().block_until_ready()  # Bounds host memory.
   return nnx.from_flat_state(out)
 

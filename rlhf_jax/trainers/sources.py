@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from rlhf_jax import distributed
 from rlhf_jax.data import jsonl
 from rlhf_jax.data.batching import PromptBatch, PromptIterator, eval_batches
 from rlhf_jax.data.tasks import AdditionTask
@@ -61,8 +62,11 @@ def prepare(config, workdir: str):
   if not _data(config).get("synthetic"):
     return config
   from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
-  model_dir, data_path = synthetic_gsm8k.build_assets(
-      os.path.join(workdir, "runlocal_assets"), seed=config.seed)
+  # Multi-host: process 0 writes the shared files, the others then read them.
+  model_dir, data_path = distributed.process0_first(
+      lambda: synthetic_gsm8k.build_assets(
+          os.path.join(workdir, "runlocal_assets"), seed=config.seed),
+      "runlocal_assets")
   config = config.copy_and_resolve_references()
   config.model.path = model_dir
   config.data.path = data_path
