@@ -40,6 +40,9 @@ def mesh_config() -> ml_collections.ConfigDict:
       num_devices=0,  # 0 = all devices; n = the first n.
       data=1, fsdp=-1, tensor=1,
       rollout_tensor=1,  # Rollout = the same devices as replicas x tensor.
+      offload=True,  # Optimizer state + reference in host memory in rollout.
+      layers_per_group=1,  # Layers per jitted reshard (transient memory).
+      stale_samples="raise",  # Samples of older weights: "raise" | "drop".
   ))
 
 
@@ -50,3 +53,16 @@ def tiny_model_config() -> ml_collections.ConfigDict:
       num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
       mlp_dim=384))
   return c
+
+
+def shrink_addition_rl(c: ml_collections.ConfigDict) -> None:
+  """`runlocal` sizes of the addition RL jobs (GRPO, PPO): seconds, tests."""
+  c.sft.steps = 20
+  c.sft.log_every = 10
+  c.train.steps = 4
+  c.train.prompts_per_step = 8
+  c.train.checkpoint_every = 2
+  c.rollout.num_rows = 8
+  c.eval.every = 2
+  c.eval.batch_size = 40
+  c.eval.num_rows = 40

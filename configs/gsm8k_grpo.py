@@ -63,7 +63,10 @@ def get_config(arg=None):
   c.rollout = ml_collections.ConfigDict(dict(
       num_rows=64, samples_per_row=8, prefill_buckets=(128, 256),
       max_new_tokens=384, max_seq_len=640, temperature=1.0, top_k=0,
-      top_p=1.0, attention_impl="auto"))
+      top_p=1.0, attention_impl="auto",
+      # > 0: a token prefix all prompts of a batch share (system prompt,
+      # chat template) is prefilled and stored once, up to this length.
+      max_common_length=64))
 
   c.rl = ml_collections.ConfigDict(dict(
       advantage="grpo", policy_loss="ppo",
@@ -71,6 +74,15 @@ def get_config(arg=None):
       kl_coef=0.001, kl_estimator="k3", kl_in_loss=True,
       aggregation="token-mean",
       ppo_epochs=1, num_minibatches=4, micro_batches=4,
+      # Log-probs and training run each prompt once for its G responses
+      # (rl/grouped.py); False repeats the prompt in every sequence.
+      share_prompt=True,
+      # DAPO: refill groups whose rewards are all equal from later prompt
+      # batches (at most dynamic_max_rounds rollouts per step).
+      dynamic_sampling=False, dynamic_max_rounds=3,
+      # DAPO soft overlong penalty over the last overlong_buffer tokens of
+      # rollout.max_new_tokens (0 = off).
+      overlong_buffer=0, overlong_penalty=1.0,
       rewards=("gsm8k", "gsm8k_format"), reward_weights=(1.0, 0.1),
       on_reward_error="zero",
   ))

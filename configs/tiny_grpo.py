@@ -38,7 +38,10 @@ def get_config(arg=None):
   c.rollout = ml_collections.ConfigDict(dict(
       num_rows=64, samples_per_row=8, prefill_buckets=(8,), max_new_tokens=4,
       max_seq_len=64, temperature=1.0, top_k=0, top_p=1.0,
-      attention_impl="auto"))
+      attention_impl="auto",
+      # > 0: a token prefix all prompts of a batch share (system prompt,
+      # chat template) is prefilled and stored once, up to this length.
+      max_common_length=0))
 
   c.rl = ml_collections.ConfigDict(dict(
       advantage="grpo",          # grpo | drgrpo | rloo
@@ -48,6 +51,15 @@ def get_config(arg=None):
       kl_coef=0.01, kl_estimator="k3", kl_in_loss=True,
       aggregation="token-mean",  # | seq-mean-token-mean | seq-mean-token-sum-norm
       ppo_epochs=1, num_minibatches=2, micro_batches=1,
+      # Log-probs and training run each prompt once for its G responses
+      # (rl/grouped.py); False repeats the prompt in every sequence.
+      share_prompt=True,
+      # DAPO: refill groups whose rewards are all equal from later prompt
+      # batches (at most dynamic_max_rounds rollouts per step).
+      dynamic_sampling=False, dynamic_max_rounds=3,
+      # DAPO soft overlong penalty over the last overlong_buffer tokens of
+      # rollout.max_new_tokens (0 = off).
+      overlong_buffer=0, overlong_penalty=1.0,
       rewards=("addition", "digit_accuracy"), reward_weights=(1.0, 0.5),
       on_reward_error="raise",   # | "zero": score 0 and count rewards/errors.
   ))
@@ -62,13 +74,5 @@ def get_config(arg=None):
                                           batch_size=200))
 
   if arg.runlocal:
-    c.sft.steps = 20
-    c.sft.log_every = 10
-    c.train.steps = 4
-    c.train.prompts_per_step = 8
-    c.train.checkpoint_every = 2
-    c.rollout.num_rows = 8
-    c.eval.every = 2
-    c.eval.batch_size = 40
-    c.eval.num_rows = 40
+    common.shrink_addition_rl(c)
   return c

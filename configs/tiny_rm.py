@@ -35,6 +35,7 @@ def get_config(arg=None):
   c.data = ml_collections.ConfigDict(dict(
       kind="synthetic",     # | "jsonl"
       max_offset=0,         # Synthetic wrong sum: 0 = any other sum.
+      near_miss=0.0,        # Fraction of wrong sums one digit off.
       train_path="",        # jsonl: {"prompt", "chosen", "rejected"} lines.
       eval_path="",         # jsonl: held-out file; "" = split train.
       holdout_fraction=0.1,

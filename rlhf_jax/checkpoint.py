@@ -15,9 +15,9 @@ import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-  """Keeps the last `keep` checkpoints of a pytree state + a JSON dict."""
+  """Keeps the last `keep` (None: all) checkpoints of a pytree + a JSON dict."""
 
-  def __init__(self, directory: str, *, keep: int = 2):
+  def __init__(self, directory: str, *, keep: int | None = 2):
     self.directory = os.path.abspath(directory)  # Orbax needs absolute paths.
     self._manager = ocp.CheckpointManager(
         self.directory,

@@ -1,5 +1,7 @@
 """The GRPO job end to end: sharding parity, kill-and-resume, config errors."""
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -57,6 +59,11 @@ def test_eight_devices_match_one_device(run8, tmp_path):
   assert any(sharded[s]["rollout/reward_mean"] > 0 for s in range(1, 7))
   assert os.path.exists(os.path.join(run8, "reward_curve.png"))
   assert os.path.exists(os.path.join(run8, "tensorboard"))
+  assert os.path.exists(os.path.join(run8, "timeline.png"))
+  with open(os.path.join(run8, "timeline.json")) as f:
+    steps = {e["args"]["step"] for e in json.load(f)["traceEvents"]
+             if e["ph"] == "X"}
+  assert steps == set(range(7))  # Step 0 is the evaluation after SFT.
 
 
 def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
@@ -88,7 +95,27 @@ def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
     assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
 
 
+def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
+  """DAPO's data side in the live loop, on 8 devices: the batch keeps its
+  static shape whatever the refills, and the overlong penalty reaches the
+  reward (responses of the 4-token budget end in its 2-token ramp)."""
+  config = _config(**{"train.steps": 2, "eval.every": 2,
+                      "rl.dynamic_sampling": True,
+                      "rl.dynamic_max_rounds": 2, "rl.overlong_buffer": 2})
+  grpo.run(config, str(tmp_path))
+  records = _rl_records(str(tmp_path))
+  for step in (1, 2):
+    r = records[step]
+    assert 1 <= r["rollout/sampling_rounds"] <= 2
+    assert 0 < r["rollout/informative_groups"] <= 8
+    assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0
+    # 2- and 3-digit answers + <eos> are 3-4 tokens, past the 2-token mark.
+    assert r["rewards/overlong_penalty"] < 0
+
+
 @pytest.mark.parametrize("key,value,message", [
+    ("rl.dynamic_max_rounds", 0, "positive int"),
+    ("rl.overlong_buffer", 9, "config.rl.overlong_buffer"),
     ("rl.advantage", "gae", "config.rl.advantage"),
     ("rl.aggregation", "mean", "config.rl.aggregation"),
     ("rl.kl_estimator", "k9", "config.rl.kl_estimator"),

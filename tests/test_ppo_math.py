@@ -175,6 +175,35 @@ class CriticTest(_Base):
 
 
 # ---------------------------------------------------------- REINFORCE++ ---
+  @parameterized.parameters((0.0,), (0.1,))
+  def test_ppo_targets_vs_oracle(self, beta):
+    """Score at the last token, -beta * k1 per token, then GAE + whitening."""
+    B, T = 4, 8
+    m = spans(self.rng, B, T)
+    scores = self.rng.normal(size=B).astype(np.float32)
+    logp = -self.rng.uniform(size=(B, T)).astype(np.float32)
+    ref = -self.rng.uniform(size=(B, T)).astype(np.float32)
+    v = self.rng.normal(size=(B, T)).astype(np.float32)
+    out = jax.jit(functools.partial(
+        critic.ppo_targets, kl_coef=beta, kl_estimator="k1", gamma=0.9,
+        lam=0.8, whiten=True))(scores, logp, ref, v, m)
+    r = -beta * (logp - ref) * m
+    for b in range(B):
+      valid = np.nonzero(m[b])[0]
+      if len(valid):
+        r[b, valid[-1]] += scores[b]
+    want_adv, want_ret = np_gae(r, v, m, 0.9, 0.8)
+    sel = m > 0
+    want_adv = np.where(sel, (want_adv - want_adv[sel].mean()) / np.sqrt(
+        want_adv[sel].var() + 1e-8), 0.0)
+    np.testing.assert_allclose(out["token_rewards"], r, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["returns"], want_ret, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["advantages"], want_adv, rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(out["kl"], ((logp - ref) * m).sum(1),
+                               rtol=1e-5, atol=1e-6)
+
+
 class ReinforcePPTest(_Base):
 
   def test_sequence_form(self):

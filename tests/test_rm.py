@@ -87,6 +87,12 @@ class DataTest(absltest.TestCase):
     for p in near:
       self.assertBetween(abs(int(p.rejected[::-1]) - int(p.chosen[::-1])),
                          1, 2)
+    one_digit = preferences.synthetic_train_pairs(task, 0, 200, max_offset=0,
+                                                  seed=0, near_miss=1.0)
+    for p in one_digit:
+      right, wrong = str(int(p.chosen[::-1])), str(int(p.rejected[::-1]))
+      self.assertEqual(len(right), len(wrong))  # No leading zero made.
+      self.assertEqual(sum(x != y for x, y in zip(right, wrong)), 1)
     evals = preferences.synthetic_eval_pairs(task, max_offset=0, seed=0)
     self.assertLen(evals, 50)
     self.assertEmpty({p.prompt for p in evals} & {p.prompt for p in pairs})

@@ -14,7 +14,10 @@ A pair is a prompt with a preferred ("chosen") and a dispreferred
   disjoint held-out problems, so eval measures generalisation. The wrong sum
   is the right one plus a nonzero offset in [-max_offset, max_offset] (0 =
   any other number in the range of sums): small offsets need the units
-  digit, large ones only the magnitude.
+  digit, large ones only the magnitude. A `near_miss` fraction of pairs
+  instead gets a wrong sum one digit away from the right one, the policy's
+  typical mistake: without them a reward model cannot tell a near miss from
+  the answer, and PPO learns to produce near misses.
 
 Texts are encoded as <bos> prompt response <eos> with the char tokenizer and
 right-padded to `seq_len`; the score is read at <eos>.
@@ -65,9 +68,33 @@ def split_holdout(pairs: list[Pair], fraction: float, seed: int
           [pairs[i] for i in order[:n_eval]])
 
 
+def _one_digit_off(total: int, max_sum: int, rng: np.random.Generator
+                   ) -> int | None:
+  """`total` with one digit changed (no new leading zero, <= max_sum)."""
+  digits = str(total)
+  for _ in range(20):
+    pos = int(rng.integers(len(digits)))
+    new = str(int(rng.integers(9)))
+    new = str(int(new) + 1) if new >= digits[pos] else new  # Skip the same.
+    if pos == 0 and new == "0" and len(digits) > 1:
+      continue
+    wrong = int(digits[:pos] + new + digits[pos + 1:])
+    if wrong <= max_sum:
+      return wrong
+  return None
+
+
 def _wrong_sum(total: int, max_sum: int, max_offset: int,
-               rng: np.random.Generator) -> int:
-  """A number in [0, max_sum] other than `total`."""
+               rng: np.random.Generator, near_miss: float = 0.0) -> int:
+  """A number in [0, max_sum] other than `total`.
+
+  With probability `near_miss` it differs from `total` in exactly one digit
+  (the mistake a policy makes most), else as `max_offset` says.
+  """
+  if near_miss and rng.random() < near_miss:
+    wrong = _one_digit_off(total, max_sum, rng)
+    if wrong is not None:
+      return wrong
   if max_offset:
     lo, hi = max(0, total - max_offset), min(max_sum, total + max_offset)
   else:
@@ -77,31 +104,33 @@ def _wrong_sum(total: int, max_sum: int, max_offset: int,
 
 
 def addition_pair(task: AdditionTask, example, max_offset: int,
-                  rng: np.random.Generator) -> Pair:
+                  rng: np.random.Generator, near_miss: float = 0.0) -> Pair:
   """(prompt, correct sum, wrong sum) for one task example."""
   total = example.a + example.b
   max_sum = 2 * (10**task.max_digits - 1)
-  wrong = _wrong_sum(total, max_sum, max_offset, rng)
+  wrong = _wrong_sum(total, max_sum, max_offset, rng, near_miss)
   width = example.answer_width
   return Pair(example.prompt, example.answer,
               format_answer(wrong, task.reverse_answer, width))
 
 
 def synthetic_train_pairs(task: AdditionTask, start: int, count: int, *,
-                          max_offset: int, seed: int) -> list[Pair]:
+                          max_offset: int, seed: int,
+                          near_miss: float = 0.0) -> list[Pair]:
   """Train pairs [start, start + count): a deterministic, endless stream."""
   out = []
   for i in range(start, start + count):
     rng = np.random.default_rng([seed, 7, i])
-    out.append(addition_pair(task, task.train_example(i), max_offset, rng))
+    out.append(addition_pair(task, task.train_example(i), max_offset, rng,
+                             near_miss))
   return out
 
 
-def synthetic_eval_pairs(task: AdditionTask, *, max_offset: int, seed: int
-                         ) -> list[Pair]:
+def synthetic_eval_pairs(task: AdditionTask, *, max_offset: int, seed: int,
+                         near_miss: float = 0.0) -> list[Pair]:
   """One pair per held-out problem of the task."""
   rng = np.random.default_rng([seed, 8])
-  return [addition_pair(task, ex, max_offset, rng)
+  return [addition_pair(task, ex, max_offset, rng, near_miss)
           for ex in task.eval_examples()]
 
 

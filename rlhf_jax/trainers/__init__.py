@@ -2,7 +2,7 @@
 
 import importlib
 
-JOBS = ("generate", "grpo", "rm")
+JOBS = ("generate", "grpo", "ppo", "rm")
 
 
 def run(config, workdir: str):

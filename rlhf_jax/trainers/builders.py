@@ -12,6 +12,7 @@ from rlhf_jax.models import hf
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.rl.learner import OptimConfig, make_optimizer
 
 
 def model_config(section, **fixed) -> ModelConfig:
@@ -51,6 +52,15 @@ def layouts(section):
           mesh_lib.rollout_layout(mesh, section.rollout_tensor))
 
 
+def optimizer(section):
+  """The optax chain (AdamW, clipping, schedule) of an `optim` section."""
+  return make_optimizer(OptimConfig(
+      learning_rate=section.learning_rate,
+      warmup_steps=section.warmup_steps, decay_steps=section.decay_steps,
+      end_lr_ratio=section.end_lr_ratio, b1=section.b1, b2=section.b2,
+      weight_decay=section.weight_decay, grad_clip=section.grad_clip))
+
+
 def sampling_params(section, stop_tokens=()) -> SamplingParams:
   return SamplingParams(
       temperature=section.temperature, top_k=section.top_k,
@@ -64,7 +74,29 @@ def engine(cfg: ModelConfig, graphdef, layout, section,
                 samples_per_row=section.samples_per_row,
                 prefill_buckets=tuple(section.prefill_buckets),
                 sampling=sampling_params(section, stop_tokens),
-                attention_impl=section.attention_impl)
+                attention_impl=section.attention_impl,
+                max_common_length=section.get("max_common_length", 0))
+
+
+def eval_engine(cfg: ModelConfig, graphdef, layout, config,
+                stop_tokens=()) -> Engine:
+  """Greedy, one sample per row: the engine of held-out evaluation."""
+  ro = config.rollout
+  return Engine(cfg, graphdef, layout, num_rows=config.eval.num_rows,
+                samples_per_row=1, prefill_buckets=tuple(ro.prefill_buckets),
+                sampling=SamplingParams(temperature=0.0,
+                                        max_new_tokens=ro.max_new_tokens,
+                                        stop_tokens=tuple(stop_tokens)))
+
+
+def colocation(section, train_layout, rollout_layout, params):
+  """The training <-> rollout switch of one mesh from `config.mesh`."""
+  from rlhf_jax.trainers.colocate import Colocation
+
+  return Colocation(train_layout, rollout_layout, params,
+                    offload=section.offload,
+                    layers_per_group=section.layers_per_group,
+                    on_stale=section.stale_samples)
 
 
 def workdir_outputs(config, workdir: str):

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 
 LOG_KEYS = (("rollout/reward_mean", "reward"), ("eval/accuracy", "eval_acc"),
-            ("train/loss", "loss"), ("train/kl", "kl"),
-            ("perf/step_s", "step_s"))
+            ("eval/reward_mean", "eval_reward"), ("train/loss", "loss"),
+            ("train/kl", "kl"), ("rollout/kl", "kl"),
+            ("critic/loss", "vf_loss"), ("perf/step_s", "step_s"))
+# (key, label) of eval metrics reported first -> last and plotted.
+EVAL_KEYS = (("eval/accuracy", "eval accuracy (greedy, held-out)"),
+             ("eval/reward_mean", "eval reward-model score (greedy)"))
 
 
 def log_line(record: dict) -> str:
@@ -16,21 +20,24 @@ def log_line(record: dict) -> str:
 
 def summary_table(records: list[dict]) -> str:
   rl = [r for r in records if r.get("phase") == "rl"]
-  evals = [r for r in rl if "eval/accuracy" in r]
   sft = [r for r in records if r.get("phase") == "sft"]
   rows = []
   if sft:
     rows.append(("sft steps", f"{sft[-1]['step']}"))
     rows.append(("sft final loss", f"{sft[-1]['sft/loss']:.4f}"))
-  if evals:
-    rows.append(("eval/accuracy first (after SFT)",
-                 f"{evals[0]['eval/accuracy']:.3f}"))
-    rows.append(("eval/accuracy last", f"{evals[-1]['eval/accuracy']:.3f}"))
+  for key, _ in EVAL_KEYS:
+    seen = [r[key] for r in rl if key in r]
+    if seen:
+      rows.append((f"{key} first (after SFT) -> last",
+                   f"{seen[0]:.3f} -> {seen[-1]:.3f}"))
   steps = [r for r in rl if "rollout/reward_mean" in r]
   if steps:
     rows.append(("rl steps", f"{steps[-1]['step']}"))
     rows.append(("reward first -> last", f"{steps[0]['rollout/reward_mean']:.3f}"
                  f" -> {steps[-1]['rollout/reward_mean']:.3f}"))
+    if "rollout/kl" in steps[-1]:
+      rows.append(("rollout/kl first -> last", f"{steps[0]['rollout/kl']:.4f}"
+                   f" -> {steps[-1]['rollout/kl']:.4f}"))
     step_s = sorted(r["perf/step_s"] for r in steps)
     rows.append(("median step seconds", f"{step_s[len(step_s) // 2]:.2f}"))
   width = max(len(k) for k, _ in rows) if rows else 0
@@ -47,12 +54,16 @@ def plot_curve(records: list[dict], path: str) -> None:
   steps = [r for r in rl if "rollout/reward_mean" in r]
   ax.plot([r["step"] for r in steps], [r["rollout/reward_mean"] for r in steps],
           label="rollout reward (sampled)")
-  evals = [r for r in rl if "eval/accuracy" in r]
-  ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals],
-          "o-", label="eval accuracy (greedy, held-out)")
+  values = [r["rollout/reward_mean"] for r in steps]
+  for key, label in EVAL_KEYS:
+    evals = [r for r in rl if key in r]
+    if evals:
+      ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-",
+              label=label)
+      values += [r[key] for r in evals]
   ax.set_xlabel("RL step")
-  top = max([1.0] + [r["rollout/reward_mean"] for r in steps])
-  ax.set_ylim(0, top * 1.05)  # Weighted rewards can exceed 1.
+  # Weighted rewards can exceed 1; reward-model scores can be negative.
+  ax.set_ylim(min([0.0] + values) * 1.05, max([1.0] + values) * 1.05)
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()

@@ -15,10 +15,13 @@ writes the same metrics an uninterrupted one would. The final checkpoint's
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import logging
 
@@ -29,7 +32,7 @@ from rlhf_jax.metrics import Progress
 from rlhf_jax.models import reward_model
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl import objectives, preference
-from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+from rlhf_jax.rl.learner import Learner
 from rlhf_jax.trainers import builders
 
 
@@ -51,10 +54,13 @@ def _data(config, tokenizer):
   d = config.data
   if d.kind == "synthetic":
     task = AdditionTask(**config.task)
+    near_miss = d.get("near_miss", 0.0)
     return (lambda start, n: preferences.synthetic_train_pairs(
-        task, start, n, max_offset=d.max_offset, seed=config.seed),
+        task, start, n, max_offset=d.max_offset, seed=config.seed,
+        near_miss=near_miss),
             preferences.synthetic_eval_pairs(task, max_offset=d.max_offset,
-                                             seed=config.seed))
+                                             seed=config.seed,
+                                             near_miss=near_miss))
   if d.kind != "jsonl":
     raise ValueError(f"config.data.kind={d.kind!r}; known: synthetic, jsonl")
   if not d.train_path:
@@ -94,17 +100,51 @@ def build(config) -> Job:
   layout, _ = builders.layouts(config.mesh)
   cfg = builders.model_config(config.model, vocab_size=tokenizer.vocab_size)
   graphdef, params = reward_model.init_params(cfg, config.seed, layout)
-  o = config.optim
-  optimizer = make_optimizer(OptimConfig(
-      learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
-      decay_steps=o.decay_steps, end_lr_ratio=o.end_lr_ratio, b1=o.b1,
-      b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip))
   terms, weight = objectives.reward_model_terms()
-  learner = Learner(graphdef, layout, optimizer, terms_fn=terms,
-                    weight_fn=weight, micro_batches=config.train.micro_batches)
+  learner = Learner(graphdef, layout, builders.optimizer(config.optim),
+                    terms_fn=terms, weight_fn=weight,
+                    micro_batches=config.train.micro_batches)
   return Job(config=config, tokenizer=tokenizer, train_pairs_fn=train_fn,
              eval_pairs=evals, graphdef=graphdef, params=params,
              layout=layout, learner=learner)
+
+
+def load_trained(workdir: str, layout):
+  """(config, graphdef, params, step) of the last checkpoint of an rm job.
+
+  Rebuilds the model from the job's saved config.json, so a consumer (PPO)
+  needs only the workdir. The optimizer state is restored with the params
+  (a checkpoint is one tree) and dropped.
+  """
+  make = ("python -m rlhf_jax.main --config=configs/tiny_rm.py "
+          f"--workdir={workdir}")
+  config_path = os.path.join(workdir, "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(
+        f"no reward model in {workdir!r} (no config.json): train one first "
+        f"with `{make}`")
+  with open(config_path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  if config.get("job") != "rm":
+    raise ValueError(f"{workdir!r} holds a {config.get('job')!r} job, not a "
+                     "reward model (job 'rm')")
+  from rlhf_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=None)
+  step = ckpt.latest_step()
+  if step is None:
+    ckpt.close()
+    raise FileNotFoundError(f"the reward-model run in {workdir!r} has no "
+                            f"checkpoint yet: finish it with `{make}`")
+  cfg = builders.model_config(config.model,
+                              vocab_size=CharTokenizer().vocab_size)
+  graphdef, params = reward_model.init_params(cfg, config.seed, layout)
+  optimizer = builders.optimizer(config.optim)
+  terms, weight = objectives.reward_model_terms()
+  like = Learner(graphdef, layout, optimizer, terms_fn=terms,
+                 weight_fn=weight, micro_batches=1).init_state(params)
+  state, _ = ckpt.restore(step, like)
+  ckpt.close()
+  return config, graphdef, state.params, step
 
 
 def train_arrays(job: Job, step: int) -> dict:

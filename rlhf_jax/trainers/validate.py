@@ -33,15 +33,8 @@ def _known(category, name, key):
 
 def validate_rl(config, *, prompt_len: int, num_devices: int | None = None):
   """Checks the GRPO-family config; raises ConfigError naming the key."""
-  _positive(config, "train.steps", "train.prompts_per_step",
-            "rollout.samples_per_row", "rollout.num_rows",
-            "rollout.max_new_tokens", "rl.ppo_epochs", "rl.num_minibatches",
-            "rl.micro_batches")
-  rl, ro = config.rl, config.rollout
+  rl = config.rl
   _known("advantage", rl.advantage, "rl.advantage")
-  _known("policy_loss", rl.policy_loss, "rl.policy_loss")
-  _known("kl_estimator", rl.kl_estimator, "rl.kl_estimator")
-  _known("aggregation", rl.aggregation, "rl.aggregation")
   for name in rl.rewards:
     _known("reward", name, "rl.rewards")
   if len(rl.reward_weights) not in (0, len(rl.rewards)):
@@ -50,11 +43,67 @@ def validate_rl(config, *, prompt_len: int, num_devices: int | None = None):
   if rl.on_reward_error not in ("raise", "zero"):
     raise ConfigError("config.rl.on_reward_error must be 'raise' or 'zero', "
                       f"got {rl.on_reward_error!r}")
-  G = ro.samples_per_row
+  G = config.rollout.samples_per_row
+  if rl.dynamic_sampling and G < 2:
+    raise ConfigError("config.rl.dynamic_sampling drops groups whose "
+                      "rewards are all equal and needs "
+                      f"rollout.samples_per_row >= 2, got {G}")
+  _positive(config, "rl.dynamic_max_rounds")
+  if not 0 <= rl.overlong_buffer <= config.rollout.max_new_tokens:
+    raise ConfigError(f"config.rl.overlong_buffer={rl.overlong_buffer} must "
+                      "be in [0, rollout.max_new_tokens="
+                      f"{config.rollout.max_new_tokens}]")
   if rl.advantage in GROUP_ESTIMATORS and G < 2:
     raise ConfigError(f"config.rl.advantage={rl.advantage!r} is a group "
                       f"estimator and needs rollout.samples_per_row >= 2, "
                       f"got {G}")
+  validate_rollout_and_batch(config, prompt_len=prompt_len,
+                             num_devices=num_devices)
+  if not isinstance(rl.share_prompt, bool):
+    raise ConfigError(f"config.rl.share_prompt must be a bool, got "
+                      f"{rl.share_prompt!r}")
+  prompts = config.train.prompts_per_step
+  if rl.share_prompt and G > 1 and (
+      prompts % rl.num_minibatches or
+      prompts // rl.num_minibatches % rl.micro_batches):
+    # The grouped layout splits batches by whole groups (rl/grouped.py).
+    raise ConfigError(
+        f"config.rl.share_prompt: train.prompts_per_step={prompts} does not "
+        f"split into rl.num_minibatches={rl.num_minibatches} x "
+        f"rl.micro_batches={rl.micro_batches} whole groups; change them or "
+        f"set rl.share_prompt=False")
+
+
+def validate_ppo(config, *, prompt_len: int, num_devices: int | None = None):
+  """Checks the PPO config (actor, critic, reward model); names the key."""
+  rl = config.rl
+  for name in rl.tracked_rewards:
+    _known("reward", name, "rl.tracked_rewards")
+  for key in ("gamma", "lam"):
+    if not 0.0 <= rl[key] <= 1.0:
+      raise ConfigError(f"config.rl.{key} must be in [0, 1], got {rl[key]}")
+  if rl.value_clip < 0:
+    raise ConfigError(f"config.rl.value_clip must be >= 0 (0 = off), got "
+                      f"{rl.value_clip}")
+  if config.critic.init != "reward_model":
+    raise ConfigError(f"config.critic.init={config.critic.init!r}; supported: "
+                      "'reward_model'")
+  validate_rollout_and_batch(config, prompt_len=prompt_len,
+                             num_devices=num_devices)
+
+
+def validate_rollout_and_batch(config, *, prompt_len: int,
+                               num_devices: int | None = None):
+  """Checks shared by the RL jobs: rollout sizes, losses, batch splits."""
+  _positive(config, "train.steps", "train.prompts_per_step",
+            "rollout.samples_per_row", "rollout.num_rows",
+            "rollout.max_new_tokens", "rl.ppo_epochs", "rl.num_minibatches",
+            "rl.micro_batches")
+  rl, ro = config.rl, config.rollout
+  _known("policy_loss", rl.policy_loss, "rl.policy_loss")
+  _known("kl_estimator", rl.kl_estimator, "rl.kl_estimator")
+  _known("aggregation", rl.aggregation, "rl.aggregation")
+  G = ro.samples_per_row
   if not isinstance(rl.kl_coef, float) or rl.kl_coef < 0:
     raise ConfigError(f"config.rl.kl_coef must be a float >= 0, got "
                       f"{rl.kl_coef!r}")

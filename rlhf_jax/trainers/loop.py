@@ -1,0 +1,102 @@
+"""The RL step loop shared by the GRPO and PPO jobs.
+
+Resume order: (1) the latest checkpoint in the workdir, else (2) a fresh
+start (the job's SFT warm-start and initial states, evaluated and saved as
+step 0). Then steps until `config.train.steps`, evaluating every
+`config.eval.every`, checkpointing every `config.train.checkpoint_every`
+and on SIGTERM/SIGINT. All randomness derives from (seed, step), so a killed
+run restarted with the same command writes the metrics an uninterrupted run
+would have. The checkpoint is one dict of states; its "ref" entry (the
+frozen reference policy) waits in host memory between uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from absl import logging
+
+from rlhf_jax import distributed
+from rlhf_jax.metrics import MetricWriter, Progress
+from rlhf_jax.timeline import Timeline
+from rlhf_jax.trainers import builders, report
+from rlhf_jax.trainers.colocate import Colocation
+from rlhf_jax.trainers.stop import StopFlag
+
+States = dict[str, Any]
+
+
+def run(config, workdir: str, *, iterator, colocation: Colocation,
+        fresh: Callable[[MetricWriter, bool], States],
+        like: Callable[[], States],
+        step: Callable[[int, States], tuple[States, dict]],
+        evaluate: Callable[[States], dict]) -> States:
+  """Runs (or resumes) the loop; returns the final states.
+
+  Args:
+    config: the job config (train, eval sections).
+    workdir: checkpoints, metrics, timeline and report go here.
+    iterator: the train prompt iterator (its position is checkpointed).
+    colocation: the job's training <-> rollout switch; owns the timeline.
+    fresh: (writer, verbose) -> initial states (runs the warm-start).
+    like: -> states with the shapes and shardings to restore into.
+    step: (step, states) -> (states, host metrics) of one RL step.
+    evaluate: states -> eval metrics.
+  """
+  writer, ckpt, main_process = builders.workdir_outputs(config, workdir)
+  stop = StopFlag()
+  co = colocation
+  co.timeline = Timeline(workdir, enabled=main_process)
+
+  def do_eval(states):
+    with co.span("eval"):
+      return evaluate(states)
+
+  def save(s, states):
+    ckpt.save(s, states, distributed.iterator_meta(iterator))
+
+  start = ckpt.latest_step()
+  if start is None:
+    writer.truncate_after("sft", -1)
+    writer.truncate_after("rl", -1)
+    co.timeline.truncate_after(-1)
+    states, start = fresh(writer, main_process), 0
+    writer.write("rl", 0, do_eval(states))
+    save(0, states)
+  else:
+    states, meta = ckpt.restore(start, like())
+    distributed.restore_iterator(iterator, meta)
+    writer.truncate_after("rl", start)
+    co.timeline.truncate_after(start)
+    logging.info("resumed from step %d", start)
+  # Weight version v = the weights of step v.
+  co.version = start
+  states["ref"] = co.park(states["ref"])
+
+  total = config.train.steps
+  progress = Progress(total, start, name="rl", enabled=main_process)
+  for s in range(start + 1, total + 1):
+    states, metrics = step(s, states)
+    bad = {k: v for k, v in metrics.items()
+           if k.endswith("/loss") and not np.isfinite(v)}
+    if bad:
+      raise FloatingPointError(
+          f"non-finite loss at step {s}: {bad}; the last checkpoint "
+          f"(step {ckpt.latest_step()}) is intact, so lower the learning "
+          "rate or check the rewards and rerun the same command to resume")
+    if s % config.eval.every == 0 or s == total:
+      metrics.update(do_eval(states))
+    record = writer.write("rl", s, metrics)
+    progress.update(s, report.log_line(record))
+    last = s == total or stop.requested
+    co.timeline.write(png=s % config.train.checkpoint_every == 0 or last)
+    if s % config.train.checkpoint_every == 0 or last:
+      save(s, states)
+    if stop.requested:
+      break
+  ckpt.close()
+  writer.close()
+  if main_process and not stop.requested:
+    report.finish(writer.read(), workdir)
+  return states

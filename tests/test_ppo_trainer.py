@@ -1,0 +1,128 @@
+"""[ppo] The PPO job end to end, its targets, the critic and config errors."""
+
+import numpy as np
+import pytest
+
+from configs import tiny_ppo, tiny_rm
+from rlhf_jax.metrics import MetricWriter
+from rlhf_jax.trainers import ppo, rm
+from rlhf_jax.trainers.validate import ConfigError, validate_ppo
+
+
+@pytest.fixture(scope="module")
+def rm_workdir(tmp_path_factory):
+  """A reward model from tiny_rm:runlocal (a few steps: only shapes matter)."""
+  workdir = str(tmp_path_factory.mktemp("rm"))
+  config = tiny_rm.get_config("runlocal")
+  config.train.steps = 2
+  config.eval.every = 2
+  rm.run(config, workdir)
+  return workdir
+
+
+def _config(rm_workdir, **extra):
+  c = tiny_ppo.get_config(f"runlocal,rm_workdir={rm_workdir}")
+  for key, value in extra.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  return c
+
+
+def _rl_records(workdir):
+  return {r["step"]: r for r in MetricWriter(workdir, enabled=False).read()
+          if r["phase"] == "rl"}
+
+
+def test_runs_checkpoints_and_resumes(rm_workdir, tmp_path):
+  workdir = str(tmp_path / "ppo")
+  config = _config(rm_workdir, **{"train.steps": 2, "eval.every": 2})
+  ppo.run(config, workdir)
+  first = _rl_records(workdir)
+  assert sorted(first) == [0, 1, 2]
+  step = first[2]
+  for key in ("rollout/reward_mean", "rollout/kl", "train/loss",
+              "critic/loss", "critic/value_error", "critic/vf_clip_frac",
+              "train/clip_frac", "rewards/addition", "eval/reward_mean",
+              "eval/accuracy"):
+    assert np.isfinite(step[key]), key
+  # The sampler and the learner agree on the log-probs of sampled tokens.
+  assert step["rollout/logprob_gap"] < 1e-4
+
+  # Resume: two more steps continue from step 2's checkpoint.
+  config.train.steps = 4
+  state = ppo.run(config, workdir)
+  assert int(state.step) == (config.train.steps * config.rl.ppo_epochs *
+                             config.rl.num_minibatches)
+  records = _rl_records(workdir)
+  assert sorted(records) == [0, 1, 2, 3, 4]
+  assert records[2] == step  # Not rewritten.
+
+
+def test_missing_reward_model_names_the_command(tmp_path):
+  config = _config(str(tmp_path / "nowhere"))
+  with pytest.raises(FileNotFoundError, match="configs/tiny_rm.py"):
+    ppo.build(config)
+
+
+def test_reward_model_of_another_answer_format_is_refused(rm_workdir):
+  config = _config(rm_workdir, **{"task.reverse_answer": False})
+  with pytest.raises(ConfigError, match="config.task.reverse_answer"):
+    ppo.build(config)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rl.gamma", 1.5, "config.rl.gamma"),
+    ("rl.lam", -0.1, "config.rl.lam"),
+    ("rl.value_clip", -1.0, "config.rl.value_clip"),
+    ("rl.tracked_rewards", ("nope",), "config.rl.tracked_rewards"),
+    ("critic.init", "random", "config.critic.init"),
+    ("rl.policy_loss", "nope", "config.rl.policy_loss"),
+    ("train.prompts_per_step", 3, "data shards"),
+])
+def test_config_errors(key, value, message):
+  c = _config("unused", **{key: value})
+  with pytest.raises(ConfigError, match=message):
+    validate_ppo(c, prompt_len=7, num_devices=8)
+
+
+def test_critic_fits_returns():
+  """Critic updates (clipped value loss, micro-batched, 8 devices) on one
+  batch cut the value error against fixed returns."""
+  import jax
+  from rlhf_jax.data.tokenizer import CharTokenizer
+  from rlhf_jax.models import reward_model
+  from rlhf_jax.models.config import ModelConfig
+  from rlhf_jax.parallel import mesh as mesh_lib
+  from rlhf_jax.rl import objectives
+  from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+  from rlhf_jax.rewards.model_score import ScalarHead
+
+  cfg = ModelConfig.tiny(vocab_size=CharTokenizer().vocab_size, num_layers=1,
+                         embed_dim=32, num_heads=2, num_kv_heads=1,
+                         head_dim=16, mlp_dim=64)
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1))
+  graphdef, params = reward_model.init_params(cfg, 0, layout)
+  rng = np.random.default_rng(0)
+  B, T = 16, 10
+  tokens = rng.integers(3, 40, size=(B, T)).astype(np.int32)
+  loss_mask = np.zeros((B, T), np.float32)
+  loss_mask[:, 3:8] = 1
+  arrays = dict(tokens=tokens,
+                positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+                attn_mask=np.ones((B, T), bool), loss_mask=loss_mask,
+                returns=rng.normal(size=(B, T)).astype(np.float32) * loss_mask)
+  terms, weight = objectives.value_terms(0.2)
+  learner = Learner(graphdef, layout, make_optimizer(OptimConfig(
+      learning_rate=1e-2)), terms_fn=terms, weight_fn=weight, micro_batches=2)
+  state = learner.init_state(params)
+  batch = learner.put_batch(arrays)
+  heads = ScalarHead(graphdef, layout)
+  errors = []
+  for _ in range(30):
+    # Fresh old values each update (one PPO step per update): the clip
+    # bounds the move of each update, not the total.
+    batch = {**batch, "old_values": heads.values(state.params, batch)}
+    state, m = learner.step(state, batch)
+    errors.append(m["value_error"])
+  errors = [float(e) for e in jax.device_get(errors)]
+  assert errors[-1] < 0.5 * errors[0], errors
