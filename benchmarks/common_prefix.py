@@ -56,7 +56,6 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
-_QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and new tokens.")
 
 COMMON = 256
 OWN_MAX = 32
@@ -234,11 +233,14 @@ def table(res) -> str:
 
 def main(argv):
   del argv
-  res = measure(_QUICK.value)
+  res = measure(flags.FLAGS.quick)
   print()
   print(table(res))
   print(json.dumps({k: v for k, v in res.items() if k != "rows"}))
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: benchmarks/prefix_sharing.py imports this
+  # module and has its own --quick.
+  flags.DEFINE_bool("quick", False, "Fewer repeats and new tokens.")
   app.run(main)
