@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
-    w = self.scale.value.astype(jnp.float32)
+    w = self.scale[...].astype(jnp.float32)
     return (x32 * (1.0 + w if self.plus_one else w)).astype(x.dtype)
 
 
@@ -96,13 +96,13 @@ class AttentionProjections(nnx.Module):
     """Returns q [B,T,H,K], k and v [B,T,N,K], RoPE applied to q and k."""
     cdt = self.cfg.compute_jnp_dtype
     x = x_BxTxD.astype(cdt)
-    q = jnp.einsum("btd,dhk->bthk", x, self.q.value.astype(cdt))
-    k = jnp.einsum("btd,dnk->btnk", x, self.k.value.astype(cdt))
-    v = jnp.einsum("btd,dnk->btnk", x, self.v.value.astype(cdt))
+    q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(cdt))
+    k = jnp.einsum("btd,dnk->btnk", x, self.k[...].astype(cdt))
+    v = jnp.einsum("btd,dnk->btnk", x, self.v[...].astype(cdt))
     if self.cfg.qkv_bias:
-      q = q + self.q_bias.value.astype(cdt)
-      k = k + self.k_bias.value.astype(cdt)
-      v = v + self.v_bias.value.astype(cdt)
+      q = q + self.q_bias[...].astype(cdt)
+      k = k + self.k_bias[...].astype(cdt)
+      v = v + self.v_bias[...].astype(cdt)
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta,
@@ -117,7 +117,7 @@ class AttentionProjections(nnx.Module):
   def out(self, o_BxTxHxK):
     cdt = self.cfg.compute_jnp_dtype
     y = jnp.einsum("bthk,hkd->btd", o_BxTxHxK.astype(cdt),
-                   self.o.value.astype(cdt))
+                   self.o[...].astype(cdt))
     return constrain(y, ("batch", "length", "embed_act"))
 
 
@@ -134,10 +134,10 @@ class GatedMLP(nnx.Module):
   def __call__(self, x_BxTxD):
     cdt = self.cfg.compute_jnp_dtype
     x = x_BxTxD.astype(cdt)
-    gate = jnp.einsum("btd,df->btf", x, self.gate.value.astype(cdt))
-    up = jnp.einsum("btd,df->btf", x, self.up.value.astype(cdt))
+    gate = jnp.einsum("btd,df->btf", x, self.gate[...].astype(cdt))
+    up = jnp.einsum("btd,df->btf", x, self.up[...].astype(cdt))
     act = (jax.nn.silu(gate) if self.cfg.mlp_activation == "silu"
            else jax.nn.gelu(gate, approximate=True))
     h = constrain(act * up, ("batch", "length", "mlp"))
-    y = jnp.einsum("btf,fd->btd", h, self.down.value.astype(cdt))
+    y = jnp.einsum("btf,fd->btd", h, self.down[...].astype(cdt))
     return constrain(y, ("batch", "length", "embed_act"))

@@ -37,7 +37,7 @@ class RewardModel(nnx.Module):
     """Values [B, T] fp32: the head applied to every position's state."""
     h_BxTxD = self.decoder.hidden_states(tokens_BxT, positions_BxT, mask_BxT)
     v_BxT = jnp.einsum("btd,d->bt", h_BxTxD.astype(jnp.float32),
-                       self.value_head.value) + self.value_bias.value
+                       self.value_head[...]) + self.value_bias[...]
     return constrain(v_BxT, ("batch", "length"))
 
 

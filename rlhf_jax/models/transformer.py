@@ -114,7 +114,7 @@ class Decoder(nnx.Module):
 
   def _embed(self, tokens):
     cdt = self.cfg.compute_jnp_dtype
-    x = jnp.take(self.embed.value, tokens, axis=0).astype(cdt)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)
     if self.cfg.embed_scale:
       x = x * jnp.asarray(math.sqrt(self.cfg.embed_dim), cdt)
     return constrain(x, ("batch", "length", "embed_act"))
@@ -123,10 +123,10 @@ class Decoder(nnx.Module):
     cdt = self.cfg.compute_jnp_dtype
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, self.embed.value.astype(cdt),
+      logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(cdt),
                           preferred_element_type=jnp.float32)
     else:
-      logits = jnp.einsum("btd,dv->btv", x, self.lm_head.value.astype(cdt),
+      logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(cdt),
                           preferred_element_type=jnp.float32)
     logits = _softcap(logits, self.cfg.final_logit_softcap)
     return constrain(logits, ("batch", "length", "vocab"))

@@ -71,7 +71,7 @@ class Layout:
       axes = v.get_metadata().get("logical_axes")
       if axes is None:
         return v.replace(self.replicated())
-      return v.replace(self.sharding(axes, v.value.shape))
+      return v.replace(self.sharding(axes, v.get_value().shape))
     return jax.tree.map(one, params,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
