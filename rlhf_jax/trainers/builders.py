@@ -89,6 +89,19 @@ def eval_engine(cfg: ModelConfig, graphdef, layout, config,
                                         stop_tokens=tuple(stop_tokens)))
 
 
+def policy_runtime(config, cfg: ModelConfig, graphdef, params, train_layout,
+                   rollout_layout, stop_tokens) -> dict:
+  """What every RL job runs its policy with: the rollout engine, the greedy
+  eval engine and the training <-> rollout switch of one mesh."""
+  return dict(
+      engine=engine(cfg, graphdef, rollout_layout, config.rollout,
+                    stop_tokens),
+      eval_engine=eval_engine(cfg, graphdef, rollout_layout, config,
+                              stop_tokens),
+      colocation=colocation(config.mesh, train_layout, rollout_layout,
+                            params))
+
+
 def colocation(section, train_layout, rollout_layout, params):
   """The training <-> rollout switch of one mesh from `config.mesh`."""
   from rlhf_jax.trainers.colocate import Colocation

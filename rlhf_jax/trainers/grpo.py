@@ -18,8 +18,14 @@ from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.rl import dapo, losses, objectives, registry
 from rlhf_jax.rl.learner import Learner
-from rlhf_jax.trainers import (builders, colocate, dynamic_sampling, loop,
-                               rollout, sources)
+from rlhf_jax.trainers import (
+  builders,
+  colocate,
+  dynamic_sampling,
+  loop,
+  rollout,
+  sources,
+)
 from rlhf_jax.trainers.sft import run_sft
 from rlhf_jax.trainers.validate import validate_rl
 
@@ -206,18 +212,13 @@ def build(config) -> Job:
   cfg, graphdef, params = builders.model(
       config.model, seed=config.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
-  stops = source.stop_ids
   return Job(
       config=config, source=source, graphdef=graphdef,
       params=params, train_layout=train_layout, rollout_layout=rollout_layout,
       learner=_learner(config, graphdef, train_layout,
                        max_len=config.rollout.max_new_tokens),
-      engine=builders.engine(cfg, graphdef, rollout_layout, config.rollout,
-                             stops),
-      eval_engine=builders.eval_engine(cfg, graphdef, rollout_layout, config,
-                                       stops),
-      colocation=builders.colocation(config.mesh, train_layout,
-                                     rollout_layout, params))
+      **builders.policy_runtime(config, cfg, graphdef, params, train_layout,
+                                rollout_layout, source.stop_ids))
 
 
 def run(config, workdir: str):

@@ -98,7 +98,6 @@ def build(config) -> Job:
           kl_in_loss=rl.kl_in_loss, aggregation=rl.aggregation,
           max_len=config.rollout.max_new_tokens))
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
-  stops = source.stop_ids
   return Job(
       config=config, source=source, graphdef=graphdef, params=params,
       train_layout=train_layout, rollout_layout=rollout_layout,
@@ -111,12 +110,8 @@ def build(config) -> Job:
                      micro_batches=rl.micro_batches),
       heads=ScalarHead(rm_graphdef, train_layout), rm_params=rm_params,
       rm_step=rm_step,
-      engine=builders.engine(cfg, graphdef, rollout_layout, config.rollout,
-                             stops),
-      eval_engine=builders.eval_engine(cfg, graphdef, rollout_layout, config,
-                                       stops),
-      colocation=builders.colocation(config.mesh, train_layout,
-                                     rollout_layout, params))
+      **builders.policy_runtime(config, cfg, graphdef, params, train_layout,
+                                rollout_layout, source.stop_ids))
 
 
 @jax.jit
