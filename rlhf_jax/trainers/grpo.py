@@ -18,6 +18,7 @@ from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.rl import dapo, losses, objectives, registry
 from rlhf_jax.rl.learner import Learner
+from rlhf_jax.rl.logprobs import logprob_gap
 from rlhf_jax.trainers import (
   builders,
   colocate,
@@ -133,8 +134,7 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
         mask.shape[:-1])  # [B], or [N, G] grouped.
     batch = learner.put_batch({**batch, "old_logp": old_logp,
                                "ref_logp": ref_logp, "advantages": advantages})
-    gap = jnp.abs(old_logp - packed.sampler_logp) * mask
-    gap_max, gap_mean = jnp.max(gap), jnp.sum(gap) / jnp.sum(mask)
+    gap_max, gap_mean = logprob_gap(old_logp, packed.sampler_logp, mask)
     jax.block_until_ready(batch)
 
   with co.span("train"):

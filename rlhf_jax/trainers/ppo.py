@@ -33,7 +33,9 @@ from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.rewards.model_score import ScalarHead
 from rlhf_jax.rl import critic, objectives
+from rlhf_jax.rl.aggregation import masked_mean
 from rlhf_jax.rl.learner import Learner
+from rlhf_jax.rl.logprobs import logprob_gap
 from rlhf_jax.trainers import builders, colocate, loop, rm, rollout, sources
 from rlhf_jax.trainers.sft import run_sft
 from rlhf_jax.trainers.validate import ConfigError, validate_ppo
@@ -114,12 +116,6 @@ def build(config) -> Job:
                                 rollout_layout, source.stop_ids))
 
 
-@jax.jit
-def _gap(old_logp, sampler_logp, mask):
-  gap = jnp.abs(old_logp - sampler_logp) * mask
-  return jnp.max(gap), jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
 def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
              prompts):
   """One PPO step; returns the new actor and critic states and metrics.
@@ -171,8 +167,7 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
         **batch, "old_logp": old_logp, "ref_logp": ref_logp,
         "old_values": old_values, "advantages": targets["advantages"],
         "returns": targets["returns"]})
-    sampler_logp = actor.put_batch({"x": packed.sampler_logp})["x"]
-    gap_max, gap_mean = _gap(old_logp, sampler_logp, mask)
+    gap_max, gap_mean = logprob_gap(old_logp, packed.sampler_logp, mask)
     jax.block_until_ready(batch)
 
   with co.span("train"):
@@ -191,8 +186,8 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
     actor_metrics, critic_metrics, host = jax.device_get(
         (actor_metrics, critic_metrics,
          {"scores": scores, "kl": targets["kl"], "gap_max": gap_max,
-          "gap_mean": gap_mean, "values": _masked_mean(old_values, mask),
-          "returns": _masked_mean(targets["returns"], mask)}))
+          "gap_mean": gap_mean, "values": masked_mean(old_values, mask),
+          "returns": masked_mean(targets["returns"], mask)}))
   perf = co.end_step(step)
 
   mean = lambda ms, k: float(np.mean([m[k] for m in ms]))  # noqa: E731
@@ -215,10 +210,6 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
       **perf, "perf/tokens_per_s": gen_tokens / perf["perf/step_s"],
   }
   return actor_state, critic_state, metrics
-
-
-def _masked_mean(x, mask):
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 _targets = jax.jit(critic.ppo_targets, static_argnames=(
