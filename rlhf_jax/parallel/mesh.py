@@ -1,6 +1,7 @@
 """Mesh construction and the two layouts (training, rollout) over one device set.
 
-Training: params FSDP over `fsdp` (optionally TP over `tensor`), batch over
+Training: params FSDP over `fsdp` along their leading dimension (optionally TP
+over `tensor`), batch over
 `data` x `fsdp`. Rollout: the same devices, in the same order, reshaped into
 replicas x tensor: params replicated across replicas, TP inside a replica,
 decode rows split across replicas. Both meshes use the axis names
@@ -20,7 +21,6 @@ AXES = ("data", "fsdp", "tensor")
 # Logical axis -> mesh axes. Names not listed are replicated.
 TRAIN_RULES = (
     ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -60,7 +60,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
 
 
 def train_layout(mesh: Mesh) -> Layout:
-  return Layout("train", mesh, TRAIN_RULES)
+  return Layout("train", mesh, TRAIN_RULES, param_axis="fsdp")
 
 
 def rollout_layout(mesh: Mesh, tensor: int = 1) -> Layout:
