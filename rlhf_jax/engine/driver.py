@@ -34,6 +34,15 @@ class Request:
   num_samples: int = 1
   seed: int = 0
   first_sample_index: int = 0  # Sample indices are first..first+num-1.
+  # Per-sample token budgets (<= the engine's max_new_tokens): a stop rule
+  # that ends sample i after that many tokens, finish_reason "length".
+  max_new_tokens_per_sample: tuple[int, ...] | None = None
+
+  def budget(self, i: int, engine_max: int) -> int:
+    """Token budget of the i-th sample of this request."""
+    if self.max_new_tokens_per_sample is None:
+      return engine_max
+    return min(engine_max, int(self.max_new_tokens_per_sample[i]))
 
 
 @dataclasses.dataclass
@@ -60,6 +69,11 @@ class _Live:
   tokens: list
   logp: list
   logp_raw: list
+  budget: int
+  # Decode steps dispatched before the sample entered its slot: results of
+  # those steps for this slot belong to its previous occupant (a sample the
+  # host ended on its budget while the device kept stepping it).
+  since_step: int = 0
 
 
 @dataclasses.dataclass
@@ -72,8 +86,35 @@ class DriverStats:
   decode_s: float = 0.0
 
 
+class Controller:
+  """Scheduling hooks of `Driver.run` (defaults: plain continuous batching)."""
+
+  def choose_row(self, driver: "Driver", free_rows: list[int],
+                 request: Request) -> int:
+    """The free row `request` goes to."""
+    del driver, request
+    return free_rows[0]
+
+  def after_step(self, driver: "Driver") -> None:
+    """Called after each decode step is dispatched."""
+
+  def wants_switch(self, driver: "Driver") -> bool:
+    """Whether to move the live samples onto another engine now."""
+    del driver
+    return False
+
+  def switch(self, driver: "Driver") -> None:
+    """Replaces driver.engine / params / state / live (slot keys)."""
+
+
 class Driver:
-  """Streams samples for a stream of requests through one Engine."""
+  """Streams samples for a stream of requests through one Engine.
+
+  During `run`, `engine`, `params`, `state` (the decode state), `live`
+  (slot -> in-flight sample) and `pending` (requests not yet admitted) are
+  the run's state; a `Controller` may read them and, in `switch`, replace
+  them (the samples continue on the new engine).
+  """
 
   def __init__(self, engine: Engine, params, *, weight_version: int = 0):
     self.engine = engine
@@ -83,7 +124,8 @@ class Driver:
 
   def run(self, requests: Iterable[Request], *,
           common_prefix: str | Sequence[int] | np.ndarray | None = None,
-          min_common_length: int = 16) -> Iterator[Sample]:
+          min_common_length: int = 16, admission: str = "continuous",
+          controller: "Controller | None" = None) -> Iterator[Sample]:
     """Samples every request; yields each sample as soon as it finishes.
 
     Args:
@@ -94,68 +136,107 @@ class Driver:
         which every request must start with. It is prefilled once and
         stored once for all rows (`Engine.set_common_prefix`).
       min_common_length: threshold of "auto".
+      admission: "continuous" (a prompt enters any row as soon as it frees)
+        or "static" (a new wave of prompts enters only once every row is
+        free: the synchronous batching of most RL frameworks).
+      controller: optional scheduling hooks (`Controller`): the row a
+        prompt goes to, and a switch of engine between decode steps
+        (long-tail consolidation, `long_tail.py`).
 
     Yields:
       `Sample`s; `prompt_tokens` is the whole request prompt.
     """
+    if admission not in ("continuous", "static"):
+      raise ValueError(f"admission must be 'continuous' or 'static', got "
+                       f"{admission!r}")
     eng = self.engine
     pending = collections.deque(requests)
     common = self._resolve_common_prefix(pending, common_prefix,
                                          min_common_length)
     for req in pending:  # Reject bad input before any work starts.
-      own = common_lib.strip_common_prefix(req.tokens, common, req.prompt_id)
-      if common.size and own.size > eng.max_prefill_length:
-        raise ValueError(
-            f"prompt {req.prompt_id} has {own.size} tokens after the common "
-            f"prefix of {common.size}, longer than the largest prefill "
-            f"bucket {eng.max_prefill_length}")
-      eng.pad_prompt(own, req.prompt_id)
-      if not 1 <= req.num_samples <= eng.samples_per_row:
-        raise ValueError(
-            f"prompt {req.prompt_id} asks for num_samples={req.num_samples}; "
-            f"the engine holds 1..{eng.samples_per_row} samples per prompt")
+      self._validate(req, common)
     if common.size:
       eng.set_common_prefix(self.params, common)
       self.stats.prefill_tokens += eng.max_common_length
     else:
       eng.clear_common_prefix()
     self.stats.common_prefix_length = int(common.size)
-    state = eng.init_decode_state()
-    live: dict[int, _Live] = {}
-    events = collections.deque()  # ("insert", slots, prefix) | ("step", res)
+    self.state = eng.init_decode_state()
+    self.live: dict[int, _Live] = {}
+    self.pending = pending
+    events = collections.deque()  # ("insert", slots, prefix) | ("step", res, n)
     t0 = time.perf_counter()
 
-    while pending or live or events:
+    while pending or self.live or events:
+      eng = self.engine
       free = eng.free_rows()
+      if admission == "static" and self.live:
+        free = []
       while pending and free:
         req = pending.popleft()
-        row = free.pop(0)
-        padded, true_len = eng.pad_prompt(
-            np.asarray(req.tokens)[common.size:], req.prompt_id)
-        prefix = eng.prefill_multisampling(
-            self.params, padded, true_len, req.num_samples,
-            prompt_id=req.prompt_id, seed=req.seed,
-            first_sample_index=req.first_sample_index)
-        slots = eng.slots_of_row[row][:req.num_samples]
-        state = eng.bulk_insert(prefix, state, slots)
-        for s, i in zip(slots, prefix.sample_indices):
-          live[s] = _Live(req, i, [], [], [])
-        for x in (prefix.first_tokens, prefix.first_logp,
-                  prefix.first_logp_raw):
-          x.copy_to_host_async()
-        events.append(("insert", slots, prefix))
-        self.stats.prefills += 1
-        self.stats.prefill_tokens += padded.size
-      if live:
-        state, result = eng.generate(self.params, state)
+        row = controller.choose_row(self, free, req) if controller else free[0]
+        free.remove(row)
+        self._admit(req, row, common, events)
+      if self.live:
+        self.state, result = eng.generate(self.params, self.state)
         result.copy_to_host_async()
-        events.append(("step", result))
         self.stats.steps += 1
+        events.append(("step", result, self.stats.steps))
+        if controller is not None:
+          controller.after_step(self)
       # Read everything but the newest step: it is still in flight.
-      while events and (len(events) > 1 or not live or
+      while events and (len(events) > 1 or not self.live or
                         events[0][0] == "insert"):
-        yield from self._consume(events.popleft(), live)
+        yield from self._consume(events.popleft(), self.live)
+      if controller is not None and self.live and controller.wants_switch(
+          self):
+        while events:  # The switch needs every slot's host state current.
+          yield from self._consume(events.popleft(), self.live)
+        if self.live:
+          controller.switch(self)
     self.stats.decode_s += time.perf_counter() - t0
+
+  def _validate(self, req: Request, common: np.ndarray) -> None:
+    eng = self.engine
+    own = common_lib.strip_common_prefix(req.tokens, common, req.prompt_id)
+    if common.size and own.size > eng.max_prefill_length:
+      raise ValueError(
+          f"prompt {req.prompt_id} has {own.size} tokens after the common "
+          f"prefix of {common.size}, longer than the largest prefill "
+          f"bucket {eng.max_prefill_length}")
+    eng.pad_prompt(own, req.prompt_id)
+    if not 1 <= req.num_samples <= eng.samples_per_row:
+      raise ValueError(
+          f"prompt {req.prompt_id} asks for num_samples={req.num_samples}; "
+          f"the engine holds 1..{eng.samples_per_row} samples per prompt")
+    budgets = req.max_new_tokens_per_sample
+    if budgets is not None and (len(budgets) != req.num_samples or
+                                min(budgets) < 1):
+      raise ValueError(
+          f"prompt {req.prompt_id}: max_new_tokens_per_sample must hold "
+          f"{req.num_samples} budgets >= 1, got {budgets}")
+
+  def _admit(self, req: Request, row: int, common: np.ndarray,
+             events) -> None:
+    """Prefills `req` once and inserts its samples into `row`."""
+    eng = self.engine
+    padded, true_len = eng.pad_prompt(
+        np.asarray(req.tokens)[common.size:], req.prompt_id)
+    prefix = eng.prefill_multisampling(
+        self.params, padded, true_len, req.num_samples,
+        prompt_id=req.prompt_id, seed=req.seed,
+        first_sample_index=req.first_sample_index)
+    slots = eng.slots_of_row[row][:req.num_samples]
+    self.state = eng.bulk_insert(prefix, self.state, slots)
+    max_new = eng.sampling.max_new_tokens
+    for j, (s, i) in enumerate(zip(slots, prefix.sample_indices)):
+      self.live[s] = _Live(req, i, [], [], [], req.budget(j, max_new),
+                           self.stats.steps)
+    for x in (prefix.first_tokens, prefix.first_logp, prefix.first_logp_raw):
+      x.copy_to_host_async()
+    events.append(("insert", slots, prefix))
+    self.stats.prefills += 1
+    self.stats.prefill_tokens += padded.size
 
   def _resolve_common_prefix(self, requests, common_prefix,
                              min_common_length) -> np.ndarray:
@@ -187,9 +268,9 @@ class Driver:
         yield from self._append(s, live, int(toks[j]), float(logp[j]),
                                 float(raw[j]), first=True)
       return
-    res = event[1].convert_to_numpy()
+    res, step = event[1].convert_to_numpy(), event[2]
     for s in np.nonzero(res.valid)[0]:
-      if int(s) in live:
+      if int(s) in live and step > live[int(s)].since_step:
         yield from self._append(int(s), live, int(res.tokens[s]),
                                 float(res.logp[s]), float(res.logp_raw[s]))
 
@@ -201,7 +282,7 @@ class Driver:
     self.stats.generated_tokens += 1
     sp = self.engine.sampling
     stop = token in sp.stop_tokens
-    if stop or len(item.tokens) >= sp.max_new_tokens:
+    if stop or len(item.tokens) >= item.budget:
       del live[slot]
       self.engine.free_resource(slot)
       yield Sample(item.request.prompt_id, item.sample_idx,

@@ -1,0 +1,152 @@
+"""Long-tail rollout on 8 devices: consolidation (KV move or re-prefill),
+fusion and length-aware assignment change where and when samples decode,
+never their tokens; nothing is lost or duplicated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.long_tail import LongTailRollout, TailConfig
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.sched import continuous
+from rlhf_jax.sched.length_history import LengthHistory
+
+CFG = ModelConfig.tiny(vocab_size=64)
+M = 12
+SAMPLING = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=M)
+G, RPR = 2, 1
+BUCKETS = (8, 8 + M)  # The long bucket lets a sample be re-prefilled.
+
+
+def _requests(n=20):
+  rng = np.random.default_rng(0)
+  out = []
+  for p in range(n):
+    # Long-tailed budgets: most samples short, every 6th prompt runs to M.
+    budgets = tuple(int(x) for x in rng.integers(1, 4, G))
+    if p % 6 == 5:
+      budgets = (M,) + budgets[1:]
+    out.append(Request(p, rng.integers(6, 64, int(rng.integers(2, 8))),
+                       num_samples=G, seed=7,
+                       max_new_tokens_per_sample=budgets))
+  return out
+
+
+class _Scorer:
+  """Sum of the response's log-probs under the model (a real forward)."""
+
+  def __init__(self, graphdef, params):
+    self.graphdef, self.params, self.placed = graphdef, params, {}
+
+  def score(self, samples, layout):
+    if layout not in self.placed:
+      self.placed[layout] = jax.device_put(
+          self.params, layout.param_shardings(self.params))
+    T = 8 + M
+    toks = np.zeros((len(samples), T), np.int32)
+    for i, s in enumerate(samples):
+      seq = np.concatenate([s.prompt_tokens, s.tokens])[:T]
+      toks[i, :seq.size] = seq
+    toks = jax.device_put(toks, layout.replicated())
+    return _score_jit(self.graphdef, self.placed[layout], toks)
+
+
+@jax.jit(static_argnums=0)
+def _score_jit(graphdef, params, toks_BxT):
+  T = toks_BxT.shape[1]
+  pos = jnp.broadcast_to(jnp.arange(T), toks_BxT.shape)
+  logits = model_lib.forward(graphdef, params, toks_BxT, pos, toks_BxT > 0)
+  return jnp.max(logits, axis=(1, 2))
+
+
+@pytest.fixture(scope="module")
+def setup(mesh8):
+  del mesh8
+  mesh = mesh_lib.make_mesh(fsdp=8)
+  layout = mesh_lib.rollout_layout(mesh, 1)
+  graphdef, params = model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh))
+  params = jax.device_put(params, layout.param_shardings(params))
+  engine = Engine(CFG, graphdef, layout, num_rows=8 * RPR, samples_per_row=G,
+                  prefill_buckets=BUCKETS, sampling=SAMPLING)
+  plain = {s.key: s for s in Driver(engine, params).run(_requests())}
+  return graphdef, layout, params, plain
+
+
+def _run(setup, **tail):
+  graphdef, layout, params, _ = setup
+  history = LengthHistory(0.5)
+  for r in _requests():  # Pretend an earlier epoch: predictions exist.
+    history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
+  lt = LongTailRollout(CFG, graphdef, layout, rows_per_replica=RPR,
+                       samples_per_row=G, prefill_buckets=BUCKETS,
+                       sampling=SAMPLING, tail=TailConfig(**tail),
+                       history=history)
+  return lt.run(params, _requests(), scorer=_Scorer(graphdef, params))
+
+
+def _assert_same(result, plain):
+  keys = [s.key for s in result.samples]
+  assert len(keys) == len(set(keys)) == len(plain)  # None lost or doubled.
+  for s in result.samples:
+    want = plain[s.key]
+    assert s.tokens == want.tokens, s.key
+    np.testing.assert_allclose(s.logp_raw, want.logp_raw, atol=1e-5)
+  assert set(result.scores) == set(plain)
+
+
+def test_budgets_force_the_lengths(setup):
+  plain = setup[3]
+  by_key = {(r.prompt_id, i): b for r in _requests()
+            for i, b in enumerate(r.max_new_tokens_per_sample)}
+  for key, s in plain.items():
+    assert len(s.tokens) == by_key[key] or s.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("migration", ["kv", "reprefill"])
+def test_consolidation_keeps_tokens(setup, migration):
+  # FIFO rows put long prompts on high replicas: consolidation moves them.
+  result = _run(setup, consolidate_below=0.5, migration=migration,
+                score_chunk=4, assignment="fifo")
+  st = result.stats
+  assert st["rollout/consolidated_replicas"] < 8
+  if migration == "kv":
+    assert st["rollout/tail_moves"] > 0 and st["rollout/reprefilled"] == 0
+  else:
+    assert st["rollout/reprefilled"] > 0
+  assert st["rollout/scoring_chunks"] >= 2
+  _assert_same(result, setup[3])
+
+
+def test_static_and_fifo_keep_tokens(setup):
+  result = _run(setup, admission="static", assignment="fifo",
+                consolidate_below=0.0, fusion=False)
+  assert result.stats["rollout/consolidated_replicas"] == 8
+  _assert_same(result, setup[3])
+
+
+def test_cost_aware_replica_count(setup):
+  graphdef, layout, params, plain = setup
+  lt = LongTailRollout(CFG, graphdef, layout, rows_per_replica=RPR,
+                       samples_per_row=G, prefill_buckets=BUCKETS,
+                       sampling=SAMPLING,
+                       tail=TailConfig(replicas="cost", cost_lambda=0.0))
+  lt.step_s = {m: 0.01 for m in lt.sizes}  # Equal step cost: fewest wins.
+  result = lt.run(params, _requests(), scorer=_Scorer(graphdef, params))
+  assert result.stats["rollout/replicas"] == 1
+  _assert_same(result, plain)
+
+
+def test_choose_replicas_trades_latency_for_cost():
+  lengths = [[10.0, 2.0]] * 8
+  step = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+  fast, info = continuous.choose_replicas(lengths, [1, 2, 4, 8], 1, step, 1.0)
+  cheap, _ = continuous.choose_replicas(lengths, [1, 2, 4, 8], 1, step, 0.0)
+  assert fast == 8 and cheap == 1
+  assert info["table"][8][0] == 10.0 and info["table"][1][0] == 80.0
+  assert continuous.decode_steps([5, 3, 3, 1], 2) == 6.0
