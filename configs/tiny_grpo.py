@@ -11,6 +11,7 @@ the post-SFT reference) then raises held-out greedy accuracy.
 import ml_collections
 
 from configs import common
+from rlhf_jax.trainers import long_tail
 
 
 def get_config(arg=None):
@@ -41,7 +42,10 @@ def get_config(arg=None):
       attention_impl="auto",
       # > 0: a token prefix all prompts of a batch share (system prompt,
       # chat template) is prefilled and stored once, up to this length.
-      max_common_length=0))
+      max_common_length=0,
+      # Long-tail rollout (trainers/long_tail.py): length-aware rows, tail
+      # consolidation, fused reward scoring, cost-aware replica count.
+      long_tail=long_tail.default_config()))
 
   c.rl = ml_collections.ConfigDict(dict(
       advantage="grpo",          # grpo | drgrpo | rloo

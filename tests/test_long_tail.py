@@ -150,3 +150,52 @@ def test_choose_replicas_trades_latency_for_cost():
   assert fast == 8 and cheap == 1
   assert info["table"][8][0] == 10.0 and info["table"][1][0] == 80.0
   assert continuous.decode_steps([5, 3, 3, 1], 2) == 6.0
+
+
+def test_grpo_step_with_long_tail_matches_plain(mesh8):
+  """One GRPO step on 8 devices: long-tail rollout (consolidation, fused
+  reward scoring, assignment) gives the plain step's samples and numbers."""
+  del mesh8
+  from configs import tiny_grpo
+  from rlhf_jax.trainers import grpo
+
+  c = tiny_grpo.get_config("runlocal")
+  # R_t = 1: consolidate as soon as the 8 rows fit 4 replicas (the
+  # untrained policy answers in ~4 tokens: no natural tail here).
+  c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
+                             score_chunk=4)
+  c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
+  job = grpo.build(c)
+  assert job.long_tail is not None
+  prompts = next(job.iterator)
+  ref = jax.tree.map(lambda x: x * 1.05, job.params)
+  out = {}
+  for lt in (None, job.long_tail):
+    state = job.learner.init_state(
+        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
+    _, out[lt is None] = grpo.rl_step(
+        1, state, ref, prompts, config=c, learner=job.learner,
+        engine=job.engine, rollout_layout=job.rollout_layout,
+        tokenizer=job.tokenizer, prompt_len=job.prompt_len, long_tail=lt)
+  plain, ours = out[True], out[False]
+  for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss",
+            "train/grad_norm", "train/kl"):
+    np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
+  for k in plain:
+    if k.startswith("rewards/"):
+      np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
+  assert ours["rollout/consolidated_replicas"] < 8
+  assert ours["rollout/scoring_chunks"] >= 2
+  # The history learned this step's lengths (it is checkpointed by the loop).
+  assert all(job.long_tail.history.known(int(p)) for p in prompts.prompt_ids)
+
+
+def test_length_history_survives_checkpoint_json():
+  import json
+  h = LengthHistory(0.25)
+  h.update(3, [4, 8])
+  h.update(3, [2])
+  restored = LengthHistory(0.5)
+  restored.load_state_dict(json.loads(json.dumps(h.state_dict())))
+  assert restored.alpha == 0.25
+  assert restored.predict(3, 0.0) == h.predict(3, 0.0) == 0.25 * 2 + 0.75 * 6

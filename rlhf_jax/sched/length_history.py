@@ -37,8 +37,13 @@ class LengthHistory:
     """Checkpointable state (resume-first: the history survives restarts)."""
     return {"alpha": self.alpha, "ewma": dict(self._ewma)}
 
+  def load_state_dict(self, state: dict) -> None:
+    """Restores `state_dict()` output (JSON turns the keys into strings)."""
+    self.alpha = float(state["alpha"])
+    self._ewma = {int(k): float(v) for k, v in state["ewma"].items()}
+
   @classmethod
   def from_state_dict(cls, state: dict) -> "LengthHistory":
     history = cls(state["alpha"])
-    history._ewma = {int(k): float(v) for k, v in state["ewma"].items()}
+    history.load_state_dict(state)
     return history

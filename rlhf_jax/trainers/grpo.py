@@ -27,6 +27,7 @@ from rlhf_jax.trainers import (
   rollout,
   sources,
 )
+from rlhf_jax.trainers import long_tail as long_tail_lib
 from rlhf_jax.trainers.sft import run_sft
 from rlhf_jax.trainers.validate import validate_rl
 
@@ -56,7 +57,7 @@ def evaluate(engine: Engine, params, batches, tokenizer, config) -> dict:
 
 def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
             rollout_layout, tokenizer, prompt_len, colocation=None,
-            refill=None):
+            refill=None, long_tail=None):
   """One GRPO step; returns the new state and its metrics (host floats).
 
   The mesh switches layouts in place (`trainers/colocate.py`): the policy's
@@ -67,6 +68,8 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
   With `rl.dynamic_sampling`, groups whose rewards are all equal are
   replaced by groups of further prompt batches drawn from `refill`
   (`trainers/dynamic_sampling.py`) before the weights go back to training.
+  With `long_tail` (`trainers/long_tail.py`) the rollout runs through the
+  long-tail policies and the reward functions score samples as they finish.
   """
   rl, G = config.rl, config.rollout.samples_per_row
   co = colocation or colocate.Colocation(
@@ -79,14 +82,26 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
   driver = Driver(engine, rollout_params, weight_version=co.version)
 
   def sample_and_score(batch):
-    with co.span("rollout"):
-      samples = rollout.generate(
-          driver, batch, G, rollout.step_seed(config.seed, step),
-          common_prefix="auto" if config.rollout.max_common_length else None)
+    seed = rollout.step_seed(config.seed, step)
+    if long_tail is not None:
+      long_tail.timeline = co.timeline
+      with co.span("rollout"):  # Reward scoring is fused into it.
+        samples, rewards, metrics = long_tail_lib.generate_and_score(
+            long_tail, rollout_params, batch, G, seed,
+            long_tail_lib.RewardScorer(
+                batch, tokenizer, list(rl.rewards),
+                list(rl.reward_weights) or None, rl.on_reward_error),
+            weight_version=co.version, step=step)
+    else:
+      with co.span("rollout"):
+        samples = rollout.generate(
+            driver, batch, G, seed, common_prefix="auto"
+            if config.rollout.max_common_length else None)
+      with co.span("scoring"):
+        rewards, metrics = rollout.score(
+            samples, batch, tokenizer, list(rl.rewards),
+            list(rl.reward_weights) or None, rl.on_reward_error)
     with co.span("scoring"):
-      rewards, metrics = rollout.score(
-          samples, batch, tokenizer, list(rl.rewards),
-          list(rl.reward_weights) or None, rl.on_reward_error)
       if rl.overlong_buffer:
         penalty = np.asarray(dapo.overlong_penalty(
             np.array([len(x.tokens) for x in samples]),
@@ -179,6 +194,7 @@ class Job:
   engine: Engine
   eval_engine: Engine
   colocation: colocate.Colocation | None = None
+  long_tail: Any = None  # engine/long_tail.LongTailRollout when enabled.
 
   @property
   def tokenizer(self):
@@ -197,7 +213,8 @@ class Job:
                    config=self.config, learner=self.learner,
                    engine=self.engine, rollout_layout=self.rollout_layout,
                    tokenizer=self.tokenizer, prompt_len=self.prompt_len,
-                   colocation=self.colocation, refill=self.iterator)
+                   colocation=self.colocation, refill=self.iterator,
+                   long_tail=self.long_tail)
 
 
 def build(config) -> Job:
@@ -217,6 +234,8 @@ def build(config) -> Job:
       params=params, train_layout=train_layout, rollout_layout=rollout_layout,
       learner=_learner(config, graphdef, train_layout,
                        max_len=config.rollout.max_new_tokens),
+      long_tail=long_tail_lib.build(config, cfg, graphdef, rollout_layout,
+                                    source.stop_ids),
       **builders.policy_runtime(config, cfg, graphdef, params, train_layout,
                                 rollout_layout, source.stop_ids))
 
@@ -242,7 +261,7 @@ def run(config, workdir: str):
       config, workdir, iterator=job.iterator, colocation=co, fresh=fresh,
       like=lambda: {"policy": learner.init_state(job.params),
                     "ref": job.params},
-      step=step,
+      step=step, history=job.long_tail and job.long_tail.history,
       evaluate=lambda states: evaluate(
           job.eval_engine, co.rollout_copy(states["policy"].params),
           job.source.eval_batches, job.tokenizer, config))

@@ -31,7 +31,7 @@ def run(config, workdir: str, *, iterator, colocation: Colocation,
         fresh: Callable[[MetricWriter, bool], States],
         like: Callable[[], States],
         step: Callable[[int, States], tuple[States, dict]],
-        evaluate: Callable[[States], dict]) -> States:
+        evaluate: Callable[[States], dict], history=None) -> States:
   """Runs (or resumes) the loop; returns the final states.
 
   Args:
@@ -43,6 +43,8 @@ def run(config, workdir: str, *, iterator, colocation: Colocation,
     like: -> states with the shapes and shardings to restore into.
     step: (step, states) -> (states, host metrics) of one RL step.
     evaluate: states -> eval metrics.
+    history: a per-prompt `LengthHistory` (long-tail rollout) saved in and
+      restored from the checkpoint metadata, or None.
   """
   writer, ckpt, main_process = builders.workdir_outputs(config, workdir)
   stop = StopFlag()
@@ -54,7 +56,10 @@ def run(config, workdir: str, *, iterator, colocation: Colocation,
       return evaluate(states)
 
   def save(s, states):
-    ckpt.save(s, states, distributed.iterator_meta(iterator))
+    meta = distributed.iterator_meta(iterator)
+    if history is not None:
+      meta["length_history"] = history.state_dict()
+    ckpt.save(s, states, meta)
 
   start = ckpt.latest_step()
   if start is None:
@@ -67,6 +72,8 @@ def run(config, workdir: str, *, iterator, colocation: Colocation,
   else:
     states, meta = ckpt.restore(start, like())
     distributed.restore_iterator(iterator, meta)
+    if history is not None and "length_history" in meta:
+      history.load_state_dict(meta["length_history"])
     writer.truncate_after("rl", start)
     co.timeline.truncate_after(start)
     logging.info("resumed from step %d", start)
