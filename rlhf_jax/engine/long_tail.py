@@ -31,6 +31,7 @@ from typing import Any, Protocol, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 from rlhf_jax.engine import migrate
 from rlhf_jax.engine.driver import Controller, Driver, Request, Sample
@@ -186,6 +187,8 @@ class LongTailRollout:
     if t.assignment == "length":
       requests.sort(key=lambda r: (-self.predicted(r), r.prompt_id))
     m0, decision = self.choose_replicas(requests)
+    logging.info("long-tail rollout step %d: %d decode replicas of %d; "
+                 "inputs %s", step, m0, self.replicas, decision)
     ctl = _TailController(self, m0, scorer, step)
     driver = Driver(self.engine(m0), self.params_for(params, m0),
                     weight_version=weight_version)
@@ -375,6 +378,11 @@ class _TailController(Controller):
       self._set_phase(r, "repartition", now)
     for r in range(o.replicas):
       self._set_phase(r, "idle", end)
+    logging.info(
+        "long-tail consolidation: %d live rows, %d -> %d replicas, %d samples "
+        "moved (%d re-prefilled), %.3fs", len(live_rows), self.m, m,
+        sum(1 for s in old_live if s // G in off) + len(redo_samples),
+        len(redo_samples), end - now)
     self.m = m
     self._last = None
     # Row loads follow their rows (for the record; no more admissions).
