@@ -16,6 +16,7 @@ from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.sched import continuous
 from rlhf_jax.sched.length_history import LengthHistory
+from rlhf_jax.sim import rows
 
 CFG = ModelConfig.tiny(vocab_size=64)
 M = 12
@@ -128,6 +129,12 @@ def test_static_and_fifo_keep_tokens(setup):
                 consolidate_below=0.0, fusion=False)
   assert result.stats["rollout/consolidated_replicas"] == 8
   _assert_same(result, setup[3])
+  # The row simulator replays the same trace in the same number of steps.
+  trace = np.array([r.max_new_tokens_per_sample for r in _requests()])
+  sim = rows.simulate(trace, replicas=8, rows_per_replica=RPR,
+                      policy="static", costs=rows.UnitCosts(
+                          {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, 0.0, 0.0))
+  assert sim.steps == result.stats["rollout/steps"]
 
 
 def test_cost_aware_replica_count(setup):

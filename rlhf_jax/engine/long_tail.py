@@ -222,6 +222,8 @@ class LongTailRollout:
         "rollout/tail_moves": ctl.moves,
         "rollout/reprefilled": ctl.reprefilled,
         "rollout/moved_bytes": ctl.moved_bytes,
+        "rollout/move_s": ctl.move_s,
+        "rollout/consolidations": ctl.consolidations,
         "rollout/idle_s": idle / self.replicas,
         "rollout/idle_fraction": idle / (self.replicas * wall) if wall else 0.,
         "rollout/scoring_chunks": ctl.chunks,
@@ -240,6 +242,8 @@ class _TailController(Controller):
     self.total = None
     self.done = 0
     self.moves = self.reprefilled = self.moved_bytes = self.chunks = 0
+    self.move_s = 0.0
+    self.consolidations = 0
     self.idle_s = 0.0
     self.buffer: list[Sample] = []
     self.pending_scores: list[tuple[list[Sample], Any, float, str]] = []
@@ -374,6 +378,8 @@ class _TailController(Controller):
     self.moved_bytes += migrate.row_bytes(src) * len(off)
     jax.block_until_ready(state)
     end = o.timeline.now()
+    self.move_s += end - now
+    self.consolidations += 1
     for r in range(o.replicas):
       self._set_phase(r, "repartition", now)
     for r in range(o.replicas):
