@@ -60,6 +60,8 @@ _LAYOUTS = flags.DEFINE_string(
     "layouts", "8x1:1,4x2:2",
     "Comma list of fsdp x tensor : rollout tensor; the first is the headline.")
 _GROUP = flags.DEFINE_integer("layers_per_group", 1, "Layers per reshard.")
+_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 2,
+                                  "Groups dispatched before waiting.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 8, "Model override.")
 _EMBED_DIM = flags.DEFINE_integer("embed_dim", 512, "Model override.")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 8, "Model override.")
@@ -119,7 +121,8 @@ def _measure(layout_spec, cfg, repeats):
   base = rp.live_device_bytes()  # Arrays of nobody here (should be 0).
   _, params = model_lib.init_params(cfg, 0, train)
   co = Colocation(train, rollout, params, offload=False,
-                  layers_per_group=_GROUP.value)
+                  layers_per_group=_GROUP.value,
+                  max_in_flight=_IN_FLIGHT.value)
   src_bytes = rp.tree_device_bytes(params)
   dst_bytes = rp.tree_device_bytes(params, co.rollout_shardings)
   one_copy = max(src_bytes, dst_bytes)
@@ -137,10 +140,13 @@ def _measure(layout_spec, cfg, repeats):
     out = [rp.tree_device_bytes([leaves[i] for i in g], [dsts[i] for i in g])
            for g in co.groups]
     before = [rp.live_device_bytes()]
-    result = rp.repartition(tree, dst, groups=co.groups,
-                            on_group=lambda _: before.append(
-                                rp.live_device_bytes()))
-    return max(b + o for b, o in zip(before, out)), result
+    result = rp.repartition(
+        tree, dst, groups=co.groups, max_in_flight=co.max_in_flight,
+        on_group=lambda _: before.append(rp.live_device_bytes()))
+    # With k groups in flight, up to k groups' targets are alive at once.
+    k = co.max_in_flight
+    return max(b + sum(out[i:i + k]) for i, b in enumerate(before[:len(out)])
+               ), result
 
   # Memory first, before device_put runs at all: its host path leaves
   # single-device arrays behind that would blur the accounting.

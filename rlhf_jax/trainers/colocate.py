@@ -64,7 +64,7 @@ class Colocation:
 
   def __init__(self, train_layout: Layout, rollout_layout: Layout,
                params_like: Any, *, offload: bool = True,
-               layers_per_group: int = 1, max_in_flight: int = 1,
+               layers_per_group: int = 1, max_in_flight: int = 2,
                version: int = 0, on_stale: str = "raise",
                timeline: Timeline | None = None):
     """Builds the two target sharding trees once.
