@@ -109,16 +109,19 @@ def test_budgets_force_the_lengths(setup):
     assert len(s.tokens) == by_key[key] or s.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("migration", ["kv", "reprefill"])
-def test_consolidation_keeps_tokens(setup, migration):
-  # FIFO rows put long prompts on high replicas: consolidation moves them.
+@pytest.mark.parametrize("migration,assignment",
+                         [("kv", "fifo"), ("reprefill", "length"),
+                          ("auto", "fifo")])
+def test_consolidation_keeps_tokens(setup, migration, assignment):
+  # FIFO rows put long prompts on high replicas, so the KV move has rows to
+  # move; re-prefill moves every live sample, with length-aware rows on.
   result = _run(setup, consolidate_below=0.5, migration=migration,
-                score_chunk=4, assignment="fifo")
+                score_chunk=4, assignment=assignment, reprefill_max_tokens=2)
   st = result.stats
   assert st["rollout/consolidated_replicas"] < 8
   if migration == "kv":
     assert st["rollout/tail_moves"] > 0 and st["rollout/reprefilled"] == 0
-  else:
+  elif migration == "reprefill":
     assert st["rollout/reprefilled"] > 0
   assert st["rollout/scoring_chunks"] >= 2
   _assert_same(result, setup[3])
