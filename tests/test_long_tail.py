@@ -209,3 +209,18 @@ def test_length_history_survives_checkpoint_json():
   restored.load_state_dict(json.loads(json.dumps(h.state_dict())))
   assert restored.alpha == 0.25
   assert restored.predict(3, 0.0) == h.predict(3, 0.0) == 0.25 * 2 + 0.75 * 6
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("migration", "teleport", "migration"),
+    ("consolidate_below", 1.5, "consolidate_below"),
+    ("replicas", "most", "replicas")])
+def test_long_tail_config_errors_name_the_key(key, value, match):
+  from configs import tiny_grpo
+  from rlhf_jax.trainers import long_tail as long_tail_lib
+  from rlhf_jax.trainers.validate import ConfigError
+
+  c = tiny_grpo.get_config("runlocal")
+  c.rollout.long_tail.update(enabled=True, **{key: value})
+  with pytest.raises(ConfigError, match=f"rollout.long_tail: invalid {match}"):
+    long_tail_lib.check(c)

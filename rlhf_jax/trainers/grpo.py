@@ -225,6 +225,7 @@ def build(config) -> Job:
   """
   source = sources.build(config)
   validate_rl(config, prompt_len=source.prompt_len)
+  long_tail_lib.check(config)
   train_layout, rollout_layout = builders.layouts(config.mesh)
   cfg, graphdef, params = builders.model(
       config.model, seed=config.seed, layout=train_layout,

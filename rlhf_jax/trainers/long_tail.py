@@ -29,9 +29,28 @@ def default_config() -> ConfigDict:
 
 
 def tail_config(section) -> TailConfig:
-  cfg = TailConfig(**{k: section[k] for k in TAIL_KEYS})
+  values = {k: section[k] for k in TAIL_KEYS}
+  if isinstance(values["replicas"], str) and values["replicas"].isdigit():
+    values["replicas"] = int(values["replicas"])  # "4" from the command line.
+  cfg = TailConfig(**values)
   cfg.validate()
   return cfg
+
+
+def check(config) -> None:
+  """Config errors of `rollout.long_tail`, before anything is built."""
+  from rlhf_jax.trainers.validate import ConfigError
+
+  section = config.rollout.get("long_tail")
+  if section is None or not section.enabled:
+    return
+  try:
+    tail_config(section)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  if config.rollout.get("max_common_length", 0):
+    raise ConfigError("config.rollout.long_tail does not combine with "
+                      "config.rollout.max_common_length yet; turn one off")
 
 
 def build(config, cfg, graphdef, rollout_layout,
@@ -47,9 +66,6 @@ def build(config, cfg, graphdef, rollout_layout,
   if ro.num_rows % replicas:
     raise ValueError(f"rollout.num_rows={ro.num_rows} must be a multiple of "
                      f"the {replicas} rollout replicas")
-  if ro.get("max_common_length", 0):
-    raise ValueError("rollout.long_tail does not combine with "
-                     "rollout.max_common_length yet; set one of them to off")
   return LongTailRollout(
       cfg, graphdef, rollout_layout, rows_per_replica=ro.num_rows // replicas,
       samples_per_row=ro.samples_per_row,
