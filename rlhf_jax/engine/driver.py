@@ -62,6 +62,17 @@ class Sample:
     return self.prompt_id, self.sample_idx
 
 
+@dataclasses.dataclass(frozen=True)
+class Partial:
+  """A sample cut mid-response: its request and the tokens so far."""
+  request: Request
+  sample_idx: int
+  tokens: list[int]
+  logp: list[float]
+  logp_raw: list[float]
+  budget: int
+
+
 @dataclasses.dataclass
 class _Live:
   request: Request
@@ -146,6 +157,18 @@ class Driver:
     Yields:
       `Sample`s; `prompt_tokens` is the whole request prompt.
     """
+    self.start(requests, common_prefix=common_prefix,
+               min_common_length=min_common_length, admission=admission,
+               controller=controller)
+    while self.busy:
+      yield from self.step()
+
+  # ------------------------------------------------- step-by-step control
+  def start(self, requests: Iterable[Request] = (), *,
+            common_prefix: str | Sequence[int] | np.ndarray | None = None,
+            min_common_length: int = 16, admission: str = "continuous",
+            controller: "Controller | None" = None) -> None:
+    """Begins a run (arguments as `run`); drive it with `step()`."""
     if admission not in ("continuous", "static"):
       raise ValueError(f"admission must be 'continuous' or 'static', got "
                        f"{admission!r}")
@@ -164,37 +187,68 @@ class Driver:
     self.state = eng.init_decode_state()
     self.live: dict[int, _Live] = {}
     self.pending = pending
-    events = collections.deque()  # ("insert", slots, prefix) | ("step", res, n)
-    t0 = time.perf_counter()
+    self._common, self._admission = common, admission
+    self._controller = controller
+    self._events = collections.deque()  # ("insert", slots, prefix) |
+                                        # ("step", res, n)
 
-    while pending or self.live or events:
-      eng = self.engine
-      free = eng.free_rows()
-      if admission == "static" and self.live:
-        free = []
-      while pending and free:
-        req = pending.popleft()
-        row = controller.choose_row(self, free, req) if controller else free[0]
-        free.remove(row)
-        self._admit(req, row, common, events)
+  def add(self, requests: Iterable[Request]) -> None:
+    """Queues more requests into a started run (a worker fed over time)."""
+    requests = list(requests)
+    for req in requests:
+      self._validate(req, self._common)
+    self.pending.extend(requests)
+
+  @property
+  def busy(self) -> bool:
+    """Requests pending, samples decoding, or results not yet read."""
+    return bool(self.pending or self.live or self._events)
+
+  def step(self) -> list[Sample]:
+    """One iteration: admit into free rows, one decode step, read results.
+
+    Returns the samples that finished (results are read one step late: the
+    host never waits for the step it just dispatched).
+    """
+    t0 = time.perf_counter()
+    eng, ctl, events = self.engine, self._controller, self._events
+    free = eng.free_rows()
+    if self._admission == "static" and self.live:
+      free = []
+    while self.pending and free:
+      req = self.pending.popleft()
+      row = ctl.choose_row(self, free, req) if ctl else free[0]
+      free.remove(row)
+      self._admit(req, row, self._common, events)
+    if self.live:
+      self.state, result = eng.generate(self.params, self.state)
+      result.copy_to_host_async()
+      self.stats.steps += 1
+      events.append(("step", result, self.stats.steps))
+      if ctl is not None:
+        ctl.after_step(self)
+    out: list[Sample] = []
+    # Read everything but the newest step: it is still in flight.
+    while events and (len(events) > 1 or not self.live or
+                      events[0][0] == "insert"):
+      out.extend(self._consume(events.popleft(), self.live))
+    if ctl is not None and self.live and ctl.wants_switch(self):
+      while events:  # The switch needs every slot's host state current.
+        out.extend(self._consume(events.popleft(), self.live))
       if self.live:
-        self.state, result = eng.generate(self.params, self.state)
-        result.copy_to_host_async()
-        self.stats.steps += 1
-        events.append(("step", result, self.stats.steps))
-        if controller is not None:
-          controller.after_step(self)
-      # Read everything but the newest step: it is still in flight.
-      while events and (len(events) > 1 or not self.live or
-                        events[0][0] == "insert"):
-        yield from self._consume(events.popleft(), self.live)
-      if controller is not None and self.live and controller.wants_switch(
-          self):
-        while events:  # The switch needs every slot's host state current.
-          yield from self._consume(events.popleft(), self.live)
-        if self.live:
-          controller.switch(self)
+        ctl.switch(self)
     self.stats.decode_s += time.perf_counter() - t0
+    return out
+
+  def partials(self) -> list[Partial]:
+    """The samples still decoding, with the tokens the host has read.
+
+    What a preempted worker hands back: each continues elsewhere as its
+    prompt + these tokens (`workers/continuation.py`).
+    """
+    return [Partial(it.request, it.sample_idx, list(it.tokens),
+                    list(it.logp), list(it.logp_raw), it.budget)
+            for _, it in sorted(self.live.items())]
 
   def _validate(self, req: Request, common: np.ndarray) -> None:
     eng = self.engine
