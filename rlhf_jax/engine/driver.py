@@ -71,6 +71,7 @@ class Partial:
   logp: list[float]
   logp_raw: list[float]
   budget: int
+  weight_version: int = 0
 
 
 @dataclasses.dataclass
@@ -247,7 +248,8 @@ class Driver:
     prompt + these tokens (`workers/continuation.py`).
     """
     return [Partial(it.request, it.sample_idx, list(it.tokens),
-                    list(it.logp), list(it.logp_raw), it.budget)
+                    list(it.logp), list(it.logp_raw), it.budget,
+                    self.weight_version)
             for _, it in sorted(self.live.items())]
 
   def _validate(self, req: Request, common: np.ndarray) -> None:

@@ -1,0 +1,261 @@
+"""Rollout manager: dispatch to workers, stream tokens, survive preemption.
+
+RLBoost's manager over `RolloutWorker`s that come and go:
+  - dispatch by join-shortest-queue with at most Theta pending requests per
+    worker (`sched.offload.select_instance`), only to workers holding the
+    newest weights;
+  - every poll streams back finished samples and the tokens so far of the
+    unfinished ones, so the manager always holds each response's prefix;
+  - a worker that dies or times out (preemption) loses nothing: each of its
+    unfinished samples is re-dispatched as prompt + tokens so far with the
+    remaining budget (`continuation.py`), and its tokens continue exactly;
+  - a sample that finished on older weights than the newest published is
+    discarded and sampled again, so the learner never sees a stale sample.
+Workers are reached through handles: `LocalHandle` (in-process) or
+`RayHandle` (a Ray actor; failures are Ray's actor errors and timeouts).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from rlhf_jax.engine.driver import Request, Sample
+from rlhf_jax.sched import offload
+from rlhf_jax.workers import continuation
+
+
+class WorkerDied(RuntimeError):
+  """A worker stopped answering (killed, preempted, timed out)."""
+
+
+class LocalHandle:
+  """An in-process worker; `kill()` simulates a preemption."""
+
+  def __init__(self, worker):
+    self.worker, self.worker_id, self.alive = worker, worker.worker_id, True
+
+  def call_async(self, name: str, *args):
+    if not self.alive:
+      return WorkerDied(self.worker_id)
+    try:
+      return getattr(self.worker, name)(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+
+  def result(self, future):
+    if isinstance(future, Exception):
+      if isinstance(future, WorkerDied):
+        raise future
+      raise WorkerDied(f"{self.worker_id}: {future!r}") from future
+    return future
+
+  def kill(self):
+    self.alive = False
+
+
+class RayHandle:
+  """A Ray actor worker; errors and timeouts count as a dead worker."""
+
+  def __init__(self, actor, worker_id: str, timeout_s: float = 120.0):
+    import ray
+    self._ray, self.actor = ray, actor
+    self.worker_id, self.timeout_s, self.alive = worker_id, timeout_s, True
+
+  def call_async(self, name: str, *args):
+    return getattr(self.actor, name).remote(*args)
+
+  def result(self, future):
+    try:
+      return self._ray.get(future, timeout=self.timeout_s)
+    except (self._ray.exceptions.RayError, TimeoutError) as e:
+      self.alive = False
+      raise WorkerDied(f"{self.worker_id}: {e!r}") from e
+
+  def kill(self):
+    self._ray.kill(self.actor)
+    self.alive = False
+
+
+@dataclasses.dataclass
+class _SampleState:
+  """One sample across the workers that worked on it."""
+  request: Request          # the original request (whole prompt)
+  budget: int
+  head: list = dataclasses.field(default_factory=list)      # tokens before
+  head_logp: list = dataclasses.field(default_factory=list)  # the last cut
+  head_raw: list = dataclasses.field(default_factory=list)
+  head_version: int | None = None
+  live: Any = None          # newest streamed Partial on the current worker
+  worker: str | None = None
+
+
+@dataclasses.dataclass
+class ManagerStats:
+  preemptions: int = 0
+  migrated_samples: int = 0
+  reprefill_tokens: int = 0   # prompt + kept tokens prefilled again
+  kept_tokens: int = 0        # tokens generated before a cut, kept
+  stale_resampled: int = 0
+  pulls: int = 0
+  pull_s: float = 0.0
+
+
+class RolloutManager:
+  """Runs batches of requests over a changing set of workers."""
+
+  def __init__(self, store, *, max_new_tokens: int, theta: int = 4,
+               poll_steps: int = 8):
+    self.store, self.max_new_tokens = store, max_new_tokens
+    self.theta, self.poll_steps = theta, poll_steps
+    self.handles: dict[str, Any] = {}
+    self.versions: dict[str, int] = {}
+    self.stats = ManagerStats()
+    self.produced: collections.Counter = collections.Counter()  # per worker
+    self.on_poll = None  # Test/replay hook: called before each poll round.
+
+  # ---------------------------------------------------------- membership
+  def add(self, handle) -> None:
+    """A worker joins; it pulls the newest weights before its first work."""
+    self.handles[handle.worker_id] = handle
+    self.versions[handle.worker_id] = -1
+
+  def _refresh(self) -> int:
+    """Stale live workers pull the newest version; returns it."""
+    latest = self.store.latest()
+    stale = [w for w, v in self.versions.items()
+             if v != latest and self.handles[w].alive]
+    if stale:
+      t0 = time.perf_counter()
+      version, payload = self.store.pull(latest)
+      futures = {w: self.handles[w].call_async("load", version, payload)
+                 for w in stale}
+      for w, f in futures.items():
+        try:
+          self.versions[w] = self.handles[w].result(f)
+        except WorkerDied:
+          self._lost.append(w)
+      self.stats.pulls += len(stale)
+      self.stats.pull_s += time.perf_counter() - t0
+    return latest
+
+  # ---------------------------------------------------------------- run
+  def run(self, requests: Sequence[Request]) -> list[Sample]:
+    """Every sample of `requests`, whatever happens to the workers."""
+    self._lost: list[str] = []
+    states: dict[tuple[int, int], _SampleState] = {}
+    queue: collections.deque = collections.deque()
+    for req in requests:
+      for j in range(req.num_samples):
+        i = req.first_sample_index + j
+        states[req.prompt_id, i] = _SampleState(
+            req, req.budget(j, self.max_new_tokens))
+      queue.append(req)
+    done: dict[tuple[int, int], Sample] = {}
+    pending: dict[str, int] = collections.defaultdict(int)
+    self._running: dict[str, tuple[int, int]] = {}  # worker -> (live, slots)
+    while len(done) < len(states):
+      if self.on_poll is not None:
+        self.on_poll(self)
+      latest = self._refresh()
+      self._dispatch(queue, pending, states, latest)
+      alive = [w for w, h in self.handles.items() if h.alive
+               and w not in self._lost]
+      if not alive:
+        raise RuntimeError("no rollout worker left alive; add workers")
+      futures = {w: self.handles[w].call_async("poll", self.poll_steps)
+                 for w in alive}
+      for w, f in futures.items():
+        try:
+          res = self.handles[w].result(f)
+        except WorkerDied:
+          self._lost.append(w)
+          continue
+        pending[w] = res.pending
+        self._running[w] = (len(res.partials), res.slots)
+        for p in res.partials:
+          states[p.request.prompt_id, p.sample_idx].live = p
+        for s in res.finished:
+          if self._finish(s, states, done, queue, latest):
+            self.produced[w] += 1
+      for w in self._lost:
+        self._requeue(w, states, done, queue)
+        self.handles[w].alive = False
+        self.versions.pop(w, None)
+        pending.pop(w, None)
+        self.stats.preemptions += 1
+      self._lost = []
+      for w in list(self.handles):
+        if not self.handles[w].alive:
+          del self.handles[w]
+    return [done[k] for k in sorted(done)]
+
+  def _dispatch(self, queue, pending, states, latest):
+    ids = [w for w, h in self.handles.items()
+           if h.alive and self.versions.get(w) == latest]
+    while queue and ids:
+      views = [offload.QueueView(pending[w], *self._running.get(w, (0, 1)))
+               for w in ids]
+      pick = offload.select_instance(views, self.theta)
+      if pick is None:
+        return
+      w, req = ids[pick], queue.popleft()
+      try:
+        self.handles[w].result(self.handles[w].call_async("submit", [req]))
+      except WorkerDied:
+        queue.appendleft(req)
+        self._lost.append(w)
+        ids.remove(w)
+        continue
+      pending[w] += 1
+      for j in range(req.num_samples):
+        st = states[req.prompt_id, req.first_sample_index + j]
+        st.worker, st.live = w, None
+
+  def _finish(self, s: Sample, states, done, queue, latest):
+    st = states[s.key]
+    if s.key in done:
+      return False  # A duplicate after a timeout that was not a death.
+    version = min(v for v in (st.head_version, s.weight_version)
+                  if v is not None)
+    if version != latest:  # Stale: sample it again from scratch.
+      self.stats.stale_resampled += 1
+      st.head, st.head_logp, st.head_raw, st.head_version = [], [], [], None
+      queue.append(continuation.remaining_request(
+          st.request, s.sample_idx, st.budget, []))
+      return False
+    head = None
+    if st.head:
+      head = _Head(st.head, st.head_logp, st.head_raw)
+    done[s.key] = continuation.merge(st.request.tokens, head, s, version)
+    st.live = None
+    return True
+
+  def _requeue(self, w, states, done, queue):
+    """Unfinished samples of a dead worker continue elsewhere."""
+    for key, st in states.items():
+      if st.worker != w or key in done:
+        continue
+      if st.live is not None:
+        self.stats.kept_tokens += len(st.live.tokens)
+        st.head += st.live.tokens
+        st.head_logp += st.live.logp
+        st.head_raw += st.live.logp_raw
+        v = st.live.weight_version
+        st.head_version = v if st.head_version is None else min(
+            st.head_version, v)
+      st.live, st.worker = None, None
+      req = continuation.remaining_request(st.request, key[1], st.budget,
+                                           st.head)
+      self.stats.migrated_samples += 1
+      self.stats.reprefill_tokens += len(req.tokens)
+      queue.appendleft(req)
+
+
+@dataclasses.dataclass
+class _Head:
+  tokens: list
+  logp: list
+  logp_raw: list

@@ -1,0 +1,149 @@
+"""Elastic rollout workers: preemption mid-response loses no token and
+changes none, joiners pull the current weights, stale samples never come
+back; the same over a local Ray cluster."""
+
+import jax
+import numpy as np
+import pytest
+
+from rlhf_jax.engine.driver import Request
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.workers import manager as manager_lib
+from rlhf_jax.workers.weights import LocalWeightStore
+from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
+
+M = 12
+SPEC = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=2,
+                  samples_per_row=2, prefill_buckets=(8, 8 + M),
+                  sampling=SamplingParams(temperature=1.0, top_k=40,
+                                          max_new_tokens=M))
+
+
+def _requests(n=6):
+  rng = np.random.default_rng(0)
+  return [Request(p, rng.integers(6, 64, int(rng.integers(2, 8))),
+                  num_samples=2, seed=3) for p in range(n)]
+
+
+class _Preempted(manager_lib.LocalHandle):
+  """Dies (answers nothing) after `polls` polls: a spot preemption."""
+
+  def __init__(self, worker, polls):
+    super().__init__(worker)
+    self.polls = polls
+
+  def call_async(self, name, *args):
+    if name == "poll":
+      self.polls -= 1
+      if self.polls < 0:
+        self.alive = False
+    return super().call_async(name, *args)
+
+
+@pytest.fixture(scope="module")
+def pool(mesh8):
+  del mesh8
+  _, params = model_lib.init_params(SPEC.model, 0)
+  store = LocalWeightStore()
+  store.publish(0, params)
+  workers = [RolloutWorker(f"w{i}", SPEC, devices=[d])
+             for i, d in enumerate(jax.devices()[:4])]
+  ref = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=3)
+  ref.add(manager_lib.LocalHandle(workers[3]))
+  want = {s.key: s for s in ref.run(_requests())}
+  return store, params, workers, want
+
+
+def _check(samples, want):
+  keys = [s.key for s in samples]
+  assert len(keys) == len(set(keys)) == len(want)
+  for s in samples:
+    assert s.tokens == want[s.key].tokens, s.key
+    np.testing.assert_array_equal(s.prompt_tokens, want[s.key].prompt_tokens)
+    np.testing.assert_allclose(s.logp_raw, want[s.key].logp_raw, atol=1e-4)
+
+
+def test_preempted_worker_loses_nothing(pool):
+  store, _, workers, want = pool
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                   poll_steps=3)
+  mgr.add(_Preempted(workers[0], polls=2))   # Dies mid-response.
+  mgr.add(manager_lib.LocalHandle(workers[1]))
+  samples = mgr.run(_requests())
+  _check(samples, want)
+  st = mgr.stats
+  assert st.preemptions == 1 and st.migrated_samples > 0
+  # Continuations carried tokens generated before the preemption.
+  assert st.kept_tokens > 0 and st.reprefill_tokens > st.kept_tokens
+
+
+def test_joiner_pulls_current_weights_and_helps(pool):
+  store, _, workers, want = pool
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                   poll_steps=2)
+  mgr.add(manager_lib.LocalHandle(workers[1]))
+  rounds = []
+
+  def join_later(m):
+    rounds.append(1)
+    if len(rounds) == 3:
+      m.add(manager_lib.LocalHandle(workers[2]))
+  mgr.on_poll = join_later
+  samples = mgr.run(_requests())
+  _check(samples, want)
+  assert workers[2].version == store.latest()
+  assert mgr.produced["w2"] > 0 and mgr.produced["w1"] > 0
+
+
+def test_samples_of_old_weights_are_sampled_again(pool):
+  store, params, workers, _ = pool
+  own = LocalWeightStore()
+  own.publish(0, params)
+  mgr = manager_lib.RolloutManager(own, max_new_tokens=M, poll_steps=2)
+  mgr.add(manager_lib.LocalHandle(workers[1]))
+  rounds = []
+
+  def update_weights(m):
+    rounds.append(1)
+    if len(rounds) == 2:  # The trainer publishes v1 mid-rollout.
+      own.publish(1, jax.tree.map(lambda x: x * 1.01, params))
+  mgr.on_poll = update_weights
+  samples = mgr.run(_requests())
+  assert {s.weight_version for s in samples} == {1}
+  assert mgr.stats.stale_resampled > 0
+  assert len({s.key for s in samples}) == 12
+
+
+def test_ray_workers_survive_a_kill(pool):
+  """Two Ray actors (own processes, own JAX); one is killed mid-response."""
+  ray = pytest.importorskip("ray")
+  from rlhf_jax.workers.weights import RayWeightStore
+  from rlhf_jax.workers.worker import ray_worker
+
+  _, params, _, want = pool
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+           configure_logging=False)
+  try:
+    store = RayWeightStore()
+    store.publish(0, params)
+    Worker = ray_worker(num_cpus=1)
+    mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                     poll_steps=3)
+    actors = [Worker.remote(f"r{i}", SPEC, None, 1) for i in range(2)]
+    for i, a in enumerate(actors):
+      mgr.add(manager_lib.RayHandle(a, f"r{i}", timeout_s=300))
+    rounds = []
+
+    def preempt(m):
+      rounds.append(1)
+      if len(rounds) == 3:
+        ray.kill(actors[0])  # A spot node goes away mid-response.
+    mgr.on_poll = preempt
+    samples = mgr.run(_requests())
+    _check(samples, want)
+    assert mgr.stats.preemptions == 1 and mgr.stats.migrated_samples > 0
+    assert mgr.produced["r1"] > 0
+  finally:
+    ray.shutdown()
