@@ -147,3 +147,20 @@ def test_ray_workers_survive_a_kill(pool):
     assert mgr.produced["r1"] > 0
   finally:
     ray.shutdown()
+
+
+def test_idle_worker_takes_queued_requests(pool):
+  store, _, workers, want = pool
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=100,
+                                   poll_steps=2)
+  mgr.add(manager_lib.LocalHandle(workers[1]))  # Takes all 6 requests.
+  rounds = []
+
+  def join(m):
+    rounds.append(1)
+    if len(rounds) == 2:
+      m.add(manager_lib.LocalHandle(workers[2]))
+  mgr.on_poll = join
+  samples = mgr.run(_requests())
+  _check(samples, want)
+  assert mgr.stats.balanced_requests > 0 and mgr.produced["w2"] > 0

@@ -9,6 +9,9 @@ RLBoost's manager over `RolloutWorker`s that come and go:
   - a worker that dies or times out (preemption) loses nothing: each of its
     unfinished samples is re-dispatched as prompt + tokens so far with the
     remaining budget (`continuation.py`), and its tokens continue exactly;
+  - CONTINUOUSLB for queued work: a worker with nothing pending takes
+    requests still queued on the busiest one (`sched.offload.balance_moves`;
+    moving *running* samples above the batching plateau is not done yet);
   - a sample that finished on older weights than the newest published is
     discarded and sampled again, so the learner never sees a stale sample.
 Workers are reached through handles: `LocalHandle` (in-process) or
@@ -98,6 +101,7 @@ class ManagerStats:
   migrated_samples: int = 0
   reprefill_tokens: int = 0   # prompt + kept tokens prefilled again
   kept_tokens: int = 0        # tokens generated before a cut, kept
+  balanced_requests: int = 0  # queued requests moved to an idle worker
   stale_resampled: int = 0
   pulls: int = 0
   pull_s: float = 0.0
@@ -180,6 +184,7 @@ class RolloutManager:
         for s in res.finished:
           if self._finish(s, states, done, queue, latest):
             self.produced[w] += 1
+      self._balance(pending, states, latest, queue)
       for w in self._lost:
         self._requeue(w, states, done, queue)
         self.handles[w].alive = False
@@ -213,6 +218,37 @@ class RolloutManager:
       for j in range(req.num_samples):
         st = states[req.prompt_id, req.first_sample_index + j]
         st.worker, st.live = w, None
+
+  def _balance(self, pending, states, latest, queue):
+    """Moves queued requests from the busiest workers to idle ones."""
+    ids = [w for w, h in self.handles.items() if h.alive and
+           w not in self._lost and self.versions.get(w) == latest]
+    views = [offload.QueueView(pending[w], *self._running.get(w, (0, 1)))
+             for w in ids]
+    for src, dst, count, running in offload.balance_moves(views, 1 << 30):
+      if running:
+        continue  # Running-sample moves: not implemented (see docstring).
+      s, d = ids[src], ids[dst]
+      try:
+        reqs = self.handles[s].result(
+            self.handles[s].call_async("take_pending", count))
+      except WorkerDied:
+        self._lost.append(s)
+        continue
+      if not reqs:
+        continue
+      try:
+        self.handles[d].result(self.handles[d].call_async("submit", reqs))
+      except WorkerDied:
+        self._lost.append(d)
+        queue.extendleft(reqs)  # Back to the manager's queue.
+        continue
+      pending[s] -= len(reqs)
+      pending[d] += len(reqs)
+      self.stats.balanced_requests += len(reqs)
+      for req in reqs:
+        for j in range(req.num_samples):
+          states[req.prompt_id, req.first_sample_index + j].worker = d
 
   def _finish(self, s: Sample, states, done, queue, latest):
     st = states[s.key]

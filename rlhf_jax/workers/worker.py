@@ -101,6 +101,15 @@ class RolloutWorker:
     self.driver.add(requests)
     return len(self.driver.pending)
 
+  def take_pending(self, n: int) -> list[Request]:
+    """Hands back up to `n` requests not yet admitted (load balancing)."""
+    out = []
+    while n > len(out) and self._queued:
+      out.append(self._queued.pop())
+    while self.driver is not None and n > len(out) and self.driver.pending:
+      out.append(self.driver.pending.pop())
+    return out
+
   def poll(self, max_steps: int = 8) -> PollResult:
     """Runs up to `max_steps` decode iterations (fewer once idle)."""
     d = self.driver
