@@ -11,7 +11,7 @@ the post-SFT reference) then raises held-out greedy accuracy.
 import ml_collections
 
 from configs import common
-from rlhf_jax.trainers import long_tail
+from rlhf_jax.trainers import elastic, long_tail
 
 
 def get_config(arg=None):
@@ -45,7 +45,9 @@ def get_config(arg=None):
       max_common_length=0,
       # Long-tail rollout (trainers/long_tail.py): length-aware rows, tail
       # consolidation, fused reward scoring, cost-aware replica count.
-      long_tail=long_tail.default_config()))
+      long_tail=long_tail.default_config(),
+      # Elastic rollout workers (trainers/elastic.py); 0 = trainer only.
+      workers=elastic.default_config()))
 
   c.rl = ml_collections.ConfigDict(dict(
       advantage="grpo",          # grpo | drgrpo | rloo

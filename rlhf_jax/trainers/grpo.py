@@ -27,6 +27,7 @@ from rlhf_jax.trainers import (
   rollout,
   sources,
 )
+from rlhf_jax.trainers import elastic as elastic_lib
 from rlhf_jax.trainers import long_tail as long_tail_lib
 from rlhf_jax.trainers.sft import run_sft
 from rlhf_jax.trainers.validate import validate_rl
@@ -57,7 +58,7 @@ def evaluate(engine: Engine, params, batches, tokenizer, config) -> dict:
 
 def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
             rollout_layout, tokenizer, prompt_len, colocation=None,
-            refill=None, long_tail=None):
+            refill=None, long_tail=None, workers=None):
   """One GRPO step; returns the new state and its metrics (host floats).
 
   The mesh switches layouts in place (`trainers/colocate.py`): the policy's
@@ -69,7 +70,8 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
   replaced by groups of further prompt batches drawn from `refill`
   (`trainers/dynamic_sampling.py`) before the weights go back to training.
   With `long_tail` (`trainers/long_tail.py`) the rollout runs through the
-  long-tail policies and the reward functions score samples as they finish.
+  long-tail policies and the reward functions score samples as they finish;
+  with `workers` (`trainers/elastic.py`) it runs on elastic rollout workers.
   """
   rl, G = config.rl, config.rollout.samples_per_row
   co = colocation or colocate.Colocation(
@@ -94,13 +96,18 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
             weight_version=co.version, step=step)
     else:
       with co.span("rollout"):
-        samples = rollout.generate(
-            driver, batch, G, seed, common_prefix="auto"
-            if config.rollout.max_common_length else None)
+        if workers is not None:
+          samples, worker_metrics = elastic_lib.generate(
+              workers, rollout_params, co.version, batch, G, seed)
+        else:
+          samples, worker_metrics = rollout.generate(
+              driver, batch, G, seed, common_prefix="auto"
+              if config.rollout.max_common_length else None), {}
       with co.span("scoring"):
         rewards, metrics = rollout.score(
             samples, batch, tokenizer, list(rl.rewards),
             list(rl.reward_weights) or None, rl.on_reward_error)
+        metrics.update(worker_metrics)
     with co.span("scoring"):
       if rl.overlong_buffer:
         penalty = np.asarray(dapo.overlong_penalty(
@@ -195,6 +202,7 @@ class Job:
   eval_engine: Engine
   colocation: colocate.Colocation | None = None
   long_tail: Any = None  # engine/long_tail.LongTailRollout when enabled.
+  workers: Any = None    # workers/manager.RolloutManager when enabled.
 
   @property
   def tokenizer(self):
@@ -214,7 +222,7 @@ class Job:
                    engine=self.engine, rollout_layout=self.rollout_layout,
                    tokenizer=self.tokenizer, prompt_len=self.prompt_len,
                    colocation=self.colocation, refill=self.iterator,
-                   long_tail=self.long_tail)
+                   long_tail=self.long_tail, workers=self.workers)
 
 
 def build(config) -> Job:
@@ -226,6 +234,7 @@ def build(config) -> Job:
   source = sources.build(config)
   validate_rl(config, prompt_len=source.prompt_len)
   long_tail_lib.check(config)
+  elastic_lib.check(config)
   train_layout, rollout_layout = builders.layouts(config.mesh)
   cfg, graphdef, params = builders.model(
       config.model, seed=config.seed, layout=train_layout,
@@ -237,6 +246,7 @@ def build(config) -> Job:
                        max_len=config.rollout.max_new_tokens),
       long_tail=long_tail_lib.build(config, cfg, graphdef, rollout_layout,
                                     source.stop_ids),
+      workers=elastic_lib.build(config, cfg, source.stop_ids),
       **builders.policy_runtime(config, cfg, graphdef, params, train_layout,
                                 rollout_layout, source.stop_ids))
 
