@@ -194,3 +194,33 @@ def test_grpo_step_on_workers_matches_trainer_only(mesh8):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
   assert ours["workers/alive"] == 2 and ours["rollout/stale_dropped"] == 0
   assert min(job.workers.produced.values()) > 0
+
+
+def test_availability_trace_replay(pool):
+  """The simulator's spot-trace format drives live joins and preemptions
+  (poll rounds as the clock): every sample completes, tokens unchanged."""
+  from rlhf_jax.sim.availability import SpotEvent
+  from rlhf_jax.workers.replay import AvailabilityReplayer
+
+  store, _, _, want = pool
+  devices = jax.devices()
+  trace = [SpotEvent(0, "a", "add"), SpotEvent(0, "b", "add"),
+           SpotEvent(2, "a", "remove"), SpotEvent(3, "c", "add"),
+           SpotEvent(4, "b", "remove")]
+  spawned = {}
+
+  def spawn(iid):
+    spawned[iid] = RolloutWorker(iid, SPEC, devices=[devices[4 + len(spawned)]])
+    return manager_lib.LocalHandle(spawned[iid])
+
+  rounds = iter(range(10**6))
+  replay = AvailabilityReplayer(trace, spawn, clock=lambda: next(rounds))
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                   poll_steps=2)
+  mgr.on_poll = replay
+  mgr.wait_for_workers_s = 5.0
+  samples = mgr.run(_requests())
+  _check(samples, want)
+  assert [e.iid for _, e in replay.applied] == ["a", "b", "a", "c", "b"]
+  assert mgr.stats.preemptions == 2 and mgr.produced["c"] > 0
+  assert replay.close() > 0

@@ -119,6 +119,9 @@ class RolloutManager:
     self.stats = ManagerStats()
     self.produced: collections.Counter = collections.Counter()  # per worker
     self.on_poll = None  # Test/replay hook: called before each poll round.
+    # With no worker alive, wait this long for one to join (an availability
+    # trace's gap) before giving up.
+    self.wait_for_workers_s = 0.0
 
   # ---------------------------------------------------------- membership
   def add(self, handle) -> None:
@@ -163,12 +166,17 @@ class RolloutManager:
     while len(done) < len(states):
       if self.on_poll is not None:
         self.on_poll(self)
+      # Handles killed from outside (a replayed preemption, `kill()`).
+      self._lost += [w for w, h in self.handles.items()
+                     if not h.alive and w not in self._lost]
       latest = self._refresh()
       self._dispatch(queue, pending, states, latest)
       alive = [w for w, h in self.handles.items() if h.alive
                and w not in self._lost]
-      if not alive:
-        raise RuntimeError("no rollout worker left alive; add workers")
+      if not alive and not self._lost:
+        self._await_workers()
+        continue
+      self._gap = None
       futures = {w: self.handles[w].call_async("poll", self.poll_steps)
                  for w in alive}
       for w, f in futures.items():
@@ -196,6 +204,15 @@ class RolloutManager:
         if not self.handles[w].alive:
           del self.handles[w]
     return [done[k] for k in sorted(done)]
+
+  def _await_workers(self) -> None:
+    t0 = time.perf_counter()
+    self._gap = getattr(self, "_gap", None) or t0
+    if t0 - self._gap >= self.wait_for_workers_s:
+      raise RuntimeError(
+          f"no rollout worker alive for {t0 - self._gap:.1f}s "
+          f"(wait_for_workers_s={self.wait_for_workers_s}); add workers")
+    time.sleep(0.01)
 
   def _dispatch(self, queue, pending, states, latest):
     ids = [w for w, h in self.handles.items()
