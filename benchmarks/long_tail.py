@@ -59,14 +59,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 PROMPT_LEN = 16
 
 
-def length_trace(n_prompts, G, max_new, median, seed):
-  """[n_prompts, G] response lengths: lognormal means, lognormal samples."""
-  rng = np.random.default_rng(seed)
-  means = median * rng.lognormal(0.0, 0.9, n_prompts)
-  lengths = means[:, None] * rng.lognormal(0.0, 0.5, (n_prompts, G))
-  return np.clip(np.rint(lengths), 1, max_new).astype(int)
-
-
 class RefScorer:
   """Reference-model max logit over prompt + response, chunk by chunk."""
 
@@ -159,6 +151,7 @@ def main(argv):
   from rlhf_jax.parallel import mesh as mesh_lib
   from rlhf_jax.sched.length_history import LengthHistory
   from rlhf_jax.sim import rows as sim_rows
+  from rlhf_jax.sim import workload
 
   t_start = time.perf_counter()
   n_prompts = _PROMPTS.value or (48 if _QUICK.value else 96)
@@ -171,7 +164,8 @@ def main(argv):
   params = jax.device_put(params, layout.param_shardings(params))
   _, ref = model_lib.init_params(cfg, 1, mesh_lib.train_layout(mesh))
   ref = jax.device_put(ref, layout.param_shardings(ref))
-  trace = length_trace(n_prompts, G, M, _MEDIAN.value, _SEED.value)
+  trace = workload.long_tailed_lengths(n_prompts, G, M, _MEDIAN.value,
+                                       _SEED.value)
   rng = np.random.default_rng(_SEED.value + 1)
   requests = [Request(p, rng.integers(3, 256, int(rng.integers(4, PROMPT_LEN))),
                       num_samples=G, seed=11,

@@ -116,3 +116,18 @@ def write_trace(path: str, batches: list[StepBatch]):
     for step, batch in enumerate(batches):
       for p, j, prompt_len, length in batch.samples:
         writer.writerow([step, p, j, prompt_len, length])
+
+
+def long_tailed_lengths(n_prompts: int, G: int, max_new: int, median: float,
+                        seed: int) -> np.ndarray:
+  """[n_prompts, G] lengths for one live batch (the live benchmarks' trace).
+
+  Per-prompt means are lognormal (sigma 0.9) around `median` and each
+  sample lognormal (sigma 0.5) around its prompt's mean, clipped to
+  [1, max_new]: long-tailed, and a prompt's length is predictable from its
+  history.
+  """
+  rng = np.random.default_rng(seed)
+  means = median * rng.lognormal(0.0, 0.9, n_prompts)
+  lengths = means[:, None] * rng.lognormal(0.0, 0.5, (n_prompts, G))
+  return np.clip(np.rint(lengths), 1, max_new).astype(int)
