@@ -2,42 +2,60 @@
 
   python -m benchmarks.long_tail [--quick]
 
-Setting: a tiny random model on 8 forced CPU devices, rollout layout 8
-replicas x TP 1, `rows_per_replica` rows of G samples each. Response
-lengths are long-tailed by construction: each prompt draws a mean from a
-lognormal, each of its G samples a length from a lognormal around that
-mean, clipped to [1, max_new_tokens]; the stop rule forces them
-(`Request.max_new_tokens_per_sample`: sample i ends after its drawn number
-of tokens). Scoring is a reference-model forward over prompt + response of
-each finished sample (chunks of `score_chunk`, batch split over the scoring
-devices' replicas).
+Setting: a tiny random model (`ModelConfig.tiny`, vocab 256) on 8 forced CPU
+devices, rollout layout 8 replicas x TP 1, `rows_per_replica` rows of G
+samples each, max M new tokens. Lengths are long-tailed by construction:
+each prompt draws a mean from a lognormal (median `median_len`, sigma 0.9),
+each of its G samples a length from a lognormal around it (sigma 0.5),
+clipped to [1, M] (seeded numpy). The stop rule forces them: the engine
+samples with `max_new_tokens=M` and each request carries its samples'
+budgets (`Request.max_new_tokens_per_sample`; the driver ends sample i
+after that many tokens, finish_reason "length"), so every mode decodes the
+same trace. Scoring: the reference model's log-prob of each finished
+response (a full forward of prompt + response padded to P + M, chunks of
+`score_chunk` samples, the batch split over the scoring replicas).
 
 Modes, each on the same trace (`engine/long_tail.LongTailRollout`):
   static      a new wave of prompts only once every row is free (FIFO), then
               scoring of the whole batch;
   continuous  a prompt enters any row as soon as it frees (FIFO), then
               scoring of the whole batch;
-  ours        continuous + longest-predicted first on the least-loaded
-              replica (length history from one earlier epoch of the same
-              prompts) + consolidation at R_t onto fewer replicas + scoring
-              fused into decoding.
-Wall time of the rollout+scoring phase is the median over repeats after a
-warm-up run that compiles everything. Idle fraction: per-replica timeline
-tracks (a replica with no live sample, and not scoring, is idle).
+  ours        continuous + longest predicted first on the least-loaded
+              replica (length history of one earlier epoch of the same
+              prompts) + consolidation at R_t onto fewer replicas (KV moved)
+              + scoring fused into decoding.
+Wall time of the rollout+scoring phase: median over repeats, the modes
+interleaved repeat by repeat (the machine is shared), after two warm-up
+epochs per mode (the first fills the length history, both compile every
+engine, move and scoring shape). Idle fraction: from the rollout's
+timeline, idle replica-seconds / (replicas x phase time); a replica with no
+live sample that is not scoring is idle (stepping empty rows is wasted).
 
-Simulator: `rlhf_jax/sim/rows.py` replays the same length trace through the
-same row-level policies with unit costs measured here (decode step time per
-engine size, prefill, scoring chunk, the consolidation move) and predicts
-the speedup of ours over static; the JSON reports both and the error.
+Simulator: `rlhf_jax/sim/rows.py` replays the same trace through the same
+row-level policies with unit costs measured here on the same engines:
+`step_s(m)` (generate of each m-replica engine in the driver's loop: a
+calibration rollout with every row full and equal budgets after each
+repeat, prefills taken off), `prefill_s` (prefill + insert), `score_s`
+(one chunk on all replicas), `move_s` (the live run's consolidation time
+per move) and `score_overlap` (the fraction of a chunk on freed replicas
+hidden behind tail decoding: ~0 here, 8 fake devices share 2 cores). It
+predicts the speedup of ours over static, the step counts (equal to the
+live driver's) and the idle fractions.
 
-Last stdout line: JSON with `speedup_vs_static`, `speedup_vs_continuous`,
-`idle_fraction_static`, `idle_fraction_continuous`, `idle_fraction_ours`,
-`sim_speedup_vs_static`, `sim_error`.
+Prints a table, then one JSON line (last stdout line) with
+`speedup_vs_static`, `idle_fraction_static`, `idle_fraction_ours`,
+`sim_speedup_vs_static`, `live_speedup_vs_static`, `sim_rel_error`
+(sim / live - 1) and the per-mode numbers. Speedups are medians over
+repeats of paired ratios (static / ours of the same repeat; the sim with
+that repeat's step costs), so drift of the shared machine cancels.
+`--quick` (48 prompts, median of 3) takes about a minute on a shared
+2-core CPU (the full run, 96 prompts x 5 repeats, about 90 s).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 
@@ -47,7 +65,7 @@ import numpy as np
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts and repeats.")
 _PROMPTS = flags.DEFINE_integer("prompts", 0, "0: 48 (--quick) or 96.")
-_REPEATS = flags.DEFINE_integer("repeats", 0, "0: 2 (--quick) or 5.")
+_REPEATS = flags.DEFINE_integer("repeats", 0, "0: 3 (--quick) or 5.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "Length cap M.")
 _G = flags.DEFINE_integer("samples_per_row", 4, "Samples per prompt G.")
 _RPR = flags.DEFINE_integer("rows_per_replica", 2, "Rows per replica.")
@@ -57,41 +75,67 @@ _CHUNK = flags.DEFINE_integer("score_chunk", 8, "Samples per scoring chunk.")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 
 PROMPT_LEN = 16
+REPLICAS = 8
+MODES = ("static", "continuous", "ours")
+
+
+def length_trace(n_prompts, G, max_new, median, seed):
+  """[n_prompts, G] response lengths: lognormal means, lognormal samples."""
+  rng = np.random.default_rng(seed)
+  means = median * rng.lognormal(0.0, 0.9, n_prompts)
+  lengths = means[:, None] * rng.lognormal(0.0, 0.5, (n_prompts, G))
+  return np.clip(np.rint(lengths), 1, max_new).astype(int)
 
 
 class RefScorer:
-  """Reference-model max logit over prompt + response, chunk by chunk."""
+  """Reference-model log-prob of each response, one jitted forward a chunk.
+
+  The chunk is padded to [B, P + M] tokens, B the chunk size rounded up to a
+  multiple of the layout's replicas so the batch splits over them (a batch
+  that does not divide would run replicated on every device).
+  """
 
   def __init__(self, graphdef, params, seq_len, chunk):
     import jax
     import jax.numpy as jnp
     from rlhf_jax.models import model as model_lib
+    from rlhf_jax.rl import logprobs
 
     self.params, self.placed = params, {}
     self.seq_len, self.chunk = seq_len, chunk
-
-    def score(params, toks_BxT):
-      pos = jnp.broadcast_to(jnp.arange(toks_BxT.shape[1]), toks_BxT.shape)
-      logits = model_lib.forward(graphdef, params, toks_BxT, pos,
-                                 toks_BxT > 0)
-      return jnp.max(logits, axis=(1, 2))
-
-    self._jit = jax.jit(score)
     self._jax = jax
 
+    def score(params, toks_BxT, resp_BxT):
+      B, T = toks_BxT.shape
+      pos_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+      logits_BxTxV = model_lib.forward(graphdef, params, toks_BxT, pos_BxT,
+                                       toks_BxT > 0)
+      logp_BxT = logprobs.token_logprobs(logits_BxTxV[:, :-1], toks_BxT[:, 1:])
+      return jnp.sum(jnp.where(resp_BxT[:, 1:], logp_BxT, 0.0), axis=1)
+
+    self._jit = jax.jit(score)
+
   def score(self, samples, layout):
+    """Dispatches the chunk on `layout`; returns [len(samples)] log-probs."""
     jax = self._jax
     if layout not in self.placed:
       self.placed[layout] = jax.device_put(
           self.params, layout.param_shardings(self.params))
-    toks = np.zeros((self.chunk, self.seq_len), np.int32)
+    n = layout.mesh.shape["data"]
+    B = math.ceil(self.chunk / n) * n
+    toks = np.zeros((B, self.seq_len), np.int32)
+    resp = np.zeros((B, self.seq_len), bool)
     for i, s in enumerate(samples):
+      P = len(s.prompt_tokens)
       seq = np.concatenate([s.prompt_tokens, s.tokens])[:self.seq_len]
       toks[i, :seq.size] = seq
-    toks = jax.device_put(toks, layout.sharding(("batch", None), toks.shape))
-    return self._jit(self.placed[layout], toks)[:len(samples)]
+      resp[i, P:seq.size] = True
+    sharding = layout.sharding(("batch", None), toks.shape)
+    toks, resp = jax.device_put((toks, resp), sharding)
+    return self._jit(self.placed[layout], toks, resp)[:len(samples)]
 
 
+# ------------------------------------------------------------ unit costs
 def _median_time(fn, n=5):
   import jax
   jax.block_until_ready(fn())  # Compiled already; one more warm call.
@@ -103,164 +147,274 @@ def _median_time(fn, n=5):
   return statistics.median(times)
 
 
-def _time_steps(lt, params, m):
-  """Seconds per decode step of the m-replica engine (state reused)."""
-  eng = lt.engine(m)
-  p = lt.params_for(params, m)
+def _stepper(lt, params, m):
+  """One decode step of the m-replica engine (state reused)."""
+  eng, p = lt.engine(m), lt.params_for(params, m)
   box = [eng.init_decode_state()]
 
   def step():
     box[0], res = eng.generate(p, box[0])
     return res.data
-  return _median_time(step, n=10)
+  return step
 
 
-def _time_prefill(lt, params, requests):
+def _time_steps(lt, params, m, prompt, prefill_s, steps=40):
+  """Seconds per decode step of the m-replica engine in the driver's loop.
+
+  A calibration rollout (`Driver`, no controller): every row holds a prompt
+  whose G samples all stop after `steps` tokens, so the loop runs `steps`
+  generate calls with every slot live (results read one step late, as in
+  the benchmark's runs); its prefills are taken off.
+  """
+  from rlhf_jax.engine.driver import Driver, Request
+
+  eng, p = lt.engine(m), lt.params_for(params, m)
+  G = eng.samples_per_row
+  reqs = [Request(10**6 + r, prompt, num_samples=G, seed=3,
+                  max_new_tokens_per_sample=(steps,) * G)
+          for r in range(eng.num_rows)]
+  driver = Driver(eng, p)
+  t0 = time.perf_counter()
+  for _ in driver.run(reqs):
+    pass
+  return ((time.perf_counter() - t0 - len(reqs) * prefill_s)
+          / driver.stats.steps)
+
+
+def _time_prefill(lt, params, req):
   """Seconds of one prompt's prefill + insert on the full engine."""
   eng = lt.engine(lt.replicas)
   box = [eng.init_decode_state()]
-  req = requests[0]
   padded, n = eng.pad_prompt(req.tokens, req.prompt_id)
+  slots = eng.slots_of_row[0][:req.num_samples]
 
   def admit():
     prefix = eng.prefill_multisampling(params, padded, n, req.num_samples,
                                        prompt_id=req.prompt_id, seed=req.seed)
-    eng._row_slots[0] = set()  # pylint: disable=protected-access
-    box[0] = eng.bulk_insert(prefix, box[0], eng.slots_of_row[0][
-        :req.num_samples])
+    box[0] = eng.bulk_insert(prefix, box[0], slots)
+    for s in slots:
+      eng.free_resource(s)
     return box[0].tokens
   return _median_time(admit)
 
 
-def _time_score(scorer, samples, layout):
-  """Seconds of one scoring chunk on the full layout."""
-  chunk = samples[:scorer.chunk]
-  return _median_time(lambda: scorer.score(chunk, layout))
+def _score_overlap(lt, params, scorer, chunk, m, step_s, score_s, n=5):
+  """Fraction of a chunk on the replicas freed by m hidden behind decoding.
+
+  Dispatches a chunk on replicas [m, R), then as many blocking m-replica
+  steps as the chunk lasts alone, and waits for both: the loop paid
+  (1 - overlap) * score_s on top of the steps.
+  """
+  import jax
+  step, rest = _stepper(lt, params, m), lt.parts(m)[1]
+  k = max(1, round(score_s / step_s))
+  jax.block_until_ready((scorer.score(chunk, rest), step()))  # Warm.
+  times = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    out = scorer.score(chunk, rest)
+    for _ in range(k):
+      jax.block_until_ready(step())
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t0)
+  extra = statistics.median(times) - k * step_s
+  return min(1.0, max(0.0, 1.0 - extra / score_s))
+
+
+# ---------------------------------------------------------------- modes
+def _tail_configs(chunk, r_t):
+  from rlhf_jax.engine.long_tail import TailConfig
+  return {
+      "static": TailConfig(admission="static", assignment="fifo",
+                           consolidate_below=0.0, fusion=False,
+                           score_chunk=chunk),
+      "continuous": TailConfig(assignment="fifo", consolidate_below=0.0,
+                               fusion=False, score_chunk=chunk),
+      "ours": TailConfig(assignment="length", consolidate_below=r_t,
+                         migration="kv", fusion=True, score_chunk=chunk),
+  }
+
+
+def _timeline_idle(timeline, step, replicas):
+  """Idle replica-seconds / (replicas x window) of one run's spans."""
+  spans = timeline.step_spans(step)
+  t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+  idle = sum(s.duration for s in spans if s.phase == "idle")
+  return idle / (replicas * (t1 - t0))
+
+
+def _summary(lt, runs, requests):
+  """(median wall, the median run's stats, its samples) of timed runs."""
+  walls = [r.stats["rollout/wall_s"] for r in runs]
+  mid = int(np.argsort(walls)[len(walls) // 2])
+  stats = dict(runs[mid].stats)
+  stats["timeline_idle_fraction"] = _timeline_idle(lt.timeline, mid,
+                                                   lt.replicas)
+  assert len(runs[mid].scores) == len(runs[mid].samples) == sum(
+      r.num_samples for r in requests)
+  return statistics.median(walls), stats, runs[mid].samples
 
 
 def main(argv):
   del argv
   import jax
-  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_num_cpu_devices", REPLICAS)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Request
-  from rlhf_jax.engine.long_tail import LongTailRollout, TailConfig
+  from rlhf_jax.engine.long_tail import LongTailRollout
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.parallel import mesh as mesh_lib
   from rlhf_jax.sched.length_history import LengthHistory
   from rlhf_jax.sim import rows as sim_rows
-  from rlhf_jax.sim import workload
+  from rlhf_jax.timeline import Timeline
 
   t_start = time.perf_counter()
   n_prompts = _PROMPTS.value or (48 if _QUICK.value else 96)
-  repeats = _REPEATS.value or (2 if _QUICK.value else 5)
-  G, M, rpr = _G.value, _MAX_NEW.value, _RPR.value
+  repeats = _REPEATS.value or (3 if _QUICK.value else 5)
+  G, M, rpr, chunk = _G.value, _MAX_NEW.value, _RPR.value, _CHUNK.value
   cfg = ModelConfig.tiny(vocab_size=256)
-  mesh = mesh_lib.make_mesh(fsdp=8)
+  mesh = mesh_lib.make_mesh(fsdp=REPLICAS)
   layout = mesh_lib.rollout_layout(mesh, 1)
-  graphdef, params = model_lib.init_params(cfg, 0, mesh_lib.train_layout(mesh))
+  train = mesh_lib.train_layout(mesh)
+  graphdef, params = model_lib.init_params(cfg, 0, train)
   params = jax.device_put(params, layout.param_shardings(params))
-  _, ref = model_lib.init_params(cfg, 1, mesh_lib.train_layout(mesh))
+  _, ref = model_lib.init_params(cfg, 1, train)
   ref = jax.device_put(ref, layout.param_shardings(ref))
-  trace = workload.long_tailed_lengths(n_prompts, G, M, _MEDIAN.value,
-                                       _SEED.value)
+  trace = length_trace(n_prompts, G, M, _MEDIAN.value, _SEED.value)
   rng = np.random.default_rng(_SEED.value + 1)
   requests = [Request(p, rng.integers(3, 256, int(rng.integers(4, PROMPT_LEN))),
                       num_samples=G, seed=11,
                       max_new_tokens_per_sample=tuple(int(x) for x in row))
               for p, row in enumerate(trace)]
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
-  modes = {
-      "static": TailConfig(admission="static", assignment="fifo",
-                           consolidate_below=0.0, fusion=False,
-                           score_chunk=_CHUNK.value),
-      "continuous": TailConfig(assignment="fifo", consolidate_below=0.0,
-                               fusion=False, score_chunk=_CHUNK.value),
-      "ours": TailConfig(assignment="length",
-                         consolidate_below=_R_T.value, migration="kv",
-                         fusion=True, score_chunk=_CHUNK.value),
-  }
-  scorer = RefScorer(graphdef, ref, PROMPT_LEN + M, _CHUNK.value)
-  results, rollouts = {}, {}
-  for name, tail in modes.items():
+  scorer = RefScorer(graphdef, ref, PROMPT_LEN + M, chunk)
+  rollouts = {}
+  for name, tail in _tail_configs(chunk, _R_T.value).items():
     lt = LongTailRollout(cfg, graphdef, layout, rows_per_replica=rpr,
                          samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
                          sampling=sampling, tail=tail,
-                         history=LengthHistory(1.0))
-    # Warm-up: epoch 1 fills the length history; epoch 2 compiles the
-    # engines and moves the measured runs use (same decisions from then on).
-    for _ in range(2):
-      lt.run(params, requests, scorer=scorer)
-    runs = [lt.run(params, requests, scorer=scorer) for _ in range(repeats)]
+                         history=LengthHistory(1.0), timeline=Timeline(None))
+    for i in range(2):  # Epoch 1 fills the length history; both compile.
+      lt.run(params, requests, scorer=scorer, step=-1 - i)
     rollouts[name] = lt
-    walls = [r.stats["rollout/wall_s"] for r in runs]
-    mid = runs[int(np.argsort(walls)[len(walls) // 2])]
-    results[name] = dict(wall_s=statistics.median(walls), stats=mid.stats,
-                         samples=len(mid.samples), scores=len(mid.scores),
-                         sample_list=mid.samples)
-    print(f"  {name}: {statistics.median(walls):.2f}s "
-          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
-
-  # Unit costs for the simulator, measured on the same engines.
+  print(f"  warm-up done ({time.perf_counter() - t_start:.0f}s)", flush=True)
   ours = rollouts["ours"]
-  step_s = {m: _time_steps(ours, params, m) for m in ours.sizes}
-  prefill_s = _time_prefill(ours, params, requests)
-  score_s = _time_score(scorer, results["static"]["sample_list"], layout)
-  o_stats = results["ours"]["stats"]
+  prefill_s = _time_prefill(ours, params, requests[0])
+  for m in ours.sizes:  # Warm-up of the calibration rollouts.
+    _time_steps(ours, params, m, requests[0].tokens, prefill_s)
+  # Timed runs, modes interleaved repeat by repeat (the machine is shared),
+  # each repeat followed by a step-cost calibration of every engine size.
+  runs = {name: [] for name in MODES}
+  step_times = {m: [] for m in ours.sizes}
+  for i in range(repeats):
+    for name in MODES:
+      runs[name].append(rollouts[name].run(params, requests, scorer=scorer,
+                                           step=i))
+    for m in ours.sizes:
+      step_times[m].append(_time_steps(ours, params, m, requests[0].tokens,
+                                       prefill_s))
+    print(f"  repeat {i + 1}: " + ", ".join(
+        f"{k} {v[-1].stats['rollout/wall_s']:.2f}s" for k, v in runs.items())
+          + f" ({time.perf_counter() - t_start:.0f}s)", flush=True)
+  live = {k: _summary(rollouts[k], v, requests) for k, v in runs.items()}
+
+  # The other unit costs for the simulator, on the same engines.
+  step_s = {m: statistics.median(v) for m, v in step_times.items()}
+  samples = live["static"][2][:chunk]
+  score_s = _median_time(lambda: scorer.score(samples, layout))
+  o_stats = live["ours"][1]
   move_s = o_stats["rollout/move_s"] / max(1, o_stats["rollout/consolidations"])
-  costs = sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
-                             score_s=score_s, move_s=move_s)
-  sim = {name: sim_rows.simulate(trace, replicas=8, rows_per_replica=rpr,
-                                 policy=name, costs=costs,
-                                 consolidate_below=_R_T.value,
-                                 score_chunk=_CHUNK.value)
-         for name in modes}
-  live_speedup = results["static"]["wall_s"] / results["ours"]["wall_s"]
-  sim_speedup = sim["static"].makespan / sim["ours"].makespan
-  wall = time.perf_counter() - t_start
+  tail_sizes = [m for m in ours.sizes
+                if o_stats["rollout/consolidated_replicas"] <= m < REPLICAS]
+  overlaps = {m: _score_overlap(ours, params, scorer, samples, m, step_s[m],
+                                score_s) for m in tail_sizes}
+  overlap = statistics.fmean(overlaps.values()) if overlaps else 0.0
+
+  def simulate(step_s):
+    costs = sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
+                               score_s=score_s, move_s=move_s)
+    return sim_rows.simulate_policies(
+        trace, replicas=REPLICAS, rows_per_replica=rpr, costs=costs,
+        consolidate_below=_R_T.value, score_chunk=chunk,
+        score_overlap=overlap)
+
+  sim = simulate(step_s)
+  wall = {k: v[0] for k, v in live.items()}
+  stats = {k: v[1] for k, v in live.items()}
+  # Speedups: medians over repeats of the paired ratios, live (static /
+  # ours of the same repeat) and simulated (with that repeat's step costs),
+  # so drift of the shared machine between repeats cancels.
+  def paired(a, b):
+    return statistics.median(x.stats["rollout/wall_s"] / y.stats[
+        "rollout/wall_s"] for x, y in zip(runs[a], runs[b]))
+
+  live_speedup = paired("static", "ours")
+  sim_speedup = statistics.median(
+      r["static"].makespan / r["ours"].makespan for r in (
+          simulate({m: v[i] for m, v in step_times.items()})
+          for i in range(repeats)))
+  bench_wall = time.perf_counter() - t_start
 
   lengths = trace.ravel()
   print(f"\ntrace: {n_prompts} prompts x G={G}, lengths median "
         f"{np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, "
-        f"max {lengths.max()} (cap {M}); 8 replicas x {rpr} rows; "
+        f"max {lengths.max()} (cap {M}); {REPLICAS} replicas x {rpr} rows; "
         f"median of {repeats}")
-  head = (f"{'mode':<12}{'wall s':>8}{'sim s':>8}{'steps':>7}{'idle frac':>10}"
-          f"{'replicas':>9}{'tail moves':>11}{'chunks':>8}")
+  head = (f"{'mode':<12}{'wall s':>8}{'sim s':>8}{'steps':>7}{'sim':>6}"
+          f"{'idle':>7}{'sim':>7}{'replicas':>9}{'sim':>5}{'moves':>6}"
+          f"{'sim':>5}{'chunks':>7}")
   print(head)
   print("-" * len(head))
-  for name, r in results.items():
-    st = r["stats"]
-    print(f"{name:<12}{r['wall_s']:>8.2f}{sim[name].makespan:>8.2f}"
-          f"{st['rollout/steps']:>7}{st['rollout/idle_fraction']:>10.3f}"
-          f"{st['rollout/consolidated_replicas']:>9}"
-          f"{st['rollout/tail_moves']:>11}{st['rollout/scoring_chunks']:>8}"
-          f"   sim: {sim[name].steps} steps, {sim[name].consolidations} moves")
+  for name in MODES:
+    st, s = stats[name], sim[name]
+    print(f"{name:<12}{wall[name]:>8.2f}{s.makespan:>8.2f}"
+          f"{st['rollout/steps']:>7}{s.steps:>6}"
+          f"{st['timeline_idle_fraction']:>7.3f}"
+          f"{s.timeline_idle_fraction:>7.3f}"
+          f"{st['rollout/consolidated_replicas']:>9}{s.final_replicas:>5}"
+          f"{st['rollout/consolidations']:>6}{s.consolidations:>5}"
+          f"{st['rollout/scoring_chunks']:>7}")
   print(f"unit costs: step_s {({m: round(v, 4) for m, v in step_s.items()})}"
         f", prefill {prefill_s:.4f}s, score chunk {score_s:.4f}s, "
-        f"move {move_s:.4f}s")
-  print(f"wall time: {wall:.0f}s")
+        f"move {move_s:.4f}s, score overlap "
+        f"{({m: round(v, 2) for m, v in overlaps.items()})}")
+  print(f"speedup vs static: live {live_speedup:.2f}x, sim "
+        f"{sim_speedup:.2f}x ({sim_speedup / live_speedup - 1:+.1%})")
+  print(f"wall time: {bench_wall:.0f}s")
+
+  def r3(x):
+    return round(float(x), 3)
+
   print(json.dumps(dict(
-      speedup_vs_static=round(live_speedup, 3),
-      speedup_vs_continuous=round(results["continuous"]["wall_s"] /
-                                  results["ours"]["wall_s"], 3),
-      continuous_vs_static=round(results["static"]["wall_s"] /
-                                 results["continuous"]["wall_s"], 3),
-      idle_fraction_static=round(
-          results["static"]["stats"]["rollout/idle_fraction"], 3),
-      idle_fraction_continuous=round(
-          results["continuous"]["stats"]["rollout/idle_fraction"], 3),
-      idle_fraction_ours=round(o_stats["rollout/idle_fraction"], 3),
-      sim_speedup_vs_static=round(sim_speedup, 3),
-      live_speedup_vs_static=round(live_speedup, 3),
-      sim_error=round(sim_speedup / live_speedup - 1, 3),
-      wall_s={k: round(v["wall_s"], 3) for k, v in results.items()},
-      sim_s={k: round(v.makespan, 3) for k, v in sim.items()},
+      speedup_vs_static=r3(live_speedup),
+      speedup_vs_continuous=r3(paired("continuous", "ours")),
+      continuous_vs_static=r3(paired("static", "continuous")),
+      idle_fraction_static=r3(stats["static"]["timeline_idle_fraction"]),
+      idle_fraction_continuous=r3(
+          stats["continuous"]["timeline_idle_fraction"]),
+      idle_fraction_ours=r3(stats["ours"]["timeline_idle_fraction"]),
+      sim_speedup_vs_static=r3(sim_speedup),
+      live_speedup_vs_static=r3(live_speedup),
+      sim_rel_error=r3(sim_speedup / live_speedup - 1),
+      sim_error=r3(sim_speedup / live_speedup - 1),
+      idle_fraction_stats={k: r3(stats[k]["rollout/idle_fraction"])
+                           for k in MODES},
+      sim_idle_fraction={k: r3(v.timeline_idle_fraction)
+                         for k, v in sim.items()},
+      wall_s={k: r3(v) for k, v in wall.items()},
+      sim_s={k: r3(v.makespan) for k, v in sim.items()},
+      steps={k: stats[k]["rollout/steps"] for k in MODES},
+      sim_steps={k: v.steps for k, v in sim.items()},
       consolidated_replicas=o_stats["rollout/consolidated_replicas"],
       tail_moves=o_stats["rollout/tail_moves"],
+      unit_costs=dict(step_s={m: round(v, 5) for m, v in step_s.items()},
+                      prefill_s=round(prefill_s, 5),
+                      score_s=round(score_s, 5), move_s=round(move_s, 5),
+                      score_overlap=r3(overlap)),
       prompts=n_prompts, samples_per_row=G, max_new_tokens=M,
-      repeats=repeats, quick=_QUICK.value, bench_wall_s=round(wall, 1))))
+      repeats=repeats, quick=_QUICK.value, bench_wall_s=round(bench_wall, 1))))
 
 
 if __name__ == "__main__":

@@ -1,60 +1,117 @@
 """Row-level simulation of our engine (`rlhf_jax/sim/rows.py`): hand-checked
-step counts, and the policies' order on random long-tailed traces."""
+step counts, costs and idle fractions, and the policies' order on random
+long-tailed traces. Pure Python, no JAX."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from rlhf_jax.sim import rows
 
-COSTS = rows.UnitCosts(step_s={1: 1.0, 2: 1.0, 4: 1.0}, prefill_s=0.0,
-                       score_s=0.0)
+UNIT = rows.UnitCosts(step_s=lambda m: 1.0, prefill_s=0.0, score_s=0.0)
+
+
+def _sim(lengths, policy, costs=UNIT, **kw):
+  kw = dict(dict(replicas=1, rows_per_replica=1), **kw)
+  return rows.simulate(np.array(lengths), policy=policy, costs=costs, **kw)
 
 
 def test_one_row_hand_checked():
-  # One row, G=2, lengths 3 and 5: prefill gives token 1, 4 steps give the
-  # rest; the host reads each step's tokens one step late, so it has
-  # dispatched a 5th step before it sees the row finish (as the Driver does).
-  r = rows.simulate(np.array([[3, 5]]), replicas=1, rows_per_replica=1,
-                    policy="static", costs=COSTS)
-  assert r.steps == 5 and r.makespan == 5.0
-  # A second prompt in the same row enters after that: 1 step for its
-  # second token, 1 lagged step.
-  r = rows.simulate(np.array([[3, 5], [2, 2]]), replicas=1,
-                    rows_per_replica=1, policy="continuous", costs=COSTS)
-  assert r.steps == 5 + 2
+  # G=2, lengths 3 and 5: the prefill gives token 1, steps 1-4 the rest; the
+  # host reads step 4's tokens only after dispatching step 5 (one step
+  # late, as engine/driver.py does), so the row takes 5 steps.
+  r = _sim([[3, 5]], "static")
+  assert (r.steps, r.makespan) == (5, 5.0)
+  # The next prompt enters the freed row: a step for its second token, one
+  # more before the host reads it.
+  assert _sim([[3, 5], [2, 2]], "continuous").steps == 5 + 2
+  # A one-token sample still rides the step dispatched with its prefill.
+  assert _sim([[1, 1]], "static").steps == 1
 
 
 def test_static_waits_for_the_wave():
-  lengths = np.array([[10], [1], [1], [1]])
-  static = rows.simulate(lengths, replicas=2, rows_per_replica=1,
-                         policy="static", costs=COSTS)
-  cont = rows.simulate(lengths, replicas=2, rows_per_replica=1,
-                       policy="continuous", costs=COSTS)
-  assert cont.steps < static.steps
+  lengths = [[5], [1], [1], [1]]
+  # Static: wave {5, 1} takes 5 steps, wave {1, 1} one more.
+  assert _sim(lengths, "static", rows_per_replica=2).steps == 6
+  # Continuous: the short prompts cycle through row 1 while row 0 decodes.
+  assert _sim(lengths, "continuous", rows_per_replica=2).steps == 5
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_policies_order_on_long_tails(seed):
+def test_prefill_and_scoring_are_serial_without_fusion():
+  costs = rows.UnitCosts({1: 1.0}, prefill_s=0.25, score_s=lambda n: 0.5 * n)
+  r = _sim([[3, 5], [2, 2]], "continuous", costs, score_chunk=3)
+  # 7 steps, 2 prefills, chunks of 3 + 1 samples after the last one.
+  assert r.makespan == pytest.approx(7 + 2 * 0.25 + 1.5 + 0.5)
+  assert r.scoring_s == pytest.approx(2.0)
+  assert r.idle_fraction == pytest.approx(0.0)
+
+
+def test_consolidation_hand_checked():
+  # Two replicas of one row, G=1: the long prompt goes first (longest
+  # predicted first) to row 0; the short one ends at iteration 1, leaving
+  # 1/2 samples unfinished < R_t = 0.6: row 0 stays on replica 0 of a
+  # 1-replica engine, which steps at half the cost.
+  costs = rows.UnitCosts({1: 1.0, 2: 2.0}, 0.0, 0.0, move_s=0.5)
+  kw = dict(replicas=2, rows_per_replica=1, consolidate_below=0.6)
+  ours = _sim([[1], [10]], "ours", costs, **kw)
+  cont = _sim([[1], [10]], "continuous", costs, **kw)
+  assert (cont.steps, cont.makespan) == (10, 20.0)
+  assert (ours.steps, ours.consolidations, ours.final_replicas) == (10, 1, 1)
+  assert ours.makespan == pytest.approx(2.0 + 0.5 + 9 * 1.0)
+  # Continuous: every step runs both replicas, but replica 1 holds a live
+  # row only in step 1.
+  assert cont.idle_fraction == pytest.approx(0.0)
+  assert cont.timeline_idle_fraction == pytest.approx(1 - (4 + 18) / 40)
+  # Ours: 2 x 2 (step 1) + 2 x 0.5 (move) + 9 x 1 busy device-seconds.
+  assert ours.idle_fraction == pytest.approx(1 - 14 / (2 * 11.5))
+  assert ours.timeline_idle_fraction == pytest.approx(ours.idle_fraction)
+
+
+def test_fused_scoring_overlaps_the_tail():
+  # Row 0: [10, 5], row 1: [1, 1]; chunks of one sample cost 3 s. Row 1's
+  # two chunks run on both replicas before consolidation (serial); then the
+  # chunk of the 5-token sample (iteration 5) runs on the freed replica
+  # while row 0 decodes, hidden with score_overlap=1, not with 0.
+  costs = rows.UnitCosts({1: 1.0, 2: 1.0}, 0.0, 3.0)
+  kw = dict(replicas=2, rows_per_replica=1, consolidate_below=0.6,
+            score_chunk=1)
+  hidden = _sim([[10, 5], [1, 1]], "ours", costs, score_overlap=1.0, **kw)
+  serial = _sim([[10, 5], [1, 1]], "ours", costs, score_overlap=0.0, **kw)
+  assert hidden.makespan == pytest.approx(1 + 6 + 9 + 3)
+  assert serial.makespan == pytest.approx(hidden.makespan + 3)
+  assert hidden.scoring_s == serial.scoring_s == 4 * 3.0
+
+
+def _trace(seed, prompts=24, G=4):
   rng = np.random.default_rng(seed)
-  lengths = np.clip(np.rint(6 * rng.lognormal(0, 1, (24, 4))), 1, 64)
-  costs = rows.UnitCosts(step_s={1: 0.2, 2: 0.4, 4: 1.0}, prefill_s=0.01,
+  means = 6 * rng.lognormal(0, 0.9, prompts)
+  return np.clip(np.rint(means[:, None] * rng.lognormal(0, 0.5, (prompts, G))),
+                 1, 64).astype(int)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_policies_order_on_long_tails(seed):
+  lengths = _trace(seed)
+  costs = rows.UnitCosts({1: 0.2, 2: 0.4, 4: 1.0}, prefill_s=0.01,
                          score_s=0.05, move_s=0.1)
   kw = dict(replicas=4, rows_per_replica=2, costs=costs)
-  static = rows.simulate(lengths, policy="static", **kw)
-  cont = rows.simulate(lengths, policy="continuous", **kw)
-  ours = rows.simulate(lengths, policy="ours", **kw)
-  assert cont.makespan <= static.makespan
-  assert ours.makespan < cont.makespan  # Cheaper tail steps on fewer replicas.
-  assert ours.consolidations >= 1
+  sim = rows.simulate_policies(lengths, **kw)
+  assert sim["continuous"].steps <= sim["static"].steps
+  assert sim["continuous"].makespan <= sim["static"].makespan
+  # Consolidation helps when fewer replicas step faster.
+  no_move = rows.simulate(lengths, policy="ours", consolidate_below=0.0, **kw)
+  assert sim["ours"].makespan < no_move.makespan
+  assert sim["ours"].consolidations >= 1 and sim["ours"].final_replicas < 4
+  # And costs nothing but the move when they do not.
+  flat = dict(kw, costs=dataclasses.replace(costs, step_s=lambda m: 1.0))
+  a = rows.simulate(lengths, policy="ours", **flat)
+  b = rows.simulate(lengths, policy="ours", consolidate_below=0.0, **flat)
+  assert a.makespan <= b.makespan + a.consolidations * costs.move_s + 1e-9
+  assert sim["static"].timeline_idle_fraction > \
+      sim["continuous"].timeline_idle_fraction
 
 
-def test_concurrent_scoring_hides_chunks_after_consolidation():
-  lengths = np.array([[40, 1]] + [[1, 1]] * 15)
-  costs = rows.UnitCosts(step_s={1: 1.0, 2: 1.0, 4: 1.0}, prefill_s=0.0,
-                         score_s=3.0)
-  kw = dict(replicas=4, rows_per_replica=1, policy="ours", costs=costs,
-            score_chunk=2, consolidate_below=0.5)
-  serial = rows.simulate(lengths, concurrent_scoring=False, **kw)
-  overlap = rows.simulate(lengths, concurrent_scoring=True, **kw)
-  assert overlap.makespan < serial.makespan
-  assert serial.scoring_s == overlap.scoring_s == 16 * 3.0
+def test_rejects_unknown_policy():
+  with pytest.raises(ValueError, match="unknown policy"):
+    _sim([[1]], "greedy")
