@@ -122,6 +122,9 @@ class RolloutManager:
     # With no worker alive, wait this long for one to join (an availability
     # trace's gap) before giving up.
     self.wait_for_workers_s = 0.0
+    self._states = self._pending = None
+    self._lost: list[str] = []
+    self._running: dict[str, tuple[int, int]] = {}
 
   # ---------------------------------------------------------- membership
   def add(self, handle) -> None:
@@ -148,62 +151,110 @@ class RolloutManager:
       self.stats.pull_s += time.perf_counter() - t0
     return latest
 
+  def remove(self, worker_id: str) -> None:
+    """A worker leaves gracefully (released, or handed off after seeding).
+
+    Its unfinished samples continue on other workers from the tokens it
+    streamed (the same path as a preemption, not counted as one); queued
+    requests it had not admitted go back to the manager's queue.
+    """
+    handle = self.handles.get(worker_id)
+    if handle is None:
+      return
+    if self._states is not None:
+      self._requeue(worker_id, self._states, self._done, self._queue)
+    if handle.alive:  # Its engine drops the work that now runs elsewhere.
+      try:
+        handle.result(handle.call_async("clear"))
+      except WorkerDied:
+        pass
+    handle.alive = False
+    del self.handles[worker_id]
+    self.versions.pop(worker_id, None)
+    if self._pending is not None:
+      self._pending.pop(worker_id, None)
+    self._running.pop(worker_id, None)
+
   # ---------------------------------------------------------------- run
   def run(self, requests: Sequence[Request]) -> list[Sample]:
     """Every sample of `requests`, whatever happens to the workers."""
-    self._lost: list[str] = []
-    states: dict[tuple[int, int], _SampleState] = {}
-    queue: collections.deque = collections.deque()
+    self.start(requests)
+    while not self.done:
+      self.step()
+    return self.results()
+
+  def start(self, requests: Sequence[Request]) -> None:
+    """Queues a batch; `step()` then advances it one poll round at a time."""
+    self._lost = []
+    self._states = {}
+    self._queue = collections.deque()
     for req in requests:
       for j in range(req.num_samples):
         i = req.first_sample_index + j
-        states[req.prompt_id, i] = _SampleState(
+        self._states[req.prompt_id, i] = _SampleState(
             req, req.budget(j, self.max_new_tokens))
-      queue.append(req)
-    done: dict[tuple[int, int], Sample] = {}
-    pending: dict[str, int] = collections.defaultdict(int)
-    self._running: dict[str, tuple[int, int]] = {}  # worker -> (live, slots)
-    while len(done) < len(states):
-      if self.on_poll is not None:
-        self.on_poll(self)
-      # Handles killed from outside (a replayed preemption, `kill()`).
-      self._lost += [w for w, h in self.handles.items()
-                     if not h.alive and w not in self._lost]
-      latest = self._refresh()
-      self._dispatch(queue, pending, states, latest)
-      alive = [w for w, h in self.handles.items() if h.alive
-               and w not in self._lost]
-      if not alive and not self._lost:
-        self._await_workers()
+      self._queue.append(req)
+    self._done = {}
+    self._pending = collections.defaultdict(int)
+    self._running = {}  # worker -> (live samples, slots)
+
+  @property
+  def done(self) -> bool:
+    return len(self._done) == len(self._states)
+
+  def results(self) -> list[Sample]:
+    """The batch's samples in (prompt id, sample index) order."""
+    return [self._done[k] for k in sorted(self._done)]
+
+  def step(self) -> list[Sample]:
+    """One poll round: membership, weights, dispatch, poll, balance, requeue.
+
+    Returns the samples that finished in this round (fresh ones only).
+    """
+    states, done, queue = self._states, self._done, self._queue
+    pending = self._pending
+    finished = []
+    if self.on_poll is not None:
+      self.on_poll(self)
+    # Handles killed from outside (a replayed preemption, `kill()`).
+    self._lost += [w for w, h in self.handles.items()
+                   if not h.alive and w not in self._lost]
+    latest = self._refresh()
+    self._dispatch(queue, pending, states, latest)
+    alive = [w for w, h in self.handles.items() if h.alive
+             and w not in self._lost]
+    if not alive and not self._lost:
+      self._await_workers()
+      return finished
+    self._gap = None
+    futures = {w: self.handles[w].call_async("poll", self.poll_steps)
+               for w in alive}
+    for w, f in futures.items():
+      try:
+        res = self.handles[w].result(f)
+      except WorkerDied:
+        self._lost.append(w)
         continue
-      self._gap = None
-      futures = {w: self.handles[w].call_async("poll", self.poll_steps)
-                 for w in alive}
-      for w, f in futures.items():
-        try:
-          res = self.handles[w].result(f)
-        except WorkerDied:
-          self._lost.append(w)
-          continue
-        pending[w] = res.pending
-        self._running[w] = (len(res.partials), res.slots)
-        for p in res.partials:
-          states[p.request.prompt_id, p.sample_idx].live = p
-        for s in res.finished:
-          if self._finish(s, states, done, queue, latest):
-            self.produced[w] += 1
-      self._balance(pending, states, latest, queue)
-      for w in self._lost:
-        self._requeue(w, states, done, queue)
-        self.handles[w].alive = False
-        self.versions.pop(w, None)
-        pending.pop(w, None)
-        self.stats.preemptions += 1
-      self._lost = []
-      for w in list(self.handles):
-        if not self.handles[w].alive:
-          del self.handles[w]
-    return [done[k] for k in sorted(done)]
+      pending[w] = res.pending
+      self._running[w] = (len(res.partials), res.slots)
+      for p in res.partials:
+        states[p.request.prompt_id, p.sample_idx].live = p
+      for s in res.finished:
+        if self._finish(s, states, done, queue, latest):
+          self.produced[w] += 1
+          finished.append(done[s.key])
+    self._balance(pending, states, latest, queue)
+    for w in self._lost:
+      self._requeue(w, states, done, queue)
+      self.handles[w].alive = False
+      self.versions.pop(w, None)
+      pending.pop(w, None)
+      self.stats.preemptions += 1
+    self._lost = []
+    for w in list(self.handles):
+      if not self.handles[w].alive:
+        del self.handles[w]
+    return finished
 
   def _await_workers(self) -> None:
     t0 = time.perf_counter()
@@ -287,24 +338,44 @@ class RolloutManager:
     return True
 
   def _requeue(self, w, states, done, queue):
-    """Unfinished samples of a dead worker continue elsewhere."""
+    """Unfinished samples of a lost or removed worker continue elsewhere.
+
+    A request none of whose samples had started goes back whole (one
+    prefill for its G samples); a started sample continues from its tokens.
+    """
+    unstarted = collections.defaultdict(list)  # request id -> keys
     for key, st in states.items():
       if st.worker != w or key in done:
         continue
-      if st.live is not None:
-        self.stats.kept_tokens += len(st.live.tokens)
-        st.head += st.live.tokens
-        st.head_logp += st.live.logp
-        st.head_raw += st.live.logp_raw
-        v = st.live.weight_version
-        st.head_version = v if st.head_version is None else min(
-            st.head_version, v)
-      st.live, st.worker = None, None
-      req = continuation.remaining_request(st.request, key[1], st.budget,
-                                           st.head)
-      self.stats.migrated_samples += 1
-      self.stats.reprefill_tokens += len(req.tokens)
-      queue.appendleft(req)
+      if st.live is None and not st.head:
+        unstarted[id(st.request)].append(key)
+        continue
+      self._continue(key, st, queue)
+    for keys in unstarted.values():
+      req = states[keys[0]].request
+      whole = len(keys) == req.num_samples
+      for key in keys:
+        states[key].worker = None
+        if not whole:
+          self._continue(key, states[key], queue)
+      if whole:
+        queue.appendleft(req)
+
+  def _continue(self, key, st, queue):
+    if st.live is not None:
+      self.stats.kept_tokens += len(st.live.tokens)
+      st.head += st.live.tokens
+      st.head_logp += st.live.logp
+      st.head_raw += st.live.logp_raw
+      v = st.live.weight_version
+      st.head_version = v if st.head_version is None else min(
+          st.head_version, v)
+    st.live, st.worker = None, None
+    req = continuation.remaining_request(st.request, key[1], st.budget,
+                                         st.head)
+    self.stats.migrated_samples += 1
+    self.stats.reprefill_tokens += len(req.tokens)
+    queue.appendleft(req)
 
 
 @dataclasses.dataclass

@@ -110,6 +110,15 @@ class RolloutWorker:
       out.append(self.driver.pending.pop())
     return out
 
+  def clear(self) -> None:
+    """Drops every request and sample in flight (they continue elsewhere)."""
+    self._queued = []
+    if self._next is not None:
+      self._install(*self._next)
+    elif self.driver is not None:
+      self.driver = Driver(self.engine, self.params,
+                           weight_version=self.version)
+
   def poll(self, max_steps: int = 8) -> PollResult:
     """Runs up to `max_steps` decode iterations (fewer once idle)."""
     d = self.driver
