@@ -8,35 +8,132 @@ all 8 devices (8 replicas x `rows_per_replica` rows). Elastic: in-process
 per-device program, so the same tokens), driven by a `RolloutManager`
 while an `AvailabilityReplayer` replays a short spot trace in the
 simulator's format: workers join, are preempted mid-response, and others
-join (event times are fractions of the trainer-only wall time; joining
-workers are warm: built and compiled before the trace, as a spot instance
-that finished booting). Response
-lengths are long-tailed and forced by per-sample budgets, as in
-`benchmarks/long_tail.py`.
+join (event times are fractions of T, the wall time of a trainer-only run
+after warm-up; joining workers are warm: built and compiled before the
+trace, as a spot instance that finished booting). Response lengths are
+long-tailed and forced by per-sample budgets, as in
+`benchmarks/long_tail.py`. Each repeat runs trainer-only, then the elastic
+rollout on the same trace, then a step-cost calibration (the machine is
+shared: ratios are paired within a repeat, medians over repeats).
 
 Reports tokens lost to preemption (reference tokens not reproduced: must
 be 0), re-prefill tokens spent on continuations, weight pull latency,
 throughput and worker-seconds vs trainer-only. On this 2-core machine extra
 workers add no compute, so the throughput ratio is not a target here.
-Not yet: the simulator's prediction for the same trace (`sim_rel_error` is
-null until the simulator models live workers with a CPU profile).
+
+Simulator: `rlhf_jax/sim/worker_rows.py` replays the same length trace and
+the same availability trace (times in seconds) through the manager's poll
+rounds (in-process workers poll one after the other: a round costs the sum)
+with unit costs measured here: a worker's driver iteration (calibration
+rollouts through `RolloutWorker.poll`, every slot live vs one live sample:
+a step cost plus a per-live-sample cost, prefills taken off; measured
+before and after each repeat, the mean used), prefill + insert per prompt
+bucket (short prompts, long continuations), a joiner's weight load, and
+the per-poll overhead of the manager and the call (the residual of
+calibration manager runs over another long-tailed trace, no events, minus
+their zero-overhead simulation). Trainer-only: `worker_rows.simulate_driver`
+(one driver loop; its step counts equal `sim/rows.py`'s and the live
+driver's) with the 8-replica engine's step, per-sample and prefill costs.
+The headline `sim_rel_error` = sim throughput ratio / live ratio - 1, both
+medians over repeats (the sim's ratio with that repeat's step costs).
+Diagnostic: the same simulation with the events at the poll rounds where
+the live replayer applied them ("aligned", `clock="rounds"`): its step
+counts per worker and re-prefill tokens equal the live run's, so its error
+is the unit costs' alone. `--quick` (24 prompts, 5 repeats) takes about
+20-30 s on a shared 2-core CPU, the full run (64 prompts, 7) about 30 s.
+
+Last stdout line: JSON with `tokens_lost`, `reprefill_tokens`,
+`pull_latency_s`, `throughput_vs_trainer_only`, `sim_rel_error`, ...
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 from absl import app
 from absl import flags
 import numpy as np
 
-_QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts.")
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts and repeats.")
 _PROMPTS = flags.DEFINE_integer("prompts", 0, "0: 24 (--quick) or 64.")
+_REPEATS = flags.DEFINE_integer("repeats", 0, "0: 5 (--quick) or 7.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Length cap M.")
 _RPR = flags.DEFINE_integer("rows_per_replica", 2, "Rows per device.")
 
 PROMPT_LEN = 16
+THETA, POLL_STEPS = 2, 4
+EVENTS = (  # (fraction of T, instance, kind)
+    (0.0, "a", "add"), (0.0, "b", "add"), (0.0, "c", "add"),
+    (0.1, "b", "remove"), (0.15, "d", "add"), (0.2, "a", "remove"),
+    (0.25, "e", "add"))
+
+
+def _median_time(fn, n=7):
+  import jax
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _prefill_s(eng, params, prompt_len, num_samples):
+  """Seconds of one prompt's prefill + insert into row 0 (freed again)."""
+  padded, n = eng.pad_prompt(np.arange(prompt_len) % 250 + 3)
+  slots = eng.slots_of_row[0][:num_samples]
+  box = [eng.init_decode_state()]
+
+  def admit():
+    prefix = eng.prefill_multisampling(params, padded, n, num_samples)
+    box[0] = eng.bulk_insert(prefix, box[0], slots)
+    for s in slots:
+      eng.free_resource(s)
+    return box[0].tokens
+  return _median_time(admit)
+
+
+def _loop_s(rollout, n_rows, g, prefill_s, steps=32):
+  """Seconds per driver iteration of a calibration rollout: `n_rows`
+  prompts of `g` samples, all `steps` tokens long (results read one step
+  late), prefills taken off. `rollout(requests)` returns its steps."""
+  from rlhf_jax.engine.driver import Request
+  reqs = [Request(10**6 + r, np.arange(3, 3 + PROMPT_LEN - 4), num_samples=g,
+                  seed=3, max_new_tokens_per_sample=(steps,) * g)
+          for r in range(n_rows)]
+  t0 = time.perf_counter()
+  n = rollout(reqs)
+  return (time.perf_counter() - t0 - n_rows * prefill_s) / n
+
+
+def _step_costs(rollout, num_rows, G, prefill_s):
+  """(step_s, sample_s) of an engine: its iteration with every slot live
+  vs with one live sample, linear in between (the host reads each live
+  sample's token)."""
+  full = _loop_s(rollout, num_rows, G, prefill_s)
+  one = _loop_s(rollout, 1, 1, prefill_s)
+  sample_s = max(0.0, (full - one) / (num_rows * G - 1))
+  return one - sample_s, sample_s
+
+
+def _poll_rollout(w):
+  """A worker's calibration rollout through `poll(POLL_STEPS)`, as the
+  manager polls it (the partials it streams included)."""
+  def rollout(reqs):
+    w.submit(reqs)
+    s0 = w.steps
+    while w.poll(POLL_STEPS).pending or w.driver.busy:
+      pass
+    return w.steps - s0
+  return rollout
+
+
+def _drain(w):
+  while w.poll(64).pending or w.driver.busy:
+    pass
 
 
 def main(argv):
@@ -50,6 +147,7 @@ def main(argv):
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.parallel import mesh as mesh_lib
+  from rlhf_jax.sim import worker_rows
   from rlhf_jax.sim.availability import SpotEvent
   from rlhf_jax.sim.workload import long_tailed_lengths
   from rlhf_jax.workers import manager as manager_lib
@@ -59,6 +157,7 @@ def main(argv):
 
   t_start = time.perf_counter()
   n = _PROMPTS.value or (24 if _QUICK.value else 64)
+  repeats = _REPEATS.value or (5 if _QUICK.value else 7)
   G, M, rpr = 4, _MAX_NEW.value, _RPR.value
   cfg = ModelConfig.tiny(vocab_size=256)
   mesh = mesh_lib.make_mesh(fsdp=8)
@@ -70,6 +169,7 @@ def main(argv):
                       num_samples=G, seed=5,
                       max_new_tokens_per_sample=tuple(int(x) for x in row))
               for p, row in enumerate(trace)]
+  prompt_lens = [len(r.tokens) for r in requests]
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
   buckets = (PROMPT_LEN, PROMPT_LEN + M)  # The long one: continuations.
 
@@ -77,11 +177,17 @@ def main(argv):
   engine = Engine(cfg, graphdef, layout, num_rows=8 * rpr, samples_per_row=G,
                   prefill_buckets=buckets, sampling=sampling)
   rparams = jax.device_put(params, layout.param_shardings(params))
-  list(Driver(engine, rparams).run(requests))
-  t0 = time.perf_counter()
-  ref = {s.key: s for s in Driver(engine, rparams).run(requests)}
-  trainer_s = time.perf_counter() - t0
+
+  def trainer_only():
+    driver = Driver(engine, rparams)
+    t0 = time.perf_counter()
+    out = {s.key: s for s in driver.run(requests)}
+    return time.perf_counter() - t0, driver.stats.steps, out
+
+  trainer_only()
+  T, _, ref = trainer_only()  # The trace's time unit.
   ref_tokens = sum(len(s.tokens) for s in ref.values())
+  events = [SpotEvent(f * T, iid, kind) for f, iid, kind in EVENTS]
 
   spec = EngineSpec(cfg, num_rows=rpr, samples_per_row=G,
                     prefill_buckets=buckets, sampling=sampling)
@@ -98,70 +204,242 @@ def main(argv):
     long_prompt = np.arange(3, 3 + PROMPT_LEN + 4) % 250 + 3
     w.submit([requests[0], Request(10**6, long_prompt, num_samples=1,
                                    seed=5)])
-    while w.poll(16).pending or w.driver.busy:
-      pass
+    _drain(w)
     ready.append(w)
 
-  def spawn(iid):
-    w = ready.pop(0)
-    w.worker_id = iid
-    return manager_lib.LocalHandle(w)
+  # Unit costs of the simulator (after warm-up, medians).
+  w0 = ready[0]
 
-  T = trainer_s
-  events = [SpotEvent(0.0, "a", "add"), SpotEvent(0.0, "b", "add"),
-            SpotEvent(0.0, "c", "add"), SpotEvent(0.1 * T, "b", "remove"),
-            SpotEvent(0.15 * T, "d", "add"), SpotEvent(0.2 * T, "a", "remove"),
-            SpotEvent(0.25 * T, "e", "add")]
-  replay = AvailabilityReplayer(events, spawn)
-  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=2,
-                                   poll_steps=4)
-  mgr.on_poll = replay
-  mgr.wait_for_workers_s = 30.0
-  t0 = time.perf_counter()
-  samples = mgr.run(requests)
-  elastic_s = time.perf_counter() - t0
-  worker_s = replay.close()
+  def pull():
+    w0.load(*store.pull())
+    return w0.params
+  pull_s = _median_time(pull)
+  prefill_s = {PROMPT_LEN: _prefill_s(w0.engine, w0.params, PROMPT_LEN - 4, G),
+               buckets[1]: _prefill_s(w0.engine, w0.params, PROMPT_LEN + 8, 1)}
+  trainer_prefill_s = _prefill_s(engine, rparams, PROMPT_LEN - 4, G)
 
-  lost = 0
-  got = {s.key: s for s in samples}
-  for key, want in ref.items():
-    have = got.get(key)
-    common = 0
-    if have is not None:
-      for a, b in zip(have.tokens, want.tokens):
-        if a != b:
-          break
-        common += 1
-    lost += len(want.tokens) - common
-  st = mgr.stats
-  tokens = sum(len(s.tokens) for s in samples)
+  def worker_step_costs():
+    return tuple(statistics.median(x) for x in zip(*(
+        _step_costs(_poll_rollout(w), rpr, G, prefill_s[PROMPT_LEN])
+        for w in ready[:3])))
+
+  def trainer_rollout(reqs):
+    driver = Driver(engine, rparams)
+    for _ in driver.run(reqs):
+      pass
+    return driver.stats.steps
+
+  def step_costs():
+    """(worker step_s, sample_s, trainer step_s, sample_s), measured
+    around every repeat."""
+    return worker_step_costs() + _step_costs(trainer_rollout, 8 * rpr, G,
+                                             trainer_prefill_s)
+
+  step_costs()  # Warm-up.
+
+  sim_kw = dict(rows_per_worker=rpr, buckets=buckets, theta=THETA,
+                poll_steps=POLL_STEPS, wait_for_workers_s=30.0)
+
+  # Per-poll overhead: calibration manager runs over 3 workers (another
+  # long-tailed trace, no events), each minus its simulation without
+  # overhead on a worker step measured just before.
+  cal_lengths = long_tailed_lengths(16, G, M, 10.0, 1)
+  cal = [Request(p, np.arange(3, 3 + 4 + p % 8), num_samples=G, seed=7,
+                 max_new_tokens_per_sample=tuple(int(x) for x in row))
+         for p, row in enumerate(cal_lengths)]
+  residuals = []
+  for _ in range(5):
+    step_s, sample_s = worker_step_costs()
+    cal_sim = worker_rows.simulate(
+        cal_lengths, [len(r.tokens) for r in cal],
+        [SpotEvent(0.0, w.worker_id, "add") for w in ready[:3]],
+        worker_rows.WorkerCosts(step_s, prefill_s, sample_s, pull_s=pull_s),
+        **sim_kw)
+    mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=THETA,
+                                     poll_steps=POLL_STEPS)
+    for w in ready[:3]:
+      mgr.add(manager_lib.LocalHandle(w))
+    t0 = time.perf_counter()
+    mgr.run(cal)
+    residuals.append(time.perf_counter() - t0 - cal_sim.makespan)
+  residual_s = statistics.median(residuals)
+  poll_s = max(0.0, residual_s / cal_sim.polls)
+  print(f"  warm-up and unit costs done ({time.perf_counter() - t_start:.0f}s)",
+        flush=True)
+
+  def elastic():
+    """One live elastic run on the trace; the workers are reset after."""
+    pool, spawned = list(ready), {}
+
+    def spawn(iid):
+      w = pool.pop(0)
+      w.worker_id = iid
+      spawned[iid] = (w, w.steps)
+      return manager_lib.LocalHandle(w)
+
+    replay = AvailabilityReplayer(events, spawn)
+    mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=THETA,
+                                     poll_steps=POLL_STEPS)
+    rounds = []  # The live poll round of each applied event.
+
+    def on_poll(m):
+      k = len(replay.applied)
+      replay(m)
+      rounds.extend([on_poll.round] * (len(replay.applied) - k))
+      on_poll.round += 1
+    on_poll.round = 0
+    mgr.on_poll = on_poll
+    mgr.wait_for_workers_s = 30.0
+    t0 = time.perf_counter()
+    samples = mgr.run(requests)
+    wall = time.perf_counter() - t0
+    worker_s = replay.close()
+    steps = {iid: w.steps - s0 for iid, (w, s0) in spawned.items()}
+    for w in ready:
+      _drain(w)
+    aligned = [SpotEvent(r, e.iid, e.kind)
+               for r, (_, e) in zip(rounds, replay.applied)]
+    return dict(wall=wall, samples=samples, worker_s=worker_s, steps=steps,
+                rounds=on_poll.round, stats=mgr.stats, aligned=aligned,
+                applied=replay.applied)
+
+  def tokens_lost(samples):
+    lost, got = 0, {s.key: s for s in samples}
+    for key, want in ref.items():
+      common = 0
+      if key in got:
+        for a, b in zip(got[key].tokens, want.tokens):
+          if a != b:
+            break
+          common += 1
+      lost += len(want.tokens) - common
+    return lost
+
+  runs, before = [], step_costs()
+  for i in range(repeats):
+    trainer_s, trainer_steps, _ = trainer_only()
+    live = elastic()
+    after = step_costs()  # Unit step costs: the mean around the pair.
+    step_s, sample_s, tr_step_s, tr_sample_s = (
+        (a + b) / 2 for a, b in zip(before, after))
+    before = after
+    costs = worker_rows.WorkerCosts(step_s, prefill_s, sample_s, poll_s,
+                                    pull_s)
+    sim_tr_s, sim_tr_steps = worker_rows.simulate_driver(
+        trace, prompt_lens, worker_rows.WorkerCosts(
+            tr_step_s, {PROMPT_LEN: trainer_prefill_s}, tr_sample_s),
+        num_rows=8 * rpr, buckets=buckets)
+    sim_el = worker_rows.simulate(trace, prompt_lens, events, costs,
+                                  **sim_kw)
+    sim_al = worker_rows.simulate(trace, prompt_lens, live["aligned"], costs,
+                                  clock="rounds", **sim_kw)
+    runs.append(dict(
+        live, trainer_s=trainer_s, trainer_steps=trainer_steps,
+        sim_tr_s=sim_tr_s, sim_tr_steps=sim_tr_steps, sim_el=sim_el,
+        sim_al=sim_al, ratio=trainer_s / live["wall"],
+        sim_ratio=sim_tr_s / sim_el.makespan,
+        costs=dict(worker_step_s=step_s, worker_sample_s=sample_s,
+                   trainer_step_s=tr_step_s, trainer_sample_s=tr_sample_s),
+        lost=tokens_lost(live["samples"])))
+    print(f"  repeat {i + 1}: trainer-only {trainer_s:.3f}s, elastic "
+          f"{live['wall']:.3f}s ({runs[-1]['ratio']:.2f}x), sim "
+          f"{sim_tr_s:.3f}s / {sim_el.makespan:.3f}s "
+          f"({runs[-1]['sim_ratio']:.2f}x) "
+          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
+
+  live_ratio = statistics.median(r["ratio"] for r in runs)
+  sim_ratio = statistics.median(r["sim_ratio"] for r in runs)
+  rel_error = sim_ratio / live_ratio - 1
+  # Table and counts: the repeat of the median live ratio and its sim.
+  lr = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
+  st = lr["stats"]
+  tokens = sum(len(s.tokens) for s in lr["samples"])
+  assert tokens == ref_tokens
+  aligned_exact = all(
+      r["sim_al"].steps == r["steps"] and r["sim_al"].rounds == r["rounds"]
+      and r["sim_al"].reprefill_tokens == r["stats"].reprefill_tokens
+      for r in runs)
   wall = time.perf_counter() - t_start
-  print(f"trace: {n} prompts x G={G}, {ref_tokens} tokens; events "
-        f"{[(round(t, 2), e.iid, e.kind) for t, e in replay.applied]}")
-  head = f"{'run':<14}{'wall s':>8}{'tok/s':>9}{'device-s':>10}"
+
+  print(f"\ntrace: {n} prompts x G={G}, {ref_tokens} tokens; T = {T:.3f}s; "
+        f"events {[(round(t, 3), e.iid, e.kind) for t, e in lr['applied']]}"
+        f" (live, median run); median of {repeats}")
+  head = (f"{'run':<14}{'wall s':>8}{'sim s':>8}{'tok/s':>7}{'device-s':>10}"
+          f"{'sim':>7}{'steps':>7}{'sim':>6}{'rounds':>7}{'sim':>5}"
+          f"{'reprefill':>10}{'sim':>6}")
   print(head)
   print("-" * len(head))
-  print(f"{'trainer-only':<14}{trainer_s:>8.2f}{ref_tokens / trainer_s:>9.0f}"
-        f"{8 * trainer_s:>10.2f}")
-  print(f"{'elastic':<14}{elastic_s:>8.2f}{tokens / elastic_s:>9.0f}"
-        f"{worker_s:>10.2f}")
+  sim_el = lr["sim_el"]
+  print(f"{'trainer-only':<14}{lr['trainer_s']:>8.3f}"
+        f"{lr['sim_tr_s']:>8.3f}{ref_tokens / lr['trainer_s']:>7.0f}"
+        f"{8 * lr['trainer_s']:>10.2f}{8 * lr['sim_tr_s']:>7.2f}"
+        f"{lr['trainer_steps']:>7}{lr['sim_tr_steps']:>6}")
+  print(f"{'elastic':<14}{lr['wall']:>8.3f}{sim_el.makespan:>8.3f}"
+        f"{tokens / lr['wall']:>7.0f}{lr['worker_s']:>10.2f}"
+        f"{sim_el.worker_seconds:>7.2f}{sum(lr['steps'].values()):>7}"
+        f"{sum(sim_el.steps.values()):>6}{lr['rounds']:>7}{sim_el.rounds:>5}"
+        f"{st.reprefill_tokens:>10}{sim_el.reprefill_tokens:>6}")
   print(f"preemptions {st.preemptions}, migrated samples "
         f"{st.migrated_samples}, kept tokens {st.kept_tokens}, re-prefill "
         f"tokens {st.reprefill_tokens}, pulls {st.pulls} "
         f"({st.pull_s / max(1, st.pulls) * 1e3:.1f} ms each), "
         f"balanced {st.balanced_requests}")
+  print(f"event rounds: live {[round(e.time) for e in lr['aligned']]}, sim "
+        f"{[r for r, _, _ in sim_el.applied]}")
+  print(f"steps per worker: live {lr['steps']}, sim {sim_el.steps}, sim with "
+        f"events at the live rounds {lr['sim_al'].steps} (equal in every "
+        f"repeat: {aligned_exact})")
+  c = lr["costs"]
+  print(f"unit costs: worker step {c['worker_step_s'] * 1e3:.3f} ms + "
+        f"{c['worker_sample_s'] * 1e6:.1f} us per live sample, trainer step "
+        f"{c['trainer_step_s'] * 1e3:.3f} ms + "
+        f"{c['trainer_sample_s'] * 1e6:.1f} us, prefill "
+        f"{({b: round(v * 1e3, 3) for b, v in prefill_s.items()})} ms "
+        f"(trainer {trainer_prefill_s * 1e3:.3f}), poll overhead "
+        f"{poll_s * 1e3:.3f} ms (calibration residual "
+        f"{residual_s * 1e3:+.1f} ms over {cal_sim.polls} polls, "
+        f"{cal_sim.makespan * 1e3:.1f} ms simulated), pull "
+        f"{pull_s * 1e3:.2f} ms")
+  print(f"throughput vs trainer-only: live {live_ratio:.2f}x, sim "
+        f"{sim_ratio:.2f}x ({rel_error:+.1%}); per repeat live "
+        f"{[round(r['ratio'], 2) for r in runs]}, sim "
+        f"{[round(r['sim_ratio'], 2) for r in runs]}")
   print(f"wall time: {wall:.0f}s")
+
+  def r3(x):
+    return round(float(x), 3)
+
   print(json.dumps(dict(
-      tokens_lost=lost, reprefill_tokens=st.reprefill_tokens,
-      kept_tokens=st.kept_tokens,
+      tokens_lost=sum(r["lost"] for r in runs),
+      reprefill_tokens=st.reprefill_tokens, kept_tokens=st.kept_tokens,
       pull_latency_s=round(st.pull_s / max(1, st.pulls), 5),
-      throughput_vs_trainer_only=round(
-          (tokens / elastic_s) / (ref_tokens / trainer_s), 3),
-      worker_seconds=round(worker_s, 3),
-      trainer_only_device_seconds=round(8 * trainer_s, 3),
+      throughput_vs_trainer_only=r3(live_ratio),
+      worker_seconds=r3(lr["worker_s"]),
+      trainer_only_device_seconds=r3(8 * lr["trainer_s"]),
       preemptions=st.preemptions, migrated_samples=st.migrated_samples,
-      samples=len(samples), expected_samples=len(ref),
-      sim_rel_error=None, quick=_QUICK.value, bench_wall_s=round(wall, 1))))
+      samples=len(lr["samples"]), expected_samples=len(ref),
+      sim_rel_error=r3(rel_error),
+      sim_throughput_vs_trainer_only=r3(sim_ratio),
+      live_s=dict(trainer_only=r3(lr["trainer_s"]), elastic=r3(lr["wall"])),
+      sim_s=dict(trainer_only=r3(lr["sim_tr_s"]),
+                 elastic=r3(sim_el.makespan)),
+      sim_reprefill_tokens=sim_el.reprefill_tokens,
+      sim_worker_seconds=r3(sim_el.worker_seconds),
+      steps=dict(trainer_only=lr["trainer_steps"],
+                 elastic=sum(lr["steps"].values())),
+      sim_steps=dict(trainer_only=lr["sim_tr_steps"],
+                     elastic=sum(sim_el.steps.values())),
+      sim_aligned_exact=aligned_exact,
+      sim_aligned_rel_error=r3(statistics.median(
+          r["sim_tr_s"] / r["sim_al"].makespan for r in runs)
+          / live_ratio - 1),
+      ratios=dict(live=[r3(r["ratio"]) for r in runs],
+                  sim=[r3(r["sim_ratio"]) for r in runs]),
+      unit_costs=dict({k: round(v, 7) for k, v in c.items()},
+                      prefill_s={b: round(v, 6) for b, v in prefill_s.items()},
+                      trainer_prefill_s=round(trainer_prefill_s, 6),
+                      poll_s=round(poll_s, 6), pull_s=round(pull_s, 6)),
+      repeats=repeats, quick=_QUICK.value, bench_wall_s=round(wall, 1))))
 
 
 if __name__ == "__main__":

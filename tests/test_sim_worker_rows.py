@@ -1,0 +1,213 @@
+"""Row-level replay of the elastic rollout (`rlhf_jax/sim/worker_rows.py`):
+hand-checked schedules, preemption, round costs, Theta and balancing, no
+sample lost; and the same step counts as a live manager run."""
+
+import numpy as np
+import pytest
+
+from rlhf_jax.sim import rows
+from rlhf_jax.sim import worker_rows as wr
+from rlhf_jax.sim.availability import SpotEvent
+
+COSTS = wr.WorkerCosts(1.0, {8: 0.25, 20: 0.5}, poll_s=0.5, pull_s=0.1)
+ONE_ROW = dict(rows_per_worker=1, buckets=(8, 20), poll_steps=2)
+
+
+def _events(*spec):
+  return [SpotEvent(t, iid, kind) for t, iid, kind in spec]
+
+
+def test_one_worker_hand_checked():
+  # G=2, lengths 3 and 5: 5 driver iterations (the host reads one step
+  # late, as in sim/rows.py), polled 2 at a time: 3 rounds. A pull, a
+  # prefill, 5 steps and 3 poll overheads.
+  joins = _events((0, "w", "add"))
+  r = wr.simulate([[3, 5]], [5], joins, COSTS, theta=1, **ONE_ROW)
+  assert (r.steps, r.rounds, r.polls) == ({"w": 5}, 3, 3)
+  assert r.makespan == pytest.approx(0.1 + 0.25 + 5 + 3 * 0.5)
+  assert r.worker_seconds == pytest.approx(r.makespan)
+  # With theta=1 the second prompt waits in the manager's queue until the
+  # second round, in the worker's until its row frees after iteration 5; it
+  # enters at iteration 6 and is read finished at iteration 7.
+  r = wr.simulate([[3, 5], [2, 2]], [5, 5], joins, COSTS, theta=1,
+                  **ONE_ROW)
+  assert (r.steps, r.rounds, r.prefills) == ({"w": 7}, 4, 2)
+  assert r.makespan == pytest.approx(0.1 + 2 * 0.25 + 7 + 4 * 0.5)
+  assert sum(r.produced.values()) == 4
+
+
+def test_driver_matches_rows_and_charges_live_samples():
+  rng = np.random.default_rng(0)
+  lengths = np.clip(rng.lognormal(2, 0.8, (20, 4)).astype(int), 1, 40)
+  costs = wr.WorkerCosts(2.0, {8: 0.3})
+  t, steps = wr.simulate_driver(lengths, [5] * 20, costs, num_rows=6,
+                                buckets=(8,))
+  ref = rows.simulate(lengths, replicas=3, rows_per_replica=2,
+                      policy="continuous",
+                      costs=rows.UnitCosts({3: 2.0}, 0.3, 0.0))
+  assert (t, steps) == (pytest.approx(ref.makespan), ref.steps)
+  # A sample of L tokens is live in L steps: sample_s adds per token.
+  t2, _ = wr.simulate_driver(lengths, [5] * 20, wr.WorkerCosts(
+      2.0, {8: 0.3}, sample_s=0.01), num_rows=6, buckets=(8,))
+  assert t2 == pytest.approx(t + 0.01 * lengths.sum())
+
+
+def test_preemption_continues_exactly_the_unfinished():
+  # One row; prompt 0 (lengths 4, 6) runs on a, prompt 1 waits in a's
+  # queue (theta=2). a dies at round 2 after 4 iterations: sample (0, 0)
+  # is done, (0, 1) streamed 4 tokens and continues as prompt + 4 = 9
+  # tokens (the long bucket) with 2 left; prompt 1 never started and goes
+  # back whole, at the queue's front.
+  costs = wr.WorkerCosts(1.0, {8: 0.0, 20: 0.5})
+  trace = _events((0, "a", "add"), (2, "a", "remove"), (2, "b", "add"))
+  r = wr.simulate([[4, 6], [1, 1]], [5, 5], trace, costs, theta=2,
+                  clock="rounds", **ONE_ROW)
+  assert (r.preemptions, r.migrated_samples) == (1, 1)
+  assert (r.kept_tokens, r.reprefill_tokens) == (4, 9)
+  # b: prompt 1 at iteration 1 (both end there), the continuation at 2,
+  # read finished at 2 + 2 - 1 = 3.
+  assert r.steps == {"a": 4, "b": 3}
+  assert r.produced == {"a": 1, "b": 3}
+  assert r.makespan == pytest.approx(4.0 + 1 + 0.5 + 2)
+  assert [(k, t, e.kind) for k, t, e in r.applied] == [
+      (0, 0.0, "add"), (2, 4.0, "remove"), (2, 4.0, "add")]
+  assert r.worker_seconds == pytest.approx(r.makespan)
+
+
+def test_sequential_vs_parallel_rounds():
+  # Two workers, one prompt each, two rounds of 2 steps: in-process polls
+  # add up, parallel ones (Ray actors) cost the slowest; pulls likewise.
+  trace = _events((0, "a", "add"), (0, "b", "add"))
+  costs = wr.WorkerCosts(1.0, {8: 0.0}, poll_s=0.5, pull_s=0.2)
+  kw = dict(theta=1, rows_per_worker=1, buckets=(8,), poll_steps=2)
+  seq = wr.simulate([[4, 4], [4, 4]], [5, 5], trace, costs, **kw)
+  par = wr.simulate([[4, 4], [4, 4]], [5, 5], trace, costs, parallel=True,
+                    **kw)
+  assert seq.steps == par.steps == {"a": 4, "b": 4}
+  assert seq.makespan == pytest.approx(2 * 0.2 + 2 * 2 * 2.5)
+  assert par.makespan == pytest.approx(0.2 + 2 * 2.5)
+
+
+def test_theta_keeps_work_in_the_queue_for_joiners(monkeypatch):
+  # Six prompts, one row per worker, b joins at round 2. theta=1: the
+  # manager holds the queue, b gets work by dispatch. theta=100: a holds
+  # all of it; b gets a's newest queued requests by balancing.
+  trace = _events((0, "a", "add"), (2, "b", "add"))
+  costs = wr.WorkerCosts(1.0, {8: 0.0})
+  lengths = np.full((6, 2), 3)
+  seen = []
+  select = wr.offload.select_instance
+
+  def spy(views, theta):
+    seen.append(max(v.pending for v in views))
+    return select(views, theta)
+
+  monkeypatch.setattr(wr.offload, "select_instance", spy)
+  one = wr.simulate(lengths, [5] * 6, trace, costs, theta=1, clock="rounds",
+                    **ONE_ROW)
+  monkeypatch.undo()
+  assert max(seen) == 1 and one.balanced_requests == 0
+  many = wr.simulate(lengths, [5] * 6, trace, costs, theta=100,
+                     clock="rounds", **ONE_ROW)
+  assert many.balanced_requests == 4
+  for r in (one, many):
+    assert r.produced == {"a": 8, "b": 4} and r.makespan == 18.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_sample_lost_or_duplicated(seed):
+  rng = np.random.default_rng(seed)
+  lengths, prompt_lens = rng.integers(1, 30, (16, 4)), rng.integers(4, 16, 16)
+  trace = _events((0, "a", "add"), (0, "b", "add"), (5, "a", "remove"),
+                  (8, "c", "add"), (12, "b", "remove"), (15, "c", "remove"),
+                  (16, "d", "add"))
+  costs = wr.WorkerCosts(0.1, {16: 0.05, 48: 0.1}, poll_s=0.01)
+  kw = dict(rows_per_worker=2, buckets=(16, 48), theta=2, poll_steps=3,
+            wait_for_workers_s=10.0)
+  r = wr.simulate(lengths, prompt_lens, trace, costs, **kw)
+  assert sum(r.produced.values()) == lengths.size
+  assert r.preemptions == sum(e.kind == "remove" for _, _, e in r.applied)
+  # Each continuation re-prefills its prompt and the tokens kept so far.
+  assert r.kept_tokens < lengths.sum()
+  assert r.reprefill_tokens >= r.kept_tokens + 4 * r.migrated_samples
+  assert r == wr.simulate(lengths, prompt_lens, trace, costs, **kw)
+
+
+def test_gap_without_workers():
+  # a is preempted after round 0 (2 tokens streamed per sample); the
+  # manager waits ~0.5 s (gap rounds of GAP_SLEEP_S) for b, which runs the
+  # two continuations (prompt + 2 tokens, 4 left each) one after the other.
+  trace = _events((0, "a", "add"), (1.0, "a", "remove"), (2.5, "b", "add"))
+  costs = wr.WorkerCosts(1.0, {8: 0.0})
+  r = wr.simulate([[6, 6]], [5], trace, costs, theta=1,
+                  wait_for_workers_s=1.0, **ONE_ROW)
+  assert r.produced == {"b": 2} and r.steps == {"a": 2, "b": 8}
+  assert (r.kept_tokens, r.reprefill_tokens) == (4, 2 * 7)
+  assert r.makespan == pytest.approx(2.5 + 8, abs=wr.GAP_SLEEP_S)
+  assert r.rounds == pytest.approx(2 + 50 + 4, abs=1)
+  for cut, wait in ((2, 1.0), (3, 0.1)):  # No join left, or too late.
+    with pytest.raises(RuntimeError, match="no worker alive"):
+      wr.simulate([[6, 6]], [5], trace[:cut], costs, theta=1,
+                  wait_for_workers_s=wait, **ONE_ROW)
+
+
+def test_matches_a_live_manager_run(mesh8):
+  """A live `RolloutManager` over in-process one-device workers, the trace
+  replayed on a round clock: the same steps per worker, rounds, samples
+  per worker, migrations, re-prefill tokens and balancing moves."""
+  del mesh8
+  import jax
+
+  from rlhf_jax.engine.driver import Request
+  from rlhf_jax.engine.sampling import SamplingParams
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.models.config import ModelConfig
+  from rlhf_jax.workers import manager as manager_lib
+  from rlhf_jax.workers.replay import AvailabilityReplayer
+  from rlhf_jax.workers.weights import LocalWeightStore
+  from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
+
+  M, G, R, theta, poll_steps = 12, 2, 2, 3, 3
+  spec = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=R,
+                    samples_per_row=G, prefill_buckets=(8, 8 + M),
+                    sampling=SamplingParams(max_new_tokens=M))
+  _, params = model_lib.init_params(spec.model, 0)
+  store = LocalWeightStore()
+  store.publish(0, params)
+  rng = np.random.default_rng(0)
+  lengths, prompt_lens = rng.integers(1, M + 1, (8, G)), rng.integers(2, 8, 8)
+  requests = [Request(p, rng.integers(6, 64, prompt_lens[p]), num_samples=G,
+                      seed=3, max_new_tokens_per_sample=tuple(
+                          int(x) for x in lengths[p])) for p in range(8)]
+  # b joins at round 1 and takes queued work (balancing); a is preempted
+  # at round 4 mid-response.
+  trace = _events((0, "a", "add"), (1, "b", "add"), (4, "a", "remove"))
+  spawned = {}
+
+  def spawn(iid):
+    spawned[iid] = RolloutWorker(iid, spec,
+                                 devices=[jax.devices()[len(spawned)]])
+    return manager_lib.LocalHandle(spawned[iid])
+
+  rounds = iter(range(10**6))
+  replay = AvailabilityReplayer(trace, spawn, clock=lambda: next(rounds))
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=theta,
+                                   poll_steps=poll_steps)
+  mgr.on_poll = replay
+  mgr.wait_for_workers_s = 5.0
+  samples = mgr.run(requests)
+  sim = wr.simulate(lengths, prompt_lens, trace,
+                    wr.WorkerCosts(1.0, {8: 0.0, 8 + M: 0.0}),
+                    rows_per_worker=R, buckets=(8, 8 + M), theta=theta,
+                    poll_steps=poll_steps, clock="rounds",
+                    wait_for_workers_s=5.0)
+  st = mgr.stats
+  assert sum(len(s.tokens) for s in samples) == lengths.sum()
+  assert {k: w.steps for k, w in spawned.items()} == sim.steps
+  assert next(rounds) == sim.rounds  # The clock ticks once per round.
+  assert dict(mgr.produced) == sim.produced
+  assert (st.preemptions, st.migrated_samples, st.kept_tokens,
+          st.reprefill_tokens, st.balanced_requests) == (
+              sim.preemptions, sim.migrated_samples, sim.kept_tokens,
+              sim.reprefill_tokens, sim.balanced_requests)
+  assert st.migrated_samples > 0 and st.balanced_requests > 0
