@@ -247,10 +247,34 @@ class Driver:
     What a preempted worker hands back: each continues elsewhere as its
     prompt + these tokens (`workers/continuation.py`).
     """
-    return [Partial(it.request, it.sample_idx, list(it.tokens),
-                    list(it.logp), list(it.logp_raw), it.budget,
-                    self.weight_version)
-            for _, it in sorted(self.live.items())]
+    return [self._partial(it) for _, it in sorted(self.live.items())]
+
+  def evict(self, row: int) -> list[Partial]:
+    """Cuts `row`'s samples out of the run; returns them as `Partial`s.
+
+    For handing running samples to another worker (load balancing): they
+    continue there as prompt + tokens so far. The row frees at once (the
+    next admission may reuse it). Nothing of the cut samples is emitted
+    later: the step in flight still carries a token for their slots, but
+    `_consume` reads only slots in `live`, and a new occupant of the row
+    reads only steps dispatched after it entered (`since_step`). That
+    in-flight token is not in the Partials: the continuation samples it
+    again with the same key at the same position (the same token). On the
+    device the slots keep stepping until the row is refilled, as for a
+    sample the host ended on its budget (static shapes: no extra cost).
+    """
+    if any(e[0] == "insert" and e[1][0] // self.engine.samples_per_row == row
+           for e in self._events):  # `step()` always reads its inserts.
+      raise RuntimeError(f"row {row}: its first tokens are not read yet")
+    slots = [s for s in self.engine.slots_of_row[row] if s in self.live]
+    out = [self._partial(self.live.pop(s)) for s in slots]
+    for s in slots:
+      self.engine.free_resource(s)
+    return out
+
+  def _partial(self, it: _Live) -> Partial:
+    return Partial(it.request, it.sample_idx, list(it.tokens), list(it.logp),
+                   list(it.logp_raw), it.budget, self.weight_version)
 
   def _validate(self, req: Request, common: np.ndarray) -> None:
     eng = self.engine

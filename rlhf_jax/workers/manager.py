@@ -9,9 +9,13 @@ RLBoost's manager over `RolloutWorker`s that come and go:
   - a worker that dies or times out (preemption) loses nothing: each of its
     unfinished samples is re-dispatched as prompt + tokens so far with the
     remaining budget (`continuation.py`), and its tokens continue exactly;
-  - CONTINUOUSLB for queued work: a worker with nothing pending takes
-    requests still queued on the busiest one (`sched.offload.balance_moves`;
-    moving *running* samples above the batching plateau is not done yet);
+  - CONTINUOUSLB (`sched.offload.balance_moves`): a worker with nothing
+    pending takes requests still queued on the busiest one; with
+    `plateau=B` set, an idle worker also takes the running samples above B
+    of the busiest (whole rows, longest budget left first,
+    `RolloutWorker.take_running`), continued as prompt + tokens so far
+    like a preempted worker's; B comes from `RolloutWorker.measure_plateau`
+    or is given;
   - a sample that finished on older weights than the newest published is
     discarded and sampled again, so the learner never sees a stale sample.
 Workers are reached through handles: `LocalHandle` (in-process) or
@@ -41,18 +45,15 @@ class LocalHandle:
     self.worker, self.worker_id, self.alive = worker, worker.worker_id, True
 
   def call_async(self, name: str, *args):
+    # An error inside the worker's method (a bad request) is raised as it
+    # is: the worker is alive, and retrying elsewhere would fail the same.
     if not self.alive:
       return WorkerDied(self.worker_id)
-    try:
-      return getattr(self.worker, name)(*args)
-    except Exception as e:  # pylint: disable=broad-except
-      return e
+    return getattr(self.worker, name)(*args)
 
   def result(self, future):
-    if isinstance(future, Exception):
-      if isinstance(future, WorkerDied):
-        raise future
-      raise WorkerDied(f"{self.worker_id}: {future!r}") from future
+    if isinstance(future, WorkerDied):
+      raise future
     return future
 
   def kill(self):
@@ -71,9 +72,14 @@ class RayHandle:
     return getattr(self.actor, name).remote(*args)
 
   def result(self, future):
+    exceptions = self._ray.exceptions
     try:
       return self._ray.get(future, timeout=self.timeout_s)
-    except (self._ray.exceptions.RayError, TimeoutError) as e:
+    except exceptions.RayTaskError as e:
+      # The method raised inside a live actor (a bad request): re-raise the
+      # worker's own error, as LocalHandle does.
+      raise e.as_instanceof_cause() from None
+    except (exceptions.RayError, TimeoutError) as e:
       self.alive = False
       raise WorkerDied(f"{self.worker_id}: {e!r}") from e
 
@@ -102,6 +108,8 @@ class ManagerStats:
   reprefill_tokens: int = 0   # prompt + kept tokens prefilled again
   kept_tokens: int = 0        # tokens generated before a cut, kept
   balanced_requests: int = 0  # queued requests moved to an idle worker
+  moved_running: int = 0      # running samples moved to an idle worker
+                              # (also counted in migrated_samples)
   stale_resampled: int = 0
   pulls: int = 0
   pull_s: float = 0.0
@@ -111,9 +119,12 @@ class RolloutManager:
   """Runs batches of requests over a changing set of workers."""
 
   def __init__(self, store, *, max_new_tokens: int, theta: int = 4,
-               poll_steps: int = 8):
+               poll_steps: int = 8, plateau: int | None = None):
     self.store, self.max_new_tokens = store, max_new_tokens
     self.theta, self.poll_steps = theta, poll_steps
+    # Batching plateau B in samples: running samples above it move to an
+    # idle worker. None: running samples never move (queued ones still do).
+    self.plateau = plateau
     self.handles: dict[str, Any] = {}
     self.versions: dict[str, int] = {}
     self.stats = ManagerStats()
@@ -127,10 +138,11 @@ class RolloutManager:
     self._running: dict[str, tuple[int, int]] = {}
 
   # ---------------------------------------------------------- membership
-  def add(self, handle) -> None:
-    """A worker joins; it pulls the newest weights before its first work."""
+  def add(self, handle, version: int = -1) -> None:
+    """A worker joins; it pulls the newest weights before its first work
+    unless it already holds `version` (the trainer's own engine)."""
     self.handles[handle.worker_id] = handle
-    self.versions[handle.worker_id] = -1
+    self.versions[handle.worker_id] = version
 
   def _refresh(self) -> int:
     """Stale live workers pull the newest version; returns it."""
@@ -288,15 +300,44 @@ class RolloutManager:
         st.worker, st.live = w, None
 
   def _balance(self, pending, states, latest, queue):
-    """Moves queued requests from the busiest workers to idle ones."""
+    """Moves queued requests from the busiest workers to idle ones, and
+    (with `plateau` set) running samples above the plateau to idle ones."""
     ids = [w for w, h in self.handles.items() if h.alive and
            w not in self._lost and self.versions.get(w) == latest]
     views = [offload.QueueView(pending[w], *self._running.get(w, (0, 1)))
              for w in ids]
-    for src, dst, count, running in offload.balance_moves(views, 1 << 30):
-      if running:
-        continue  # Running-sample moves: not implemented (see docstring).
+    plateau = 1 << 30 if self.plateau is None else self.plateau
+    for src, dst, count, running in offload.balance_moves(views, plateau):
       s, d = ids[src], ids[dst]
+      if s == d:  # balance_moves picks the destination as a source once its
+        continue  # queue is the longest: a no-op, not a move.
+      if running:  # Cut on s, continued on d from the tokens so far.
+        try:
+          parts = self.handles[s].result(
+              self.handles[s].call_async("take_running", count))
+        except WorkerDied:
+          self._lost.append(s)
+          continue
+        conts = collections.deque()
+        for p in parts:
+          key = p.request.prompt_id, p.sample_idx
+          states[key].live = p  # Its tokens as of the cut.
+          self._continue(key, states[key], conts)
+        reqs = list(reversed(conts))  # In the order they were cut.
+        self.stats.moved_running += len(parts)
+        n, slots = self._running.get(s, (0, 1))
+        self._running[s] = (max(n - len(parts), 0), slots)
+        try:
+          if reqs:
+            self.handles[d].result(self.handles[d].call_async("submit", reqs))
+        except WorkerDied:
+          self._lost.append(d)
+          queue.extendleft(conts)  # Queue front, in cut order.
+          continue
+        pending[d] += len(reqs)
+        for req in reqs:
+          states[req.prompt_id, req.first_sample_index].worker = d
+        continue
       try:
         reqs = self.handles[s].result(
             self.handles[s].call_async("take_pending", count))

@@ -10,10 +10,13 @@ responses survive on the manager's side).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import time
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.engine import Engine
@@ -21,6 +24,7 @@ from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.sched import offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,24 +49,30 @@ class PollResult:
 class RolloutWorker:
   """Engine + driver on this process's (or the given) devices."""
 
-  def __init__(self, worker_id: str, spec: EngineSpec, devices=None,
-               num_devices: int | None = None):
+  def __init__(self, worker_id: str, spec: EngineSpec | None, devices=None,
+               num_devices: int | None = None, engine: Engine | None = None):
+    """Builds an engine from `spec` on `devices`, or drives `engine` (the
+    trainer's own, for the seed window: `workers/seeding.py`)."""
     self.worker_id, self.spec = worker_id, spec
-    devices = list(devices or jax.local_devices()[:num_devices])
-    layout = mesh_lib.rollout_layout(
-        mesh_lib.make_mesh(fsdp=len(devices), devices=devices), 1)
-    self.graphdef, abstract = model_lib.abstract_params(spec.model)
-    self._treedef = jax.tree.structure(abstract)
-    self.engine = Engine(spec.model, self.graphdef, layout,
-                         num_rows=spec.num_rows,
-                         samples_per_row=spec.samples_per_row,
-                         prefill_buckets=spec.prefill_buckets,
-                         sampling=spec.sampling)
+    if engine is None:
+      devices = list(devices or jax.local_devices()[:num_devices])
+      layout = mesh_lib.rollout_layout(
+          mesh_lib.make_mesh(fsdp=len(devices), devices=devices), 1)
+      self.graphdef, abstract = model_lib.abstract_params(spec.model)
+      self._treedef = jax.tree.structure(abstract)
+      engine = Engine(spec.model, self.graphdef, layout,
+                      num_rows=spec.num_rows,
+                      samples_per_row=spec.samples_per_row,
+                      prefill_buckets=spec.prefill_buckets,
+                      sampling=spec.sampling)
+    self.engine = engine
     self.version = -1
     self.driver: Driver | None = None
     self.steps = 0
+    self.step_s = 0.0  # Wall seconds of those steps (`counters`).
     self._next = None          # (version, params) waiting for a drain
     self._queued: list[Request] = []  # requests for the next version
+    self.plateau_step_s: dict[int, float] = {}  # measure_plateau's timings
 
   # ---------------------------------------------------------------- weights
   def load(self, version: int, leaves: Sequence) -> int:
@@ -83,6 +93,16 @@ class RolloutWorker:
     if latest != self.version:
       self.load(*store.pull(latest))
     return self.version
+
+  def install(self, version: int, params) -> None:
+    """Starts decoding with device params already in the engine's layout."""
+    self._queued = []
+    self._install(version, params)
+
+  def unload(self) -> None:
+    """Drops the params and all work (the trainer takes its devices back)."""
+    self.driver, self.params, self._next, self._queued = None, None, None, []
+    self.version = -1
 
   def _install(self, version, params):
     self.version, self.params = version, params
@@ -110,6 +130,92 @@ class RolloutWorker:
       out.append(self.driver.pending.pop())
     return out
 
+  def take_running(self, n: int) -> list[Partial]:
+    """Cuts up to `n` running samples out; returns their tokens so far.
+
+    CONTINUOUSLB's running moves: the manager continues them on an idle
+    worker (`continuation.py`). A row holds one request's samples and
+    frees only when all of them end, so whole rows are cut (a row whose
+    live samples would exceed what is left of `n` is skipped). Rows with
+    the most budget left go first: a move costs about the same whatever
+    the row (a re-prefill of prompt + tokens so far), while its gain is the
+    decode steps the other worker runs instead of this one; the longest
+    rows (the long tail) are the ones that would keep this worker's batch
+    occupied the longest, and this worker keeps the rows that end soonest.
+    The remaining budget is an upper bound on a sample's remaining length
+    (a stop token may end it earlier); it is what the engine knows.
+
+    At most max(num_rows, samples_per_row) samples are cut: each continues
+    as a request of its own (its tokens differ from its row-mates'), so it
+    takes a whole row on the destination, and an idle worker of the same
+    spec starts `num_rows` of them at once; more would wait in its queue
+    (and the pending rule could hand them back here). One whole row may
+    always move, even when G > num_rows.
+    """
+    d = self.driver
+    n = min(n, max(self.engine.num_rows, self.engine.samples_per_row))
+    if d is None or n < 1:
+      return []
+    G = self.engine.samples_per_row
+    rows = collections.defaultdict(list)
+    for slot, it in d.live.items():
+      rows[slot // G].append(it.budget - len(it.tokens))
+    order = sorted(rows, key=lambda r: (-max(rows[r]), -sum(rows[r]), r))
+    out: list[Partial] = []
+    for r in order:
+      if len(rows[r]) <= n - len(out):
+        out += d.evict(r)
+    return out
+
+  def measure_plateau(self, fraction: float = 0.8, steps: int = 5,
+                      counts: Sequence[int] | None = None) -> int:
+    """The batching plateau B of this worker's engine, measured.
+
+    Times a decode step with b live samples for each b in `counts`
+    (default: 1 and every multiple of the row size up to the slots),
+    dummy prompts inserted straight into the idle engine, a warm-up step
+    first, the fastest of `steps` timed steps (other load only adds), and
+    returns `sched.offload.batching_plateau` of throughput(b) =
+    b / step time (step time linear between measured counts): the smallest
+    b reaching `fraction` of the full batch's throughput. This engine
+    decodes static shapes: a step computes every slot, live or not, so its
+    time is nearly flat in b and B comes out near fraction x slots. That
+    is the honest value for this engine (an engine with dynamic batch
+    shapes would show a real knee). Needs an idle worker with weights.
+    """
+    d = self.driver
+    if d is None:
+      raise RuntimeError(f"worker {self.worker_id} has no weights yet")
+    if d.busy or self._queued:
+      raise RuntimeError(f"worker {self.worker_id} is busy; measure when idle")
+    eng = self.engine
+    G, slots = eng.samples_per_row, eng.max_concurrent_decodes
+    counts = sorted(set(counts or [1, *range(G, slots + 1, G), slots]))
+    if not 1 <= counts[0] <= counts[-1] <= slots:
+      raise ValueError(f"counts {counts} must lie in [1, {slots}]")
+    padded, true_len = eng.pad_prompt(np.ones(1, np.int32))
+    times = []
+    for b in counts:
+      state = eng.init_decode_state()  # Every row free (the driver is idle).
+      for row in range(-(-b // G)):
+        k = min(G, b - row * G)
+        prefix = eng.prefill_multisampling(self.params, padded, true_len, k)
+        state = eng.bulk_insert(prefix, state, eng.slots_of_row[row][:k])
+      state, res = eng.generate(self.params, state)  # Warm-up (compiled).
+      jax.block_until_ready(res)
+      best = float("inf")  # Min over steps: other load only adds time.
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        state, res = eng.generate(self.params, state)
+        jax.block_until_ready((state, res))
+        best = min(best, time.perf_counter() - t0)
+      times.append(best)
+      for slot in range(slots):
+        eng.free_resource(slot)
+    self.plateau_step_s = dict(zip(counts, times))
+    return offload.batching_plateau(
+        lambda b: b / float(np.interp(b, counts, times)), slots, fraction)
+
   def clear(self) -> None:
     """Drops every request and sample in flight (they continue elsewhere)."""
     self._queued = []
@@ -118,6 +224,11 @@ class RolloutWorker:
     elif self.driver is not None:
       self.driver = Driver(self.engine, self.params,
                            weight_version=self.version)
+      self.driver.start()  # Fed again by `submit` if it is held again.
+
+  def counters(self) -> tuple[int, float]:
+    """(driver steps so far, their wall seconds): the pool's step time."""
+    return self.steps, self.step_s
 
   def poll(self, max_steps: int = 8) -> PollResult:
     """Runs up to `max_steps` decode iterations (fewer once idle)."""
@@ -126,8 +237,10 @@ class RolloutWorker:
     for _ in range(max_steps):
       if d is None or not d.busy:
         break
+      t0 = time.perf_counter()
       finished += d.step()
       self.steps += 1
+      self.step_s += time.perf_counter() - t0
     if d is not None and not d.busy and self._next is not None:
       self._install(*self._next)
       d = self.driver
