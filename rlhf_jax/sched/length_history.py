@@ -33,6 +33,10 @@ class LengthHistory:
   def known(self, prompt_id: int) -> bool:
     return prompt_id in self._ewma
 
+  def mean(self, default: float) -> float:
+    """Mean prediction over every prompt seen; `default` when none is."""
+    return statistics.fmean(self._ewma.values()) if self._ewma else default
+
   def state_dict(self) -> dict:
     """Checkpointable state (resume-first: the history survives restarts)."""
     return {"alpha": self.alpha, "ewma": dict(self._ewma)}

@@ -6,8 +6,10 @@ weight store (host copy) and runs its prompts on the workers through the
 samples re-sampled); with 0 the job runs trainer-only on its own mesh.
 Workers are in-process engines on the trainer's devices (`kind="local"`,
 tests) or Ray actors in their own JAX processes (`kind="ray"`).
-Not built yet: the seed window on the trainer's mesh before handing off
-(RLBoost adaptive offload) and scaling the worker count to demand.
+`rollout.workers.seed`: the trainer's own engine seeds each rollout for
+T_seed, then hands its unfinished samples to the workers (RLBoost adaptive
+offload, `workers/seeding.py`). `rollout.workers.scale="cost"`: hold the
+cost-aware number of workers each step (`workers/pool.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from rlhf_jax.trainers import rollout
 def default_config() -> ConfigDict:
   """`rollout.workers`: how many rollout workers, where, dispatch knobs."""
   return ConfigDict(dict(num=0, kind="local", theta=4, poll_steps=8,
-                         devices_per_worker=1, timeout_s=300.0))
+                         devices_per_worker=1, timeout_s=300.0,
+                         # Scale to demand (workers/pool.py): hold every
+                         # available worker ("all") or the cost-aware count
+                         # ("cost", lambda = weight of latency vs cost).
+                         scale="all", cost_lambda=0.5,
+                         # Adaptive offload (RLBoost Algorithm 1): the
+                         # trainer's engine seeds for T_seed, then hands off.
+                         seed=False, seed_init_s=1.0, seed_eta=3.0,
+                         seed_floor_s=0.05))
 
 
 def check(config) -> None:
@@ -39,6 +49,18 @@ def check(config) -> None:
     raise ConfigError(
         f"config.rollout.workers: {w.num} local workers x "
         f"{w.devices_per_worker} devices > {jax.device_count()} devices")
+  if w.scale not in ("all", "cost"):
+    raise ConfigError("config.rollout.workers.scale must be 'all' or "
+                      f"'cost', got {w.scale!r}")
+  if not 0.0 <= w.cost_lambda <= 1.0:
+    raise ConfigError("config.rollout.workers.cost_lambda must be in "
+                      f"[0, 1], got {w.cost_lambda}")
+  if w.seed and not (w.seed_init_s >= 0 and w.seed_eta > 0 and
+                     w.seed_floor_s >= 0):
+    raise ConfigError(
+        "config.rollout.workers.seed_init_s and .seed_floor_s must be >= 0 "
+        f"and .seed_eta > 0; got {w.seed_init_s}, {w.seed_floor_s}, "
+        f"{w.seed_eta}")
   if config.rollout.get("long_tail") and config.rollout.long_tail.enabled:
     raise ConfigError("config.rollout.workers and config.rollout.long_tail "
                       "do not combine yet; turn one off")
@@ -49,6 +71,7 @@ def build(config, cfg, stop_tokens):
   from rlhf_jax.trainers import builders
   from rlhf_jax.workers import manager as manager_lib
   from rlhf_jax.workers import weights
+  from rlhf_jax.workers.pool import DemandScaler, WorkerPool
   from rlhf_jax.workers.worker import EngineSpec, RolloutWorker, ray_worker
 
   w, ro = config.rollout.get("workers"), config.rollout
@@ -58,7 +81,10 @@ def build(config, cfg, stop_tokens):
   spec = EngineSpec(cfg, num_rows=max(1, ro.num_rows // replicas)
                     * w.devices_per_worker,
                     samples_per_row=ro.samples_per_row,
-                    prefill_buckets=tuple(ro.prefill_buckets),
+                    # Continuations (prompt + tokens so far, after a
+                    # preemption or hand-off) need the longest bucket.
+                    prefill_buckets=tuple(sorted(set(ro.prefill_buckets) | {
+                        max(ro.prefill_buckets) + ro.max_new_tokens})),
                     sampling=builders.sampling_params(ro, stop_tokens))
   if w.kind == "ray":
     import ray  # Optional extra: pip install .[ray]
@@ -67,26 +93,55 @@ def build(config, cfg, stop_tokens):
       ray.init(include_dashboard=False, log_to_driver=False)
     store = weights.RayWeightStore()
     actor = ray_worker(num_cpus=1)
-    handles = [manager_lib.RayHandle(
-        actor.remote(f"w{i}", spec, None, w.devices_per_worker), f"w{i}",
-        timeout_s=w.timeout_s) for i in range(w.num)]
+
+    def spawn(wid):  # Holding starts an actor; releasing kills it.
+      return manager_lib.RayHandle(
+          actor.remote(wid, spec, None, w.devices_per_worker), wid,
+          timeout_s=w.timeout_s)
   else:
     store = weights.LocalWeightStore()
     devs = jax.devices()
     k = w.devices_per_worker
-    handles = [manager_lib.LocalHandle(RolloutWorker(
-        f"w{i}", spec, devices=devs[i * k:(i + 1) * k]))
-               for i in range(w.num)]
+    workers = {f"w{i}": RolloutWorker(f"w{i}", spec,
+                                      devices=devs[i * k:(i + 1) * k])
+               for i in range(w.num)}
+
+    def spawn(wid):  # Releasing just stops using the in-process worker.
+      return manager_lib.LocalHandle(workers[wid])
   mgr = manager_lib.RolloutManager(store, max_new_tokens=ro.max_new_tokens,
                                    theta=w.theta, poll_steps=w.poll_steps)
-  for h in handles:
-    mgr.add(h)
+  pool = WorkerPool(mgr)
+  for i in range(w.num):
+    pool.offer(f"w{i}", lambda wid=f"w{i}": spawn(wid))
+  pool.hold(w.num)  # Every worker at first; `generate` re-chooses per step.
+  mgr.scaler = DemandScaler(
+      pool, scale=w.scale, lam=w.cost_lambda,
+      slots=spec.num_rows * spec.samples_per_row,
+      max_new_tokens=ro.max_new_tokens, devices_per_worker=w.devices_per_worker)
+  mgr.seed_window = None
   return mgr
 
 
+def attach_seed_window(mgr, config, engine) -> None:
+  """Adds the trainer's `engine` as the seeding worker (`rollout.workers.seed`)."""
+  from rlhf_jax.sched import offload
+  from rlhf_jax.workers.seeding import SeedWindow
+
+  w = config.rollout.workers
+  if mgr is None or not w.seed:
+    return
+  mgr.seed_window = SeedWindow(engine, offload.SeedWindowController(
+      n_resv=1, t_init=w.seed_init_s, eta=w.seed_eta, floor=w.seed_floor_s))
+
+
 def generate(mgr, params, version: int, prompts, num_samples: int,
-             seed: int):
-  """Publishes `params` as `version`; the batch's samples, in batch order."""
+             seed: int, engine=None, train_s: float | None = None):
+  """Publishes `params` as `version`; the batch's samples, in batch order.
+
+  With `rollout.workers.seed`, `engine` (the trainer's rollout engine, which
+  `params` are laid out for) seeds the batch first (`workers/seeding.py`);
+  `train_s` is the trainer's last training time, for the worker cap.
+  """
   from rlhf_jax.workers.manager import ManagerStats
 
   try:
@@ -96,13 +151,32 @@ def generate(mgr, params, version: int, prompts, num_samples: int,
   if published != version:  # Dynamic sampling reruns a step's rollout.
     mgr.store.publish(version, params)
   mgr.stats = ManagerStats()
+  scaler = getattr(mgr, "scaler", None)
+  if scaler is not None:  # Scale to demand: hold this rollout's workers.
+    scaler.begin(prompts.prompt_ids, num_samples, version)
   order = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
-  samples = mgr.run(rollout.requests_for(prompts, num_samples, seed))
+  requests = rollout.requests_for(prompts, num_samples, seed)
+  seed_metrics = {}
+  if getattr(mgr, "seed_window", None) is not None and engine is not None:
+    samples, seed_metrics = mgr.seed_window.run(mgr, params, version,
+                                                requests, train_s)
+  else:
+    samples = mgr.run(requests)
   samples.sort(key=lambda s: (order[s.prompt_id], s.sample_idx))
   st = mgr.stats
   metrics = {"workers/alive": float(len(mgr.handles)),
              "workers/preemptions": float(st.preemptions),
              "workers/migrated_samples": float(st.migrated_samples),
              "workers/stale_resampled": float(st.stale_resampled),
-             "workers/pull_s": st.pull_s}
+             "workers/pull_s": st.pull_s, **seed_metrics}
+  if scaler is not None:  # held, worker_s, chosen and the policy inputs.
+    metrics.update(scaler.end(samples, st.pull_s, st.pulls))
   return samples, metrics
+
+
+def length_history(mgr):
+  """The per-prompt length history `rollout.workers.scale="cost"` learns
+  (to save in the checkpoint metadata), else None."""
+  scaler = getattr(mgr, "scaler", None)
+  return (scaler.history if scaler is not None and scaler.scale == "cost"
+          else None)

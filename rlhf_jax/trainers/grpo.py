@@ -97,8 +97,12 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
     else:
       with co.span("rollout"):
         if workers is not None:
+          # The previous step's train time sizes the seed window's cap.
+          train_s = sum(x.duration for x in co.timeline.step_spans(step - 1)
+                        if x.phase == "train") or None
           samples, worker_metrics = elastic_lib.generate(
-              workers, rollout_params, co.version, batch, G, seed)
+              workers, rollout_params, co.version, batch, G, seed,
+              engine=engine, train_s=train_s)
         else:
           samples, worker_metrics = rollout.generate(
               driver, batch, G, seed, common_prefix="auto"
@@ -239,7 +243,7 @@ def build(config) -> Job:
   cfg, graphdef, params = builders.model(
       config.model, seed=config.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
-  return Job(
+  job = Job(
       config=config, source=source, graphdef=graphdef,
       params=params, train_layout=train_layout, rollout_layout=rollout_layout,
       learner=_learner(config, graphdef, train_layout,
@@ -249,6 +253,8 @@ def build(config) -> Job:
       workers=elastic_lib.build(config, cfg, source.stop_ids),
       **builders.policy_runtime(config, cfg, graphdef, params, train_layout,
                                 rollout_layout, source.stop_ids))
+  elastic_lib.attach_seed_window(job.workers, config, job.engine)
+  return job
 
 
 def run(config, workdir: str):
@@ -272,7 +278,8 @@ def run(config, workdir: str):
       config, workdir, iterator=job.iterator, colocation=co, fresh=fresh,
       like=lambda: {"policy": learner.init_state(job.params),
                     "ref": job.params},
-      step=step, history=job.long_tail and job.long_tail.history,
+      step=step, history=(job.long_tail.history if job.long_tail is not None
+                          else elastic_lib.length_history(job.workers)),
       evaluate=lambda states: evaluate(
           job.eval_engine, co.rollout_copy(states["policy"].params),
           job.source.eval_batches, job.tokenizer, config))

@@ -1,0 +1,277 @@
+"""Scale to demand: the worker pool holds what the cost-aware policy picks,
+bills worker-seconds only while held, and releasing a worker mid-batch
+changes no token."""
+
+import functools
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from rlhf_jax.engine.driver import Request
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.sched.length_history import LengthHistory
+from rlhf_jax.workers import manager as manager_lib
+from rlhf_jax.workers import pool as pool_lib
+from rlhf_jax.workers.weights import LocalWeightStore
+from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
+
+M = 12
+SPEC = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=2,
+                  samples_per_row=2, prefill_buckets=(8, 8 + M),
+                  sampling=SamplingParams(temperature=1.0, top_k=40,
+                                          max_new_tokens=M))
+SLOTS = SPEC.num_rows * SPEC.samples_per_row
+
+
+class _Clock:
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+
+class _Fake:
+  """A handle without an engine: 10 decode steps per second of work."""
+
+  def __init__(self, worker_id):
+    self.worker_id, self.alive, self.killed = worker_id, True, False
+    self.steps, self.secs = 0, 0.0
+
+  def call_async(self, name, *args):
+    del args
+    if name == "counters":
+      self.steps, self.secs = self.steps + 10, self.secs + 1.0
+      return self.steps, self.secs
+    return None
+
+  def result(self, future):
+    return future
+
+  def kill(self):
+    self.alive, self.killed = False, True
+
+
+def _fake_pool(n, clock):
+  mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
+  pool = pool_lib.WorkerPool(mgr, clock=clock)
+  spawned = []
+
+  def spawn(wid):
+    spawned.append(_Fake(wid))
+    return spawned[-1]
+  for i in range(n):
+    pool.offer(f"w{i}", functools.partial(spawn, f"w{i}"))
+  return mgr, pool, spawned
+
+
+def test_hold_release_acquire_bills_only_while_held():
+  clock = _Clock()
+  mgr, pool, spawned = _fake_pool(4, clock)
+  assert pool.available == 4 and pool.hold(2) == 2
+  assert list(mgr.handles) == list(pool.held) == ["w0", "w1"]
+  clock.t = 10.0
+  assert pool.hold(3) == 3 and "w2" in mgr.handles
+  clock.t = 15.0
+  assert pool.hold(1) == 1  # The newest go first: w2, then w1.
+  assert list(mgr.handles) == ["w0"]
+  assert [h.killed for h in spawned] == [False, True, True]
+  assert pool.worker_seconds == 15 + 15 + 5
+  clock.t = 20.0
+  assert pool.record()["worker_s"] == 40  # w0 alone keeps counting.
+  clock.t = 30.0
+  assert pool.hold(2) == 2 and len(spawned) == 4  # w1 is started again.
+  clock.t = 31.0
+  assert pool.record() == {"held": 2, "worker_s": 10 + 1 + 1}
+  spawned[0].kill()  # A preemption: billed until the pool notices it.
+  clock.t = 33.0
+  assert pool.hold(2) == 2 and list(pool.held) == ["w1", "w2"]
+  assert pool.worker_seconds == 20 + 33 + 3 + 0  # w0 stopped at 33.
+  # w0 is offered again once the manager has requeued the dead one's work.
+  assert pool.hold(9) == 3
+  clock.t = 34.0
+  assert pool.close() == 56 + 3 and list(mgr.handles) == ["w0"]
+
+
+def test_replayed_trace_offers_workers_the_pool_may_leave_unused():
+  """Replayer joins become offers; only held ones bill; a held one the
+  trace removes is replaced from the rest of the offer."""
+  from rlhf_jax.sim.availability import SpotEvent
+  from rlhf_jax.workers.replay import AvailabilityReplayer
+
+  clock = _Clock()
+  trace = [SpotEvent(0, "a", "add"), SpotEvent(0, "b", "add"),
+           SpotEvent(3, "a", "remove"), SpotEvent(5, "b", "remove")]
+  replay = AvailabilityReplayer(trace, _Fake, clock=clock)
+  mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
+  pool = pool_lib.WorkerPool(mgr, clock=clock, source=replay)
+  mgr.on_poll = pool
+  pool.hold(1)
+  pool(mgr)
+  assert list(pool.held) == ["a"] and pool.available == 2
+  clock.t = 3.0
+  pool(mgr)  # a is preempted: b takes over.
+  assert list(pool.held) == ["b"] and pool.available == 1
+  clock.t = 4.0
+  pool.hold(0)  # Released: the spot instance goes back to the cloud.
+  assert pool.available == 0 and replay.handles["b"].killed
+  clock.t = 5.0
+  pool(mgr)
+  assert pool.close() == 3 + 1 and replay.close() == 3 + 5
+
+
+def test_policy_known_answer():
+  """8 prompts x 2 samples of predicted length 10, 4 slots per worker,
+  1 s per step, 5 s startup: T and C by hand."""
+  history = LengthHistory()
+  for p in range(7):
+    history.update(p, [8.0, 12.0])
+  lengths, how = pool_lib.predicted_lengths(history, range(8), 64)
+  assert lengths == dict.fromkeys(range(8), 10.0)  # 7: the mean of known.
+  assert how == {"known_prompts": 7, "default_len": 10.0}
+  assert pool_lib.predicted_lengths(LengthHistory(), [3], 64)[0] == {3: 32}
+  pick = functools.partial(pool_lib.choose_worker_count, lengths, 2,
+                           available=4, slots=4, step_s=1.0, startup_s=5.0)
+  n, table = pick(lam=0.0)
+  assert table == {1: (45, 45), 2: (25, 50), 3: (25, 65), 4: (15, 60)}
+  assert n == 1                     # Cheapest: one worker, 4 waves.
+  assert pick(lam=0.1)[0] == 2
+  assert pick(lam=1.0)[0] == 4      # Fastest.
+
+
+def test_scaler_measures_then_chooses():
+  clock = _Clock()
+  mgr, pool, _ = _fake_pool(4, clock)
+  scaler = pool_lib.DemandScaler(pool, scale="cost", lam=0.0, slots=4,
+                                 max_new_tokens=20)
+  samples = [types.SimpleNamespace(prompt_id=p, tokens=[0] * 10)
+             for p in range(8) for _ in range(2)]
+  for _ in range(2):  # Unmeasured: every worker; then the baseline.
+    assert scaler.begin(range(8), 2)["unmeasured"]
+    assert len(mgr.handles) == 4
+    clock.t += 1.0
+    m = scaler.end(samples, pull_s=0.5, pulls=1)
+  assert scaler.step_s == pytest.approx(0.1) and scaler.startup_s == 0.5
+  assert m["workers/held"] == 4 and m["workers/worker_s"] == 4.0
+  d = scaler.begin(range(8), 2)  # T(1) = 0.5 + 4 waves x 10 x 0.1 s.
+  assert d["chosen"] == d["held"] == 1 and len(mgr.handles) == 1
+  assert d["table"][1] == pytest.approx((4.5, 4.5))
+  clock.t += 1.0
+  m = scaler.end(samples)
+  assert m["workers/worker_s"] == 1.0 and m["workers/chosen"] == 1
+  assert m["workers/predicted_T_s"] == pytest.approx(4.5)
+  scaler.lam = 1.0
+  assert scaler.begin(range(8), 2, cap=2.7)["held"] == 2  # Capped.
+  assert scaler.begin(range(8), 2)["held"] == 4
+
+
+def test_config_errors():
+  from configs import tiny_grpo
+  from rlhf_jax.trainers import elastic
+  from rlhf_jax.trainers.validate import ConfigError
+
+  for key, value in (("scale", "fast"), ("cost_lambda", 1.5),
+                     ("cost_lambda", -0.1)):
+    c = tiny_grpo.get_config("runlocal")
+    c.rollout.workers.update(num=2, **{key: value})
+    with pytest.raises(ConfigError, match=f"rollout.workers.{key}"):
+      elastic.check(c)
+  c = tiny_grpo.get_config("runlocal")
+  c.rollout.workers.update(num=2, scale="cost", cost_lambda=0.0)
+  elastic.check(c)
+
+
+# ------------------------------------------------ on real 1-device engines
+def _requests(n=6):
+  rng = np.random.default_rng(0)
+  return [Request(p, rng.integers(6, 64, int(rng.integers(2, 8))),
+                  num_samples=2, seed=3) for p in range(n)]
+
+
+@pytest.fixture(scope="module")
+def env(mesh8):
+  del mesh8
+  _, params = model_lib.init_params(SPEC.model, 0)
+  store = LocalWeightStore()
+  store.publish(0, params)
+  workers = [RolloutWorker(f"w{i}", SPEC, devices=[d])
+             for i, d in enumerate(jax.devices()[6:8])]
+  ref = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=4)
+  ref.add(manager_lib.LocalHandle(workers[0]))
+  want = {s.key: s for s in ref.run(_requests())}
+  return store, workers, want
+
+
+def _check(samples, want):
+  assert sorted(s.key for s in samples) == sorted(want)
+  for s in samples:
+    assert s.tokens == want[s.key].tokens, s.key
+    np.testing.assert_allclose(s.logp_raw, want[s.key].logp_raw, atol=1e-4)
+
+
+def _local_pool(mgr, workers, clock=None):
+  pool = pool_lib.WorkerPool(mgr, **({"clock": clock} if clock else {}))
+  for w in workers:
+    pool.offer(w.worker_id, functools.partial(manager_lib.LocalHandle, w))
+  return pool
+
+
+def test_release_mid_batch_loses_nothing(env):
+  store, workers, want = env
+  clock = _Clock()
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                   poll_steps=2)
+  pool = _local_pool(mgr, workers, clock)
+  pool.hold(2)
+  mgr.start(_requests())
+  rounds = 0
+  while not mgr.done:
+    if rounds == 2:
+      pool.hold(1)  # w1 leaves mid-response: its samples continue on w0.
+    if rounds == 5:
+      pool.hold(2)  # w1 is held again: it pulls the weights and helps.
+    mgr.step()
+    rounds += 1
+    clock.t += 1.0
+  _check(mgr.results(), want)
+  st = mgr.stats
+  assert st.migrated_samples > 0 and st.kept_tokens > 0
+  assert st.preemptions == 0 and mgr.produced["w1"] > 0
+  assert rounds > 5 and pool.worker_seconds == rounds + 2 + (rounds - 5)
+
+
+def test_generate_holds_the_chosen_count(env):
+  """`trainers/elastic.generate` on a cost-scaled pool: every worker until
+  a step time is measured, then 1 worker at lambda=0 (the 12 samples of
+  length 12 fill 4 slots in 3 waves: 36 steps vs 2 x 24 on 2 workers) and
+  2 at lambda=1; the tokens never change."""
+  from rlhf_jax.trainers import elastic
+
+  store, workers, want = env
+  reqs = _requests()
+  width = max(len(r.tokens) for r in reqs)
+  prompts = types.SimpleNamespace(
+      prompt_ids=np.array([r.prompt_id for r in reqs]),
+      lengths_N=np.array([len(r.tokens) for r in reqs]),
+      tokens_NxP=np.stack([np.pad(r.tokens, (0, width - len(r.tokens)))
+                           for r in reqs]))
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=2,
+                                   poll_steps=4)
+  mgr.scaler = pool_lib.DemandScaler(
+      _local_pool(mgr, workers), scale="cost", lam=0.0, slots=SLOTS,
+      max_new_tokens=M)
+  held = []
+  for lam in (0.0, 0.0, 0.0, 1.0):
+    mgr.scaler.lam = lam
+    samples, metrics = elastic.generate(mgr, None, 0, prompts, 2, seed=3)
+    _check(samples, want)
+    held.append(metrics["workers/held"])
+    assert metrics["workers/worker_s"] > 0
+  assert held == [2, 2, 1, 2]
+  assert metrics["workers/chosen"] == 2 and metrics["workers/step_s"] > 0
+  history = elastic.length_history(mgr)
+  assert history.predict(0, 0.0) == M and history.known(5)
