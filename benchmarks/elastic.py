@@ -56,6 +56,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts and repeats.")
 _PROMPTS = flags.DEFINE_integer("prompts", 0, "0: 24 (--quick) or 64.")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 5 (--quick) or 7.")
@@ -70,17 +72,6 @@ EVENTS = (  # (fraction of T, instance, kind)
     (0.25, "e", "add"))
 
 
-def _median_time(fn, n=7):
-  import jax
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
 def _prefill_s(eng, params, prompt_len, num_samples):
   """Seconds of one prompt's prefill + insert into row 0 (freed again)."""
   padded, n = eng.pad_prompt(np.arange(prompt_len) % 250 + 3)
@@ -93,7 +84,7 @@ def _prefill_s(eng, params, prompt_len, num_samples):
     for s in slots:
       eng.free_resource(s)
     return box[0].tokens
-  return _median_time(admit)
+  return timing.median_time(admit, 7)
 
 
 def _loop_s(rollout, n_rows, g, prefill_s, steps=32):
@@ -213,7 +204,7 @@ def main(argv):
   def pull():
     w0.load(*store.pull())
     return w0.params
-  pull_s = _median_time(pull)
+  pull_s = timing.median_time(pull, 7)
   prefill_s = {PROMPT_LEN: _prefill_s(w0.engine, w0.params, PROMPT_LEN - 4, G),
                buckets[1]: _prefill_s(w0.engine, w0.params, PROMPT_LEN + 8, 1)}
   trainer_prefill_s = _prefill_s(engine, rparams, PROMPT_LEN - 4, G)

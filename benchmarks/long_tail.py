@@ -63,6 +63,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts and repeats.")
 _PROMPTS = flags.DEFINE_integer("prompts", 0, "0: 48 (--quick) or 96.")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 3 (--quick) or 5.")
@@ -136,17 +138,6 @@ class RefScorer:
 
 
 # ------------------------------------------------------------ unit costs
-def _median_time(fn, n=5):
-  import jax
-  jax.block_until_ready(fn())  # Compiled already; one more warm call.
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
 def _stepper(lt, params, m):
   """One decode step of the m-replica engine (state reused)."""
   eng, p = lt.engine(m), lt.params_for(params, m)
@@ -195,7 +186,7 @@ def _time_prefill(lt, params, req):
     for s in slots:
       eng.free_resource(s)
     return box[0].tokens
-  return _median_time(admit)
+  return timing.median_time(admit, 5)
 
 
 def _score_overlap(lt, params, scorer, chunk, m, step_s, score_s, n=5):
@@ -323,7 +314,7 @@ def main(argv):
   # The other unit costs for the simulator, on the same engines.
   step_s = {m: statistics.median(v) for m, v in step_times.items()}
   samples = live["static"][2][:chunk]
-  score_s = _median_time(lambda: scorer.score(samples, layout))
+  score_s = timing.median_time(lambda: scorer.score(samples, layout))
   o_stats = live["ours"][1]
   move_s = o_stats["rollout/move_s"] / max(1, o_stats["rollout/consolidations"])
   tail_sizes = [m for m in ours.sizes

@@ -287,17 +287,22 @@ class RolloutManager:
       if pick is None:
         return
       w, req = ids[pick], queue.popleft()
-      try:
-        self.handles[w].result(self.handles[w].call_async("submit", [req]))
-      except WorkerDied:
+      if self._call(w, "submit", [req]) is None:
         queue.appendleft(req)
-        self._lost.append(w)
         ids.remove(w)
         continue
       pending[w] += 1
       for j in range(req.num_samples):
         st = states[req.prompt_id, req.first_sample_index + j]
         st.worker, st.live = w, None
+
+  def _call(self, w: str, name: str, *args):
+    """`name(*args)` on worker w; a dead worker is marked lost (None)."""
+    try:
+      return self.handles[w].result(self.handles[w].call_async(name, *args))
+    except WorkerDied:
+      self._lost.append(w)
+      return None
 
   def _balance(self, pending, states, latest, queue):
     """Moves queued requests from the busiest workers to idle ones, and
@@ -312,11 +317,8 @@ class RolloutManager:
       if s == d:  # balance_moves picks the destination as a source once its
         continue  # queue is the longest: a no-op, not a move.
       if running:  # Cut on s, continued on d from the tokens so far.
-        try:
-          parts = self.handles[s].result(
-              self.handles[s].call_async("take_running", count))
-        except WorkerDied:
-          self._lost.append(s)
+        parts = self._call(s, "take_running", count)
+        if not parts:
           continue
         conts = collections.deque()
         for p in parts:
@@ -327,34 +329,17 @@ class RolloutManager:
         self.stats.moved_running += len(parts)
         n, slots = self._running.get(s, (0, 1))
         self._running[s] = (max(n - len(parts), 0), slots)
-        try:
-          if reqs:
-            self.handles[d].result(self.handles[d].call_async("submit", reqs))
-        except WorkerDied:
-          self._lost.append(d)
-          queue.extendleft(conts)  # Queue front, in cut order.
+      else:
+        reqs = self._call(s, "take_pending", count)
+        if not reqs:
           continue
-        pending[d] += len(reqs)
-        for req in reqs:
-          states[req.prompt_id, req.first_sample_index].worker = d
+        pending[s] -= len(reqs)
+      if self._call(d, "submit", reqs) is None:
+        queue.extendleft(reversed(reqs))  # Queue front, in order.
         continue
-      try:
-        reqs = self.handles[s].result(
-            self.handles[s].call_async("take_pending", count))
-      except WorkerDied:
-        self._lost.append(s)
-        continue
-      if not reqs:
-        continue
-      try:
-        self.handles[d].result(self.handles[d].call_async("submit", reqs))
-      except WorkerDied:
-        self._lost.append(d)
-        queue.extendleft(reqs)  # Back to the manager's queue.
-        continue
-      pending[s] -= len(reqs)
       pending[d] += len(reqs)
-      self.stats.balanced_requests += len(reqs)
+      if not running:
+        self.stats.balanced_requests += len(reqs)
       for req in reqs:
         for j in range(req.num_samples):
           states[req.prompt_id, req.first_sample_index + j].worker = d
