@@ -127,9 +127,9 @@ def attach_seed_window(mgr, config, engine) -> None:
   from rlhf_jax.sched import offload
   from rlhf_jax.workers.seeding import SeedWindow
 
-  w = config.rollout.workers
-  if mgr is None or not w.seed:
+  if mgr is None or not config.rollout.workers.seed:
     return
+  w = config.rollout.workers
   mgr.seed_window = SeedWindow(engine, offload.SeedWindowController(
       n_resv=1, t_init=w.seed_init_s, eta=w.seed_eta, floor=w.seed_floor_s))
 
