@@ -79,3 +79,19 @@ def test_seed_config_errors():
   c.rollout.workers.update(num=1, seed=True, seed_eta=0.0)
   with pytest.raises(ConfigError, match="seed_eta"):
     elastic.check(c)
+
+
+def test_seed_window_caps_the_held_workers():
+  """From the third seeded run on, the N_prem cap bounds the pool."""
+  from rlhf_jax.sched import offload
+  from rlhf_jax.workers.seeding import SeedWindow
+
+  window = SeedWindow.__new__(SeedWindow)  # No engine needed for the cap.
+  window.controller = offload.SeedWindowController(n_resv=1, t_init=1.0,
+                                                    floor=0.5)
+  assert window.worker_cap is None
+  window.controller.update(offload.StepObservation(
+      t_train_wait=0.0, t_remote_wait=0.0, t_train=4.0, t_remote=2.0,
+      n_prem=3.0, n_prem_next=3))
+  # (t_remote * n_prem + t_seed * n_resv) / t_train = (6 + 1) / 4.
+  assert window.worker_cap == pytest.approx(1.75)

@@ -153,7 +153,9 @@ def generate(mgr, params, version: int, prompts, num_samples: int,
   mgr.stats = ManagerStats()
   scaler = getattr(mgr, "scaler", None)
   if scaler is not None:  # Scale to demand: hold this rollout's workers.
-    scaler.begin(prompts.prompt_ids, num_samples, version)
+    window = getattr(mgr, "seed_window", None)
+    scaler.begin(prompts.prompt_ids, num_samples, version,
+                 cap=window.worker_cap if window is not None else None)
   order = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
   requests = rollout.requests_for(prompts, num_samples, seed)
   seed_metrics = {}

@@ -44,6 +44,14 @@ class SeedWindow:
                clock=time.perf_counter):
     self.worker = RolloutWorker(TRAINER_ID, None, engine=engine)
     self.controller, self.clock = controller, clock
+    self.runs = 0
+
+  @property
+  def worker_cap(self) -> float | None:
+    """N_prem: the most remote workers worth holding next step (None: no
+    bound yet). `DemandScaler.begin(cap=...)` applies it."""
+    cap = self.controller.n_prem_cap
+    return None if cap == float("inf") else cap
 
   def run(self, mgr: manager_lib.RolloutManager, params, version: int,
           requests: Sequence[Request],
@@ -59,6 +67,11 @@ class SeedWindow:
     """
     ctl = self.controller
     t_seed = ctl.t_seed
+    self.runs += 1
+    if self.runs <= 2:
+      # The first step after a (re)start trains with compilation, so the
+      # second run's train time would set a cap far too low: no cap yet.
+      train_s = None
     self.worker.install(version, params)
     handle = manager_lib.LocalHandle(self.worker)
     mgr.start(requests)
