@@ -14,6 +14,10 @@ cost-aware number of workers each step (`workers/pool.py`).
 
 from __future__ import annotations
 
+import math
+import os
+
+from absl import logging
 import jax
 from ml_collections import ConfigDict
 
@@ -24,6 +28,8 @@ def default_config() -> ConfigDict:
   """`rollout.workers`: how many rollout workers, where, dispatch knobs."""
   return ConfigDict(dict(num=0, kind="local", theta=4, poll_steps=8,
                          devices_per_worker=1, timeout_s=300.0,
+                         # Ray CPUs each worker actor asks for.
+                         cpus_per_worker=1.0,
                          # Scale to demand (workers/pool.py): hold every
                          # available worker ("all") or the cost-aware count
                          # ("cost", lambda = weight of latency vs cost).
@@ -45,6 +51,9 @@ def check(config) -> None:
     raise ConfigError(f"config.rollout.workers is invalid: {w.to_dict()}; "
                       "num >= 0, kind local|ray, theta, poll_steps and "
                       "devices_per_worker >= 1")
+  if not w.cpus_per_worker > 0:
+    raise ConfigError("config.rollout.workers.cpus_per_worker must be > 0, "
+                      f"got {w.cpus_per_worker}")
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():
     raise ConfigError(
         f"config.rollout.workers: {w.num} local workers x "
@@ -88,11 +97,20 @@ def build(config, cfg, stop_tokens):
                     sampling=builders.sampling_params(ro, stop_tokens))
   if w.kind == "ray":
     import ray  # Optional extra: pip install .[ray]
+    need = w.num * w.cpus_per_worker
     if not ray.is_initialized():
-      # An existing cluster if RAY_ADDRESS is set, else a local one.
-      ray.init(include_dashboard=False, log_to_driver=False)
+      if os.environ.get("RAY_ADDRESS"):  # An existing cluster.
+        ray.init(include_dashboard=False, log_to_driver=False)
+      else:  # A local one: its workers share this machine's cores.
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)),
+                 include_dashboard=False, log_to_driver=False)
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < need:  # An actor Ray cannot place would time out as dead.
+      logging.warning(
+          "Ray cluster has %s CPUs for %d workers x %s cpus_per_worker; "
+          "the rest start when nodes join", have, w.num, w.cpus_per_worker)
     store = weights.RayWeightStore()
-    actor = ray_worker(num_cpus=1)
+    actor = ray_worker(num_cpus=w.cpus_per_worker)
 
     def spawn(wid):  # Holding starts an actor; releasing kills it.
       return manager_lib.RayHandle(
