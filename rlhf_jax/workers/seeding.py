@@ -128,7 +128,7 @@ class SeedWindow:
       metrics["workers/n_prem_cap"] = ctl.n_prem_cap
     return mgr.results(), metrics
 
-  def _handoff(self, mgr) -> float:
+  def _handoff(self, mgr) -> float | None:
     """The trainer leaves; its unfinished samples continue on the workers."""
     if not any(w != TRAINER_ID for w in mgr.handles):
       return None  # No worker to hand to: keep generating (colocated).
