@@ -94,6 +94,9 @@ class Learner:
     self.micro_batches = micro_batches
     self.trace_counts = {"train": 0, "logprobs": 0}
     self._step_jit = jax.jit(self._step_fn, donate_argnums=0)
+    self._grad_sums_jit = jax.jit(self._grad_sums_fn)
+    self._apply_jit = jax.jit(self._apply_fn, donate_argnums=(0, 1),
+                              static_argnums=5)
     self._logprobs_jit = jax.jit(self._logprobs_fn)
     self._rows_jit = jax.jit(
         lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
@@ -145,37 +148,71 @@ class Learner:
     """One optimizer update on `batch` (a dict of [B, ...] device arrays)."""
     return self._step_jit(state, batch)
 
+  def grad_sums(self, params, batch: Batch):
+    """(gradient, loss numerator, aux, weight) sums of one part of a batch.
+
+    Streaming (`trainers/streaming.py`): the parts of one update arrive one
+    by one; the sums over parts, normalised by the summed weight in `apply`,
+    are the update `step` makes on the parts' union (weights are additive
+    over rows; see `aggregation.aggregate_terms`).
+    """
+    return self._grad_sums_jit(params, batch)
+
+  def apply(self, state: TrainState, grads, loss_sum, aux_sum, weight,
+            num_micro: int):
+    """The optimizer update from summed numerator gradients (`grad_sums`)."""
+    return self._apply_jit(state, grads, loss_sum, aux_sum, weight, num_micro)
+
+  def _grads(self, params, batch: Batch, weight):
+    """Sums over micro-batches of grad(numerator / weight), the loss and aux."""
+    micro = split_micro(batch, self.micro_batches)
+
+    def loss(params, mb):
+      mb = {k: constrain(v, _batch_axes(v)) for k, v in mb.items()}
+      num, aux = self.terms_fn(self.graphdef, params, mb)
+      return num / weight, aux
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def body(carry, mb):
+      g_acc, l_acc, a_acc = carry
+      (l, aux), g = grad_fn(params, mb)
+      return (jax.tree.map(jnp.add, g_acc, g), l_acc + l,
+              jax.tree.map(jnp.add, a_acc, aux)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    _, aux_shape = jax.eval_shape(loss, params, first)
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+    init = (zeros(params), jnp.zeros((), jnp.float32), zeros(aux_shape))
+    (grads, loss_value, aux), _ = jax.lax.scan(body, init, micro)
+    return grads, loss_value, aux
+
+  def _update(self, state: TrainState, grads, loss_value, aux, num_micro):
+    updates, opt_state = self.optimizer.update(grads, state.opt_state,
+                                               state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {k: v / num_micro for k, v in aux.items()}
+    metrics.update(loss=loss_value, grad_norm=optax.tree.norm(grads))
+    return TrainState(params, opt_state, state.step + 1), metrics
+
   def _step_fn(self, state: TrainState, batch: Batch):
     self.trace_counts["train"] += 1
     with use_layout(self.layout):
       weight = jnp.maximum(self.weight_fn(batch), 1e-9)
-      micro = split_micro(batch, self.micro_batches)
+      grads, loss_value, aux = self._grads(state.params, batch, weight)
+      return self._update(state, grads, loss_value, aux, self.micro_batches)
 
-      def loss(params, mb):
-        mb = {k: constrain(v, _batch_axes(v)) for k, v in mb.items()}
-        num, aux = self.terms_fn(self.graphdef, params, mb)
-        return num / weight, aux
+  def _grad_sums_fn(self, params, batch: Batch):
+    self.trace_counts["train"] += 1
+    with use_layout(self.layout):
+      grads, num, aux = self._grads(params, batch, 1.0)
+      return grads, num, aux, self.weight_fn(batch)
 
-      grad_fn = jax.value_and_grad(loss, has_aux=True)
-
-      def body(carry, mb):
-        g_acc, l_acc, a_acc = carry
-        (l, aux), g = grad_fn(state.params, mb)
-        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l,
-                jax.tree.map(jnp.add, a_acc, aux)), None
-
-      first = jax.tree.map(lambda x: x[0], micro)
-      _, aux_shape = jax.eval_shape(loss, state.params, first)
-      zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
-      init = (zeros(state.params), jnp.zeros((), jnp.float32),
-              zeros(aux_shape))
-      (grads, loss_value, aux), _ = jax.lax.scan(body, init, micro)
-      updates, opt_state = self.optimizer.update(grads, state.opt_state,
-                                                 state.params)
-      params = optax.apply_updates(state.params, updates)
-      metrics = {k: v / self.micro_batches for k, v in aux.items()}
-      metrics.update(loss=loss_value, grad_norm=optax.global_norm(grads))
-      return TrainState(params, opt_state, state.step + 1), metrics
+  def _apply_fn(self, state, grads, loss_sum, aux_sum, weight, num_micro):
+    with use_layout(self.layout):
+      weight = jnp.maximum(weight, 1e-9)
+      grads = jax.tree.map(lambda g: g / weight, grads)
+      return self._update(state, grads, loss_sum / weight, aux_sum, num_micro)
 
   def logprobs(self, params, batch: Batch) -> jax.Array:
     """Per-token log-probs of the targets (forward only).

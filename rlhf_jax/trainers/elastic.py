@@ -37,7 +37,11 @@ def default_config() -> ConfigDict:
                          # Adaptive offload (RLBoost Algorithm 1): the
                          # trainer's engine seeds for T_seed, then hands off.
                          seed=False, seed_init_s=1.0, seed_eta=3.0,
-                         seed_floor_s=0.05))
+                         seed_floor_s=0.05,
+                         # Micro-batch streaming (trainers/streaming.py):
+                         # train on finished groups, stream_parts parts a
+                         # step, while the workers finish the rest.
+                         stream=False, stream_parts=2))
 
 
 def check(config) -> None:
@@ -70,9 +74,41 @@ def check(config) -> None:
         "config.rollout.workers.seed_init_s and .seed_floor_s must be >= 0 "
         f"and .seed_eta > 0; got {w.seed_init_s}, {w.seed_floor_s}, "
         f"{w.seed_eta}")
+  if w.stream:
+    _check_stream(config)
   if config.rollout.get("long_tail") and config.rollout.long_tail.enabled:
     raise ConfigError("config.rollout.workers and config.rollout.long_tail "
                       "do not combine yet; turn one off")
+
+
+def _check_stream(config) -> None:
+  """`rollout.workers.stream` needs one optimizer update a step over whole,
+  independent groups, cut into equal parts the learner can split."""
+  from rlhf_jax.trainers.streaming import GROUP_LOCAL_ADVANTAGES
+  from rlhf_jax.trainers.validate import ConfigError
+
+  rl, w = config.rl, config.rollout.workers
+  if rl.ppo_epochs != 1 or rl.num_minibatches != 1:
+    raise ConfigError(
+        "config.rollout.workers.stream trains one update per step as groups "
+        "finish: set config.rl.ppo_epochs=1 and config.rl.num_minibatches=1 "
+        f"(got {rl.ppo_epochs} and {rl.num_minibatches})")
+  if rl.advantage not in GROUP_LOCAL_ADVANTAGES:
+    raise ConfigError(
+        f"config.rollout.workers.stream needs group-local advantages "
+        f"{GROUP_LOCAL_ADVANTAGES}; config.rl.advantage={rl.advantage!r} "
+        "normalises over the whole batch")
+  if rl.dynamic_sampling:
+    raise ConfigError("config.rollout.workers.stream and "
+                      "config.rl.dynamic_sampling do not combine")
+  n, parts = config.train.prompts_per_step, w.stream_parts
+  G = config.rollout.samples_per_row
+  rows = n // max(parts, 1) * (1 if rl.share_prompt and G > 1 else G)
+  if parts < 1 or n % parts or rows % rl.micro_batches:
+    raise ConfigError(
+        f"config.rollout.workers.stream_parts={parts} must divide "
+        f"config.train.prompts_per_step={n} into parts whose {rows} rows "
+        f"split into config.rl.micro_batches={rl.micro_batches}")
 
 
 def build(config, cfg, stop_tokens):
@@ -153,12 +189,16 @@ def attach_seed_window(mgr, config, engine) -> None:
 
 
 def generate(mgr, params, version: int, prompts, num_samples: int,
-             seed: int, engine=None, train_s: float | None = None):
+             seed: int, engine=None, train_s: float | None = None,
+             stream=None):
   """Publishes `params` as `version`; the batch's samples, in batch order.
 
   With `rollout.workers.seed`, `engine` (the trainer's rollout engine, which
   `params` are laid out for) seeds the batch first (`workers/seeding.py`);
   `train_s` is the trainer's last training time, for the worker cap.
+  `stream` (`trainers/streaming.StreamedStep`) gets every poll round's
+  finished samples and is freed when the trainer's devices leave the
+  rollout (at the hand-off; at once without seeding).
   """
   from rlhf_jax.workers.manager import ManagerStats
 
@@ -179,7 +219,13 @@ def generate(mgr, params, version: int, prompts, num_samples: int,
   seed_metrics = {}
   if getattr(mgr, "seed_window", None) is not None and engine is not None:
     samples, seed_metrics = mgr.seed_window.run(mgr, params, version,
-                                                requests, train_s)
+                                                requests, train_s, stream)
+  elif stream is not None:
+    mgr.start(requests)
+    stream.free()
+    while not mgr.done:
+      stream.add(mgr.step())
+    samples = mgr.results()
   else:
     samples = mgr.run(requests)
   samples.sort(key=lambda s: (order[s.prompt_id], s.sample_idx))

@@ -7,6 +7,7 @@ would have).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -26,6 +27,7 @@ from rlhf_jax.trainers import (
   loop,
   rollout,
   sources,
+  streaming,
 )
 from rlhf_jax.trainers import elastic as elastic_lib
 from rlhf_jax.trainers import long_tail as long_tail_lib
@@ -54,6 +56,81 @@ def evaluate(engine: Engine, params, batches, tokenizer, config) -> dict:
                                [config.rl.rewards[0]], None, "zero")
     values.extend(rewards.tolist())
   return {"eval/accuracy": float(np.mean(values))}
+
+
+def _rewards(samples, prompts, tokenizer, config):
+  """Rewards [B] of the config's reward functions, and reward metrics."""
+  rl = config.rl
+  rewards, metrics = rollout.score(
+      samples, prompts, tokenizer, list(rl.rewards),
+      list(rl.reward_weights) or None, rl.on_reward_error)
+  return _overlong(samples, rewards, metrics, config), metrics
+
+
+def _last_train_s(co, step) -> float | None:
+  """The previous step's train time (it sizes the seed window's cap)."""
+  return sum(x.duration for x in co.timeline.step_spans(step - 1)
+             if x.phase == "train") or None
+
+
+def _overlong(samples, rewards, metrics, config):
+  """Rewards with DAPO's soft overlong penalty (`rl.overlong_buffer`)."""
+  rl = config.rl
+  if not rl.overlong_buffer:
+    return rewards
+  penalty = np.asarray(dapo.overlong_penalty(
+      np.array([len(x.tokens) for x in samples]),
+      max_len=config.rollout.max_new_tokens,
+      cache_len=rl.overlong_buffer, penalty=rl.overlong_penalty))
+  metrics["rewards/overlong_penalty"] = float(penalty.mean())
+  return rewards + penalty
+
+
+def _learner_batch(samples, rewards, trainable, params, ref_params, *,
+                   config, learner, prompt_len):
+  """The learner's device batch for whole groups of samples, and its info.
+
+  Packs the samples (`trainable` False: out of the loss, shapes unchanged),
+  scores them under the policy `params` (old log-probs) and the reference,
+  applies the KL reward penalty and the group advantages. Info: rewards
+  after the penalty, response lengths, and the learner-vs-sampler log-prob
+  gap (max, mean over `tokens` tokens).
+  """
+  rl, G = config.rl, config.rollout.samples_per_row
+  # share_prompt: the grouped layout, each prompt run once for its G
+  # responses in log-probs and training (rl/grouped.py); same loss.
+  packed = rollout.pack(samples, prompt_len, config.rollout.max_new_tokens,
+                        group_size=G if rl.share_prompt and G > 1 else 0)
+  packed.arrays["loss_mask"].reshape(len(samples), -1)[~trainable] = 0.0
+  batch = learner.put_batch(packed.arrays)
+  old_logp = learner.logprobs(params, batch)
+  ref_logp = learner.logprobs(ref_params, batch)
+  mask = batch["loss_mask"]
+  rewards = jnp.asarray(rewards)
+  if rl.kl_coef and not rl.kl_in_loss:
+    # Per-sequence [B, T] rows in either layout.
+    rows = [x.reshape(len(samples), -1) for x in (old_logp, ref_logp, mask)]
+    rewards, _ = losses.kl_reward_penalty(
+        rewards, *rows, beta=rl.kl_coef, estimator=rl.kl_estimator)
+  advantages = registry.get("advantage", rl.advantage)(rewards, G).reshape(
+      mask.shape[:-1])  # [B], or [N, G] grouped.
+  batch = learner.put_batch({**batch, "old_logp": old_logp,
+                             "ref_logp": ref_logp, "advantages": advantages})
+  gap_max, gap_mean = logprob_gap(old_logp, packed.sampler_logp, mask)
+  return batch, dict(rewards=rewards, response_len=packed.response_len,
+                     gap_max=gap_max, gap_mean=gap_mean,
+                     tokens=float(packed.arrays["loss_mask"].sum()))
+
+
+def _merge_infos(infos):
+  """`_learner_batch` infos of the parts of one batch -> the batch's."""
+  tokens = sum(i["tokens"] for i in infos)
+  return dict(
+      rewards=np.concatenate([np.asarray(i["rewards"]) for i in infos]),
+      response_len=np.concatenate([i["response_len"] for i in infos]),
+      gap_max=max(float(i["gap_max"]) for i in infos),
+      gap_mean=sum(float(i["gap_mean"]) * i["tokens"] for i in infos)
+      / max(tokens, 1.0), tokens=tokens)
 
 
 def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
@@ -97,31 +174,29 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
     else:
       with co.span("rollout"):
         if workers is not None:
-          # The previous step's train time sizes the seed window's cap.
-          train_s = sum(x.duration for x in co.timeline.step_spans(step - 1)
-                        if x.phase == "train") or None
           samples, worker_metrics = elastic_lib.generate(
               workers, rollout_params, co.version, batch, G, seed,
-              engine=engine, train_s=train_s)
+              engine=engine, train_s=_last_train_s(co, step))
         else:
           samples, worker_metrics = rollout.generate(
               driver, batch, G, seed, common_prefix="auto"
               if config.rollout.max_common_length else None), {}
       with co.span("scoring"):
-        rewards, metrics = rollout.score(
-            samples, batch, tokenizer, list(rl.rewards),
-            list(rl.reward_weights) or None, rl.on_reward_error)
+        rewards, metrics = _rewards(samples, batch, tokenizer, config)
         metrics.update(worker_metrics)
+      return samples, rewards, metrics
     with co.span("scoring"):
-      if rl.overlong_buffer:
-        penalty = np.asarray(dapo.overlong_penalty(
-            np.array([len(x.tokens) for x in samples]),
-            max_len=config.rollout.max_new_tokens,
-            cache_len=rl.overlong_buffer, penalty=rl.overlong_penalty))
-        rewards = rewards + penalty
-        metrics["rewards/overlong_penalty"] = float(penalty.mean())
+      rewards = _overlong(samples, rewards, metrics, config)
     return samples, rewards, metrics
 
+  if workers is not None and config.rollout.workers.stream:
+    state, samples, info, keep, reward_metrics, train = _streamed(
+        step, state, ref_params, prompts, co, rollout_params, opt_state,
+        config=config, learner=learner, engine=engine, tokenizer=tokenizer,
+        prompt_len=prompt_len, workers=workers)
+    perf = co.end_step(step)
+    return state, _metrics(samples, info, keep, reward_metrics, train, perf,
+                           co.version)
   if rl.dynamic_sampling:
     got = dynamic_sampling.collect(prompts, refill, sample_and_score,
                                    group_size=G,
@@ -136,37 +211,19 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
         co.to_train(rollout_params)), opt_state=None)
   with co.span("scoring"):
     keep = co.fresh(samples)  # Raises on stale samples unless "drop".
-    # share_prompt: the grouped layout, each prompt run once for its G
-    # responses in log-probs and training (rl/grouped.py); same loss.
-    packed = rollout.pack(samples, prompt_len, config.rollout.max_new_tokens,
-                          group_size=G if rl.share_prompt and G > 1 else 0)
-    # Stale samples ("drop") and the slots dynamic sampling could not fill:
-    # out of the loss, shapes unchanged.
-    packed.arrays["loss_mask"].reshape(len(samples), -1)[
-        ~(keep & informative)] = 0.0
-    batch = learner.put_batch(packed.arrays)
-    old_logp = learner.logprobs(state.params, batch)
+    # Stale samples ("drop") and the slots dynamic sampling could not fill
+    # stay out of the loss.
     with colocate.transient(co, ref_params) as ref_on_device:
-      ref_logp = jax.block_until_ready(
-          learner.logprobs(ref_on_device, batch))
-    mask = batch["loss_mask"]
-    rewards = jnp.asarray(rewards)
-    if rl.kl_coef and not rl.kl_in_loss:
-      # Per-sequence [B, T] rows in either layout.
-      rows = [x.reshape(len(samples), -1) for x in (old_logp, ref_logp, mask)]
-      rewards, _ = losses.kl_reward_penalty(
-          rewards, *rows, beta=rl.kl_coef, estimator=rl.kl_estimator)
-    advantages = registry.get("advantage", rl.advantage)(rewards, G).reshape(
-        mask.shape[:-1])  # [B], or [N, G] grouped.
-    batch = learner.put_batch({**batch, "old_logp": old_logp,
-                               "ref_logp": ref_logp, "advantages": advantages})
-    gap_max, gap_mean = logprob_gap(old_logp, packed.sampler_logp, mask)
-    jax.block_until_ready(batch)
+      batch, info = _learner_batch(
+          samples, rewards, keep & informative, state.params, ref_on_device,
+          config=config, learner=learner, prompt_len=prompt_len)
+      jax.block_until_ready(batch)
 
   with co.span("train"):
     state = state.replace(opt_state=co.unpark(opt_state))
     rng = np.random.default_rng(rollout.step_seed(config.seed, step))
-    B, n = mask.shape[0], rl.num_minibatches  # Rows: sequences, or groups.
+    # Rows: sequences, or groups.
+    B, n = batch["loss_mask"].shape[0], rl.num_minibatches
     train = []
     for _ in range(rl.ppo_epochs):
       perm = rng.permutation(B)
@@ -175,22 +232,86 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
         train.append(m)
     train = jax.device_get(train)
   perf = co.end_step(step)
+  return state, _metrics(samples, info, keep, reward_metrics, train, perf,
+                         co.version)
 
-  gen_tokens = float(packed.response_len.sum())
-  metrics = {
-      "rollout/reward_mean": float(np.mean(rewards)),
-      "rollout/response_len_mean": float(packed.response_len.mean()),
-      "rollout/logprob_gap": float(gap_max),
-      "rollout/logprob_gap_mean": float(gap_mean),
-      "rollout/weight_version": float(co.version),
+
+def _metrics(samples, info, keep, reward_metrics, train, perf, version):
+  """The step's host metrics."""
+  gen_tokens = float(info["response_len"].sum())
+  return {
+      "rollout/reward_mean": float(np.mean(info["rewards"])),
+      "rollout/response_len_mean": float(info["response_len"].mean()),
+      "rollout/logprob_gap": float(info["gap_max"]),
+      "rollout/logprob_gap_mean": float(info["gap_mean"]),
+      "rollout/weight_version": float(version),
       "rollout/stale_dropped": float(np.sum(~keep)),
       **{k: float(v) for k, v in reward_metrics.items()},
       **{f"train/{k}": float(np.mean([m[k] for m in train]))
          for k in train[0]},
       **perf, "perf/tokens_per_s": gen_tokens / perf["perf/step_s"],
   }
-  return state, metrics
 
+
+def _streamed(step, state, ref_params, prompts, co, rollout_params,
+              opt_state, *, config, learner, engine, tokenizer, prompt_len,
+              workers):
+  """The rollout on the workers with micro-batch streaming: the trainer's
+  devices train on finished groups as soon as they leave the rollout
+  (`trainers/streaming.py`); one optimizer update at the end.
+
+  Returns (state, samples, info, keep, reward metrics, train metrics).
+  """
+  rl, G = config.rl, config.rollout.samples_per_row
+  t0 = co.timeline.now()
+  ref_scope = contextlib.ExitStack()
+  ref_on_device = []
+
+  def on_free():  # The seeding trainer handed off (or there is no seeding).
+    co.timeline.add(co.group, "rollout", t0, co.timeline.now())
+    with co.span("repartition"):
+      params = co.to_train(rollout_params)
+    ref_on_device.append(ref_scope.enter_context(
+        colocate.transient(co, ref_params)))
+    return params
+
+  def prepare(samples, params):
+    with co.span("scoring"):
+      rewards, metrics = _rewards(samples, prompts, tokenizer, config)
+      keep = co.fresh(samples)
+      batch, info = _learner_batch(samples, rewards, keep, params,
+                                   ref_on_device[0], config=config,
+                                   learner=learner, prompt_len=prompt_len)
+    return batch, {**info, "keep": keep, "reward_metrics": metrics}
+
+  stream = streaming.StreamedStep(
+      learner, num_groups=len(prompts.prompt_ids), group_size=G,
+      groups_per_part=config.train.prompts_per_step
+      // config.rollout.workers.stream_parts,
+      on_free=on_free, prepare=prepare)
+  with ref_scope:
+    with co.span("rollout", group="workers"):
+      samples, worker_metrics = elastic_lib.generate(
+          workers, rollout_params, co.version, prompts, G,
+          rollout.step_seed(config.seed, step), engine=engine,
+          train_s=_last_train_s(co, step), stream=stream)
+    params, sums, infos = stream.finish()  # The parts still to come.
+    jax.block_until_ready(sums)  # Before the reference copy is freed.
+  with co.span("train"):
+    state = state.replace(params=params, opt_state=co.unpark(opt_state))
+    grads, loss_sum, aux_sum, weight = sums
+    state, m = learner.apply(state, grads, loss_sum, aux_sum, weight,
+                             stream.parts * rl.micro_batches)
+    train = [jax.device_get(m)]
+  reward_metrics = streaming.merge_means(
+      [(len(i["samples"]), i["reward_metrics"]) for i in infos])
+  reward_metrics.update(worker_metrics)
+  reward_metrics.update({
+      "workers/stream_parts": float(stream.parts),
+      "workers/streamed_groups": float(stream.groups_during_rollout)})
+  samples = [s for i in infos for s in i["samples"]]
+  keep = np.concatenate([i["keep"] for i in infos])
+  return state, samples, _merge_infos(infos), keep, reward_metrics, train
 
 @dataclasses.dataclass
 class Job:

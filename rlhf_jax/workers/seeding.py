@@ -17,9 +17,11 @@ After the step, `sched.offload.SeedWindowController` moves T_seed by
                  of the step (they ran out of work: T_seed shrinks);
   t_train        the trainer's training time (previous step's train span);
   t_remote       mean busy time per remote worker.
-RLBoost streams finished micro-batches into training during the wait; our
-GRPO step trains on the whole batch, so here the wait is pure idle and the
-controller settles where the hand-off meets the end of the remote work.
+With `stream` (`trainers/streaming.py`, RLBoost's micro-batch streaming)
+the trainer trains on finished groups during that wait, and t_train_wait
+counts only the poll rounds that began with no part in flight; without it
+the wait is pure idle and the controller settles where the hand-off meets
+the end of the remote work.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class SeedWindow:
     return None if cap == float("inf") else cap
 
   def run(self, mgr: manager_lib.RolloutManager, params, version: int,
-          requests: Sequence[Request],
-          train_s: float | None = None) -> tuple[list[Sample], dict]:
+          requests: Sequence[Request], train_s: float | None = None,
+          stream=None) -> tuple[list[Sample], dict]:
     """Every sample of `requests`; metrics of the window and its waits.
 
     Args:
@@ -64,6 +66,8 @@ class SeedWindow:
       version: the weight version `params` are (the newest published).
       requests: the batch.
       train_s: the trainer's last training time (for the N_prem cap).
+      stream: a `streaming.StreamedStep` fed each round's finished samples
+        and freed at the hand-off, or None.
     """
     ctl = self.controller
     t_seed = ctl.t_seed
@@ -81,12 +85,21 @@ class SeedWindow:
     last = dict.fromkeys(remote, t0)
     produced = dict(mgr.produced)
     seeded, t_handoff, rounds, remote_rounds = 0, None, 0, 0
+    train_wait = 0.0
     try:
       while not mgr.done:
         if t_handoff is None and self.clock() - t0 >= t_seed:
           t_handoff = self._handoff(mgr)
-        mgr.step()
+          if t_handoff is not None and stream is not None:
+            stream.free()
+        waiting = t_handoff is not None and (stream is None or stream.idle())
+        start = self.clock()
+        finished = mgr.step()
         now = self.clock()
+        if waiting:  # The trainer's devices had nothing to do this round.
+          train_wait += now - start
+        if stream is not None:
+          stream.add(finished)
         rounds += 1
         remote_rounds += sum(1 for w in mgr.handles if w != TRAINER_ID)
         for w, n in mgr.produced.items():
@@ -103,7 +116,6 @@ class SeedWindow:
     t_done = self.clock()
     if t_handoff is None:  # The trainer's engine finished the batch alone.
       t_handoff = t_done
-    train_wait = t_done - t_handoff
     remote_wait = (sum(t_done - t for t in last.values()) / len(last)
                    if last else 0.0)
     remote_busy = (sum(t - t0 for t in last.values()) / len(last)
@@ -120,6 +132,7 @@ class SeedWindow:
         "N_prem cap %s", t_seed, seeded, t_handoff - t0, train_wait,
         remote_wait, ctl.t_seed, ctl.n_prem_cap)
     metrics = {"workers/t_seed_s": t_seed, "workers/t_seed_next_s": ctl.t_seed,
+               "workers/handoff_s": t_handoff - t0,
                "workers/seeded_samples": float(seeded),
                "workers/train_wait_s": train_wait,
                "workers/remote_wait_s": remote_wait,

@@ -1,0 +1,100 @@
+"""Micro-batch streaming: the trainer trains on finished groups while the
+workers finish the rest, and the step's update equals the whole-batch one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhf_jax.trainers.validate import ConfigError
+
+
+def _config(**workers):
+  from configs import tiny_grpo
+
+  c = tiny_grpo.get_config("runlocal")
+  c.rl.num_minibatches = 1
+  c.optim.warmup_steps = 0  # The first update moves the params.
+  c.rollout.workers.update({**dict(num=2, theta=2, poll_steps=1,
+                                   stream=True, stream_parts=2), **workers})
+  return c
+
+
+class _RoundClock:
+  """Seconds = poll rounds (the seed window hands off after round 1)."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+  def tick(self, _mgr):
+    self.t += 1.0
+
+
+@pytest.mark.parametrize("seed", [True, False])
+def test_streamed_step_equals_whole_batch_step(mesh8, seed):
+  del mesh8
+  from rlhf_jax.trainers import grpo
+
+  c = _config(seed=seed, seed_init_s=1.0)
+  job = grpo.build(c)
+  if seed:
+    clock = _RoundClock()
+    job.workers.seed_window.clock = clock
+    job.workers.on_poll = clock.tick
+  prompts = next(job.iterator)
+  ref = jax.tree.map(lambda x: x * 1.05, job.params)
+
+  def step(workers):
+    state = job.learner.init_state(
+        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
+    return grpo.rl_step(
+        1, state, ref, prompts, config=c, learner=job.learner,
+        engine=job.engine, rollout_layout=job.rollout_layout,
+        tokenizer=job.tokenizer, prompt_len=job.prompt_len,
+        workers=workers)
+
+  (plain_state, plain), (state, ours) = step(None), step(job.workers)
+  for k in ("rollout/reward_mean", "rollout/response_len_mean",
+            "rewards/addition", "train/loss", "train/grad_norm"):
+    np.testing.assert_allclose(ours[k], plain[k], rtol=1e-5, err_msg=k)
+  assert ours["rollout/logprob_gap"] < 1e-4  # fp32 noise: same weights.
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                       plain_state.params, job.params)
+  assert max(jax.tree.leaves(moved)) > 1e-4  # The update did something.
+  # Adam's first update is ~lr * sign(grad): a gradient at fp32 noise level
+  # may move by a fraction of lr, a wrong one by ~2 lr.
+  diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                      state.params, plain_state.params)
+  assert max(jax.tree.leaves(diff)) < 0.05 * c.optim.learning_rate
+  assert int(state.step) == int(plain_state.step) == 1
+  assert ours["workers/stream_parts"] == 2
+  # Part of the batch was trained on before the rollout ended.
+  assert 0 < ours["workers/streamed_groups"] < len(prompts.prompt_ids)
+  assert state.params is not None and not any(
+      x.is_deleted() for x in jax.tree.leaves(state.params))
+  if seed:
+    assert ours["workers/seeded_samples"] > 0
+    # The trainer trained during part of its wait: less than all of it idle.
+    rounds_after_handoff = clock.t - ours["workers/handoff_s"]
+    assert ours["workers/train_wait_s"] < rounds_after_handoff
+
+
+@pytest.mark.parametrize("change, key", [
+    (dict(num_minibatches=2), "num_minibatches"),
+    (dict(advantage="reinforce_pp"), "advantage"),
+    (dict(dynamic_sampling=True), "dynamic_sampling"),
+    (dict(micro_batches=3), "stream_parts"),
+])
+def test_stream_config_errors(change, key):
+  from rlhf_jax.trainers import elastic
+
+  c = _config()
+  c.rl.update(change)
+  with pytest.raises(ConfigError, match=key):
+    elastic.check(c)
+  c = _config(stream_parts=3)
+  with pytest.raises(ConfigError, match="stream_parts=3"):
+    elastic.check(c)
