@@ -56,6 +56,25 @@ class _Fake:
     self.alive, self.killed = False, True
 
 
+class _Slow(_Fake):
+  """Ready `start_s` after it is spawned (a Ray actor starting its process);
+  its first rollout takes `compile_s` more."""
+
+  def __init__(self, worker_id, clock, start_s, compile_s):
+    super().__init__(worker_id)
+    self.clock, self.ready_at = clock, clock() + start_s
+    self.compile_s = compile_s
+
+  def call_async(self, name, *args):
+    if name == "counters" and self.steps == 10:  # After its first rollout.
+      self.secs += self.compile_s
+    return super().call_async(name, *args)
+
+  def result(self, future):
+    self.clock.t = max(self.clock.t, self.ready_at)
+    return future
+
+
 def _fake_pool(n, clock):
   mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
   pool = pool_lib.WorkerPool(mgr, clock=clock)
@@ -141,6 +160,44 @@ def test_policy_known_answer():
   assert n == 1                     # Cheapest: one worker, 4 waves.
   assert pick(lam=0.1)[0] == 2
   assert pick(lam=1.0)[0] == 4      # Fastest.
+  # 2 held now; a new worker decodes 40 s later and is billed for them:
+  # T(3) = T(4) = 15 or 25 + 40 > T(2), so the fastest keeps 2.
+  n, table = pick(lam=1.0, spawn_s=40.0, held=2)
+  assert table == {1: (45, 45), 2: (25, 50), 3: (55, 105), 4: (55, 140)}
+  assert n == 2 and pick(lam=1.0, spawn_s=0.0, held=2)[0] == 4
+
+
+def test_pool_measures_spawn_and_scaler_counts_it():
+  """Workers ready 5 s after spawn() whose first rollout compiles for 2 s:
+  the start-up is measured, billed, and keeps lambda=1 from growing."""
+  clock = _Clock()
+  mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
+  pool = pool_lib.WorkerPool(mgr, clock=clock)
+  for i in range(4):
+    pool.offer(f"w{i}", functools.partial(_Slow, f"w{i}", clock, 5.0, 2.0))
+  assert pool.spawn_s == 0.0 and pool.hold(1) == 1
+  assert clock.t == 5.0 and pool.spawn_s == 5.0
+  assert pool.worker_seconds == 5.0  # Billed while starting.
+  scaler = pool_lib.DemandScaler(pool, scale="cost", lam=1.0, slots=4,
+                                 max_new_tokens=20)
+  scaler.step_s = 0.1  # As if measured (10 steps per second of work).
+  samples = [types.SimpleNamespace(prompt_id=p, tokens=[0] * 10)
+             for p in range(8) for _ in range(2)]
+  # T(1) = 4 waves x 10 x 0.1 s; T(4) = 5 + 1 wave x 10 x 0.1 s.
+  d = scaler.begin(range(8), 2)
+  assert d["spawn_s"] == 5.0 and d["held_before"] == 1
+  assert d["chosen"] == d["held"] == 1 and d["spawned"] == 0
+  assert d["table"][4] == pytest.approx((6.0, 1.0 + 3 * 6.0))
+  clock.t += 1.0
+  m = scaler.end(samples)  # w0's first rollout: 10 steps in 1 + 2 s.
+  assert scaler.compile_s == pytest.approx(2.0)
+  assert m["workers/spawn_s"] == 5.0 and m["workers/spawned"] == 0
+  assert scaler.begin(range(8), 2)["spawn_s"] == pytest.approx(7.0)
+  pool.startups.clear()
+  scaler.compiles.clear()  # Free start-ups: the fastest grows to 4.
+  d = scaler.begin(range(8), 2)
+  assert d["spawn_s"] == 0.0 and d["held"] == 4 and d["spawned"] == 3
+  assert clock.t == 11.0 and pool.startups == [5.0] * 3  # In parallel.
 
 
 def test_scaler_measures_then_chooses():

@@ -6,6 +6,9 @@ seeds.md section 1.2: choose n from a candidate set minimizing
 where T(n) is the predicted rollout latency and C(n) the GPU-seconds held,
 both predicted from the length history and a profiled time-per-output-token
 (TPOT) curve; T_ref and C_ref are the values at the largest candidate.
+Growing from the actors already running to n starts n - running new ones,
+which decode `spawn_s` later (process start, init, compile) and are billed
+for it; shrinking is free.
 """
 
 from collections.abc import Callable, Sequence
@@ -38,7 +41,8 @@ def predicted_actor_time(lengths: Sequence[float],
 def choose_actor_count(group_lengths: dict[int, list[float]],
                        candidates: Sequence[int], tpot: Callable[[int], float],
                        lam: float, devices_per_actor: int,
-                       startup_s: float = 0.0) -> tuple[int, dict]:
+                       startup_s: float = 0.0, spawn_s: float = 0.0,
+                       running: int = 0) -> tuple[int, dict]:
   """Picks the actor count with the best latency/cost trade-off.
 
   Args:
@@ -48,6 +52,9 @@ def choose_actor_count(group_lengths: dict[int, list[float]],
     lam: weight of latency (1.0 = fastest, 0.0 = cheapest).
     devices_per_actor: devices each actor holds (billing unit).
     startup_s: per-actor fixed time (weight load, prefill) before decoding.
+    spawn_s: extra start-up of an actor not running yet; the new actors are
+      the last n - running ones (the shortest groups: they start last).
+    running: actors already running (they skip spawn_s).
 
   Returns:
     (chosen count, {n: (T(n), C(n))} for every candidate).
@@ -57,9 +64,9 @@ def choose_actor_count(group_lengths: dict[int, list[float]],
   for n in candidates:
     chunks = assignment.length_grouped_split(predicted, n)
     times = [
-        startup_s + predicted_actor_time(
+        startup_s + (spawn_s if i >= running else 0.0) + predicted_actor_time(
             [x for g in chunk for x in group_lengths[g]], tpot)
-        for chunk in chunks if chunk
+        for i, chunk in enumerate(chunks) if chunk
     ]
     table[n] = (max(times), sum(times) * devices_per_actor)
   t_ref, c_ref = table[max(candidates)]

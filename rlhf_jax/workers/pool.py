@@ -11,7 +11,8 @@ unfinished work continues on the others, then `handle.kill()`: a Ray actor
 is killed, an in-process worker just stops being used; a released `add`ed
 instance goes back to the cloud and is no longer available) and acquires
 available ones up to n. Billing is per second while held: a released or
-dead worker stops counting.
+dead worker stops counting. An acquired worker is started and waited for
+(one `counters` call): that start-up is measured (`spawn_s`) and billed.
 
 `choose_worker_count` is the cost-aware count (`sched.actor_scaling`, the
 RLHFless reconstruction of seeds.md section 1.2); `DemandScaler` is the
@@ -52,6 +53,10 @@ class WorkerPool:
     self._recorded = 0.0
     self.target: int | None = None
     self.records: list[dict] = []
+    self.startups: list[float] = []  # Seconds from spawn() to ready.
+    # Per worker, its newest handle's (handle, steps, secs) when it was
+    # ready: the baseline of its first rollout (`DemandScaler._measure`).
+    self.spawned: dict[str, tuple[Any, int, float]] = {}
 
   # -------------------------------------------------------------- supply
   def offer(self, worker_id: str, spawn: Callable[[], Any]) -> None:
@@ -91,6 +96,17 @@ class WorkerPool:
     now = self.clock()
     self._settle(now)
     self._top_up(now)
+
+  @property
+  def spawn_s(self) -> float:
+    """Median seconds from spawn() to ready (0 before any was measured).
+
+    Ready is the first call answered: a Ray actor's process has started,
+    imported JAX and built its engine (compilation happens at its first
+    rollout: `DemandScaler.compile_s`); an in-process worker is ready at
+    once.
+    """
+    return statistics.median(self.startups) if self.startups else 0.0
 
   @property
   def worker_seconds(self) -> float:
@@ -141,13 +157,26 @@ class WorkerPool:
   def _top_up(self, now: float) -> None:
     if self.target is None:
       return
+    started = []
     for wid, spawn in list(self._offers.items()):
       if len(self.held) >= self.target:
-        return
+        break
       if wid in self.held or wid in self.manager.handles:
         continue  # A dead one the manager has yet to requeue keeps its id.
       handle = spawn()
       self.held[wid], self._since[wid] = handle, now
+      started.append((wid, handle, handle.call_async("counters")))
+    # Waited for after all are spawned, so Ray starts them in parallel. The
+    # manager's first weight pull would wait as long; each is billed from
+    # `now`, and one answered after a slower one is measured as late.
+    for wid, handle, ready in started:
+      try:
+        steps, secs = handle.result(ready)
+      except WorkerDied:  # Never started: the manager requeues as usual.
+        pass
+      else:
+        self.startups.append(self.clock() - now)
+        self.spawned[wid] = (handle, steps, secs)
       self.manager.add(handle)
 
 
@@ -168,7 +197,8 @@ def predicted_lengths(history: LengthHistory, prompt_ids: Sequence[int],
 def choose_worker_count(lengths: dict[int, float], num_samples: int, *,
                         available: int, slots: int, step_s: float,
                         lam: float, devices_per_worker: int = 1,
-                        startup_s: float = 0.0) -> tuple[int, dict]:
+                        startup_s: float = 0.0, spawn_s: float = 0.0,
+                        held: int = 0) -> tuple[int, dict]:
   """The worker count in 1..available and the policy's {n: (T, C)} table.
 
   `actor_scaling.choose_actor_count` wants TPOT(b), the decode step time
@@ -180,7 +210,10 @@ def choose_worker_count(lengths: dict[int, float], num_samples: int, *,
   starts only when a whole row frees). Every sample of a prompt gets the
   prompt's predicted length (its G samples share one row). C(n) is the
   policy's busy worker-seconds (each worker until its last sample), not
-  what the pool bills (held time): see docs/elastic.md.
+  what the pool bills (held time): see docs/elastic.md. Holding more than
+  the `held` workers starts new ones: they decode `spawn_s` later and are
+  billed for it, so a count that is only a little faster is not worth a
+  start-up each time it is acquired again.
 
   Args:
     lengths: prompt id -> predicted response length (decode steps).
@@ -191,6 +224,8 @@ def choose_worker_count(lengths: dict[int, float], num_samples: int, *,
     lam: weight of latency (1: fastest, 0: fewest worker-seconds).
     devices_per_worker: the billing unit of a worker.
     startup_s: per-worker fixed time before decoding (weight pull).
+    spawn_s: extra start-up of a worker not held now (start + compile).
+    held: workers held now.
   """
   if available < 1 or not lengths:
     return min(1, available), {}
@@ -202,7 +237,7 @@ def choose_worker_count(lengths: dict[int, float], num_samples: int, *,
 
   return actor_scaling.choose_actor_count(
       groups, range(1, available + 1), tpot, lam, devices_per_worker,
-      startup_s)
+      startup_s, spawn_s, held)
 
 
 class DemandScaler:
@@ -211,7 +246,10 @@ class DemandScaler:
   scale="all" holds every available worker (no prediction, no extra worker
   calls); scale="cost" runs `choose_worker_count` once a step time has been
   measured (the first rollout of a newly held worker includes compilation
-  and is not measured; until then every available worker is held).
+  and is not measured; until then every available worker is held). A
+  worker not held now costs `spawn_s` = the pool's spawn-to-ready time +
+  `compile_s`, the median excess of a new worker's first rollout over its
+  steps at the measured step time.
   """
 
   def __init__(self, pool: WorkerPool, *, scale: str = "all",
@@ -226,6 +264,7 @@ class DemandScaler:
     self.history = history if history is not None else LengthHistory()
     self.step_s: float | None = None  # Seconds per decode step, measured.
     self.startup_s = 0.0              # Weight pull per worker, measured.
+    self.compiles: list[float] = []   # First-rollout excess per new worker.
     self._counters: dict[str, tuple[Any, int, float]] = {}
     self.decision: dict = {}
 
@@ -236,14 +275,15 @@ class DemandScaler:
     `cap` bounds the count from above (at least 1 worker), e.g. the seed
     window's N_prem cap (`sched.offload.SeedWindowController.n_prem_cap`).
     """
-    available = self.pool.available
+    available, before = self.pool.available, len(self.pool.held)
     n, inputs = available, {}
     if self.scale == "cost":
       lengths, how = predicted_lengths(self.history, prompt_ids,
                                        self.max_new_tokens)
       inputs = {"lambda": self.lam, "available": available,
                 "slots": self.slots, "step_s": self.step_s,
-                "startup_s": self.startup_s,
+                "startup_s": self.startup_s, "held_before": before,
+                "spawn_s": self.pool.spawn_s + self.compile_s,
                 "predicted_len_mean": statistics.fmean(lengths.values())
                                       if lengths else 0.0, **how}
       if self.step_s is None:
@@ -253,7 +293,7 @@ class DemandScaler:
             lengths, num_samples, available=available, slots=self.slots,
             step_s=self.step_s, lam=self.lam,
             devices_per_worker=self.devices_per_worker,
-            startup_s=self.startup_s)
+            startup_s=self.startup_s, spawn_s=inputs["spawn_s"], held=before)
         inputs["table"] = table
     if cap is not None and cap < n:
       n, inputs["cap"] = max(1, int(cap)), cap
@@ -263,7 +303,7 @@ class DemandScaler:
                    "(chose %d, scale=cost); inputs %s", version, held,
                    available, n, inputs)
     self.decision = {"chosen": n, "held": held, "available": available,
-                     **inputs}
+                     "spawned": max(0, held - before), **inputs}
     return self.decision
 
   def end(self, samples, pull_s: float = 0.0, pulls: int = 0) -> dict:
@@ -271,7 +311,8 @@ class DemandScaler:
     d = self.decision
     metrics = {"workers/held": float(d.get("held", len(self.pool.held))),
                "workers/chosen": float(d.get("chosen", len(self.pool.held))),
-               "workers/available": float(d.get("available", 0))}
+               "workers/available": float(d.get("available", 0)),
+               "workers/spawned": float(d.get("spawned", 0))}
     if self.scale == "cost":
       by_prompt: dict[int, list[int]] = {}
       for s in samples:
@@ -290,14 +331,21 @@ class DemandScaler:
         metrics.update({"workers/step_s": d["step_s"],
                         "workers/startup_s": d["startup_s"]})
       metrics["workers/predicted_len"] = d.get("predicted_len_mean", 0.0)
+      metrics["workers/spawn_s"] = d.get("spawn_s", 0.0)
     metrics["workers/worker_s"] = self.pool.record(
         chosen=d.get("chosen"))["worker_s"]
     return metrics
 
+  @property
+  def compile_s(self) -> float:
+    """Median first-rollout excess of a newly started worker (0 if none)."""
+    return statistics.median(self.compiles) if self.compiles else 0.0
+
   def _measure(self) -> None:
     """Step time: median over held workers of their last rollout's
-    seconds per driver step (admission, decode step, host reads)."""
-    previous, self._counters, rates = self._counters, {}, []
+    seconds per driver step (admission, decode step, host reads); and the
+    excess of a new worker's first rollout over its steps at that time."""
+    previous, self._counters, rates, firsts = self._counters, {}, [], []
     for wid, handle in self.pool.held.items():
       try:
         steps, secs = handle.result(handle.call_async("counters"))
@@ -305,7 +353,14 @@ class DemandScaler:
         continue
       self._counters[wid] = (handle, steps, secs)
       old = previous.get(wid)
+      if old is not None and old[0] is handle:
+        if steps > old[1]:
+          rates.append((secs - old[2]) / (steps - old[1]))
+        continue
+      old = self.pool.spawned.get(wid)  # Its first rollout since spawn().
       if old is not None and old[0] is handle and steps > old[1]:
-        rates.append((secs - old[2]) / (steps - old[1]))
+        firsts.append((steps - old[1], secs - old[2]))
     if rates:
       self.step_s = statistics.median(rates)
+    if self.step_s is not None:  # Else unknown: the first rollout of all.
+      self.compiles += [max(0.0, s - n * self.step_s) for n, s in firsts]
