@@ -8,7 +8,9 @@ Workers are in-process engines on the trainer's devices (`kind="local"`,
 tests) or Ray actors in their own JAX processes (`kind="ray"`).
 `rollout.workers.seed`: the trainer's own engine seeds each rollout for
 T_seed, then hands its unfinished samples to the workers (RLBoost adaptive
-offload, `workers/seeding.py`). `rollout.workers.scale="cost"`: hold the
+offload, `workers/seeding.py`). `rollout.workers.stream`: the trainer
+trains on finished groups while the workers finish the rest
+(`trainers/streaming.py`). `rollout.workers.scale="cost"`: hold the
 cost-aware number of workers each step (`workers/pool.py`).
 """
 
