@@ -240,6 +240,25 @@ def test_config_errors():
   c = tiny_grpo.get_config("runlocal")
   c.rollout.workers.update(num=2, scale="cost", cost_lambda=0.0)
   elastic.check(c)
+  for key, value in (("gpus_per_worker", -1.0),
+                     ("ray_resources", {"spot": 0})):
+    c = tiny_grpo.get_config("runlocal")
+    c.rollout.workers.update(num=2, **{key: value})
+    with pytest.raises(ConfigError, match=f"(?s){key}.*got"):
+      elastic.check(c)
+
+
+def test_ray_worker_asks_for_its_resources():
+  """Accelerators and spot-only placement are actor resource requests."""
+  pytest.importorskip("ray")
+  from rlhf_jax.workers.worker import ray_worker
+
+  options = ray_worker(num_cpus=2, num_gpus=1,
+                       resources={"TPU": 4, "spot": 1})._default_options
+  assert options["num_cpus"] == 2 and options["num_gpus"] == 1
+  assert options["resources"] == {"TPU": 4, "spot": 1}
+  assert options["max_restarts"] == 0  # A dead worker is requeued, not
+                                       # restarted with lost state.
 
 
 # ------------------------------------------------ on real 1-device engines

@@ -30,8 +30,11 @@ def default_config() -> ConfigDict:
   """`rollout.workers`: how many rollout workers, where, dispatch knobs."""
   return ConfigDict(dict(num=0, kind="local", theta=4, poll_steps=8,
                          devices_per_worker=1, timeout_s=300.0,
-                         # Ray CPUs each worker actor asks for.
-                         cpus_per_worker=1.0,
+                         # Ray resources each worker actor asks for:
+                         # CPUs, GPUs, custom ones ({"TPU": 4},
+                         # {"spot": 1}: docs/elastic.md).
+                         cpus_per_worker=1.0, gpus_per_worker=0.0,
+                         ray_resources={},
                          # Scale to demand (workers/pool.py): hold every
                          # available worker ("all") or the cost-aware count
                          # ("cost", lambda = weight of latency vs cost).
@@ -60,6 +63,13 @@ def check(config) -> None:
   if not w.cpus_per_worker > 0:
     raise ConfigError("config.rollout.workers.cpus_per_worker must be > 0, "
                       f"got {w.cpus_per_worker}")
+  bad = {k: v for k, v in dict(w.get("ray_resources", {})).items()
+         if not (isinstance(v, (int, float)) and v > 0)}
+  if w.get("gpus_per_worker", 0) < 0 or bad:
+    raise ConfigError(
+        "config.rollout.workers.gpus_per_worker must be >= 0 and "
+        "ray_resources amounts > 0; got "
+        f"{w.get('gpus_per_worker', 0)} and {bad or 'ok'}")
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():
     raise ConfigError(
         f"config.rollout.workers: {w.num} local workers x "
@@ -139,16 +149,25 @@ def build(config, cfg, stop_tokens):
     if not ray.is_initialized():
       if os.environ.get("RAY_ADDRESS"):  # An existing cluster.
         ray.init(include_dashboard=False, log_to_driver=False)
-      else:  # A local one: its workers share this machine's cores.
+      else:  # A local one: its workers share this machine's cores (and
+        # it offers the custom resources they ask for).
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)),
+                 resources={k: v * w.num
+                            for k, v in dict(w.ray_resources).items()},
                  include_dashboard=False, log_to_driver=False)
-    have = ray.cluster_resources().get("CPU", 0)
-    if have < need:  # An actor Ray cannot place would time out as dead.
+    per_worker = {"CPU": w.cpus_per_worker, "GPU": w.gpus_per_worker,
+                  **dict(w.ray_resources)}
+    have = ray.cluster_resources()
+    short = {k: (have.get(k, 0), v * w.num) for k, v in per_worker.items()
+             if have.get(k, 0) < v * w.num}
+    if short:  # An actor Ray cannot place would time out as dead.
       logging.warning(
-          "Ray cluster has %s CPUs for %d workers x %s cpus_per_worker; "
-          "the rest start when nodes join", have, w.num, w.cpus_per_worker)
+          "Ray cluster has {resource: (have, %d workers need)} %s; the rest "
+          "start when nodes join", w.num, short)
     store = weights.RayWeightStore()
-    actor = ray_worker(num_cpus=w.cpus_per_worker)
+    actor = ray_worker(num_cpus=w.cpus_per_worker,
+                       num_gpus=w.gpus_per_worker,
+                       resources=dict(w.ray_resources))
 
     def spawn(wid):  # Holding starts an actor; releasing kills it.
       return manager_lib.RayHandle(

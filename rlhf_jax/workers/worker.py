@@ -249,8 +249,16 @@ class RolloutWorker:
                       self.version, self.engine.max_concurrent_decodes)
 
 
-def ray_worker(num_cpus: float = 1):
-  """`RolloutWorker` as a Ray actor class (its own process and devices)."""
+def ray_worker(num_cpus: float = 1, num_gpus: float = 0,
+               resources: dict[str, float] | None = None):
+  """`RolloutWorker` as a Ray actor class (its own process and devices).
+
+  `resources`: custom Ray resources each actor needs, e.g. {"TPU": 4} for
+  a TPU host's chips, or {"spot": 1} to place workers only on nodes started
+  with `ray start --resources='{"spot": 8}'`.
+  """
   import ray  # Optional extra: pip install .[ray]
 
-  return ray.remote(num_cpus=num_cpus, max_restarts=0)(RolloutWorker)
+  return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus,
+                    resources=dict(resources or {}),
+                    max_restarts=0)(RolloutWorker)
