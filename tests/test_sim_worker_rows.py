@@ -114,6 +114,27 @@ def test_theta_keeps_work_in_the_queue_for_joiners(monkeypatch):
     assert r.produced == {"a": 8, "b": 4} and r.makespan == 18.0
 
 
+def test_running_row_moves_to_an_idle_worker():
+  # One row; a runs prompt 0 (lengths 6, 6), b joins idle at round 1.
+  # After a's second poll (4 tokens each) B=0 moves the row: two
+  # continuations of prompt + 4 = 9 tokens (long bucket), 2 left each, run
+  # one after the other on b. a reads the cut step in flight in one more,
+  # empty iteration (no decode, no cost). B=1: the row's 2 samples exceed
+  # the 1 to move, and whole rows only move: nothing moves.
+  trace = _events((0, "a", "add"), (1, "b", "add"))
+  costs = wr.WorkerCosts(1.0, {8: 0.0, 20: 0.5})
+  r = wr.simulate([[6, 6]], [5], trace, costs, theta=1, clock="rounds",
+                  plateau=0, **ONE_ROW)
+  assert (r.moved_running, r.migrated_samples, r.preemptions) == (2, 2, 0)
+  assert (r.kept_tokens, r.reprefill_tokens) == (8, 2 * 9)
+  assert r.steps == {"a": 5, "b": 4} and r.produced == {"b": 2}
+  assert r.rounds == 4 and r.makespan == pytest.approx(2 + 2 + 2 * 2.5)
+  for plateau in (None, 1):
+    r = wr.simulate([[6, 6]], [5], trace, costs, theta=1, clock="rounds",
+                    plateau=plateau, **ONE_ROW)
+    assert (r.moved_running, r.steps, r.rounds) == (0, {"a": 6, "b": 0}, 3)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_no_sample_lost_or_duplicated(seed):
   rng = np.random.default_rng(seed)
@@ -151,11 +172,9 @@ def test_gap_without_workers():
                   wait_for_workers_s=wait, **ONE_ROW)
 
 
-def test_matches_a_live_manager_run(mesh8):
-  """A live `RolloutManager` over in-process one-device workers, the trace
-  replayed on a round clock: the same steps per worker, rounds, samples
-  per worker, migrations, re-prefill tokens and balancing moves."""
-  del mesh8
+def _live_and_sim(trace, *, seed, theta, poll_steps, plateau=None):
+  """A live `RolloutManager` over in-process one-device workers (trace
+  replayed on a round clock: one tick per round) and its simulation."""
   import jax
 
   from rlhf_jax.engine.driver import Request
@@ -167,21 +186,18 @@ def test_matches_a_live_manager_run(mesh8):
   from rlhf_jax.workers.weights import LocalWeightStore
   from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
 
-  M, G, R, theta, poll_steps = 12, 2, 2, 3, 3
+  M, G, R = 12, 2, 2
   spec = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=R,
                     samples_per_row=G, prefill_buckets=(8, 8 + M),
                     sampling=SamplingParams(max_new_tokens=M))
   _, params = model_lib.init_params(spec.model, 0)
   store = LocalWeightStore()
   store.publish(0, params)
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   lengths, prompt_lens = rng.integers(1, M + 1, (8, G)), rng.integers(2, 8, 8)
   requests = [Request(p, rng.integers(6, 64, prompt_lens[p]), num_samples=G,
                       seed=3, max_new_tokens_per_sample=tuple(
                           int(x) for x in lengths[p])) for p in range(8)]
-  # b joins at round 1 and takes queued work (balancing); a is preempted
-  # at round 4 mid-response.
-  trace = _events((0, "a", "add"), (1, "b", "add"), (4, "a", "remove"))
   spawned = {}
 
   def spawn(iid):
@@ -192,22 +208,67 @@ def test_matches_a_live_manager_run(mesh8):
   rounds = iter(range(10**6))
   replay = AvailabilityReplayer(trace, spawn, clock=lambda: next(rounds))
   mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=theta,
-                                   poll_steps=poll_steps)
+                                   poll_steps=poll_steps, plateau=plateau)
   mgr.on_poll = replay
   mgr.wait_for_workers_s = 5.0
   samples = mgr.run(requests)
+  assert sum(len(s.tokens) for s in samples) == lengths.sum()
   sim = wr.simulate(lengths, prompt_lens, trace,
                     wr.WorkerCosts(1.0, {8: 0.0, 8 + M: 0.0}),
                     rows_per_worker=R, buckets=(8, 8 + M), theta=theta,
                     poll_steps=poll_steps, clock="rounds",
-                    wait_for_workers_s=5.0)
+                    wait_for_workers_s=5.0, plateau=plateau)
+  live_steps = {k: w.steps for k, w in spawned.items()}
+  return mgr, live_steps, next(rounds), sim
+
+
+def test_matches_a_live_manager_run(mesh8):
+  """The same steps per worker, rounds, samples per worker, migrations,
+  re-prefill tokens and balancing moves as a live manager run."""
+  del mesh8
+  # b joins at round 1 and takes queued work (balancing); a is preempted
+  # at round 4 mid-response.
+  trace = _events((0, "a", "add"), (1, "b", "add"), (4, "a", "remove"))
+  mgr, steps, rounds, sim = _live_and_sim(trace, seed=0, theta=3,
+                                          poll_steps=3)
   st = mgr.stats
-  assert sum(len(s.tokens) for s in samples) == lengths.sum()
-  assert {k: w.steps for k, w in spawned.items()} == sim.steps
-  assert next(rounds) == sim.rounds  # The clock ticks once per round.
+  assert steps == sim.steps
+  assert rounds == sim.rounds  # The clock ticks once per round.
   assert dict(mgr.produced) == sim.produced
   assert (st.preemptions, st.migrated_samples, st.kept_tokens,
           st.reprefill_tokens, st.balanced_requests) == (
               sim.preemptions, sim.migrated_samples, sim.kept_tokens,
               sim.reprefill_tokens, sim.balanced_requests)
   assert st.migrated_samples > 0 and st.balanced_requests > 0
+  assert st.moved_running == sim.moved_running == 0
+
+
+@pytest.mark.parametrize("plateau,seed,trace,theta", [
+    # B = one row: c joins idle at round 6 and takes b's row with the
+    # most budget left (the other row first would give other counts).
+    (2, 0, ((0, "a", "add"), (1, "b", "add"), (3, "a", "remove"),
+            (6, "c", "add")), 2),
+    # B = 0: any running row may move, sources are left with no work
+    # (their next poll reads the cut rows' step in flight: one more,
+    # empty, iteration); moves are capped at max(rows, G) samples.
+    (0, 3, ((0, "a", "add"), (1, "b", "add"), (3, "c", "add"),
+            (5, "a", "remove")), 100),
+])
+def test_running_moves_match_a_live_manager_run(mesh8, plateau, seed, trace,
+                                                theta):
+  """With `plateau` set the live manager moves running rows to idle
+  workers; the sim makes the same moves: the same steps per worker,
+  rounds, samples per worker, moves, migrations and re-prefill tokens."""
+  del mesh8
+  mgr, steps, rounds, sim = _live_and_sim(
+      _events(*trace), seed=seed, theta=theta, poll_steps=2,
+      plateau=plateau)
+  st = mgr.stats
+  assert st.moved_running > 0 and st.preemptions > 0
+  assert steps == sim.steps
+  assert rounds == sim.rounds
+  assert dict(mgr.produced) == sim.produced
+  assert (st.moved_running, st.preemptions, st.migrated_samples,
+          st.kept_tokens, st.reprefill_tokens, st.balanced_requests) == (
+              sim.moved_running, sim.preemptions, sim.migrated_samples,
+              sim.kept_tokens, sim.reprefill_tokens, sim.balanced_requests)

@@ -27,21 +27,30 @@ time as in `RolloutManager.run`:
     manager's handling). In-process workers poll one after the other, so a
     round costs the sum of its polls; `parallel=True` (Ray actors on their
     own machines) the max.
-  - Then pending-request balancing (`sched.offload.balance_moves`): a
-    worker with nothing pending takes the newest pending request of the
-    busiest. Then each preempted worker's unfinished samples go to the
-    front of the queue: a started sample as a request of its own, prompt +
-    the tokens its last poll streamed (re-prefilled, often in the longer
-    bucket) with the budget left; a request none of whose samples started
-    goes back whole.
+  - Then balancing (`sched.offload.balance_moves`; its self-moves, src ==
+    dst, are skipped as the manager skips them): a worker with nothing
+    pending takes the newest pending request of the busiest. With
+    `plateau=B`, once no worker has a request pending, an idle one takes
+    the running samples above B of the busiest (`RolloutWorker.
+    take_running`): whole rows, the most budget left first, at most
+    max(rows, G) samples, each continued on it as its own request (prompt
+    + tokens so far, appended to its pending queue in the order cut). The
+    source's rows free at once; the decode step in flight still has to be
+    read, so a source left with no work runs one more, empty, iteration
+    (no decode step: no step cost). Then each preempted worker's
+    unfinished samples go to the front of the queue: a started sample as a
+    request of its own, prompt + the tokens its last poll streamed
+    (re-prefilled, often in the longer bucket) with the budget left; a
+    request none of whose samples started goes back whole.
   - With no worker alive the manager sleeps `GAP_SLEEP_S` per round until
     a join, or gives up after `wait_for_workers_s` (at once if the trace
     holds no more joins).
-With the "rounds" clock the step counts per worker, rounds, migrations and
-re-prefill tokens equal a live run's (tests/test_sim_worker_rows.py); with
-"seconds" the events land at the rounds the simulated costs put them in.
-Not modelled: the manager's running-sample moves (`plateau`), stale-weight
-resampling (one weight version), worker failures other than the trace's.
+With the "rounds" clock the step counts per worker, rounds, migrations,
+running moves and re-prefill tokens equal a live run's, with or without
+`plateau` (tests/test_sim_worker_rows.py); with "seconds" the events land
+at the rounds the simulated costs put them in. Not modelled: stale-weight
+resampling (one weight version), stop tokens (a sample runs its budget),
+worker failures other than the trace's.
 `simulate_driver` is the trainer-only baseline: one `Driver.run` of every
 prompt on one engine, with the same cost model.
 """
@@ -85,6 +94,7 @@ class WorkerSimResult:
   balanced_requests: int
   worker_seconds: float
   applied: list[tuple[int, float, SpotEvent]]  # (round, seconds, event)
+  moved_running: int = 0     # running samples moved (also migrated)
 
 
 @dataclasses.dataclass
@@ -107,9 +117,12 @@ class _Worker:
   k: int = 0                 # driver iterations so far
   prefills: int = 0
   alive: bool = True
+  # A decode step in flight after rows were cut: the driver stays busy
+  # until an iteration reads (and, for the cut rows, drops) it.
+  unread: bool = False
 
   def busy(self) -> bool:
-    return bool(self.pending or self.rows)
+    return bool(self.pending or self.rows or self.unread)
 
   def live(self) -> dict[tuple[int, int], int]:
     """Unfinished admitted samples -> tokens read so far."""
@@ -119,6 +132,7 @@ class _Worker:
   def iterate(self) -> tuple[float, list[tuple[int, int]]]:
     """Admission, one decode step, reads: (seconds, samples finished)."""
     self.k += 1
+    self.unread = False
     dt, c = 0.0, self.costs
     free = [r for r in range(self.num_rows) if r not in self.rows]
     while self.pending and free:
@@ -128,7 +142,8 @@ class _Worker:
       bucket = next(b for b in self.buckets if req.prompt_len <= b)
       dt += c.prefill_s[bucket]
       self.prefills += 1
-    dt += c.step_s + c.sample_s * sum(len(r) for r in self.rows.values())
+    if self.rows:  # `Driver.step` decodes only with samples live.
+      dt += c.step_s + c.sample_s * sum(len(r) for r in self.rows.values())
     finished = []
     for r in list(self.rows):
       row = self.rows[r]
@@ -139,6 +154,18 @@ class _Worker:
       if not row:
         del self.rows[r]
     return dt, finished
+
+  def take_running(self, n: int) -> list[tuple[int, int]]:
+    """Cuts whole rows of at most n live samples, the most budget left
+    first (`RolloutWorker.take_running`); their keys in the order cut."""
+    left = {r: [b - (self.k - a + 1) for a, b in row.values()]
+            for r, row in self.rows.items()}
+    out = []
+    for r in sorted(left, key=lambda r: (-max(left[r]), -sum(left[r]), r)):
+      if len(left[r]) <= n - len(out):
+        out += list(self.rows.pop(r))  # `Driver.evict`: slot order.
+    self.unread = self.unread or bool(out)
+    return out
 
 
 def _original(lengths_PxG, prompt_lens_P, p) -> _Request:
@@ -165,7 +192,8 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
              events: Sequence[SpotEvent], costs: WorkerCosts, *,
              rows_per_worker: int, buckets: Sequence[int], theta: int,
              poll_steps: int, parallel: bool = False, clock: str = "seconds",
-             wait_for_workers_s: float = 0.0) -> WorkerSimResult:
+             wait_for_workers_s: float = 0.0,
+             plateau: int | None = None) -> WorkerSimResult:
   """Simulates one elastic rollout of a length trace under a spot trace.
 
   Args:
@@ -182,6 +210,8 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
       pulls the slowest pull) instead of one after the other.
     clock: "seconds" or "rounds": what event times are compared with.
     wait_for_workers_s: the manager's patience with no worker alive.
+    plateau: the manager's batching plateau B (samples): running samples
+      above it move to an idle worker; None: they never move.
 
   Returns:
     The rollout's `WorkerSimResult`.
@@ -208,7 +238,9 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
   joined: dict[str, float] = {}              # alive since (seconds)
   pulled: set[str] = set()
   produced: collections.Counter = collections.Counter()
-  n = dict(preemptions=0, migrated=0, kept=0, reprefill=0, balanced=0)
+  n = dict(preemptions=0, migrated=0, kept=0, reprefill=0, balanced=0,
+           moved=0)
+  B = 1 << 30 if plateau is None else plateau  # The manager's "off".
   applied, t, rounds, polls, nxt, worker_s = [], 0.0, 0, 0, 0, 0.0
   gap_since = None
 
@@ -288,19 +320,25 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
     polls += len(ids)
     poll_s = [poll(w) for w in ids] or [0.0]
     t += max(poll_s) if parallel else sum(poll_s)
-    # Pending requests to starving workers (the plateau is unbounded, as
-    # in the manager by default: no running sample moves).
-    for src, dst, count, _ in offload.balance_moves(views(ids), 1 << 30):
+    # Pending requests to starving workers; running samples above B.
+    for src, dst, count, moving in offload.balance_moves(views(ids), B):
       s, d = ids[src], ids[dst]
-      if s == d:
+      if s == d:  # balance_moves' no-op self-moves: skipped, as live.
         continue
-      taken = [workers[s].pending.pop()
-               for _ in range(min(count, len(workers[s].pending)))]
+      if moving:  # Cut on s, continued on d from the tokens so far.
+        keys = workers[s].take_running(min(count, max(rows_per_worker, G)))
+        taken = [cut(key) for key in keys]
+        # As the manager: s's running count drops until its next poll.
+        running[s] = (max(running[s][0] - len(keys), 0), slots)
+        n["moved"] += len(keys)
+      else:
+        taken = [workers[s].pending.pop()
+                 for _ in range(min(count, len(workers[s].pending)))]
+        pending[s] -= len(taken)
+        n["balanced"] += len(taken)
       for req in taken:
         assign(req, d)
-      pending[s] -= len(taken)
       pending[d] += len(taken)
-      n["balanced"] += len(taken)
     for w in lost:  # Unfinished samples continue elsewhere, queue first.
       unstarted = collections.defaultdict(list)  # prompt -> keys
       for key in sorted(k for k, v in where.items() if v == w):
@@ -324,4 +362,4 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
       t, rounds, polls, {w: wk.k for w, wk in workers.items()},
       dict(produced), sum(wk.prefills for wk in workers.values()),
       n["preemptions"], n["migrated"], n["kept"], n["reprefill"],
-      n["balanced"], worker_s, applied)
+      n["balanced"], worker_s, applied, moved_running=n["moved"])
