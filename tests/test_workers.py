@@ -116,39 +116,6 @@ def test_samples_of_old_weights_are_sampled_again(pool):
   assert len({s.key for s in samples}) == 12
 
 
-def test_ray_workers_survive_a_kill(pool):
-  """Two Ray actors (own processes, own JAX); one is killed mid-response."""
-  ray = pytest.importorskip("ray")
-  from rlhf_jax.workers.weights import RayWeightStore
-  from rlhf_jax.workers.worker import ray_worker
-
-  _, params, _, want = pool
-  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-           configure_logging=False)
-  try:
-    store = RayWeightStore()
-    store.publish(0, params)
-    Worker = ray_worker(num_cpus=1)
-    mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
-                                     poll_steps=3)
-    actors = [Worker.remote(f"r{i}", SPEC, None, 1) for i in range(2)]
-    for i, a in enumerate(actors):
-      mgr.add(manager_lib.RayHandle(a, f"r{i}", timeout_s=300))
-    rounds = []
-
-    def preempt(m):
-      rounds.append(1)
-      if len(rounds) == 3:
-        ray.kill(actors[0])  # A spot node goes away mid-response.
-    mgr.on_poll = preempt
-    samples = mgr.run(_requests())
-    _check(samples, want)
-    assert mgr.stats.preemptions == 1 and mgr.stats.migrated_samples > 0
-    assert mgr.produced["r1"] > 0
-  finally:
-    ray.shutdown()
-
-
 def test_idle_worker_takes_queued_requests(pool):
   store, _, workers, want = pool
   mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=100,
@@ -224,3 +191,155 @@ def test_availability_trace_replay(pool):
   assert [e.iid for _, e in replay.applied] == ["a", "b", "a", "c", "b"]
   assert mgr.stats.preemptions == 2 and mgr.produced["c"] > 0
   assert replay.close() > 0
+
+
+# ------------------------------------------------------------------- Ray
+# One local Ray cluster for the Ray tests, last in the module so that it runs
+# only while they do (a module fixture ends with the module). Two long-lived
+# actors serve every Ray test (an actor's start-up, its own JAX process and
+# compilation, is the slow part); an actor a test kills or adds mid-run is
+# its own, on the third CPU, and is gone when the test ends.
+
+RAY_TIMEOUT_S = 300  # A shared 2-core machine: a slow answer is not a death.
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+  ray = pytest.importorskip("ray")
+  # The actors share a persistent compilation cache: an actor started
+  # mid-test loads what the first one compiled instead of compiling again.
+  cache = tmp_path_factory.mktemp("jax_cache")
+  env = {"JAX_COMPILATION_CACHE_DIR": str(cache),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+           configure_logging=False, runtime_env={"env_vars": env})
+  yield ray
+  ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_actors(ray_cluster):
+  """Two long-lived worker actors, r0 and r1 (one CPU each)."""
+  from rlhf_jax.workers.worker import ray_worker
+
+  actors = {f"r{i}": ray_worker(num_cpus=1).remote(f"r{i}", SPEC, None, 1)
+            for i in range(2)}
+  ray_cluster.get([a.counters.remote() for a in actors.values()],
+                  timeout=RAY_TIMEOUT_S)  # Both started.
+  return actors
+
+
+@pytest.fixture
+def ray_spare(ray_cluster):
+  """`spare(worker_id)` starts a worker actor of this test's own on the
+  third CPU (to kill, or to join mid-run; one at a time: a second would
+  wait for a CPU); it is killed at the end."""
+  from rlhf_jax.workers.worker import ray_worker
+
+  made = []
+
+  def spare(worker_id):
+    made.append(ray_worker(num_cpus=1).remote(worker_id, SPEC, None, 1))
+    return made[-1]
+  yield spare
+  for a in made:
+    ray_cluster.kill(a)
+
+
+def _ray_store(params):
+  from rlhf_jax.workers.weights import RayWeightStore
+
+  store = RayWeightStore()
+  store.publish(0, params)
+  return store
+
+
+def _ray_handle(ray, actor, worker_id):
+  """A handle on an actor with nothing in flight (a reused actor may hold
+  the work of a test that failed)."""
+  ray.get(actor.clear.remote(), timeout=RAY_TIMEOUT_S)
+  return manager_lib.RayHandle(actor, worker_id, timeout_s=RAY_TIMEOUT_S)
+
+
+def _ray_version(ray, actor):
+  """The weight version an actor decodes with: `RolloutWorker.version` is an
+  attribute, which a Ray actor does not expose; a poll of no step returns
+  it."""
+  return ray.get(actor.poll.remote(0), timeout=RAY_TIMEOUT_S).version
+
+
+def test_ray_workers_survive_a_kill(pool, ray_cluster, ray_actors, ray_spare):
+  """Two Ray actors (own processes, own JAX); one is killed mid-response."""
+  ray = ray_cluster
+  _, params, _, want = pool
+  store = _ray_store(params)
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                   poll_steps=3)
+  victim = ray_spare("rk")
+  mgr.add(manager_lib.RayHandle(victim, "rk", timeout_s=RAY_TIMEOUT_S))
+  mgr.add(_ray_handle(ray, ray_actors["r0"], "r0"))
+  rounds = []
+
+  def preempt(m):
+    rounds.append(1)
+    if len(rounds) == 3:
+      ray.kill(victim)  # A spot node goes away mid-response.
+  mgr.on_poll = preempt
+  samples = mgr.run(_requests())
+  _check(samples, want)
+  assert mgr.stats.preemptions == 1 and mgr.stats.migrated_samples > 0
+  assert mgr.produced["r0"] > 0
+
+
+def test_ray_joiner_pulls_current_weights_and_helps(pool, ray_cluster,
+                                                    ray_actors, ray_spare):
+  """An actor started mid-run, after the trainer published a new version,
+  pulls that version and takes work."""
+  ray = ray_cluster
+  _, params, _, want = pool
+  store = _ray_store(params)
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
+                                   poll_steps=2)
+  mgr.add(_ray_handle(ray, ray_actors["r0"], "r0"))
+  rounds, joiner = [], []
+
+  def publish_then_join(m):
+    rounds.append(1)
+    if len(rounds) == 2:  # v1: a new version, the same values (same tokens).
+      store.publish(1, params)
+    if len(rounds) == 4:
+      joiner.append(ray_spare("rj"))
+      m.add(manager_lib.RayHandle(joiner[0], "rj", timeout_s=RAY_TIMEOUT_S))
+  mgr.on_poll = publish_then_join
+  samples = mgr.run(_requests())
+  _check(samples, want)
+  assert store.latest() == 1
+  assert _ray_version(ray, joiner[0]) == store.latest()
+  assert {s.weight_version for s in samples} == {1}
+  assert mgr.produced["rj"] > 0 and mgr.produced["r0"] > 0
+
+
+def test_ray_samples_of_old_weights_are_sampled_again(pool, ray_cluster,
+                                                      ray_actors):
+  """Two Ray actors decoding when the trainer publishes v1: nothing of v0
+  comes back, every sample is of v1, and both actors end on v1."""
+  ray = ray_cluster
+  _, params, _, _ = pool
+  store = _ray_store(params)
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=2)
+  for w, a in ray_actors.items():
+    mgr.add(_ray_handle(ray, a, w))
+  rounds = []
+
+  def update_weights(m):
+    rounds.append(1)
+    if len(rounds) == 2:  # The trainer publishes v1 mid-rollout.
+      store.publish(1, jax.tree.map(lambda x: x * 1.01, params))
+  mgr.on_poll = update_weights
+  samples = mgr.run(_requests())
+  assert {s.weight_version for s in samples} == {1}
+  assert mgr.stats.stale_resampled > 0
+  assert len({s.key for s in samples}) == 12
+  for w, a in ray_actors.items():
+    assert _ray_version(ray, a) == 1 and mgr.produced[w] > 0, w
