@@ -136,6 +136,7 @@ class RolloutManager:
     self._states = self._pending = None
     self._lost: list[str] = []
     self._running: dict[str, tuple[int, int]] = {}
+    self._sent: dict[str, int] = {}  # Newest version sent to each worker.
 
   # ---------------------------------------------------------- membership
   def add(self, handle, version: int = -1) -> None:
@@ -143,12 +144,16 @@ class RolloutManager:
     unless it already holds `version` (the trainer's own engine)."""
     self.handles[handle.worker_id] = handle
     self.versions[handle.worker_id] = version
+    self._sent.pop(handle.worker_id, None)
 
   def _refresh(self) -> int:
     """Stale live workers pull the newest version; returns it."""
     latest = self.store.latest()
+    # A worker still draining old samples holds the newest version queued
+    # (`RolloutWorker.load`); it is not sent again.
     stale = [w for w, v in self.versions.items()
-             if v != latest and self.handles[w].alive]
+             if v != latest and self._sent.get(w) != latest
+             and self.handles[w].alive]
     if stale:
       t0 = time.perf_counter()
       version, payload = self.store.pull(latest)
@@ -157,6 +162,7 @@ class RolloutManager:
       for w, f in futures.items():
         try:
           self.versions[w] = self.handles[w].result(f)
+          self._sent[w] = version
         except WorkerDied:
           self._lost.append(w)
       self.stats.pulls += len(stale)
@@ -183,6 +189,7 @@ class RolloutManager:
     handle.alive = False
     del self.handles[worker_id]
     self.versions.pop(worker_id, None)
+    self._sent.pop(worker_id, None)
     if self._pending is not None:
       self._pending.pop(worker_id, None)
     self._running.pop(worker_id, None)
@@ -248,6 +255,7 @@ class RolloutManager:
         self._lost.append(w)
         continue
       pending[w] = res.pending
+      self.versions[w] = res.version  # Installed once its old work drained.
       self._running[w] = (len(res.partials), res.slots)
       for p in res.partials:
         states[p.request.prompt_id, p.sample_idx].live = p
@@ -258,7 +266,12 @@ class RolloutManager:
     self._balance(pending, states, latest, queue)
     for w in self._lost:
       self._requeue(w, states, done, queue)
+      try:  # A timed-out actor may still run: free its resources.
+        self.handles[w].kill()
+      except Exception:  # pylint: disable=broad-except
+        pass  # Already gone.
       self.handles[w].alive = False
+      self._sent.pop(w, None)
       self.versions.pop(w, None)
       pending.pop(w, None)
       self.stats.preemptions += 1

@@ -79,9 +79,13 @@ class RolloutWorker:
     """Installs weights `version` (flat host leaves); returns the version."""
     params = jax.tree.unflatten(self._treedef, list(leaves))
     params = jax.device_put(params, self.engine.param_shardings)
-    if self.driver is not None and self.driver.busy:
-      # Samples in flight finish on the weights they started with; new
-      # requests wait for the driver to drain (see `submit`).
+    d = self.driver
+    if d is not None:  # Requests not started yet start on the new weights.
+      self._queued = list(d.pending) + self._queued
+      d.pending.clear()
+    if d is not None and d.busy:
+      # Samples in flight finish on the weights they started with; the
+      # queued requests wait for the driver to drain (see `submit`).
       self._next = (version, params)
       return self.version
     self._install(version, params)
