@@ -2,28 +2,14 @@
 T_seed, hands its unfinished samples to the workers mid-response, and the
 step equals the trainer-only step; T_seed then moves by Algorithm 1."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlhf_jax.trainers.validate import ConfigError
 
 
-class _RoundClock:
-  """Seconds = poll rounds: the seed window's clock, made deterministic."""
-
-  def __init__(self):
-    self.t = 0.0
-
-  def __call__(self):
-    return self.t
-
-  def tick(self, _mgr):
-    self.t += 1.0
-
-
-def test_seeded_grpo_step_matches_trainer_only(mesh8):
+def test_seeded_grpo_step_matches_trainer_only(mesh8, round_clock,
+                                               grpo_step_pair):
   del mesh8
   from configs import tiny_grpo
   from rlhf_jax.trainers import grpo
@@ -33,22 +19,10 @@ def test_seeded_grpo_step_matches_trainer_only(mesh8):
                            seed_init_s=2.0, seed_eta=2.0, seed_floor_s=0.5)
   job = grpo.build(c)
   window = job.workers.seed_window
-  clock = _RoundClock()
+  clock = round_clock
   window.clock = clock
   job.workers.on_poll = clock.tick
-  prompts = next(job.iterator)
-  ref = jax.tree.map(lambda x: x * 1.05, job.params)
-
-  def step(workers):
-    state = job.learner.init_state(
-        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
-    return grpo.rl_step(
-        1, state, ref, prompts, config=c, learner=job.learner,
-        engine=job.engine, rollout_layout=job.rollout_layout,
-        tokenizer=job.tokenizer, prompt_len=job.prompt_len,
-        workers=workers)[1]
-
-  plain, ours = step(None), step(job.workers)
+  (_, plain), (_, ours) = grpo_step_pair(job, c)
   for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss",
             "train/grad_norm"):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-5, err_msg=k)
@@ -56,7 +30,7 @@ def test_seeded_grpo_step_matches_trainer_only(mesh8):
   # Two rounds of seeding: some samples finished on the trainer's engine,
   # the unfinished ones moved mid-response to the workers.
   assert ours["workers/t_seed_s"] == 2.0
-  n = len(prompts.prompt_ids) * c.rollout.samples_per_row
+  n = c.train.prompts_per_step * c.rollout.samples_per_row
   assert 0 < ours["workers/seeded_samples"] < n
   assert ours["workers/migrated_samples"] > 0
   assert job.workers.stats.kept_tokens > 0

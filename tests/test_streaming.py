@@ -20,43 +20,19 @@ def _config(**workers):
   return c
 
 
-class _RoundClock:
-  """Seconds = poll rounds (the seed window hands off after round 1)."""
-
-  def __init__(self):
-    self.t = 0.0
-
-  def __call__(self):
-    return self.t
-
-  def tick(self, _mgr):
-    self.t += 1.0
-
-
 @pytest.mark.parametrize("seed", [True, False])
-def test_streamed_step_equals_whole_batch_step(mesh8, seed):
+def test_streamed_step_equals_whole_batch_step(mesh8, round_clock,
+                                              grpo_step_pair, seed):
   del mesh8
   from rlhf_jax.trainers import grpo
 
   c = _config(seed=seed, seed_init_s=1.0)
   job = grpo.build(c)
   if seed:
-    clock = _RoundClock()
+    clock = round_clock
     job.workers.seed_window.clock = clock
     job.workers.on_poll = clock.tick
-  prompts = next(job.iterator)
-  ref = jax.tree.map(lambda x: x * 1.05, job.params)
-
-  def step(workers):
-    state = job.learner.init_state(
-        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
-    return grpo.rl_step(
-        1, state, ref, prompts, config=c, learner=job.learner,
-        engine=job.engine, rollout_layout=job.rollout_layout,
-        tokenizer=job.tokenizer, prompt_len=job.prompt_len,
-        workers=workers)
-
-  (plain_state, plain), (state, ours) = step(None), step(job.workers)
+  (plain_state, plain), (state, ours) = grpo_step_pair(job, c)
   for k in ("rollout/reward_mean", "rollout/response_len_mean",
             "rewards/addition", "train/loss", "train/grad_norm"):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-5, err_msg=k)
@@ -72,7 +48,7 @@ def test_streamed_step_equals_whole_batch_step(mesh8, seed):
   assert int(state.step) == int(plain_state.step) == 1
   assert ours["workers/stream_parts"] == 2
   # Part of the batch was trained on before the rollout ended.
-  assert 0 < ours["workers/streamed_groups"] < len(prompts.prompt_ids)
+  assert 0 < ours["workers/streamed_groups"] < c.train.prompts_per_step
   assert state.params is not None and not any(
       x.is_deleted() for x in jax.tree.leaves(state.params))
   if seed:

@@ -103,19 +103,24 @@ def test_joiner_pulls_current_weights_and_helps(pool):
   assert mgr.produced["w2"] > 0 and mgr.produced["w1"] > 0
 
 
+def _publish_new_weights_at_round(store, params, n=2):
+  """An `on_poll` hook: the trainer publishes v1 at poll round n."""
+  rounds = []
+
+  def hook(_mgr):
+    rounds.append(1)
+    if len(rounds) == n:
+      store.publish(1, jax.tree.map(lambda x: x * 1.01, params))
+  return hook
+
+
 def test_samples_of_old_weights_are_sampled_again(pool):
   store, params, workers, _ = pool
   own = LocalWeightStore()
   own.publish(0, params)
   mgr = manager_lib.RolloutManager(own, max_new_tokens=M, poll_steps=2)
   mgr.add(manager_lib.LocalHandle(workers[1]))
-  rounds = []
-
-  def update_weights(m):
-    rounds.append(1)
-    if len(rounds) == 2:  # The trainer publishes v1 mid-rollout.
-      own.publish(1, jax.tree.map(lambda x: x * 1.01, params))
-  mgr.on_poll = update_weights
+  mgr.on_poll = _publish_new_weights_at_round(own, params)
   samples = mgr.run(_requests())
   assert {s.weight_version for s in samples} == {1}
   assert len({s.key for s in samples}) == 12
@@ -142,11 +147,10 @@ def test_idle_worker_takes_queued_requests(pool):
   assert mgr.stats.balanced_requests > 0 and mgr.produced["w2"] > 0
 
 
-def test_grpo_step_on_workers_matches_trainer_only(mesh8):
+def test_grpo_step_on_workers_matches_trainer_only(mesh8, grpo_step_pair):
   """One GRPO step with its rollout on 2 local workers equals the
   trainer-only step (same tokens: per-device shapes are the same)."""
   del mesh8
-  import jax.numpy as jnp
   from configs import tiny_grpo
   from rlhf_jax.trainers import grpo
 
@@ -154,17 +158,7 @@ def test_grpo_step_on_workers_matches_trainer_only(mesh8):
   c.rollout.workers.update(num=2, theta=2, poll_steps=2)
   job = grpo.build(c)
   assert job.workers is not None and len(job.workers.handles) == 2
-  prompts = next(job.iterator)
-  ref = jax.tree.map(lambda x: x * 1.05, job.params)
-  out = {}
-  for workers in (None, job.workers):
-    state = job.learner.init_state(
-        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
-    _, out[workers is None] = grpo.rl_step(
-        1, state, ref, prompts, config=c, learner=job.learner,
-        engine=job.engine, rollout_layout=job.rollout_layout,
-        tokenizer=job.tokenizer, prompt_len=job.prompt_len, workers=workers)
-  plain, ours = out[True], out[False]
+  (_, plain), (_, ours) = grpo_step_pair(job, c)
   for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss",
             "train/grad_norm"):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
@@ -364,13 +358,7 @@ def test_ray_samples_of_old_weights_are_sampled_again(pool, ray_cluster,
   mgr = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=2)
   for w, a in ray_actors.items():
     mgr.add(_ray_handle(ray, a, w))
-  rounds = []
-
-  def update_weights(m):
-    rounds.append(1)
-    if len(rounds) == 2:  # The trainer publishes v1 mid-rollout.
-      store.publish(1, jax.tree.map(lambda x: x * 1.01, params))
-  mgr.on_poll = update_weights
+  mgr.on_poll = _publish_new_weights_at_round(store, params)
   samples = mgr.run(_requests())
   assert {s.weight_version for s in samples} == {1}
   assert 0 < mgr.stats.stale_resampled <= 2 * 4  # In flight at the publish.
