@@ -70,6 +70,10 @@ class _Slow(_Fake):
       self.secs += self.compile_s
     return super().call_async(name, *args)
 
+  def done(self, future):
+    del future
+    return self.clock() >= self.ready_at
+
   def result(self, future):
     self.clock.t = max(self.clock.t, self.ready_at)
     return future
@@ -197,7 +201,28 @@ def test_pool_measures_spawn_and_scaler_counts_it():
   scaler.compiles.clear()  # Free start-ups: the fastest grows to 4.
   d = scaler.begin(range(8), 2)
   assert d["spawn_s"] == 0.0 and d["held"] == 4 and d["spawned"] == 3
-  assert clock.t == 11.0 and pool.startups == [5.0] * 3  # In parallel.
+  # Not waited for: w0 decodes while the 3 start (billed from the start).
+  assert clock.t == 6.0 and list(mgr.handles) == ["w0"]
+  clock.t = 11.0
+  pool(mgr)  # The manager's poll-round hook admits the ready ones.
+  assert list(mgr.handles) == ["w0", "w1", "w2", "w3"]
+  assert pool.startups == [5.0] * 3 and pool.worker_seconds == 11 + 3 * 5
+
+
+def test_a_worker_that_never_starts_is_dropped():
+  """Silent past its timeout: killed, billing stops, the offer stays."""
+  clock = _Clock()
+  mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
+  pool = pool_lib.WorkerPool(mgr, clock=clock)
+  pool.offer("w0", lambda: _Fake("w0"))
+  never = _Slow("w1", clock, 1e9, 0.0)
+  never.timeout_s = 30.0
+  pool.offer("w1", lambda: never)
+  assert pool.hold(2) == 2 and list(mgr.handles) == ["w0"]
+  clock.t = 31.0
+  pool(mgr)
+  assert never.killed and list(pool.held) == ["w0"] and pool.available == 2
+  assert pool.worker_seconds == 31.0 + 31.0  # w1 billed until dropped.
 
 
 def test_scaler_measures_then_chooses():

@@ -182,10 +182,15 @@ def build(config, cfg, stop_tokens):
                for i in range(w.num)}
 
     def spawn(wid):  # Releasing just stops using the in-process worker.
+      workers[wid].clear()  # Work it held when it died runs elsewhere.
       return manager_lib.LocalHandle(workers[wid])
   mgr = manager_lib.RolloutManager(store, max_new_tokens=ro.max_new_tokens,
                                    theta=w.theta, poll_steps=w.poll_steps)
   pool = WorkerPool(mgr)
+  # Every poll round the pool admits workers that finished starting and
+  # replaces dead ones; with none alive the manager waits for one as long
+  # as a worker may take to answer.
+  mgr.on_poll, mgr.wait_for_workers_s = pool, w.timeout_s
   for i in range(w.num):
     pool.offer(f"w{i}", lambda wid=f"w{i}": spawn(wid))
   pool.hold(w.num)  # Every worker at first; `generate` re-chooses per step.

@@ -51,6 +51,10 @@ class LocalHandle:
       return WorkerDied(self.worker_id)
     return getattr(self.worker, name)(*args)
 
+  def done(self, future) -> bool:
+    del future
+    return True
+
   def result(self, future):
     if isinstance(future, WorkerDied):
       raise future
@@ -70,6 +74,11 @@ class RayHandle:
 
   def call_async(self, name: str, *args):
     return getattr(self.actor, name).remote(*args)
+
+  def done(self, future) -> bool:
+    """Whether `future` has its answer (does not wait)."""
+    ready, _ = self._ray.wait([future], timeout=0)
+    return bool(ready)
 
   def result(self, future):
     exceptions = self._ray.exceptions

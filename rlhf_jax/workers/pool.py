@@ -5,14 +5,17 @@ Two sets of workers:
              capacity that can be started (again) at will, `add(handle)` one
              running instance (what `replay.AvailabilityReplayer` joins when
              the pool stands in for its manager);
-  held       joined to the `RolloutManager` and billed.
+  held       started for the `RolloutManager` and billed; a held worker
+             joins the manager once it answers its first call (`ready`).
 `hold(n)` releases the newest held workers beyond n (`manager.remove`: their
 unfinished work continues on the others, then `handle.kill()`: a Ray actor
 is killed, an in-process worker just stops being used; a released `add`ed
 instance goes back to the cloud and is no longer available) and acquires
 available ones up to n. Billing is per second while held: a released or
-dead worker stops counting. An acquired worker is started and waited for
-(one `counters` call): that start-up is measured (`spawn_s`) and billed.
+dead worker stops counting. An acquired worker is started and joins when
+it answers (checked at every `hold` and, as the manager's `on_poll` hook,
+every poll round; waited for only when the manager has no worker at all):
+that start-up is measured (`spawn_s`) and billed.
 
 `choose_worker_count` is the cost-aware count (`sched.actor_scaling`, the
 RLHFless reconstruction of seeds.md section 1.2); `DemandScaler` is the
@@ -57,6 +60,8 @@ class WorkerPool:
     # Per worker, its newest handle's (handle, steps, secs) when it was
     # ready: the baseline of its first rollout (`DemandScaler._measure`).
     self.spawned: dict[str, tuple[Any, int, float]] = {}
+    # Held workers not ready yet: (handle, first call, spawned at).
+    self._starting: dict[str, tuple[Any, Any, float]] = {}
 
   # -------------------------------------------------------------- supply
   def offer(self, worker_id: str, spawn: Callable[[], Any]) -> None:
@@ -134,6 +139,7 @@ class WorkerPool:
 
   def _release(self, wid: str, now: float) -> None:
     handle = self.held.pop(wid)
+    self._starting.pop(wid, None)
     self.manager.remove(wid)  # Its unfinished work continues elsewhere.
     handle.kill()             # A Ray actor ends; a local one goes unused.
     self._bill(wid, now)
@@ -148,6 +154,7 @@ class WorkerPool:
     for wid, handle in list(self.held.items()):
       if not handle.alive:  # Preempted (the manager requeues its work).
         del self.held[wid]
+        self._starting.pop(wid, None)
         self._bill(wid, now)
         self._drop_instance(wid)
     for wid, handle in list(self._instances.items()):
@@ -155,29 +162,51 @@ class WorkerPool:
         self._drop_instance(wid)
 
   def _top_up(self, now: float) -> None:
-    if self.target is None:
-      return
-    started = []
-    for wid, spawn in list(self._offers.items()):
-      if len(self.held) >= self.target:
-        break
-      if wid in self.held or wid in self.manager.handles:
-        continue  # A dead one the manager has yet to requeue keeps its id.
-      handle = spawn()
-      self.held[wid], self._since[wid] = handle, now
-      started.append((wid, handle, handle.call_async("counters")))
-    # Waited for after all are spawned, so Ray starts them in parallel. The
-    # manager's first weight pull would wait as long; each is billed from
-    # `now`, and one answered after a slower one is measured as late.
-    for wid, handle, ready in started:
+    """Starts available workers up to the target; admits the ready ones."""
+    if self.target is not None:
+      for wid, spawn in list(self._offers.items()):
+        if len(self.held) >= self.target:
+          break
+        if wid in self.held or wid in self.manager.handles:
+          continue  # A dead one the manager has yet to requeue keeps its id.
+        handle = spawn()  # Billed from now: starting is paid for.
+        self.held[wid], self._since[wid] = handle, now
+        self._starting[wid] = (handle, handle.call_async("counters"), now)
+    # The rollout cannot start without a worker: then wait for the first.
+    self._admit(block=not any(h.alive for h in self.manager.handles.values()))
+
+  def _admit(self, block: bool = False) -> None:
+    """Starting workers that answered their first call join the manager.
+
+    Not waited for (a Ray actor's process start, JAX import and engine
+    build take seconds to minutes; the others keep decoding meanwhile),
+    except with `block`, which waits for the oldest. A worker silent for
+    its handle's `timeout_s` is killed and stops billing; its offer stays
+    available.
+    """
+    for wid, (handle, ready, t0) in list(self._starting.items()):
+      done = getattr(handle, "done", lambda _: True)
+      if not (block or done(ready)):
+        if self.clock() - t0 > getattr(handle, "timeout_s", float("inf")):
+          del self._starting[wid], self.held[wid]
+          handle.kill()
+          self._bill(wid, self.clock())
+        continue
+      del self._starting[wid]
+      block = False
       try:
         steps, secs = handle.result(ready)
       except WorkerDied:  # Never started: the manager requeues as usual.
         pass
       else:
-        self.startups.append(self.clock() - now)
+        self.startups.append(self.clock() - t0)
         self.spawned[wid] = (handle, steps, secs)
       self.manager.add(handle)
+
+  @property
+  def ready(self) -> dict[str, Any]:
+    """Held workers that joined the manager (not still starting)."""
+    return {w: h for w, h in self.held.items() if w not in self._starting}
 
 
 def predicted_lengths(history: LengthHistory, prompt_ids: Sequence[int],
@@ -346,7 +375,7 @@ class DemandScaler:
     seconds per driver step (admission, decode step, host reads); and the
     excess of a new worker's first rollout over its steps at that time."""
     previous, self._counters, rates, firsts = self._counters, {}, [], []
-    for wid, handle in self.pool.held.items():
+    for wid, handle in self.pool.ready.items():
       try:
         steps, secs = handle.result(handle.call_async("counters"))
       except WorkerDied:
