@@ -291,7 +291,7 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
       on_free=on_free, prepare=prepare)
   with ref_scope:
     with co.span("rollout", group="workers"):
-      samples, worker_metrics = elastic_lib.generate(
+      _, worker_metrics = elastic_lib.generate(  # Samples: in the parts.
           workers, rollout_params, co.version, prompts, G,
           rollout.step_seed(config.seed, step), engine=engine,
           train_s=_last_train_s(co, step), stream=stream)
@@ -312,6 +312,7 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
   samples = [s for i in infos for s in i["samples"]]
   keep = np.concatenate([i["keep"] for i in infos])
   return state, samples, _merge_infos(infos), keep, reward_metrics, train
+
 
 @dataclasses.dataclass
 class Job:

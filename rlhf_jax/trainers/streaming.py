@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from rlhf_jax.engine.driver import Sample
 
@@ -118,6 +117,3 @@ def merge_means(parts: Sequence[tuple[int, dict]]) -> dict:
       out[k] = out.get(k, 0.0) + float(v) * w
   return out
 
-
-def concat(infos: Sequence[dict], key: str) -> np.ndarray:
-  return np.concatenate([np.asarray(i[key]) for i in infos])
