@@ -272,3 +272,9 @@ def length_history(mgr):
   scaler = getattr(mgr, "scaler", None)
   return (scaler.history if scaler is not None and scaler.scale == "cost"
           else None)
+
+
+def close(mgr) -> float:
+  """Releases every held worker (Ray actors end); total worker-seconds."""
+  scaler = getattr(mgr, "scaler", None)
+  return scaler.pool.close() if scaler is not None else 0.0

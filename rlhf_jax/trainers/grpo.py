@@ -396,13 +396,17 @@ def run(config, workdir: str):
     state, metrics = job.step(s, states["policy"], states["ref"])
     return {**states, "policy": state}, metrics
 
-  states = loop.run(
-      config, workdir, iterator=job.iterator, colocation=co, fresh=fresh,
-      like=lambda: {"policy": learner.init_state(job.params),
-                    "ref": job.params},
-      step=step, history=(job.long_tail.history if job.long_tail is not None
-                          else elastic_lib.length_history(job.workers)),
-      evaluate=lambda states: evaluate(
-          job.eval_engine, co.rollout_copy(states["policy"].params),
-          job.source.eval_batches, job.tokenizer, config))
+  try:
+    states = loop.run(
+        config, workdir, iterator=job.iterator, colocation=co, fresh=fresh,
+        like=lambda: {"policy": learner.init_state(job.params),
+                      "ref": job.params},
+        step=step, history=(job.long_tail.history
+                            if job.long_tail is not None
+                            else elastic_lib.length_history(job.workers)),
+        evaluate=lambda states: evaluate(
+            job.eval_engine, co.rollout_copy(states["policy"].params),
+            job.source.eval_batches, job.tokenizer, config))
+  finally:
+    elastic_lib.close(job.workers)  # Held workers stop (and stop billing).
   return states["policy"]
