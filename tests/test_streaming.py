@@ -58,8 +58,57 @@ def test_streamed_step_equals_whole_batch_step(mesh8, round_clock,
     assert ours["workers/train_wait_s"] < rounds_after_handoff
 
 
+def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
+                                                          monkeypatch):
+  """rl.num_minibatches=2: the first update is applied as soon as its half
+  of the groups is in; each equals a learner step on its groups in arrival
+  order, with old log-probs of the step's weights."""
+  del mesh8
+  from rlhf_jax.trainers import grpo
+
+  c = _config()
+  c.rl.num_minibatches = 2
+  job = grpo.build(c)
+  parts, old_params, real = [], [], grpo._learner_batch
+
+  def spy(samples, rewards, trainable, params, *args, **kwargs):
+    parts.append(list(samples))
+    old_params.append(jax.device_get(params))  # Of the old log-probs.
+    return real(samples, rewards, trainable, params, *args, **kwargs)
+  monkeypatch.setattr(grpo, "_learner_batch", spy)
+  prompts = next(job.iterator)
+  ref = jax.tree.map(lambda x: x * 1.05, job.params)
+
+  def fresh():
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
+  state, metrics = grpo.rl_step(
+      1, job.learner.init_state(fresh()), ref, prompts, config=c,
+      learner=job.learner, engine=job.engine,
+      rollout_layout=job.rollout_layout, tokenizer=job.tokenizer,
+      prompt_len=job.prompt_len, workers=job.workers)
+  monkeypatch.undo()
+  assert int(state.step) == 2 and len(parts) == 2
+  assert metrics["workers/streamed_updates"] == 1  # Before the last sample.
+  # Both parts' old log-probs come from the step's weights, the second's
+  # too, after the first update.
+  for p in old_params:
+    jax.tree.map(np.testing.assert_array_equal, p,
+                 jax.device_get(job.params))
+  want, behaviour = job.learner.init_state(fresh()), fresh()
+  for samples in parts:
+    rewards, _ = grpo._rewards(samples, prompts, job.tokenizer, c)
+    batch, _ = grpo._learner_batch(
+        samples, rewards, np.ones(len(samples), bool), behaviour, ref,
+        config=c, learner=job.learner, prompt_len=job.prompt_len)
+    want, _ = job.learner.step(want, batch)
+  diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                      state.params, want.params)
+  assert max(jax.tree.leaves(diff)) < 0.05 * c.optim.learning_rate
+
+
 @pytest.mark.parametrize("change, key", [
-    (dict(num_minibatches=2), "num_minibatches"),
+    (dict(num_minibatches=3), "num_minibatches"),
+    (dict(ppo_epochs=2), "ppo_epochs"),
     (dict(advantage="reinforce_pp"), "advantage"),
     (dict(dynamic_sampling=True), "dynamic_sampling"),
     (dict(micro_batches=3), "stream_parts"),

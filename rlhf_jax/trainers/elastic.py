@@ -94,17 +94,21 @@ def check(config) -> None:
 
 
 def _check_stream(config) -> None:
-  """`rollout.workers.stream` needs one optimizer update a step over whole,
-  independent groups, cut into equal parts the learner can split."""
+  """`rollout.workers.stream` needs each group used once, groups that are
+  independent, and equal parts the updates and the learner can split."""
   from rlhf_jax.trainers.streaming import GROUP_LOCAL_ADVANTAGES
   from rlhf_jax.trainers.validate import ConfigError
 
   rl, w = config.rl, config.rollout.workers
-  if rl.ppo_epochs != 1 or rl.num_minibatches != 1:
+  if rl.ppo_epochs != 1:
     raise ConfigError(
-        "config.rollout.workers.stream trains one update per step as groups "
-        "finish: set config.rl.ppo_epochs=1 and config.rl.num_minibatches=1 "
-        f"(got {rl.ppo_epochs} and {rl.num_minibatches})")
+        "config.rollout.workers.stream trains on each group once, as it "
+        f"finishes: set config.rl.ppo_epochs=1 (got {rl.ppo_epochs})")
+  if w.stream_parts % rl.num_minibatches:
+    raise ConfigError(
+        f"config.rollout.workers.stream_parts={w.stream_parts} must be a "
+        f"multiple of config.rl.num_minibatches={rl.num_minibatches} "
+        "(whole parts per update)")
   if rl.advantage not in GROUP_LOCAL_ADVANTAGES:
     raise ConfigError(
         f"config.rollout.workers.stream needs group-local advantages "

@@ -258,7 +258,8 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
               workers):
   """The rollout on the workers with micro-batch streaming: the trainer's
   devices train on finished groups as soon as they leave the rollout
-  (`trainers/streaming.py`); one optimizer update at the end.
+  (`trainers/streaming.py`); `rl.num_minibatches` updates, each as soon as
+  its groups are in, the last after the rollout.
 
   Returns (state, samples, info, keep, reward metrics, train metrics).
   """
@@ -284,11 +285,25 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
                                    learner=learner, prompt_len=prompt_len)
     return batch, {**info, "keep": keep, "reward_metrics": metrics}
 
+  train = []  # Metrics of each update.
+
+  def on_update(params, sums, parts):  # Every update but the last.
+    nonlocal state
+    with co.span("train"):
+      if state.opt_state is None:  # First update: optimizer state in.
+        state = state.replace(opt_state=co.unpark(opt_state))
+      state, m = learner.apply(state.replace(params=params), *sums,
+                               parts * rl.micro_batches)
+      train.append(m)
+    return state.params
+
+  parts = config.rollout.workers.stream_parts
   stream = streaming.StreamedStep(
       learner, num_groups=len(prompts.prompt_ids), group_size=G,
-      groups_per_part=config.train.prompts_per_step
-      // config.rollout.workers.stream_parts,
-      on_free=on_free, prepare=prepare)
+      groups_per_part=config.train.prompts_per_step // parts,
+      on_free=on_free, prepare=prepare,
+      parts_per_update=parts // rl.num_minibatches, on_update=on_update)
+  state = state.replace(opt_state=None)
   with ref_scope:
     with co.span("rollout", group="workers"):
       _, worker_metrics = elastic_lib.generate(  # Samples: in the parts.
@@ -297,18 +312,19 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
           train_s=_last_train_s(co, step), stream=stream)
     params, sums, infos = stream.finish()  # The parts still to come.
     jax.block_until_ready(sums)  # Before the reference copy is freed.
-  with co.span("train"):
-    state = state.replace(params=params, opt_state=co.unpark(opt_state))
-    grads, loss_sum, aux_sum, weight = sums
-    state, m = learner.apply(state, grads, loss_sum, aux_sum, weight,
-                             stream.parts * rl.micro_batches)
-    train = [jax.device_get(m)]
+  with co.span("train"):  # The last update.
+    if state.opt_state is None:
+      state = state.replace(opt_state=co.unpark(opt_state))
+    state, m = learner.apply(state.replace(params=params), *sums,
+                             stream.sum_parts * rl.micro_batches)
+    train = jax.device_get(train + [m])
   reward_metrics = streaming.merge_means(
       [(len(i["samples"]), i["reward_metrics"]) for i in infos])
   reward_metrics.update(worker_metrics)
   reward_metrics.update({
       "workers/stream_parts": float(stream.parts),
-      "workers/streamed_groups": float(stream.groups_during_rollout)})
+      "workers/streamed_groups": float(stream.groups_during_rollout),
+      "workers/streamed_updates": float(stream.updates)})
   samples = [s for i in infos for s in i["samples"]]
   keep = np.concatenate([i["keep"] for i in infos])
   return state, samples, _merge_infos(infos), keep, reward_metrics, train
