@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from rlhf_jax.engine.driver import Partial, Request
-from rlhf_jax.engine.sampling import SamplingParams
-from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.sched.offload import QueueView, balance_moves, select_instance
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers.weights import LocalWeightStore
-from rlhf_jax.workers.worker import EngineSpec, PollResult, RolloutWorker
+from rlhf_jax.workers.worker import PollResult, RolloutWorker
+from worker_env import M, SPEC, check as _check, published_store
+from worker_env import reference, requests
 
 V = QueueView  # (pending, running, max_slots)
 
@@ -204,44 +203,18 @@ def test_running_move_to_a_dead_worker_goes_to_queue_front():
 
 
 # ------------------------------------------------------------- live workers
-M = 12
-SPEC = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=2,
-                  samples_per_row=2, prefill_buckets=(8, 8 + M),
-                  sampling=SamplingParams(temperature=1.0, top_k=40,
-                                          max_new_tokens=M))
-
-
-def _requests(n=2, budgets=None):
-  rng = np.random.default_rng(1)
-  return [Request(p, rng.integers(6, 64, int(rng.integers(2, 8))),
-                  num_samples=2, seed=5,
-                  max_new_tokens_per_sample=budgets and budgets[p])
-          for p in range(n)]
+def _requests(budgets=None):
+  return requests(2, rng_seed=1, seed=5, budgets=budgets)
 
 
 @pytest.fixture(scope="module")
 def live(mesh8):
   del mesh8
-  _, params = model_lib.init_params(SPEC.model, 0)
-  store = LocalWeightStore()
-  store.publish(0, params)
+  store, _ = published_store()
   a, b = (RolloutWorker(w, SPEC, devices=[d])
           for w, d in zip("ab", jax.devices()[:2]))
-  ref = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=4)
-  ref.add(manager_lib.LocalHandle(a))
-  want = {s.key: s for s in ref.run(_requests())}
+  want = reference(store, a, _requests(), poll_steps=4)
   return store, a, b, want
-
-
-def _check(samples, want, budgets=None):
-  keys = [s.key for s in samples]
-  assert len(keys) == len(set(keys)) == len(want)
-  for s in samples:
-    w = want[s.key]
-    n = len(w.tokens) if budgets is None else budgets[s.key]
-    assert s.tokens == w.tokens[:n], s.key
-    np.testing.assert_array_equal(s.prompt_tokens, w.prompt_tokens)
-    np.testing.assert_allclose(s.logp_raw, w.logp_raw[:n], atol=1e-4)
 
 
 def test_running_samples_move_to_idle_worker(live):

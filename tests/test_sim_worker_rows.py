@@ -179,20 +179,17 @@ def _live_and_sim(trace, *, seed, theta, poll_steps, plateau=None):
 
   from rlhf_jax.engine.driver import Request
   from rlhf_jax.engine.sampling import SamplingParams
-  from rlhf_jax.models import model as model_lib
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.workers import manager as manager_lib
   from rlhf_jax.workers.replay import AvailabilityReplayer
-  from rlhf_jax.workers.weights import LocalWeightStore
   from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
+  from worker_env import published_store
 
   M, G, R = 12, 2, 2
   spec = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=R,
                     samples_per_row=G, prefill_buckets=(8, 8 + M),
                     sampling=SamplingParams(max_new_tokens=M))
-  _, params = model_lib.init_params(spec.model, 0)
-  store = LocalWeightStore()
-  store.publish(0, params)
+  store, _ = published_store(spec)
   rng = np.random.default_rng(seed)
   lengths, prompt_lens = rng.integers(1, M + 1, (8, G)), rng.integers(2, 8, 8)
   requests = [Request(p, rng.integers(6, 64, prompt_lens[p]), num_samples=G,

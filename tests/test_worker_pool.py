@@ -9,21 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Request
-from rlhf_jax.engine.sampling import SamplingParams
-from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers import pool as pool_lib
-from rlhf_jax.workers.weights import LocalWeightStore
-from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
-
-M = 12
-SPEC = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=2,
-                  samples_per_row=2, prefill_buckets=(8, 8 + M),
-                  sampling=SamplingParams(temperature=1.0, top_k=40,
-                                          max_new_tokens=M))
+from rlhf_jax.workers.worker import RolloutWorker
+from worker_env import M, SPEC, check as _check, published_store
+from worker_env import reference, requests as _requests
 SLOTS = SPEC.num_rows * SPEC.samples_per_row
 
 
@@ -287,31 +278,14 @@ def test_ray_worker_asks_for_its_resources():
 
 
 # ------------------------------------------------ on real 1-device engines
-def _requests(n=6):
-  rng = np.random.default_rng(0)
-  return [Request(p, rng.integers(6, 64, int(rng.integers(2, 8))),
-                  num_samples=2, seed=3) for p in range(n)]
-
-
 @pytest.fixture(scope="module")
 def env(mesh8):
   del mesh8
-  _, params = model_lib.init_params(SPEC.model, 0)
-  store = LocalWeightStore()
-  store.publish(0, params)
+  store, _ = published_store()
   workers = [RolloutWorker(f"w{i}", SPEC, devices=[d])
              for i, d in enumerate(jax.devices()[6:8])]
-  ref = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=4)
-  ref.add(manager_lib.LocalHandle(workers[0]))
-  want = {s.key: s for s in ref.run(_requests())}
+  want = reference(store, workers[0], _requests(), poll_steps=4)
   return store, workers, want
-
-
-def _check(samples, want):
-  assert sorted(s.key for s in samples) == sorted(want)
-  for s in samples:
-    assert s.tokens == want[s.key].tokens, s.key
-    np.testing.assert_allclose(s.logp_raw, want[s.key].logp_raw, atol=1e-4)
 
 
 def _local_pool(mgr, workers, clock=None):

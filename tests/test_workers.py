@@ -8,25 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Request
-from rlhf_jax.engine.sampling import SamplingParams
-from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers.weights import LocalWeightStore
-from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
-
-M = 12
-SPEC = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=2,
-                  samples_per_row=2, prefill_buckets=(8, 8 + M),
-                  sampling=SamplingParams(temperature=1.0, top_k=40,
-                                          max_new_tokens=M))
-
-
-def _requests(n=6):
-  rng = np.random.default_rng(0)
-  return [Request(p, rng.integers(6, 64, int(rng.integers(2, 8))),
-                  num_samples=2, seed=3) for p in range(n)]
+from rlhf_jax.workers.worker import RolloutWorker
+from worker_env import M, SPEC, check as _check, published_store
+from worker_env import reference, requests as _requests
 
 
 class _Preempted(manager_lib.LocalHandle):
@@ -51,24 +37,11 @@ class _Preempted(manager_lib.LocalHandle):
 @pytest.fixture(scope="module")
 def pool(mesh8):
   del mesh8
-  _, params = model_lib.init_params(SPEC.model, 0)
-  store = LocalWeightStore()
-  store.publish(0, params)
+  store, params = published_store()
   workers = [RolloutWorker(f"w{i}", SPEC, devices=[d])
              for i, d in enumerate(jax.devices()[:4])]
-  ref = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=3)
-  ref.add(manager_lib.LocalHandle(workers[3]))
-  want = {s.key: s for s in ref.run(_requests())}
+  want = reference(store, workers[3], _requests(), poll_steps=3)
   return store, params, workers, want
-
-
-def _check(samples, want):
-  keys = [s.key for s in samples]
-  assert len(keys) == len(set(keys)) == len(want)
-  for s in samples:
-    assert s.tokens == want[s.key].tokens, s.key
-    np.testing.assert_array_equal(s.prompt_tokens, want[s.key].prompt_tokens)
-    np.testing.assert_allclose(s.logp_raw, want[s.key].logp_raw, atol=1e-4)
 
 
 def test_preempted_worker_loses_nothing(pool):
