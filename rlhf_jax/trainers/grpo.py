@@ -190,12 +190,12 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
     return samples, rewards, metrics
 
   if workers is not None and config.rollout.workers.stream:
-    state, samples, info, keep, reward_metrics, train = _streamed(
+    state, info, keep, reward_metrics, train = _streamed(
         step, state, ref_params, prompts, co, rollout_params, opt_state,
         config=config, learner=learner, engine=engine, tokenizer=tokenizer,
         prompt_len=prompt_len, workers=workers)
     perf = co.end_step(step)
-    return state, _metrics(samples, info, keep, reward_metrics, train, perf,
+    return state, _metrics(info, keep, reward_metrics, train, perf,
                            co.version)
   if rl.dynamic_sampling:
     got = dynamic_sampling.collect(prompts, refill, sample_and_score,
@@ -232,11 +232,11 @@ def rl_step(step, state, ref_params, prompts, *, config, learner, engine,
         train.append(m)
     train = jax.device_get(train)
   perf = co.end_step(step)
-  return state, _metrics(samples, info, keep, reward_metrics, train, perf,
+  return state, _metrics(info, keep, reward_metrics, train, perf,
                          co.version)
 
 
-def _metrics(samples, info, keep, reward_metrics, train, perf, version):
+def _metrics(info, keep, reward_metrics, train, perf, version):
   """The step's host metrics."""
   gen_tokens = float(info["response_len"].sum())
   return {
@@ -261,7 +261,7 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
   (`trainers/streaming.py`); `rl.num_minibatches` updates, each as soon as
   its groups are in, the last after the rollout.
 
-  Returns (state, samples, info, keep, reward metrics, train metrics).
+  Returns (state, info, keep, reward metrics, train metrics).
   """
   rl, G = config.rl, config.rollout.samples_per_row
   t0 = co.timeline.now()
@@ -287,7 +287,7 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
 
   train = []  # Metrics of each update.
 
-  def on_update(params, sums, parts):  # Every update but the last.
+  def update(params, sums, parts):  # The optimizer step on `parts` parts.
     nonlocal state
     with co.span("train"):
       if state.opt_state is None:  # First update: optimizer state in.
@@ -302,7 +302,7 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
       learner, num_groups=len(prompts.prompt_ids), group_size=G,
       groups_per_part=config.train.prompts_per_step // parts,
       on_free=on_free, prepare=prepare,
-      parts_per_update=parts // rl.num_minibatches, on_update=on_update)
+      parts_per_update=parts // rl.num_minibatches, on_update=update)
   state = state.replace(opt_state=None)
   with ref_scope:
     with co.span("rollout", group="workers"):
@@ -312,12 +312,8 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
           train_s=_last_train_s(co, step), stream=stream)
     params, sums, infos = stream.finish()  # The parts still to come.
     jax.block_until_ready(sums)  # Before the reference copy is freed.
-  with co.span("train"):  # The last update.
-    if state.opt_state is None:
-      state = state.replace(opt_state=co.unpark(opt_state))
-    state, m = learner.apply(state.replace(params=params), *sums,
-                             stream.sum_parts * rl.micro_batches)
-    train = jax.device_get(train + [m])
+  update(params, sums, stream.sum_parts)  # The last update.
+  train = jax.device_get(train)
   reward_metrics = streaming.merge_means(
       [(len(i["samples"]), i["reward_metrics"]) for i in infos])
   reward_metrics.update(worker_metrics)
@@ -325,9 +321,8 @@ def _streamed(step, state, ref_params, prompts, co, rollout_params,
       "workers/stream_parts": float(stream.parts),
       "workers/streamed_groups": float(stream.groups_during_rollout),
       "workers/streamed_updates": float(stream.updates)})
-  samples = [s for i in infos for s in i["samples"]]
   keep = np.concatenate([i["keep"] for i in infos])
-  return state, samples, _merge_infos(infos), keep, reward_metrics, train
+  return state, _merge_infos(infos), keep, reward_metrics, train
 
 
 @dataclasses.dataclass
