@@ -29,6 +29,8 @@ class _Clock:
 class _Fake:
   """A handle without an engine: 10 decode steps per second of work."""
 
+  timeout_s = float("inf")
+
   def __init__(self, worker_id):
     self.worker_id, self.alive, self.killed = worker_id, True, False
     self.steps, self.secs = 0, 0.0
@@ -39,6 +41,10 @@ class _Fake:
       self.steps, self.secs = self.steps + 10, self.secs + 1.0
       return self.steps, self.secs
     return None
+
+  def done(self, future):
+    del future
+    return True
 
   def result(self, future):
     return future

@@ -41,6 +41,8 @@ class WorkerDied(RuntimeError):
 class LocalHandle:
   """An in-process worker; `kill()` simulates a preemption."""
 
+  timeout_s = float("inf")  # Its calls return when done.
+
   def __init__(self, worker):
     self.worker, self.worker_id, self.alive = worker, worker.worker_id, True
 

@@ -185,9 +185,8 @@ class WorkerPool:
     available.
     """
     for wid, (handle, ready, t0) in list(self._starting.items()):
-      done = getattr(handle, "done", lambda _: True)
-      if not (block or done(ready)):
-        if self.clock() - t0 > getattr(handle, "timeout_s", float("inf")):
+      if not (block or handle.done(ready)):
+        if self.clock() - t0 > handle.timeout_s:
           del self._starting[wid], self.held[wid]
           handle.kill()
           self._bill(wid, self.clock())
