@@ -85,17 +85,16 @@ def test_config_errors(key, value, message):
     validate_ppo(c, prompt_len=7, num_devices=8)
 
 
-def test_critic_fits_returns():
-  """Critic updates (clipped value loss, micro-batched, 8 devices) on one
-  batch cut the value error against fixed returns."""
-  import jax
+def _critic_fixture():
+  """A critic learner (clipped value loss, 2 micro-batches, 8 devices), its
+  value head, its first state and one batch with fixed returns."""
   from rlhf_jax.data.tokenizer import CharTokenizer
   from rlhf_jax.models import reward_model
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.parallel import mesh as mesh_lib
+  from rlhf_jax.rewards.model_score import ScalarHead
   from rlhf_jax.rl import objectives
   from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
-  from rlhf_jax.rewards.model_score import ScalarHead
 
   cfg = ModelConfig.tiny(vocab_size=CharTokenizer().vocab_size, num_layers=1,
                          embed_dim=32, num_heads=2, num_kv_heads=1,
@@ -114,9 +113,16 @@ def test_critic_fits_returns():
   terms, weight = objectives.value_terms(0.2)
   learner = Learner(graphdef, layout, make_optimizer(OptimConfig(
       learning_rate=1e-2)), terms_fn=terms, weight_fn=weight, micro_batches=2)
-  state = learner.init_state(params)
-  batch = learner.put_batch(arrays)
-  heads = ScalarHead(graphdef, layout)
+  return (learner, ScalarHead(graphdef, layout), learner.init_state(params),
+          learner.put_batch(arrays))
+
+
+def test_critic_fits_returns():
+  """Critic updates (clipped value loss, micro-batched, 8 devices) on one
+  batch cut the value error against fixed returns."""
+  import jax
+
+  learner, heads, state, batch = _critic_fixture()
   errors = []
   for _ in range(30):
     # Fresh old values each update (one PPO step per update): the clip
@@ -126,3 +132,20 @@ def test_critic_fits_returns():
     errors.append(m["value_error"])
   errors = [float(e) for e in jax.device_get(errors)]
   assert errors[-1] < 0.5 * errors[0], errors
+
+
+def test_learner_runs_at_most_max_updates_ahead():
+  """Updates dispatched with nothing read back: the host waits once
+  MAX_UPDATES_AHEAD updates are unfinished (unbounded, XLA's CPU client
+  deadlocks a sharded program; see learner.py)."""
+  from rlhf_jax.rl.learner import MAX_UPDATES_AHEAD
+
+  learner, heads, state, batch = _critic_fixture()
+  batch = {**batch, "old_values": heads.values(state.params, batch)}
+  losses, most_pending = [], 0
+  for _ in range(4 * MAX_UPDATES_AHEAD):
+    state, m = learner.step(state, batch)
+    losses.append(m["loss"])
+    most_pending = max(most_pending,
+                       sum(not x.is_ready() for x in losses))
+  assert most_pending <= MAX_UPDATES_AHEAD, most_pending
