@@ -134,18 +134,27 @@ def test_critic_fits_returns():
   assert errors[-1] < 0.5 * errors[0], errors
 
 
-def test_learner_runs_at_most_max_updates_ahead():
-  """Updates dispatched with nothing read back: the host waits once
-  MAX_UPDATES_AHEAD updates are unfinished (unbounded, XLA's CPU client
+def test_learner_runs_at_most_max_ahead_passes():
+  """Updates and gradient sums dispatched with nothing read back: the host
+  waits once MAX_AHEAD of them are unfinished (unbounded, XLA's CPU client
   deadlocks a sharded program; see learner.py)."""
-  from rlhf_jax.rl.learner import MAX_UPDATES_AHEAD
+  from rlhf_jax.rl.learner import MAX_AHEAD
 
   learner, heads, state, batch = _critic_fixture()
   batch = {**batch, "old_values": heads.values(state.params, batch)}
-  losses, most_pending = [], 0
-  for _ in range(4 * MAX_UPDATES_AHEAD):
+
+  def most_pending(dispatch):  # dispatch() -> one output of a new pass.
+    outputs, most = [], 0
+    for _ in range(4 * MAX_AHEAD):
+      outputs.append(dispatch())
+      most = max(most, sum(not x.is_ready() for x in outputs))
+    return most
+
+  def update():
+    nonlocal state
     state, m = learner.step(state, batch)
-    losses.append(m["loss"])
-    most_pending = max(most_pending,
-                       sum(not x.is_ready() for x in losses))
-  assert most_pending <= MAX_UPDATES_AHEAD, most_pending
+    return m["loss"]
+
+  assert most_pending(update) <= MAX_AHEAD
+  assert most_pending(
+      lambda: learner.grad_sums(state.params, batch)[1]) <= MAX_AHEAD

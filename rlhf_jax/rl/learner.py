@@ -29,12 +29,13 @@ TermsFn = Callable[[Any, Any, Batch], tuple[jax.Array, dict]]
 # weight_fn(batch) -> scalar normaliser of the whole batch (param-free).
 WeightFn = Callable[[Batch], jax.Array]
 
-# How many updates the host may dispatch ahead of the devices. Enough to keep
-# an accelerator fed; and it keeps XLA's CPU client out of a deadlock: once a
-# device holds 32 queued computations, the next launch blocks one of the
-# client's threads, and with one thread per (fake) device a sharded program
-# can then never gather all its devices (a rendezvous abort after 40 s).
-MAX_UPDATES_AHEAD = 8
+# How many training passes (updates, streamed gradient sums) the host may
+# dispatch ahead of the devices. Enough to keep an accelerator fed; and it
+# keeps XLA's CPU client out of a deadlock: once a device holds 32 queued
+# computations, the next launch blocks one of the client's threads, and
+# with one thread per (fake) device a sharded program can then never gather
+# all its devices (a rendezvous abort after 40 s).
+MAX_AHEAD = 8
 
 
 @struct.dataclass
@@ -106,7 +107,7 @@ class Learner:
     self._apply_jit = jax.jit(self._apply_fn, donate_argnums=(0, 1),
                               static_argnums=5)
     self._logprobs_jit = jax.jit(self._logprobs_fn)
-    self._ahead = collections.deque()  # A metric of each dispatched update.
+    self._ahead = collections.deque()  # An output of each dispatched pass.
     self._rows_jit = jax.jit(
         lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
 
@@ -155,7 +156,8 @@ class Learner:
 
   def step(self, state: TrainState, batch: Batch):
     """One optimizer update on `batch` (a dict of [B, ...] device arrays)."""
-    return self._paced(self._step_jit(state, batch))
+    out = self._step_jit(state, batch)
+    return self._paced(out, out[1]["loss"])
 
   def grad_sums(self, params, batch: Batch):
     """(gradient, loss numerator, aux, weight) sums of one part of a batch.
@@ -165,19 +167,21 @@ class Learner:
     are the update `step` makes on the parts' union (weights are additive
     over rows; see `aggregation.aggregate_terms`).
     """
-    return self._grad_sums_jit(params, batch)
+    out = self._grad_sums_jit(params, batch)
+    return self._paced(out, out[1])
 
   def apply(self, state: TrainState, grads, loss_sum, aux_sum, weight,
             num_micro: int):
     """The optimizer update from summed numerator gradients (`grad_sums`)."""
-    return self._paced(self._apply_jit(state, grads, loss_sum, aux_sum,
-                                       weight, num_micro))
+    out = self._apply_jit(state, grads, loss_sum, aux_sum, weight, num_micro)
+    return self._paced(out, out[1]["loss"])
 
-  def _paced(self, out):
-    """Waits for the update `MAX_UPDATES_AHEAD` before this one (`out` =
-    (state, metrics)), so the host never runs further ahead than that."""
-    self._ahead.append(out[1]["loss"])
-    if len(self._ahead) > MAX_UPDATES_AHEAD:
+  def _paced(self, out, marker: jax.Array):
+    """Returns `out` once the pass `MAX_AHEAD` before this one is done
+    (`marker`: one output of this pass, never donated), so the host never
+    runs further ahead than that."""
+    self._ahead.append(marker)
+    if len(self._ahead) > MAX_AHEAD:
       self._ahead.popleft().block_until_ready()
     return out
 
