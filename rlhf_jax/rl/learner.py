@@ -197,14 +197,17 @@ class Learner:
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def body(carry, mb):
-      g_acc, l_acc, a_acc = carry
-      (l, aux), g = grad_fn(params, mb)
-      return (jax.tree.map(jnp.add, g_acc, g), l_acc + l,
+      g_acc, loss_acc, a_acc = carry
+      (loss_mb, aux), g = grad_fn(params, mb)
+      return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_mb,
               jax.tree.map(jnp.add, a_acc, aux)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     _, aux_shape = jax.eval_shape(loss, params, first)
-    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+
+    def zeros(tree):
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
     init = (zeros(params), jnp.zeros((), jnp.float32), zeros(aux_shape))
     (grads, loss_value, aux), _ = jax.lax.scan(body, init, micro)
     return grads, loss_value, aux

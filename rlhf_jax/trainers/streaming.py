@@ -123,7 +123,7 @@ class StreamedStep:
       batch, info = self._prepare(samples, self._behaviour)
       sums = self.learner.grad_sums(self.params, batch)
       self.sums = sums if self.sums is None else jax.tree.map(
-          lambda a, b: a + b, self.sums, sums)
+          jnp.add, self.sums, sums)
       self._last = self.sums
       self.sum_parts += 1
       self.infos.append({**info, "samples": samples})
