@@ -15,7 +15,8 @@ same trace. Scoring: the reference model's log-prob of each finished
 response (a full forward of prompt + response padded to P + M, chunks of
 `score_chunk` samples, the batch split over the scoring replicas).
 
-Modes, each on the same trace (`engine/long_tail.LongTailRollout`):
+Modes, each on the same trace (`rollout/local.LocalRollout` with the
+long-tail policies of `engine/long_tail.py`):
   static      a new wave of prompts only once every row is free (FIFO), then
               scoring of the whole batch;
   continuous  a prompt enters any row as soon as it frees (FIFO), then
@@ -54,6 +55,7 @@ that repeat's step costs), so drift of the shared machine cancels.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -140,7 +142,7 @@ class RefScorer:
 # ------------------------------------------------------------ unit costs
 def _stepper(lt, params, m):
   """One decode step of the m-replica engine (state reused)."""
-  eng, p = lt.engine(m), lt.params_for(params, m)
+  eng, p = lt.engines.engine(m), lt.engines.params_for(params, m)
   box = [eng.init_decode_state()]
 
   def step():
@@ -159,7 +161,7 @@ def _time_steps(lt, params, m, prompt, prefill_s, steps=40):
   """
   from rlhf_jax.engine.driver import Driver, Request
 
-  eng, p = lt.engine(m), lt.params_for(params, m)
+  eng, p = lt.engines.engine(m), lt.engines.params_for(params, m)
   G = eng.samples_per_row
   reqs = [Request(10**6 + r, prompt, num_samples=G, seed=3,
                   max_new_tokens_per_sample=(steps,) * G)
@@ -174,7 +176,7 @@ def _time_steps(lt, params, m, prompt, prefill_s, steps=40):
 
 def _time_prefill(lt, params, req):
   """Seconds of one prompt's prefill + insert on the full engine."""
-  eng = lt.engine(lt.replicas)
+  eng = lt.engines.engine(lt.engines.replicas)
   box = [eng.init_decode_state()]
   padded, n = eng.pad_prompt(req.tokens, req.prompt_id)
   slots = eng.slots_of_row[0][:req.num_samples]
@@ -197,7 +199,7 @@ def _score_overlap(lt, params, scorer, chunk, m, step_s, score_s, n=5):
   (1 - overlap) * score_s on top of the steps.
   """
   import jax
-  step, rest = _stepper(lt, params, m), lt.parts(m)[1]
+  step, rest = _stepper(lt, params, m), lt.engines.parts(m)[1]
   k = max(1, round(score_s / step_s))
   jax.block_until_ready((scorer.score(chunk, rest), step()))  # Warm.
   times = []
@@ -214,16 +216,33 @@ def _score_overlap(lt, params, scorer, chunk, m, step_s, score_s, n=5):
 
 # ---------------------------------------------------------------- modes
 def _tail_configs(chunk, r_t):
-  from rlhf_jax.engine.long_tail import TailConfig
+  from rlhf_jax.config.sections import LongTail
   return {
-      "static": TailConfig(admission="static", assignment="fifo",
-                           consolidate_below=0.0, fusion=False,
-                           score_chunk=chunk),
-      "continuous": TailConfig(assignment="fifo", consolidate_below=0.0,
-                               fusion=False, score_chunk=chunk),
-      "ours": TailConfig(assignment="length", consolidate_below=r_t,
-                         migration="kv", fusion=True, score_chunk=chunk),
+      "static": LongTail(enabled=True, admission="static", assignment="fifo",
+                         consolidate_below=0.0, fusion=False,
+                         score_chunk=chunk),
+      "continuous": LongTail(enabled=True, assignment="fifo",
+                             consolidate_below=0.0, fusion=False,
+                             score_chunk=chunk),
+      "ours": LongTail(enabled=True, assignment="length",
+                       consolidate_below=r_t, migration="kv", fusion=True,
+                       score_chunk=chunk),
   }
+
+
+@dataclasses.dataclass
+class _Run:
+  samples: list
+  scores: dict
+  stats: dict
+
+
+def _run(lt, params, requests, scorer, step) -> _Run:
+  """One rollout of every request with device scoring; its samples,
+  scores and metrics."""
+  lt.set_weights(params, 0)
+  samples = list(lt.run(requests, step=step, scorer=scorer))
+  return _Run(samples, dict(lt.scores), lt.metrics())
 
 
 def _timeline_idle(timeline, step, replicas):
@@ -236,11 +255,11 @@ def _timeline_idle(timeline, step, replicas):
 
 def _summary(lt, runs, requests):
   """(median wall, the median run's stats, its samples) of timed runs."""
-  walls = [r.stats["rollout/wall_s"] for r in runs]
+  walls = [r.stats["perf/rollout_wall_s"] for r in runs]
   mid = int(np.argsort(walls)[len(walls) // 2])
   stats = dict(runs[mid].stats)
   stats["timeline_idle_fraction"] = _timeline_idle(lt.timeline, mid,
-                                                   lt.replicas)
+                                                   lt.engines.replicas)
   assert len(runs[mid].scores) == len(runs[mid].samples) == sum(
       r.num_samples for r in requests)
   return statistics.median(walls), stats, runs[mid].samples
@@ -252,11 +271,12 @@ def main(argv):
   jax.config.update("jax_num_cpu_devices", REPLICAS)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Request
-  from rlhf_jax.engine.long_tail import LongTailRollout
+  from rlhf_jax.engine.long_tail import EngineSet
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.parallel import mesh as mesh_lib
+  from rlhf_jax.rollout.local import LocalRollout
   from rlhf_jax.sched.length_history import LengthHistory
   from rlhf_jax.sim import rows as sim_rows
   from rlhf_jax.timeline import Timeline
@@ -283,31 +303,32 @@ def main(argv):
   scorer = RefScorer(graphdef, ref, PROMPT_LEN + M, chunk)
   rollouts = {}
   for name, tail in _tail_configs(chunk, _R_T.value).items():
-    lt = LongTailRollout(cfg, graphdef, layout, rows_per_replica=rpr,
-                         samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
-                         sampling=sampling, tail=tail,
-                         history=LengthHistory(1.0), timeline=Timeline(None))
+    engines = EngineSet(cfg, graphdef, layout, rows_per_replica=rpr,
+                        samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
+                        sampling=sampling)
+    lt = LocalRollout(engines, tail=tail, history=LengthHistory(1.0),
+                      timeline=Timeline(None))
     for i in range(2):  # Epoch 1 fills the length history; both compile.
-      lt.run(params, requests, scorer=scorer, step=-1 - i)
+      _run(lt, params, requests, scorer, step=-1 - i)
     rollouts[name] = lt
   print(f"  warm-up done ({time.perf_counter() - t_start:.0f}s)", flush=True)
   ours = rollouts["ours"]
   prefill_s = _time_prefill(ours, params, requests[0])
-  for m in ours.sizes:  # Warm-up of the calibration rollouts.
+  for m in ours.engines.sizes:  # Warm-up of the calibration rollouts.
     _time_steps(ours, params, m, requests[0].tokens, prefill_s)
   # Timed runs, modes interleaved repeat by repeat (the machine is shared),
   # each repeat followed by a step-cost calibration of every engine size.
   runs = {name: [] for name in MODES}
-  step_times = {m: [] for m in ours.sizes}
+  step_times = {m: [] for m in ours.engines.sizes}
   for i in range(repeats):
     for name in MODES:
-      runs[name].append(rollouts[name].run(params, requests, scorer=scorer,
-                                           step=i))
-    for m in ours.sizes:
+      runs[name].append(_run(rollouts[name], params, requests, scorer,
+                             step=i))
+    for m in ours.engines.sizes:
       step_times[m].append(_time_steps(ours, params, m, requests[0].tokens,
                                        prefill_s))
     print(f"  repeat {i + 1}: " + ", ".join(
-        f"{k} {v[-1].stats['rollout/wall_s']:.2f}s" for k, v in runs.items())
+        f"{k} {v[-1].stats['perf/rollout_wall_s']:.2f}s" for k, v in runs.items())
           + f" ({time.perf_counter() - t_start:.0f}s)", flush=True)
   live = {k: _summary(rollouts[k], v, requests) for k, v in runs.items()}
 
@@ -316,8 +337,8 @@ def main(argv):
   samples = live["static"][2][:chunk]
   score_s = timing.median_time(lambda: scorer.score(samples, layout))
   o_stats = live["ours"][1]
-  move_s = o_stats["rollout/move_s"] / max(1, o_stats["rollout/consolidations"])
-  tail_sizes = [m for m in ours.sizes
+  move_s = o_stats["perf/move_s"] / max(1, o_stats["rollout/consolidations"])
+  tail_sizes = [m for m in ours.engines.sizes
                 if o_stats["rollout/consolidated_replicas"] <= m < REPLICAS]
   overlaps = {m: _score_overlap(ours, params, scorer, samples, m, step_s[m],
                                 score_s) for m in tail_sizes}
@@ -338,8 +359,8 @@ def main(argv):
   # ours of the same repeat) and simulated (with that repeat's step costs),
   # so drift of the shared machine between repeats cancels.
   def paired(a, b):
-    return statistics.median(x.stats["rollout/wall_s"] / y.stats[
-        "rollout/wall_s"] for x, y in zip(runs[a], runs[b]))
+    return statistics.median(x.stats["perf/rollout_wall_s"] / y.stats[
+        "perf/rollout_wall_s"] for x, y in zip(runs[a], runs[b]))
 
   live_speedup = paired("static", "ours")
   sim_speedup = statistics.median(
@@ -390,7 +411,7 @@ def main(argv):
       live_speedup_vs_static=r3(live_speedup),
       sim_rel_error=r3(sim_speedup / live_speedup - 1),
       sim_error=r3(sim_speedup / live_speedup - 1),
-      idle_fraction_stats={k: r3(stats[k]["rollout/idle_fraction"])
+      idle_fraction_stats={k: r3(stats[k]["perf/rollout_idle_fraction"])
                            for k in MODES},
       sim_idle_fraction={k: r3(v.timeline_idle_fraction)
                          for k, v in sim.items()},

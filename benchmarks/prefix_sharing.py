@@ -64,9 +64,9 @@ from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import objectives
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
-from rlhf_jax.trainers import rollout
 
 from benchmarks import common_prefix
 
@@ -194,7 +194,7 @@ def _train_case(cfg, layout, repeats, rng, N):
   adv = rng.standard_normal(N * G).astype(np.float32)
   batches = {}
   for name, group_size in (("shared", G), ("repeated", 0)):
-    arrays = rollout.pack(samples, P, R, group_size=group_size).arrays
+    arrays = batch_lib.pack(samples, P, R, group_size=group_size).arrays
     # Old/ref log-probs near a uniform policy's (timing does not depend on
     # them; recomputing them would cost two more compiles).
     logp = np.full(arrays["loss_mask"].shape, -np.log(cfg.vocab_size),

@@ -28,7 +28,7 @@ what devices receive (target shard minus what they already hold), the same
 for both methods.
 
 Allocator: on CPU both methods run with glibc keeping freed memory in the
-process (`rlhf_jax/cpu_allocator.py`, the command re-executes itself once
+process (`benchmarks/cpu_allocator.py`, the command re-executes itself once
 with the MALLOC_* settings), as an accelerator's BFC allocator keeps freed
 device memory; with the default allocator every repartition page-faults
 ~2 GB of fresh buffers again (ours 0.82 s vs 0.17 s).
@@ -111,7 +111,7 @@ def _measure(layout_spec, cfg, repeats):
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.parallel import mesh as mesh_lib
   from rlhf_jax.parallel import repartition as rp
-  from rlhf_jax.trainers.colocate import Colocation
+  from rlhf_jax.parallel.colocate import Colocation
 
   train_part, rollout_tensor = layout_spec.split(":")
   fsdp, tensor = map(int, train_part.split("x"))
@@ -206,7 +206,7 @@ def _measure(layout_spec, cfg, repeats):
 
 
 def cpu_allocator_retained() -> bool:
-  from rlhf_jax import cpu_allocator
+  from benchmarks import cpu_allocator
   return cpu_allocator.retained()
 
 
@@ -230,7 +230,7 @@ def _table(rows):
 
 def main(argv):
   del argv
-  from rlhf_jax import cpu_allocator
+  from benchmarks import cpu_allocator
 
   cpu_allocator.reexec_with_retained_memory()
   jax.config.update("jax_num_cpu_devices", 8)

@@ -7,8 +7,8 @@ cost the same; response lengths then follow the stop token's chance under
 a near-uniform policy, a long tail up to `max_new_tokens`) with its
 rollout on 2 in-process workers of one device each, on 8 forced CPU
 devices. Whole batch: the trainer's mesh waits for the last sample, then
-repartitions, scores, takes log-probs and trains. Streamed
-(`rollout.workers.stream`, `trainers/streaming.py`): the mesh switches to
+repartitions, scores, takes log-probs and trains. Streamed (`rl.stream`,
+`trainers/grpo.streamed_step`, `rl/streaming.py`): the mesh switches to
 the train layout at once and turns every `stream_parts`-th of the groups
 into gradient sums as they complete, while the workers decode the rest.
 Each repeat runs both on the same prompts and seed (the same samples),
@@ -50,9 +50,9 @@ def _config(stream: bool):
   c.rollout.update(num_rows=n, max_new_tokens=_MAX_NEW.value,
                    max_seq_len=max(c.rollout.prefill_buckets)
                    + 2 * _MAX_NEW.value)
-  c.rl.num_minibatches = 1  # One update a step in both modes.
-  c.rollout.workers.update(num=2, theta=2, poll_steps=4, stream=stream,
-                           stream_parts=_PARTS.value)
+  c.rl.update(num_minibatches=1,  # One update a step in both modes.
+              stream=stream, stream_parts=_PARTS.value)
+  c.rollout.workers.update(num=2, theta=2, poll_steps=4)
   return c
 
 
@@ -75,7 +75,10 @@ def main(argv):
   jax.config.update("jax_platforms", "cpu")
   import jax.numpy as jnp
 
-  from rlhf_jax.trainers import colocate, grpo
+  import dataclasses
+
+  from rlhf_jax.parallel import colocate
+  from rlhf_jax.trainers import grpo
 
   config = {m: _config(m == "streamed") for m in ("whole batch", "streamed")}
   jobs = {m: grpo.build(c) for m, c in config.items()}
@@ -87,13 +90,11 @@ def main(argv):
     job = jobs[mode]
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), base.params)
     state = job.learner.init_state(params)
+    # A fresh colocation: the timeline holds this run's step 1 only.
     co = colocate.Colocation(job.learner.layout, job.rollout_layout,
                              state.params, offload=False, version=0)
-    _, metrics = grpo.rl_step(
-        1, state, ref, prompts, config=config[mode], learner=job.learner,
-        engine=job.engine, rollout_layout=job.rollout_layout,
-        tokenizer=job.tokenizer, prompt_len=job.prompt_len, colocation=co,
-        workers=job.workers)
+    _, metrics = dataclasses.replace(job, colocation=co).step(
+        1, state, ref, prompts)
     return {**_phases(co, 1), **metrics}
 
   for mode in jobs:  # Warm-up: compilation.
@@ -113,7 +114,7 @@ def main(argv):
   w, s = results["whole batch"][0], results["streamed"][0]
   lengths = w["rollout/response_len_mean"]
   n_groups = _PROMPTS.value
-  streamed = statistics.median(x["workers/streamed_groups"]
+  streamed = statistics.median(x["stream/groups_during_rollout"]
                                for x in results["streamed"])
   print(f"\n{n_groups} prompts x {config['streamed'].rollout.samples_per_row}"
         f" samples, mean response {lengths:.1f} of {_MAX_NEW.value} tokens, "

@@ -1,6 +1,13 @@
-"""Helpers shared by config files."""
+"""Helpers shared by config files.
+
+Sections are built from the typed defaults in `rlhf_jax/config/sections.py`
+(`config_dict(Section, **overrides)`), so every key has a default and a
+mistyped override fails on the locked config.
+"""
 
 import ml_collections
+
+from rlhf_jax.config import sections
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
@@ -24,35 +31,38 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return out
 
 
-def model_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-  """Model section: a preset name plus optional field overrides."""
-  return ml_collections.ConfigDict(dict(
-      preset=preset,
-      overrides=ml_collections.ConfigDict(),  # e.g. num_layers=4
-      param_dtype="float32",
-      compute_dtype="float32",
-  ))
+def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+  """Model section: a preset name plus optional `ModelConfig` overrides."""
+  return sections.config_dict(sections.Model, preset=preset,
+                              overrides=ml_collections.ConfigDict(overrides))
 
 
-def mesh_config() -> ml_collections.ConfigDict:
+def mesh_config(**kw) -> ml_collections.ConfigDict:
   """Training mesh axes (one may be -1) and the rollout tensor size."""
-  return ml_collections.ConfigDict(dict(
-      num_devices=0,  # 0 = all devices; n = the first n.
-      data=1, fsdp=-1, tensor=1,
-      rollout_tensor=1,  # Rollout = the same devices as replicas x tensor.
-      offload=True,  # Optimizer state + reference in host memory in rollout.
-      layers_per_group=1,  # Layers per jitted reshard (transient memory).
-      stale_samples="raise",  # Samples of older weights: "raise" | "drop".
-  ))
+  return sections.config_dict(sections.Mesh, **kw)
 
 
 def tiny_model_config() -> ml_collections.ConfigDict:
   """The 2-layer, 128-wide decoder the tiny CPU jobs share."""
-  c = model_config("tiny")
-  c.overrides = ml_collections.ConfigDict(dict(
-      num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
-      mlp_dim=384))
-  return c
+  return model_config("tiny", num_layers=2, embed_dim=128, num_heads=4,
+                      num_kv_heads=2, head_dim=32, mlp_dim=384)
+
+
+def optim_config(**kw) -> ml_collections.ConfigDict:
+  """AdamW + clipping + warmup/cosine (`rl/learner.OptimConfig`)."""
+  return sections.config_dict(sections.OptimConfig, **kw)
+
+
+def rl_sections(c: ml_collections.ConfigDict, *, rollout: dict, rl: dict,
+                optim: dict, train: dict, eval: dict,  # noqa: A002
+                sft: dict) -> None:
+  """Sets the typed sections every RL job (GRPO, PPO) has."""
+  c.rollout = sections.config_dict(sections.Rollout, **rollout)
+  c.rl = sections.config_dict(sections.RL, **rl)
+  c.optim = optim_config(**optim)
+  c.train = sections.config_dict(sections.Train, **train)
+  c.eval = sections.config_dict(sections.Eval, **eval)
+  c.sft = sections.config_dict(sections.SFT, **sft)
 
 
 def shrink_addition_rl(c: ml_collections.ConfigDict) -> None:

@@ -56,46 +56,27 @@ def get_config(arg=None):
       synthetic=False,           # runlocal: build tiny assets in workdir.
   ))
 
-  c.sft = ml_collections.ConfigDict(dict(
-      steps=0, batch_size=64, learning_rate=1e-5, warmup_steps=0,
-      grad_clip=1.0, log_every=25))
-
-  c.rollout = ml_collections.ConfigDict(dict(
-      num_rows=64, samples_per_row=8, prefill_buckets=(128, 256),
-      max_new_tokens=384, max_seq_len=640, temperature=1.0, top_k=0,
-      top_p=1.0, attention_impl="auto",
-      # > 0: a token prefix all prompts of a batch share (system prompt,
-      # chat template) is prefilled and stored once, up to this length.
-      max_common_length=64))
-
-  c.rl = ml_collections.ConfigDict(dict(
-      advantage="grpo", policy_loss="ppo",
-      clip_low=0.2, clip_high=0.28, clip_c=0.0,
-      kl_coef=0.001, kl_estimator="k3", kl_in_loss=True,
-      aggregation="token-mean",
-      ppo_epochs=1, num_minibatches=4, micro_batches=4,
-      # Log-probs and training run each prompt once for its G responses
-      # (rl/grouped.py); False repeats the prompt in every sequence.
-      share_prompt=True,
-      # DAPO: refill groups whose rewards are all equal from later prompt
-      # batches (at most dynamic_max_rounds rollouts per step).
-      dynamic_sampling=False, dynamic_max_rounds=3,
-      # DAPO soft overlong penalty over the last overlong_buffer tokens of
-      # rollout.max_new_tokens (0 = off).
-      overlong_buffer=0, overlong_penalty=1.0,
-      rewards=("gsm8k", "gsm8k_format"), reward_weights=(1.0, 0.1),
-      on_reward_error="zero",
-  ))
-
-  c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-6, warmup_steps=10, decay_steps=0, end_lr_ratio=1.0,
-      b1=0.9, b2=0.999, weight_decay=0.0, grad_clip=1.0))
-
-  c.train = ml_collections.ConfigDict(dict(
-      steps=200, prompts_per_step=64, checkpoint_every=20,
-      keep_checkpoints=2))
-  c.eval = ml_collections.ConfigDict(dict(
-      every=20, num_rows=64, batch_size=256, num_prompts=256))
+  common.rl_sections(
+      c,
+      # max_common_length > 0: the prefix every prompt of a batch shares
+      # (the chat template's system turn) is prefilled and stored once.
+      rollout=dict(num_rows=64, samples_per_row=8, prefill_buckets=(128, 256),
+                   max_new_tokens=384, max_seq_len=640, max_common_length=64),
+      rl=dict(advantage="grpo", policy_loss="ppo",
+              clip_low=0.2, clip_high=0.28, kl_coef=0.001,
+              kl_estimator="k3", kl_in_loss=True, aggregation="token-mean",
+              ppo_epochs=1, num_minibatches=4, micro_batches=4,
+              share_prompt=True, rewards=("gsm8k", "gsm8k_format"),
+              reward_weights=(1.0, 0.1), on_reward_error="zero"),
+      optim=dict(learning_rate=1e-6, warmup_steps=10, decay_steps=0,
+                 end_lr_ratio=1.0, b1=0.9, b2=0.999, weight_decay=0.0,
+                 grad_clip=1.0),
+      train=dict(steps=200, prompts_per_step=64, checkpoint_every=20,
+                 keep_checkpoints=2),
+      eval=dict(every=20, num_rows=64, batch_size=256, num_prompts=256),
+      # No SFT warm-start: the instruct model follows the format already.
+      sft=dict(steps=0, batch_size=64, learning_rate=1e-5, warmup_steps=0,
+               grad_clip=1.0, log_every=25))
 
   if arg.runlocal:
     c.data.synthetic = True

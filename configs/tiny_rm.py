@@ -42,9 +42,9 @@ def get_config(arg=None):
       seq_len=16,           # <bos> prompt response <eos>, right-padded.
   ))
 
-  c.optim = ml_collections.ConfigDict(dict(
+  c.optim = common.optim_config(
       learning_rate=1e-3, warmup_steps=20, decay_steps=1200, end_lr_ratio=0.1,
-      b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0))
+      b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0)
 
   c.train = ml_collections.ConfigDict(dict(
       steps=1200, batch_size=64, micro_batches=1,

@@ -51,8 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from kernels_pallas.prefix_decode_attention import common_prefix_part
-from kernels_pallas.prefix_decode_attention import merge_parts
+from kernels_pallas.attention_parts import common_prefix_part, merge_parts
 
 # Lane width of the m / l / lse buffers: lane-dense like the flash attention
 # kernels in jax.experimental.pallas.ops.tpu, avoiding 1-lane masked stores.

@@ -82,3 +82,36 @@ class Progress:
     logging.info(line)
     if sys.stdout.isatty():
       print("\r" + line[:150], end="", flush=True)
+
+
+def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
+                    *extra: dict, version: int, stale: int) -> dict:
+  """The host metrics of one RL step.
+
+  Args:
+    info: host values of the step's batch: "rewards" [B] (before any KL
+      penalty), "kl" [B] (sequence KL to the reference), "response_len"
+      [B], "gap_max" / "gap_mean" (trainer vs sampler log-probs).
+    trained: prefix -> metrics of every update ("train": the policy,
+      "critic": PPO's value function); means are logged.
+    perf: the timeline's perf/ metrics of the step.
+    extra: further metric dicts (rollout, rewards, workers).
+    version: the weight version the samples came from.
+    stale: samples of other versions left out of the loss.
+  """
+  tokens = float(np.sum(info["response_len"]))
+  out = {"rollout/reward_mean": float(np.mean(info["rewards"])),
+         "rollout/kl": float(np.mean(info["kl"])),
+         "rollout/response_len_mean": float(np.mean(info["response_len"])),
+         "rollout/logprob_gap": float(info["gap_max"]),
+         "rollout/logprob_gap_mean": float(info["gap_mean"]),
+         "rollout/weight_version": float(version),
+         "rollout/stale_dropped": float(stale)}
+  for metrics in extra:
+    out.update({k: float(v) for k, v in metrics.items()})
+  for prefix, updates in trained.items():
+    out.update({f"{prefix}/{k}": float(np.mean([m[k] for m in updates]))
+                for k in updates[0]})
+  out.update(perf)
+  out["perf/tokens_per_s"] = tokens / perf["perf/step_s"]
+  return out

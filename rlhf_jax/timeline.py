@@ -64,6 +64,13 @@ class Timeline:
     if self.enabled and os.path.exists(self.json_path):
       self._load()
 
+  def open(self, workdir: str, *, enabled: bool = True) -> None:
+    """Writes to `workdir` from now on (the step loop's, once it knows it),
+    continuing its `timeline.json` if there is one; spans so far are
+    dropped (they belonged to no run)."""
+    fresh = Timeline(workdir, enabled=enabled, clock=self.clock)
+    self.__dict__.update(fresh.__dict__)
+
   # ----------------------------------------------------------- recording
   def now(self) -> float:
     return self.clock() - self.origin

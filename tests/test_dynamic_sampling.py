@@ -4,7 +4,8 @@ import numpy as np
 
 from rlhf_jax.data.batching import PromptBatch
 from rlhf_jax.engine.driver import Sample
-from rlhf_jax.trainers import dynamic_sampling
+from rlhf_jax.rollout import dynamic_sampling
+from rlhf_jax.rollout.base import Sampled
 
 G = 2
 
@@ -27,7 +28,8 @@ def _round_fn(rewards_by_prompt, calls):
         samples.append(Sample(pid, g, np.ones(3, np.int32), [5], [0.0],
                               [0.0], "stop", 0))
         rewards.append(rewards_by_prompt[pid][g])
-    return samples, np.asarray(rewards), {"rewards/x": float(np.mean(rewards))}
+    return Sampled(samples, np.asarray(rewards), np.ones(len(samples), bool),
+                   {"rewards/x": float(np.mean(rewards))})
   return run
 
 

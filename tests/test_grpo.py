@@ -11,8 +11,9 @@ import time
 import pytest
 
 from configs import tiny_grpo
+from rlhf_jax.config import checks
+from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.trainers import grpo
-from rlhf_jax.trainers.validate import ConfigError, validate_rl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {"train.steps": 6, "eval.every": 3}
@@ -114,25 +115,27 @@ def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("rl.dynamic_max_rounds", 0, "positive int"),
+    ("rl.dynamic_max_rounds", 0, "rl.dynamic_max_rounds=0: must be a positive"),
     ("rl.overlong_buffer", 9, "config.rl.overlong_buffer"),
-    ("rl.advantage", "gae", "config.rl.advantage"),
+    ("rl.advantage", "gae", "config.rl.advantage='gae' needs a critic"),
+    ("rl.advantage", "best", "config.rl.advantage='best': unknown"),
     ("rl.aggregation", "mean", "config.rl.aggregation"),
     ("rl.kl_estimator", "k9", "config.rl.kl_estimator"),
     ("rl.rewards", ("nope",), "config.rl.rewards"),
     ("rollout.samples_per_row", 1, "group estimator"),
     ("train.prompts_per_step", 3, "data shards"),
-    ("rl.num_minibatches", 5, "not divisible by rl.num_minibatches"),
+    ("rl.num_minibatches", 5, "not divisible by config.rl.num_minibatches"),
     ("rollout.prefill_buckets", (4,), "prompts need 7 tokens"),
-    ("rollout.max_seq_len", 10, "exceeds the KV cache length"),
+    ("rollout.max_seq_len", 10, "config.rollout.max_seq_len=10: the largest"),
     ("rollout.num_rows", 7, "rollout replicas"),
     ("rl.kl_coef", -1.0, "kl_coef"),
-    ("train.steps", 0, "positive int"),
+    ("train.steps", 0, "config.train.steps=0: must be a positive int"),
 ])
 def test_config_errors(key, value, message):
   c = _config(**{key: value})
   with pytest.raises(ConfigError, match=message):
-    validate_rl(c, prompt_len=7, num_devices=8)
+    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
+                        num_devices=8)
 
 
 def test_override_with_wrong_type_fails():

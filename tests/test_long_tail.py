@@ -7,13 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fakes
+from rlhf_jax.config.sections import LongTail
 from rlhf_jax.engine.driver import Driver, Request
 from rlhf_jax.engine.engine import Engine
-from rlhf_jax.engine.long_tail import LongTailRollout, TailConfig
+from rlhf_jax.engine.long_tail import EngineSet
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.rollout.local import LocalRollout
 from rlhf_jax.sched import continuous
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.sim import rows
@@ -79,26 +82,35 @@ def setup(mesh8):
   return graphdef, layout, params, plain
 
 
-def _run(setup, **tail):
+def _rollout(setup, history=None, **tail) -> LocalRollout:
   graphdef, layout, params, _ = setup
+  engines = EngineSet(CFG, graphdef, layout, rows_per_replica=RPR,
+                      samples_per_row=G, prefill_buckets=BUCKETS,
+                      sampling=SAMPLING)
+  lt = LocalRollout(engines, tail=LongTail(enabled=True, **tail),
+                    history=history)
+  lt.set_weights(params, 0)
+  return lt
+
+
+def _run(setup, **tail):
+  """(samples, device scores, metrics) of the long-tail rollout."""
   history = LengthHistory(0.5)
   for r in _requests():  # Pretend an earlier epoch: predictions exist.
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
-  lt = LongTailRollout(CFG, graphdef, layout, rows_per_replica=RPR,
-                       samples_per_row=G, prefill_buckets=BUCKETS,
-                       sampling=SAMPLING, tail=TailConfig(**tail),
-                       history=history)
-  return lt.run(params, _requests(), scorer=_Scorer(graphdef, params))
+  lt = _rollout(setup, history, **tail)
+  samples = list(lt.run(_requests(), scorer=_Scorer(setup[0], setup[2])))
+  return samples, lt.scores, lt.metrics()
 
 
-def _assert_same(result, plain):
-  keys = [s.key for s in result.samples]
+def _assert_same(samples, scores, plain):
+  keys = [s.key for s in samples]
   assert len(keys) == len(set(keys)) == len(plain)  # None lost or doubled.
-  for s in result.samples:
+  for s in samples:
     want = plain[s.key]
     assert s.tokens == want.tokens, s.key
     np.testing.assert_allclose(s.logp_raw, want.logp_raw, atol=1e-5)
-  assert set(result.scores) == set(plain)
+  assert set(scores) == set(plain)
 
 
 def test_budgets_force_the_lengths(setup):
@@ -115,41 +127,38 @@ def test_budgets_force_the_lengths(setup):
 def test_consolidation_keeps_tokens(setup, migration, assignment):
   # FIFO rows put long prompts on high replicas, so the KV move has rows to
   # move; re-prefill moves every live sample, with length-aware rows on.
-  result = _run(setup, consolidate_below=0.5, migration=migration,
-                score_chunk=4, assignment=assignment, reprefill_max_tokens=2)
-  st = result.stats
+  samples, scores, st = _run(
+      setup, consolidate_below=0.5, migration=migration, score_chunk=4,
+      assignment=assignment, reprefill_max_tokens=2)
   assert st["rollout/consolidated_replicas"] < 8
   if migration == "kv":
     assert st["rollout/tail_moves"] > 0 and st["rollout/reprefilled"] == 0
   elif migration == "reprefill":
     assert st["rollout/reprefilled"] > 0
   assert st["rollout/scoring_chunks"] >= 2
-  _assert_same(result, setup[3])
+  _assert_same(samples, scores, setup[3])
 
 
 def test_static_and_fifo_keep_tokens(setup):
-  result = _run(setup, admission="static", assignment="fifo",
-                consolidate_below=0.0, fusion=False)
-  assert result.stats["rollout/consolidated_replicas"] == 8
-  _assert_same(result, setup[3])
+  samples, scores, st = _run(setup, admission="static", assignment="fifo",
+                             consolidate_below=0.0, fusion=False)
+  assert st["rollout/consolidated_replicas"] == 8
+  _assert_same(samples, scores, setup[3])
   # The row simulator replays the same trace in the same number of steps.
   trace = np.array([r.max_new_tokens_per_sample for r in _requests()])
   sim = rows.simulate(trace, replicas=8, rows_per_replica=RPR,
                       policy="static", costs=rows.UnitCosts(
                           {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, 0.0, 0.0))
-  assert sim.steps == result.stats["rollout/steps"]
+  assert sim.steps == st["rollout/steps"]
 
 
 def test_cost_aware_replica_count(setup):
-  graphdef, layout, params, plain = setup
-  lt = LongTailRollout(CFG, graphdef, layout, rows_per_replica=RPR,
-                       samples_per_row=G, prefill_buckets=BUCKETS,
-                       sampling=SAMPLING,
-                       tail=TailConfig(replicas="cost", cost_lambda=0.0))
-  lt.step_s = {m: 0.01 for m in lt.sizes}  # Equal step cost: fewest wins.
-  result = lt.run(params, _requests(), scorer=_Scorer(graphdef, params))
-  assert result.stats["rollout/replicas"] == 1
-  _assert_same(result, plain)
+  graphdef, _, params, plain = setup
+  lt = _rollout(setup, replicas="cost", cost_lambda=0.0)
+  lt.step_s = {m: 0.01 for m in lt.engines.sizes}  # Equal cost: fewest.
+  samples = list(lt.run(_requests(), scorer=_Scorer(graphdef, params)))
+  assert lt.metrics()["rollout/replicas"] == 1
+  _assert_same(samples, lt.scores, plain)
 
 
 def test_choose_replicas_trades_latency_for_cost():
@@ -163,8 +172,9 @@ def test_choose_replicas_trades_latency_for_cost():
 
 
 def test_grpo_step_with_long_tail_matches_plain(mesh8):
-  """One GRPO step on 8 devices: long-tail rollout (consolidation, fused
-  reward scoring, assignment) gives the plain step's samples and numbers."""
+  """One GRPO step on 8 devices: the long-tail rollout (consolidation,
+  assignment; rewards scored as groups finish) gives the plain step's
+  samples and numbers."""
   del mesh8
   from configs import tiny_grpo
   from rlhf_jax.trainers import grpo
@@ -172,22 +182,13 @@ def test_grpo_step_with_long_tail_matches_plain(mesh8):
   c = tiny_grpo.get_config("runlocal")
   # R_t = 1: consolidate as soon as the 8 rows fit 4 replicas (the
   # untrained policy answers in ~4 tokens: no natural tail here).
-  c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
-                             score_chunk=4)
+  c.rollout.long_tail.update(enabled=True, consolidate_below=1.0)
   c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
   job = grpo.build(c)
-  assert job.long_tail is not None
+  assert job.rollout.tail.enabled
   prompts = next(job.iterator)
-  ref = jax.tree.map(lambda x: x * 1.05, job.params)
-  out = {}
-  for lt in (None, job.long_tail):
-    state = job.learner.init_state(
-        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
-    _, out[lt is None] = grpo.rl_step(
-        1, state, ref, prompts, config=c, learner=job.learner,
-        engine=job.engine, rollout_layout=job.rollout_layout,
-        tokenizer=job.tokenizer, prompt_len=job.prompt_len, long_tail=lt)
-  plain, ours = out[True], out[False]
+  _, plain = fakes.first_step(job, prompts, fakes.local_rollout(job))
+  _, ours = fakes.first_step(job, prompts)
   for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss",
             "train/grad_norm", "train/kl"):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
@@ -195,9 +196,10 @@ def test_grpo_step_with_long_tail_matches_plain(mesh8):
     if k.startswith("rewards/"):
       np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
   assert ours["rollout/consolidated_replicas"] < 8
-  assert ours["rollout/scoring_chunks"] >= 2
+  assert ours["rollout/consolidations"] >= 1
   # The history learned this step's lengths (it is checkpointed by the loop).
-  assert all(job.long_tail.history.known(int(p)) for p in prompts.prompt_ids)
+  history = job.rollout.length_history
+  assert all(history.known(int(p)) for p in prompts.prompt_ids)
 
 
 def test_length_history_survives_checkpoint_json():
@@ -217,10 +219,9 @@ def test_length_history_survives_checkpoint_json():
     ("replicas", "most", "replicas")])
 def test_long_tail_config_errors_name_the_key(key, value, match):
   from configs import tiny_grpo
-  from rlhf_jax.trainers import long_tail as long_tail_lib
-  from rlhf_jax.trainers.validate import ConfigError
+  from rlhf_jax.config.sections import ConfigError, RLJob
 
   c = tiny_grpo.get_config("runlocal")
   c.rollout.long_tail.update(enabled=True, **{key: value})
-  with pytest.raises(ConfigError, match=f"rollout.long_tail: invalid {match}"):
-    long_tail_lib.check(c)
+  with pytest.raises(ConfigError, match=f"config.rollout.long_tail.{match}="):
+    RLJob.from_config(c)

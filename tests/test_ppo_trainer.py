@@ -6,7 +6,8 @@ import pytest
 from configs import tiny_ppo, tiny_rm
 from rlhf_jax.metrics import MetricWriter
 from rlhf_jax.trainers import ppo, rm
-from rlhf_jax.trainers.validate import ConfigError, validate_ppo
+from rlhf_jax.config import checks
+from rlhf_jax.config.sections import ConfigError, RLJob
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +78,15 @@ def test_reward_model_of_another_answer_format_is_refused(rm_workdir):
     ("rl.tracked_rewards", ("nope",), "config.rl.tracked_rewards"),
     ("critic.init", "random", "config.critic.init"),
     ("rl.policy_loss", "nope", "config.rl.policy_loss"),
+    ("rl.advantage", "grpo", "config.rl.advantage='grpo': the PPO job"),
+    ("rl.stream", True, "config.rl.stream is GRPO-only"),
     ("train.prompts_per_step", 3, "data shards"),
 ])
 def test_config_errors(key, value, message):
   c = _config("unused", **{key: value})
   with pytest.raises(ConfigError, match=message):
-    validate_ppo(c, prompt_len=7, num_devices=8)
+    checks.check_rl_job(RLJob.from_config(c), job="ppo", prompt_len=7,
+                        num_devices=8)
 
 
 def _critic_fixture():
@@ -158,3 +162,51 @@ def test_learner_runs_at_most_max_ahead_passes():
   assert most_pending(update) <= MAX_AHEAD
   assert most_pending(
       lambda: learner.grad_sums(state.params, batch)[1]) <= MAX_AHEAD
+
+
+@pytest.mark.slow
+def test_long_tail_and_workers_equal_plain_ppo(rm_workdir):
+  """PPO's rollout is the same seam as GRPO's: tiny_ppo with
+  `rollout.long_tail.enabled=True` (consolidating the tail), and with 2
+  elastic workers, each gives the plain step's rewards, KL, returns and
+  losses (the same samples)."""
+  import dataclasses
+
+  import jax
+
+  import fakes
+  from rlhf_jax.rollout import build as rollout_build
+
+  job = ppo.build(_config(rm_workdir))
+  prompts = next(job.source.iterator)
+
+  def rollout_of(c):  # The rollout a config builds, on the job's model.
+    return rollout_build.build(
+        RLJob.from_config(c).rollout, job.cfg, job.graphdef,
+        job.rollout_layout, job.source.stop_ids)
+
+  def step(rollout):
+    ref = jax.tree.map(lambda x: x * 1.05, job.params)
+    return ppo.ppo_step(
+        dataclasses.replace(job, rollout=rollout), 1,
+        job.actor.init_state(fakes.copy_tree(job.params)),
+        job.critic.init_state(fakes.copy_tree(job.rm_params)), ref,
+        prompts)[2]
+
+  long_tail = _config(rm_workdir, **{"rollout.num_rows": 16})  # 2 a replica.
+  long_tail.rollout.long_tail.update(enabled=True, consolidate_below=1.0)
+  workers = _config(rm_workdir)
+  workers.rollout.workers.update(num=2, theta=2, poll_steps=2)
+  plain = step(job.rollout)
+  for name, c in (("long_tail", long_tail), ("workers", workers)):
+    rollout = rollout_of(c)
+    ours = step(rollout)
+    rollout.close()
+    for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
+              "train/loss", "train/grad_norm", "critic/loss"):
+      np.testing.assert_allclose(ours[k], plain[k], rtol=1e-5,
+                                 err_msg=f"{name}: {k}")
+    if name == "long_tail":
+      assert ours["rollout/consolidations"] >= 1
+    else:
+      assert ours["workers/tokens"] > 0 and ours["workers/alive"] == 2

@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fakes
 from rlhf_jax.engine.driver import Sample
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import grouped, objectives
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
-from rlhf_jax.trainers import rollout
 
 # 4 groups on 8 devices: prompt rows [N, P] do not split over the 8 data
 # shards (replicated), response rows [N*G, R] do: the gradient of the shared
@@ -78,8 +79,8 @@ def _to_grouped(x_BxT, samples):
 
 def _batches(samples, seed=1):
   rng = np.random.default_rng(seed)
-  grouped_b = rollout.pack(samples, P, R, group_size=G).arrays
-  repeated_b = rollout.pack(samples, P, R).arrays
+  grouped_b = batch_lib.pack(samples, P, R, group_size=G).arrays
+  repeated_b = batch_lib.pack(samples, P, R).arrays
   fg, fr = _rl_fields(samples, rng)
   return {**grouped_b, **fg}, {**repeated_b, **fr}
 
@@ -98,8 +99,8 @@ def _learner(cfg, mesh, aggregation="token-mean", micro_batches=2):
 
 def test_pack_grouped_holds_the_same_tokens():
   samples = _samples()
-  g = rollout.pack(samples, P, R, group_size=G)
-  r = rollout.pack(samples, P, R)
+  g = batch_lib.pack(samples, P, R, group_size=G)
+  r = batch_lib.pack(samples, P, R)
   gp = grouped.per_sequence(g.arrays)
   assert g.arrays["prompt_tokens"].shape == (N, P)
   assert gp["targets"].shape == gp["loss_mask"].shape == (B, R)
@@ -113,7 +114,7 @@ def test_pack_grouped_holds_the_same_tokens():
                                 [len(samples[n * G].prompt_tokens)
                                  for n in range(N)])
   with pytest.raises(ValueError, match="not in the group"):
-    rollout.pack(samples[1:] + samples[:1], P, R, group_size=G)
+    batch_lib.pack(samples[1:] + samples[:1], P, R, group_size=G)
 
 
 def test_logprobs_loss_and_grads_match_repeated(mesh8):
@@ -177,17 +178,13 @@ def test_grpo_rl_step_share_prompt_matches_repeated():
   c.mesh.num_devices = 1    # Wiring only; sharded parity is tested above.
   job = grpo.build(c)
   prompts = next(job.iterator)
-  # A reference unlike the policy, so the KL term is not zero.
-  ref = jax.tree.map(lambda x: x * 1.05, job.params)
   out = {}
   for share in (True, False):
-    c.rl.share_prompt = share
-    state = job.learner.init_state(
-        jax.tree.map(lambda x: jnp.array(x, copy=True), job.params))
-    _, out[share] = grpo.rl_step(
-        1, state, ref, prompts, config=c, learner=job.learner,
-        engine=job.engine, rollout_layout=job.rollout_layout,
-        tokenizer=job.tokenizer, prompt_len=job.prompt_len)
+    # A reference unlike the policy (x 1.05), so the KL term is not zero.
+    rl = dataclasses.replace(job.c.rl, share_prompt=share)
+    _, out[share] = fakes.first_step(
+        dataclasses.replace(job, c=dataclasses.replace(job.c, rl=rl)),
+        prompts)
   # Loss and gradient are exact over micro-batches; kl/entropy are means of
   # per-micro-batch means, and the two layouts split differently.
   for k in ("rollout/reward_mean", "rollout/logprob_gap_mean", "train/loss",

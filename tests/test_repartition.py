@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rlhf_jax.engine.driver import Sample
+from rlhf_jax.engine import migrate
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
@@ -20,7 +21,7 @@ from rlhf_jax.parallel import repartition as rp
 from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl.learner import Learner, make_optimizer, OptimConfig
-from rlhf_jax.trainers import colocate
+from rlhf_jax.parallel import colocate
 
 CFG = ModelConfig.tiny(num_layers=3)
 _HOST = {}
@@ -238,7 +239,7 @@ def _decode(engines, params, prompts, switch):
   cur = switch[0]
   for step, part in enumerate(switch[1:]):
     if part != cur:  # Split or merge with the rollout in flight.
-      state = submesh.move_decode(state, engines[cur], engines[part])
+      state = migrate.move_decode(state, engines[cur], engines[part])
       cur = part
     state, result = engines[cur].generate(params[cur], state)
     res = result.convert_to_numpy()

@@ -91,3 +91,34 @@ def test_select_least_work_prefers_least_predicted_tokens():
   views = [offload.QueueView(0, 5, 10), offload.QueueView(1, 5, 10)]
   assert offload.select_least_work(views, [500.0, 100.0], theta=4) == 1
   assert offload.select_least_work(views, [500.0, 100.0], theta=1) == 0
+
+
+def test_cap_count_rounds_as_algorithm_one():
+  assert offload.cap_count(5, float("inf")) == 5
+  assert offload.cap_count(5, 2.7) == 3      # round(3.2)
+  assert offload.cap_count(5, 0.2) == 1      # At least one.
+  assert offload.cap_count(2, 9.0) == 2      # Never above n.
+  ctl = offload.SeedWindowController(n_resv=1)
+  ctl.n_prem_cap = 2.7
+  assert ctl.allowed_instances(5) == offload.cap_count(5, 2.7)
+
+
+def test_worker_moves_drop_self_moves_and_running_without_plateau():
+  views = [offload.QueueView(3, 4, 4), offload.QueueView(0, 0, 4)]
+  moves = offload.balance_moves(views, offload.NO_PLATEAU)
+  assert any(s == d for s, d, _, _ in moves)  # A self-move...
+  kept = offload.worker_moves(views, None)
+  assert kept and all(s != d for s, d, _, _ in kept)  # ...is dropped.
+  assert kept == [m for m in moves if m[0] != m[1]]
+  idle = [offload.QueueView(0, 6, 8), offload.QueueView(0, 0, 8)]
+  assert offload.worker_moves(idle, None) == []           # No plateau.
+  assert offload.worker_moves(idle, 2) == [(0, 1, 4, True)]
+
+
+def test_rows_to_cut_whole_rows_most_budget_left_first():
+  left = {0: [5, 1], 1: [9], 2: [2, 2], 3: [9, 8]}
+  # Row 3 (max 9, sum 17) before row 1 (9, 9); row 3 fits in n=3, row 1 then
+  # fits too; rows 0 and 2 no longer do.
+  assert offload.rows_to_cut(left, 3, num_rows=4, samples_per_row=2) == [3, 1]
+  # The cap max(num_rows, G) = 2 samples: only row 3.
+  assert offload.rows_to_cut(left, 9, num_rows=1, samples_per_row=2) == [3]

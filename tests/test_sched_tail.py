@@ -4,6 +4,7 @@ import pytest
 
 from rlhf_jax.sched import actor_scaling
 from rlhf_jax.sched import assignment
+from rlhf_jax.sched import continuous
 from rlhf_jax.sched import length_history
 from rlhf_jax.sched import tail
 
@@ -82,3 +83,72 @@ def test_actor_count_lambda_trades_time_for_cost():
   assert table[fastest][0] == min(t for t, _ in table.values())
   assert table[cheapest][1] == min(c for _, c in table.values())
   assert fastest > cheapest
+
+
+# ---------------------------------------- the row rules of our engine
+def test_block_sizes_are_power_of_two_divisors():
+  assert tail.block_sizes(8) == [1, 2, 4, 8]
+  assert tail.block_sizes(6) == [1, 2]
+  assert tail.block_sizes(1) == [1]
+
+
+def test_least_loaded_row_picks_the_lightest_replica_then_lowest_row():
+  load = [5.0, 1.0, 1.0, 0.0]   # Replica 3 has the least admitted work.
+  assert tail.least_loaded_row([0, 2, 3, 6, 7], load, 2) == 6
+  assert tail.least_loaded_row([0, 2, 3], load, 2) == 2  # Tie 1 vs 1: row 2.
+
+
+def test_consolidation_due_needs_every_condition():
+  due = dict(pending=False, replicas=8, live_rows=3, no_gain=9)
+  assert tail.consolidation_due(5, 64, 0.2, **due)        # 5/64 < 0.2
+  assert not tail.consolidation_due(13, 64, 0.2, **due)   # 13/64 >= 0.2
+  assert not tail.consolidation_due(5, 64, 0.0, **due)    # R_t off.
+  assert not tail.consolidation_due(5, 64, 0.2, **{**due, "pending": True})
+  assert not tail.consolidation_due(5, 64, 0.2, **{**due, "replicas": 1})
+  assert not tail.consolidation_due(5, 64, 0.2, **{**due, "no_gain": 3})
+  assert not tail.consolidation_due(0, 64, 0.2, **due)    # Nothing live.
+  assert tail.no_gain_rows(8, 2) == 17
+
+
+def test_consolidation_block_and_row_remap():
+  assert tail.consolidation_block(3, 2, [1, 2, 4, 8], 8) == 2   # 2x2 >= 3.
+  assert tail.consolidation_block(9, 2, [1, 2, 4], 4) == 4      # None fits.
+  # Rows below the cap (4) stay; 9 and 13 take the lowest free rows.
+  row_map, extra = tail.remap_rows([13, 1, 9, 3], 4, extra=1)
+  assert row_map == {1: 1, 3: 3, 9: 0, 13: 2} and extra == []
+  row_map, extra = tail.remap_rows([5], 4, extra=2)
+  assert row_map == {5: 0} and extra == [1, 2]
+
+
+def test_reprefill_choice():
+  tokens = {0: 3, 1: 40, 2: 2}
+  assert tail.reprefill_choice(tokens, "kv", 8) == []
+  assert tail.reprefill_choice(tokens, "reprefill", 8) == [0, 1, 2]
+  assert tail.reprefill_choice(tokens, "auto", 3) == [0, 2]
+
+
+def test_longest_first_is_stable_by_key():
+  order = assignment.longest_first([3.0, 9.0, 3.0, 5.0], [7, 1, 2, 4])
+  assert order == [1, 3, 2, 0]  # 9, 5, then the two 3s by key (2 < 7).
+  assert assignment.longest_first_order({4: 1.0, 2: 6.0, 9: 1.0}) == [2, 4, 9]
+
+
+def test_decode_replicas_modes():
+  lengths = [[10.0, 2.0]] * 8
+  sizes = [1, 2, 4, 8]
+  assert continuous.decode_replicas("all", sizes, lengths, 1, {}, 0.5) == (
+      8, {})
+  assert continuous.decode_replicas(2, sizes, lengths, 1, {}, 0.5) == (2, {})
+  m, info = continuous.decode_replicas("cost", sizes, lengths, 1,
+                                       {1: 1.0, 2: None}, 0.0)
+  assert m == 8 and info == {"unmeasured": True}
+  m, _ = continuous.decode_replicas("cost", sizes, lengths, 1,
+                                    dict.fromkeys(sizes, 1.0), 0.0)
+  assert m == 1  # Equal step costs: the fewest replica-seconds.
+
+
+def test_lambda_argmin_references_the_largest_candidate():
+  table = {1: (8.0, 8.0), 2: (4.0, 8.0), 4: (3.0, 12.0)}
+  assert actor_scaling.lambda_argmin(table, 1.0) == 4   # Fastest.
+  assert actor_scaling.lambda_argmin(table, 0.0) == 1   # Cheapest, smaller n.
+  assert actor_scaling.lambda_argmin({1: (0.0, 0.0)}, 0.5) == 1  # No 0 / 0.

@@ -6,33 +6,33 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhf_jax.trainers.validate import ConfigError
+import fakes
+from rlhf_jax.config.sections import ConfigError
 
 
 def _config(**workers):
   from configs import tiny_grpo
 
   c = tiny_grpo.get_config("runlocal")
-  c.rl.num_minibatches = 1
+  c.rl.update(num_minibatches=1, stream=True, stream_parts=2)
   c.optim.warmup_steps = 0  # The first update moves the params.
-  c.rollout.workers.update({**dict(num=2, theta=2, poll_steps=1,
-                                   stream=True, stream_parts=2), **workers})
+  c.rollout.workers.update({**dict(num=2, theta=2, poll_steps=1), **workers})
   return c
 
 
 @pytest.mark.parametrize("seed", [True, False])
-def test_streamed_step_equals_whole_batch_step(mesh8, round_clock,
-                                              grpo_step_pair, seed):
+def test_streamed_step_equals_whole_batch_step(mesh8, round_clock, seed):
   del mesh8
   from rlhf_jax.trainers import grpo
 
   c = _config(seed=seed, seed_init_s=1.0)
   job = grpo.build(c)
   if seed:
-    clock = round_clock
-    job.workers.seed_window.clock = clock
-    job.workers.on_poll = clock.tick
-  (plain_state, plain), (state, ours) = grpo_step_pair(job, c)
+    fakes.watch_rounds(job, round_clock)
+  prompts = next(job.iterator)
+  plain_state, plain = fakes.first_step(  # Trainer-only, whole batch.
+      job, prompts, fakes.local_rollout(job), step_fn=grpo.grpo_step)
+  state, ours = fakes.first_step(job, prompts)
   for k in ("rollout/reward_mean", "rollout/response_len_mean",
             "rewards/addition", "train/loss", "train/grad_norm"):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-5, err_msg=k)
@@ -46,15 +46,15 @@ def test_streamed_step_equals_whole_batch_step(mesh8, round_clock,
                       state.params, plain_state.params)
   assert max(jax.tree.leaves(diff)) < 0.05 * c.optim.learning_rate
   assert int(state.step) == int(plain_state.step) == 1
-  assert ours["workers/stream_parts"] == 2
+  assert ours["stream/parts"] == 2
   # Part of the batch was trained on before the rollout ended.
-  assert 0 < ours["workers/streamed_groups"] < c.train.prompts_per_step
+  assert 0 < ours["stream/groups_during_rollout"] < c.train.prompts_per_step
   assert state.params is not None and not any(
       x.is_deleted() for x in jax.tree.leaves(state.params))
   if seed:
     assert ours["workers/seeded_samples"] > 0
     # The trainer trained during part of its wait: less than all of it idle.
-    rounds_after_handoff = clock.t - ours["workers/handoff_s"]
+    rounds_after_handoff = round_clock.t - ours["workers/handoff_s"]
     assert ours["workers/train_wait_s"] < rounds_after_handoff
 
 
@@ -69,37 +69,29 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
   c = _config()
   c.rl.num_minibatches = 2
   job = grpo.build(c)
-  parts, old_params, real = [], [], grpo._learner_batch
+  parts, old_params, real = [], [], grpo._train_batch
 
-  def spy(samples, rewards, trainable, params, *args, **kwargs):
-    parts.append(list(samples))
+  def spy(job_, samples, rewards, trainable, params, ref):
+    parts.append((list(samples), np.asarray(rewards)))
     old_params.append(jax.device_get(params))  # Of the old log-probs.
-    return real(samples, rewards, trainable, params, *args, **kwargs)
-  monkeypatch.setattr(grpo, "_learner_batch", spy)
+    return real(job_, samples, rewards, trainable, params, ref)
+  monkeypatch.setattr(grpo, "_train_batch", spy)
   prompts = next(job.iterator)
-  ref = jax.tree.map(lambda x: x * 1.05, job.params)
-
-  def fresh():
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
-  state, metrics = grpo.rl_step(
-      1, job.learner.init_state(fresh()), ref, prompts, config=c,
-      learner=job.learner, engine=job.engine,
-      rollout_layout=job.rollout_layout, tokenizer=job.tokenizer,
-      prompt_len=job.prompt_len, workers=job.workers)
+  state, metrics = fakes.first_step(job, prompts)
   monkeypatch.undo()
   assert int(state.step) == 2 and len(parts) == 2
-  assert metrics["workers/streamed_updates"] == 1  # Before the last sample.
+  assert metrics["stream/updates_during_rollout"] == 1
   # Both parts' old log-probs come from the step's weights, the second's
   # too, after the first update.
   for p in old_params:
     jax.tree.map(np.testing.assert_array_equal, p,
                  jax.device_get(job.params))
-  want, behaviour = job.learner.init_state(fresh()), fresh()
-  for samples in parts:
-    rewards, _ = grpo._rewards(samples, prompts, job.tokenizer, c)
-    batch, _ = grpo._learner_batch(
-        samples, rewards, np.ones(len(samples), bool), behaviour, ref,
-        config=c, learner=job.learner, prompt_len=job.prompt_len)
+  want = job.learner.init_state(fakes.copy_tree(job.params))
+  behaviour = fakes.copy_tree(job.params)
+  ref = jax.tree.map(lambda x: x * 1.05, job.params)
+  for samples, rewards in parts:
+    batch, _ = grpo._train_batch(job, samples, rewards,
+                                 np.ones(len(samples), bool), behaviour, ref)
     want, _ = job.learner.step(want, batch)
   diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                       state.params, want.params)
@@ -111,15 +103,14 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
     (dict(ppo_epochs=2), "ppo_epochs"),
     (dict(advantage="reinforce_pp"), "advantage"),
     (dict(dynamic_sampling=True), "dynamic_sampling"),
-    (dict(micro_batches=3), "stream_parts"),
+    (dict(micro_batches=8), "stream_parts"),  # Parts of 4 groups.
+    (dict(stream_parts=3), "stream_parts=3"),
 ])
 def test_stream_config_errors(change, key):
-  from rlhf_jax.trainers import elastic
+  from rlhf_jax.config import checks
+  from rlhf_jax.config.sections import RLJob
 
   c = _config()
   c.rl.update(change)
   with pytest.raises(ConfigError, match=key):
-    elastic.check(c)
-  c = _config(stream_parts=3)
-  with pytest.raises(ConfigError, match="stream_parts=3"):
-    elastic.check(c)
+    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7)

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import fakes
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers.weights import LocalWeightStore
 from rlhf_jax.workers.worker import RolloutWorker
@@ -122,7 +123,7 @@ def test_idle_worker_takes_queued_requests(pool):
   assert mgr.stats.balanced_requests > 0 and mgr.produced["w2"] > 0
 
 
-def test_grpo_step_on_workers_matches_trainer_only(mesh8, grpo_step_pair):
+def test_grpo_step_on_workers_matches_trainer_only(mesh8):
   """One GRPO step with its rollout on 2 local workers equals the
   trainer-only step (same tokens: per-device shapes are the same)."""
   del mesh8
@@ -132,13 +133,16 @@ def test_grpo_step_on_workers_matches_trainer_only(mesh8, grpo_step_pair):
   c = tiny_grpo.get_config("runlocal")
   c.rollout.workers.update(num=2, theta=2, poll_steps=2)
   job = grpo.build(c)
-  assert job.workers is not None and len(job.workers.handles) == 2
-  (_, plain), (_, ours) = grpo_step_pair(job, c)
+  mgr = job.rollout.manager
+  assert len(mgr.handles) == 2
+  prompts = next(job.iterator)
+  _, plain = fakes.first_step(job, prompts, fakes.local_rollout(job))
+  _, ours = fakes.first_step(job, prompts)
   for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss",
             "train/grad_norm"):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-6, err_msg=k)
   assert ours["workers/alive"] == 2 and ours["rollout/stale_dropped"] == 0
-  assert min(job.workers.produced.values()) > 0
+  assert min(mgr.produced.values()) > 0
 
 
 def test_availability_trace_replay(pool):
@@ -177,6 +181,7 @@ def test_zero_workers_runs_trainer_only_and_learns(mesh8, tmp_path):
   del mesh8
   import json
   from configs import tiny_grpo_elastic
+  from rlhf_jax.rollout.local import LocalRollout
   from rlhf_jax.trainers import grpo
 
   c = tiny_grpo_elastic.get_config("runlocal")
@@ -185,7 +190,7 @@ def test_zero_workers_runs_trainer_only_and_learns(mesh8, tmp_path):
   c.train.update(steps=60, prompts_per_step=32, checkpoint_every=100)
   c.rollout.num_rows = 32
   c.eval.every = 100
-  assert grpo.build(c).workers is None
+  assert isinstance(grpo.build(c).rollout, LocalRollout)
   grpo.run(c, str(tmp_path))
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   reward = [r["rollout/reward_mean"] for r in rows
@@ -351,14 +356,15 @@ def test_ray_elastic_job_equals_trainer_only(ray_cluster, tmp_path,
   workers are released when the job ends."""
   import json
   from configs import tiny_grpo_elastic
-  from rlhf_jax.trainers import elastic, grpo
+  from rlhf_jax.rollout.elastic import ElasticRollout
+  from rlhf_jax.trainers import grpo
 
-  closed, close = [], elastic.close
+  closed, close = [], ElasticRollout.close
 
-  def spy(mgr):
-    closed.append(mgr)
-    return close(mgr)
-  monkeypatch.setattr(elastic, "close", spy)
+  def spy(rollout):
+    closed.append(rollout)
+    return close(rollout)
+  monkeypatch.setattr(ElasticRollout, "close", spy)
 
   def run(num, workdir):
     c = tiny_grpo_elastic.get_config("runlocal")
@@ -373,14 +379,14 @@ def test_ray_elastic_job_equals_trainer_only(ray_cluster, tmp_path,
   ours, plain = run(3, tmp_path / "ray"), run(0, tmp_path / "plain")
   assert len(ours) == len(plain) == 2
   for a, b in zip(ours, plain):
-    assert a["workers/held"] == 3 and a["workers/stream_parts"] == 2
+    assert a["workers/held"] == 3 and a["stream/parts"] == 2
     for k in ("rollout/reward_mean", "train/loss", "train/grad_norm"):
       np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=k)
   # Released: the pool holds nothing, the manager has no worker left, and
   # the actors' CPUs come back (Ray frees them asynchronously; an earlier
   # test's killed actor may free more meanwhile, hence >=).
-  mgr = closed[0]
-  assert not mgr.scaler.pool.held and not mgr.handles
+  rollout = closed[0]
+  assert not rollout.scaler.pool.held and not rollout.manager.handles
   for _ in range(100):
     if ray_cluster.available_resources().get("CPU", 0) >= free:
       break

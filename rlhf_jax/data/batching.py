@@ -181,3 +181,14 @@ def sft_batch(
       targets_BxL=seq_BxL1[:, 1:],
       mask_BxL=mask_BxL,
   )
+
+
+def sft_arrays(task, tokenizer, start: int, batch_size: int) -> dict:
+  """The learner's host arrays of SFT examples [start, start + batch_size)."""
+  b = sft_batch(task, tokenizer, start, batch_size)
+  B, L = b.inputs_BxL.shape
+  return dict(tokens=b.inputs_BxL,
+              positions=np.broadcast_to(np.arange(L, dtype=np.int32),
+                                        (B, L)).copy(),
+              attn_mask=b.inputs_BxL != tokenizer.pad_id,
+              targets=b.targets_BxL, loss_mask=b.mask_BxL)

@@ -133,6 +133,7 @@ class Driver:
     self.params = params
     self.weight_version = weight_version
     self.stats = DriverStats()
+    self._controller = None
 
   def run(self, requests: Iterable[Request], *,
           common_prefix: str | Sequence[int] | np.ndarray | None = None,
@@ -199,6 +200,11 @@ class Driver:
     for req in requests:
       self._validate(req, self._common)
     self.pending.extend(requests)
+
+  @property
+  def controller(self) -> "Controller | None":
+    """The scheduling hooks of the run under way (None: plain)."""
+    return self._controller
 
   @property
   def busy(self) -> bool:

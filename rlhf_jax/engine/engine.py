@@ -362,6 +362,19 @@ class Engine:
                        f"outside the vocabulary [0, {self.cfg.vocab_size})")
     return tokens
 
+  def copy_common_prefix(self, other: "Engine") -> None:
+    """Holds `other`'s common prefix (its KV moved onto this engine's
+    devices, no prefill): a decode state migrated from `other` keeps its
+    rows, and later prefills here attend to the same tokens."""
+    if other.max_common_length != self.max_common_length:
+      raise ValueError("engines with different max_common_length")
+    if other._common is None:  # pylint: disable=protected-access
+      self.clear_common_prefix()
+      return
+    self._common = jax.device_put(other._common, self._common_shardings)  # pylint: disable=protected-access
+    self._common_tokens = other.common_prefix_tokens
+    self._common_version += 1
+
   def clear_common_prefix(self) -> None:
     """Prompts that follow are whole again (no common prefix)."""
     if self._common is None:
@@ -412,6 +425,21 @@ class Engine:
 
   def free_rows(self) -> list[int]:
     return [r for r, slots in enumerate(self._row_slots) if not slots]
+
+  def slots_in_use(self, row: int) -> frozenset[int]:
+    """The live slots of `row` (empty: the row is free)."""
+    return frozenset(self._row_slots[row])
+
+  def adopt(self, row_slots: dict[int, set[int]]) -> None:
+    """Takes over a decode state built elsewhere (a migration): exactly the
+    rows of `row_slots` are in use, and the state holds this engine's
+    current common prefix."""
+    self._row_slots = [set(row_slots.get(r, ())) for r in range(self.num_rows)]
+    self._state_common_version = self._common_version
+
+  def release_all(self) -> None:
+    """Every row free (its samples moved to another engine)."""
+    self._row_slots = [set() for _ in range(self.num_rows)]
 
   def bulk_insert(self, prefix: Prefix, state: DecodeState,
                   slots: Sequence[int]) -> DecodeState:

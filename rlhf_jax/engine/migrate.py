@@ -21,6 +21,7 @@ import numpy as np
 
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.state import STATE_AXES, DecodeState
+from rlhf_jax.parallel import submesh
 
 
 def _row_axis(name: str) -> int | None:
@@ -67,12 +68,31 @@ def move_rows(src: Engine, state: DecodeState, dst: Engine,
   gathered = _gather_fn(rep)(state, idx, valid)
   out = jax.device_put(gathered, dst.state_shardings)
   G = src.samples_per_row
-  # pylint: disable=protected-access
-  dst._row_slots = [set() for _ in range(dst.num_rows)]
-  for s_row, d_row in row_map.items():
-    dst._row_slots[d_row] = {d_row * G + s % G for s in src._row_slots[s_row]}
-  src._row_slots = [set() for _ in src._row_slots]
-  dst._state_common_version = dst._common_version
+  dst.copy_common_prefix(src)  # The state carries the common KV along.
+  dst.adopt({d_row: {d_row * G + s % G for s in src.slots_in_use(s_row)}
+             for s_row, d_row in row_map.items()})
+  src.release_all()
+  return out
+
+
+def move_decode(state: DecodeState, src: Engine, dst: Engine) -> DecodeState:
+  """Moves a live decode state from engine `src` to engine `dst`.
+
+  Both engines must have the same rows, samples per row, cache lengths and
+  sampling; only their layouts differ (e.g. a sub-mesh and the merged
+  mesh). The rows in use move with the state, so `dst` continues every
+  in-flight sample and `src` is left empty.
+  """
+  same = (src.num_rows == dst.num_rows
+          and src.samples_per_row == dst.samples_per_row
+          and src.buckets == dst.buckets and src.sampling == dst.sampling
+          and src.cfg == dst.cfg)
+  if not same:
+    raise ValueError("move_decode needs engines that differ only in layout")
+  out = submesh.move(state, dst.state_shardings)
+  dst.copy_common_prefix(src)
+  dst.adopt({r: set(src.slots_in_use(r)) for r in range(src.num_rows)})
+  src.release_all()
   return out
 
 
@@ -94,7 +114,8 @@ def reprefill_rows(dst: Engine, params, state: DecodeState,
   """Prefills each live sample again on `dst`, one sample per row.
 
   Args:
-    dst: the target engine (no common prefix: rows hold whole prompts).
+    dst: the target engine; with a common prefix set, each sample's
+      tokens after it are prefilled (they attend to its KV).
     params: its weights.
     state: a `dst` decode state (e.g. from `init_decode_state`).
     samples: `(request, sample_idx, tokens)` of each live sample; the last
@@ -104,11 +125,9 @@ def reprefill_rows(dst: Engine, params, state: DecodeState,
   Returns:
     The state; slot 0 of each row continues the sample.
   """
-  if dst.max_common_length:
-    raise NotImplementedError(
-        "re-prefill with a common prefix is not implemented; use move_rows")
+  common = dst.common_prefix_tokens.size
   for (req, sample_idx, tokens), row in zip(samples, rows, strict=True):
-    prompt = np.concatenate([np.asarray(req.tokens, np.int32),
+    prompt = np.concatenate([np.asarray(req.tokens, np.int32)[common:],
                              np.asarray(tokens[:-1], np.int32)])
     if prompt.size > dst.max_prefill_length:
       raise ValueError(

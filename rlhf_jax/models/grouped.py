@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.prefix_decode_attention import attention_part, merge_parts
+from kernels_pallas.attention_parts import attention_part, merge_parts
 from rlhf_jax.models.transformer import Decoder, causal_attention
 from rlhf_jax.parallel.layout import constrain
 

@@ -21,8 +21,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.prefix_decode_attention import (
-    attention_part, merge_parts, prefix_decode_attention)
+from kernels_pallas.attention_parts import attention_part, merge_parts
+from kernels_pallas.prefix_decode_attention import prefix_decode_attention
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import (
     AttentionProjections, GatedMLP, RMSNorm, _param)

@@ -82,3 +82,10 @@ def to_layout(params, layout: Layout):
   donated, one layer group in flight (this goes through host numpy there).
   """
   return jax.device_put(params, layout.param_shardings(params))
+
+
+def layouts(section) -> tuple[Layout, Layout]:
+  """(train, rollout) layouts over one mesh from a `config.sections.Mesh`."""
+  devices = jax.devices()[:section.num_devices or None]
+  mesh = make_mesh(section.data, section.fsdp, section.tensor, devices=devices)
+  return train_layout(mesh), rollout_layout(mesh, section.rollout_tensor)

@@ -5,10 +5,9 @@ cuts it into consecutive blocks of whole replicas, each a layout of its own
 (a rollout layout, or a training/FSDP layout for scoring), so e.g. 8 devices
 in 4 replicas x TP 2 become rollout on 2 replicas (devices 0-3) and scoring on
 devices 4-7. `merge` puts rollout parts back together. `move` carries a live
-pytree (params, a decode state) onto another part's shardings; `move_decode`
-also hands the engine's row bookkeeping over, so an in-flight rollout
-continues on the other engine exactly as it would have (sampling keys are a
-function of seed, prompt, sample and position, not of placement).
+pytree (params, a decode state) onto another part's shardings
+(`engine/migrate.move_decode` uses it to carry an in-flight rollout onto
+another engine, with the engine's row bookkeeping).
 """
 
 from __future__ import annotations
@@ -87,25 +86,4 @@ def move(tree: Any, shardings: Any, *, donate: bool = True) -> Any:
   out = jax.device_put(tree, shardings)
   if donate:
     repartition.free_unshared(tree, out)
-  return out
-
-
-def move_decode(state, src, dst):
-  """Moves a live `DecodeState` from engine `src` to engine `dst`.
-
-  Both engines must have the same rows, samples per row, cache lengths and
-  sampling; only their layouts differ. The rows in use move with the state,
-  so `dst` continues every in-flight sample and `src` is left empty.
-  """
-  same = (src.num_rows == dst.num_rows
-          and src.samples_per_row == dst.samples_per_row
-          and src.buckets == dst.buckets and src.sampling == dst.sampling
-          and src.cfg == dst.cfg)
-  if not same:
-    raise ValueError("move_decode needs engines that differ only in layout")
-  out = move(state, dst.state_shardings)
-  # Row bookkeeping is host state of the engine (which slots are live).
-  # pylint: disable=protected-access
-  dst._row_slots = [set(s) for s in src._row_slots]
-  src._row_slots = [set() for _ in src._row_slots]
   return out

@@ -169,3 +169,65 @@ def score(
     metrics["rewards/errors"] += errors
     metrics[f"rewards/{name}"] = float(values_B.mean()) if len(batch) else 0.0
   return total_B.astype(np.float32), metrics
+
+
+def score_samples(samples, prompts, tokenizer, fns, weights, on_error: str):
+  """Rewards [B] and metrics of finished samples of a prompt batch.
+
+  `samples` are engine `Sample`s of prompts in `prompts` (a `PromptBatch`:
+  texts and metadata by prompt id); each is decoded with `tokenizer` and
+  scored with `score` (`finish_reason` joins its metadata).
+  """
+  index = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
+  rows = [index[s.prompt_id] for s in samples]
+  batch = RewardBatch(
+      prompt_ids=[s.prompt_id for s in samples],
+      prompts=[prompts.prompts[r] for r in rows],
+      completions=[tokenizer.decode(s.tokens) for s in samples],
+      metadata=[{**prompts.metadata[r], "finish_reason": s.finish_reason}
+                for r, s in zip(rows, samples)])
+  return score(fns, weights, batch, on_error)
+
+
+class RewardScorer:
+  """The job's reward: scores finished samples a group at a time (as a
+  rollout streams them) and keeps the metrics of all scored so far.
+
+  With `overlong` = (max_new_tokens, buffer, penalty) DAPO's soft overlong
+  penalty (`rl/dapo.overlong_penalty`) is added to each reward.
+  """
+
+  def __init__(self, tokenizer, fns, weights=None, on_error: str = "raise",
+               overlong: tuple[int, int, float] | None = None):
+    self.tokenizer, self.fns = tokenizer, list(fns)
+    self.weights = list(weights) if weights else None
+    self.on_error, self.overlong = on_error, overlong
+    self.reset()
+
+  def reset(self) -> None:
+    self._sums: dict[str, float] = {}
+    self._count = 0
+
+  def score(self, samples, prompts) -> np.ndarray:
+    """Rewards [len(samples)] (float32); metrics accumulate."""
+    rewards, metrics = score_samples(samples, prompts, self.tokenizer,
+                                     self.fns, self.weights, self.on_error)
+    if self.overlong is not None:
+      from rlhf_jax.rl import dapo  # pylint: disable=g-import-not-at-top
+      max_len, buffer, penalty = self.overlong
+      extra = np.asarray(dapo.overlong_penalty(
+          np.array([len(s.tokens) for s in samples]), max_len=max_len,
+          cache_len=buffer, penalty=penalty), np.float32)
+      rewards = rewards + extra
+      metrics["rewards/overlong_penalty"] = float(extra.mean())
+    n = len(samples)
+    for k, v in metrics.items():  # Errors add up; means weigh by size.
+      self._sums[k] = self._sums.get(k, 0.0) + (v if k.endswith("/errors")
+                                                else v * n)
+    self._count += n
+    return rewards
+
+  def metrics(self) -> dict[str, float]:
+    """Means over every sample scored since `reset` (errors: counts)."""
+    return {k: float(v) if k.endswith("/errors")
+            else v / max(1, self._count) for k, v in self._sums.items()}

@@ -133,9 +133,3 @@ def digit_accuracy(
     hits = sum(x == y for x, y in zip(c, answer))
     out.append(hits / max(len(c), len(answer), 1))
   return out
-
-
-# The registry imports this module for built-in rewards; the GSM8K rewards
-# register themselves on import, so they are built-ins too.
-# pylint: disable-next=g-import-not-at-top
-from rlhf_jax.rewards import gsm8k  # noqa: E402,F401

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -250,12 +251,41 @@ class Learner:
   def _logprobs_fn(self, params, batch):
     self.trace_counts["logprobs"] += 1
     with use_layout(self.layout):
-      micro = split_micro(batch, self.micro_batches)
+      return batch_logprobs(self.graphdef, params, batch, self.micro_batches)
 
-      def one(mb):
-        return grouped.token_logprobs_in_layout(self.graphdef, params, mb)
 
-      logp = jax.lax.map(one, micro)  # [U, B/U, ...]
-      B = jax.tree.leaves(batch)[0].shape[0]  # Axis 0 is rows in any layout.
-      logp = jnp.swapaxes(logp, 0, 1).reshape((B,) + logp.shape[2:])
-      return constrain(logp, _batch_axes(logp))
+def batch_logprobs(graphdef, params, batch: Batch, micro_batches: int):
+  """Per-token log-probs of the targets, micro-batch by micro-batch (the
+  activations of one micro-batch at a time, as in training): [B, T]
+  repeated, [N, G, R] grouped. Call under the batch's layout."""
+  micro = split_micro(batch, micro_batches)
+
+  def one(mb):
+    return grouped.token_logprobs_in_layout(graphdef, params, mb)
+
+  logp = jax.lax.map(one, micro)  # [U, B/U, ...]
+  B = jax.tree.leaves(batch)[0].shape[0]  # Axis 0 is rows in any layout.
+  logp = jnp.swapaxes(logp, 0, 1).reshape((B,) + logp.shape[2:])
+  return constrain(logp, _batch_axes(logp))
+
+
+def train_epochs(learners, states, batch: Batch, *, epochs: int,
+                 num_minibatches: int, seed: int):
+  """`epochs` x `num_minibatches` updates of every learner on the same
+  mini-batches (rows of `batch`, a fresh permutation each epoch).
+
+  GRPO passes one learner (the policy); PPO the actor and the critic. All
+  of them train on each mini-batch before the next. Returns the new states
+  and, per learner, the host metrics of every update.
+  """
+  rng = np.random.default_rng(seed)
+  rows = batch["loss_mask"].shape[0]  # Sequences, or groups (grouped).
+  states, metrics = list(states), [[] for _ in learners]
+  for _ in range(epochs):
+    perm = rng.permutation(rows)
+    for k in range(num_minibatches):
+      mini = learners[0].rows(batch, perm[k::num_minibatches])
+      for i, learner in enumerate(learners):
+        states[i], m = learner.step(states[i], mini)
+        metrics[i].append(m)
+  return states, jax.device_get(metrics)

@@ -7,10 +7,12 @@ One decorator style for every category:
 
   fn = registry.get("advantage", config.rl.advantage)
 
-Categories are a whitelist; each one names the module that registers its
-built-in entries, and `get` imports that module on first use, so callers never
-depend on import order to find a built-in name. User code can register more
-entries in an existing category from its own modules.
+Categories are a whitelist; each one names the module (or package: every
+module in it) that registers its built-in entries, and `get` imports it on
+first use, so callers never depend on import order to find a built-in name.
+A new reward file in `rlhf_jax/rewards/` is found without editing another
+module. User code can register more entries in an existing category from
+its own modules.
 
 The reward category lives here too, although rewards are not RL math, so that
 there is a single registry style in the code base; this module imports nothing
@@ -18,17 +20,18 @@ from the rest of `rlhf_jax`.
 """
 
 import importlib
+import pkgutil
 from typing import Callable, TypeVar
 
 _F = TypeVar("_F", bound=Callable)
 
-# category -> module that registers the built-in entries of that category.
+# category -> module or package that registers its built-in entries.
 CATEGORIES: dict[str, str] = {
     "advantage": "rlhf_jax.rl.advantages",
     "policy_loss": "rlhf_jax.rl.losses",
     "kl_estimator": "rlhf_jax.rl.losses",
     "aggregation": "rlhf_jax.rl.aggregation",
-    "reward": "rlhf_jax.rewards.verifiable",
+    "reward": "rlhf_jax.rewards",
 }
 
 _ENTRIES: dict[str, dict[str, Callable]] = {c: {} for c in CATEGORIES}
@@ -84,7 +87,7 @@ def get(category: str, name: str) -> Callable:
     ValueError: unknown category or name; the message lists the known ones.
   """
   _check_category(category)
-  importlib.import_module(CATEGORIES[category])
+  _load_builtins(category)
   entries = _ENTRIES[category]
   if name not in entries:
     raise ValueError(
@@ -104,8 +107,15 @@ def names(category: str) -> list[str]:
     Sorted list of names, built-ins included.
   """
   _check_category(category)
-  importlib.import_module(CATEGORIES[category])
+  _load_builtins(category)
   return sorted(_ENTRIES[category])
+
+
+def _load_builtins(category: str) -> None:
+  """Imports the category's module, or every module of its package."""
+  module = importlib.import_module(CATEGORIES[category])
+  for info in pkgutil.iter_modules(getattr(module, "__path__", ())):
+    importlib.import_module(f"{module.__name__}.{info.name}")
 
 
 def _qualname(fn: Callable) -> str:

@@ -69,7 +69,13 @@ def choose_actor_count(group_lengths: dict[int, list[float]],
         for i, chunk in enumerate(chunks) if chunk
     ]
     table[n] = (max(times), sum(times) * devices_per_actor)
-  t_ref, c_ref = table[max(candidates)]
-  best = min(candidates, key=lambda n: (
+  return lambda_argmin(table, lam), table
+
+
+def lambda_argmin(table: dict[int, tuple[float, float]], lam: float) -> int:
+  """The count n minimising lam * T(n) / T_ref + (1 - lam) * C(n) / C_ref,
+  the references at the largest candidate (ties: the smaller n)."""
+  t_ref, c_ref = table[max(table)]
+  t_ref, c_ref = t_ref or 1.0, c_ref or 1.0
+  return min(table, key=lambda n: (
       lam * table[n][0] / t_ref + (1 - lam) * table[n][1] / c_ref, n))
-  return best, table

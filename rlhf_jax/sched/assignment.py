@@ -6,6 +6,8 @@ contiguous run of similar lengths) so actors holding short groups finish
 early and can be released.
 """
 
+from collections.abc import Sequence
+
 
 def contiguous_split(group_ids: list[int], n_actors: int) -> list[list[int]]:
   """Splits groups into n_actors contiguous chunks of near-equal size."""
@@ -39,7 +41,7 @@ def length_grouped_split(predicted: dict[int, float], n_actors: int,
     One list of group ids per actor (some may be empty when there are fewer
     groups than actors); actor 0 gets the longest groups.
   """
-  ranked = sorted(predicted, key=lambda g: (-predicted[g], g))
+  ranked = longest_first_order(predicted)
   weights = [max(predicted[g], 1.0) * group_size for g in ranked]
   total = sum(weights)
   chunks, current, acc = [], [], 0.0
@@ -57,6 +59,14 @@ def length_grouped_split(predicted: dict[int, float], n_actors: int,
   return chunks
 
 
+def longest_first(predicted: Sequence[float],
+                  keys: Sequence[int]) -> list[int]:
+  """Indices in admission order: longest predicted first, ties by key
+  (then by index: the order is stable for repeated keys)."""
+  return sorted(range(len(predicted)), key=lambda i: (-predicted[i], keys[i]))
+
+
 def longest_first_order(predicted: dict[int, float]) -> list[int]:
   """Dispatch order for a central queue: longest predicted groups first."""
-  return sorted(predicted, key=lambda g: (-predicted[g], g))
+  ids = list(predicted)
+  return [ids[i] for i in longest_first([predicted[g] for g in ids], ids)]

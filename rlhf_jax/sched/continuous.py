@@ -17,6 +17,8 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from rlhf_jax.sched import actor_scaling
+
 
 def decode_steps(row_lengths: Sequence[float], num_rows: int) -> float:
   """Steps until every row finished, rows admitted in the given order."""
@@ -52,8 +54,25 @@ def choose_replicas(sample_lengths: Sequence[Sequence[float]],
   for m in candidates:
     t = decode_steps(rows, m * rows_per_replica) * step_s[m]
     table[m] = (t, t * m)
-  t_ref, c_ref = table[max(candidates)]
-  t_ref, c_ref = t_ref or 1.0, c_ref or 1.0
-  best = min(candidates, key=lambda m: (
-      lam * table[m][0] / t_ref + (1 - lam) * table[m][1] / c_ref, m))
-  return best, {"lambda": lam, "table": table}
+  return (actor_scaling.lambda_argmin(table, lam),
+          {"lambda": lam, "table": table})
+
+
+def decode_replicas(mode: str | int, sizes: Sequence[int],
+                    sample_lengths: Sequence[Sequence[float]],
+                    rows_per_replica: int, step_s: dict[int, float | None],
+                    lam: float) -> tuple[int, dict]:
+  """The replica count a rollout decodes on, and the decision inputs.
+
+  mode "all": every replica; an int: that many; "cost": `choose_replicas`
+  once every candidate's step time is measured (until then all: the first
+  rollouts measure them).
+  """
+  if mode == "all":
+    return max(sizes), {}
+  if isinstance(mode, int):
+    return mode, {}
+  if any(step_s.get(m) is None for m in sizes):
+    return max(sizes), {"unmeasured": True}
+  return choose_replicas(sample_lengths, sizes, rows_per_replica,
+                         {m: step_s[m] for m in sizes}, lam)

@@ -9,6 +9,7 @@ plateau B to an idle instance). Constants follow the released code
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +53,19 @@ class SeedWindowController:
 
   def allowed_instances(self, available: int) -> int:
     """Remote instances to use out of `available` (never above the cap)."""
-    if self.n_prem_cap == float("inf"):
-      return available
-    return min(available, max(1, round(self.n_prem_cap + 0.5)))
+    return cap_count(available, self.n_prem_cap)
 
   def state_dict(self) -> dict:
     return {"t_seed": self.t_seed, "n_prem_cap": self.n_prem_cap,
             "memory": dict(self.memory)}
+
+
+def cap_count(n: int, cap: float) -> int:
+  """At most n instances and no more than the N_prem cap allows (at least
+  one): the cap rounded as Algorithm 1's released code does."""
+  if cap == float("inf"):
+    return n
+  return min(n, max(1, round(cap + 0.5)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +128,76 @@ def balance_moves(views: Sequence[QueueView],
       running[src] -= count
       running[dst] += count
   return moves
+
+
+def worker_moves(views: Sequence[QueueView],
+                 plateau: int | None) -> list[tuple[int, int, int, bool]]:
+  """`balance_moves` as the rollout manager applies it: no running moves
+  without a plateau (None), and no self-moves (a source that became the
+  longest queue after receiving; the cluster simulator applies those as a
+  re-queue)."""
+  moves = balance_moves(views, NO_PLATEAU if plateau is None else plateau)
+  return [m for m in moves if m[0] != m[1]]
+
+
+NO_PLATEAU = 1 << 30  # A plateau no batch reaches: running samples stay.
+
+
+def rows_to_cut(budget_left: dict[int, Sequence[int]], n: int, num_rows: int,
+                samples_per_row: int) -> list[int]:
+  """Which running rows a worker hands to an idle one (CONTINUOUSLB).
+
+  Whole rows (a row holds one prompt's samples and frees only when all of
+  them end), the ones with the most budget left first (their decode steps
+  are the gain, a move costs about the same for any row), while they fit
+  in n; at most max(num_rows, samples_per_row) samples: each continues as
+  a request of its own, a row of its own on the destination.
+
+  Args:
+    budget_left: row -> tokens left in the budget of each live sample.
+    n: samples the manager asks for.
+    num_rows, samples_per_row: the worker's engine.
+  """
+  n = min(n, max(num_rows, samples_per_row))
+  order = sorted(budget_left, key=lambda r: (-max(budget_left[r]),
+                                             -sum(budget_left[r]), r))
+  out, taken = [], 0
+  for r in order:
+    if len(budget_left[r]) <= n - taken:
+      out.append(r)
+      taken += len(budget_left[r])
+  return out
+
+
+def requeue_plan(keys: Sequence, started: Callable[[Any], bool],
+                 group: Callable[[Any], Any],
+                 group_size: Callable[[Any], int]) -> list[tuple[str, Any]]:
+  """How a lost (or released) worker's unfinished samples go back to the
+  queue's front, in the order to push them there.
+
+  A started sample continues on its own ("continue", key: prompt + its
+  tokens so far, the budget left); a group none of whose samples started
+  goes back whole ("whole", group: one prefill for its samples) when all
+  of them were on the worker, else sample by sample.
+
+  Args:
+    keys: the worker's unfinished samples, in the caller's order.
+    started: whether a sample has streamed tokens.
+    group: a sample's group (its request).
+    group_size: samples of a group.
+  """
+  plan, unstarted = [], {}
+  for key in keys:
+    if started(key):
+      plan.append(("continue", key))
+    else:
+      unstarted.setdefault(group(key), []).append(key)
+  for g, members in unstarted.items():
+    if len(members) == group_size(g):
+      plan.append(("whole", g))
+    else:
+      plan += [("continue", key) for key in members]
+  return plan
 
 
 def batching_plateau(throughput: Callable[[int], float], max_batch: int,

@@ -9,10 +9,18 @@ the batching plateau and whose KV memory holds their caches.
 RLHFless: each actor cuts locally, once, when the fraction of its own samples
 that finished reaches tau; its unfinished samples move to actors that still
 have free slots, and the actor is released.
+
+Row-level rules of our engine (`engine/long_tail.py` executes them, the row
+simulator `sim/rows.py` replays them): the replicas of the rollout layout
+hold rows of G samples; admission puts a prompt into the free row of the
+least-loaded replica, and consolidation moves the live rows onto the
+smallest power-of-two prefix block of replicas that holds them. The cluster
+simulator (`sim/step.py`) models instances instead of rows and uses
+`should_consolidate` once per step with `consolidation_survivors`.
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,79 @@ class InstanceLoad:
 def should_consolidate(unfinished: int, total: int, r_t: float) -> bool:
   """RLHFuse trigger: the unfinished fraction fell below R_t."""
   return total > 0 and unfinished > 0 and unfinished / total < r_t
+
+
+# ------------------------------------------------------ rows of our engine
+def block_sizes(replicas: int) -> list[int]:
+  """Replica counts a consolidation may shrink to: the power-of-two
+  divisors of `replicas` (prefix blocks of the rollout layout)."""
+  return [m for m in (2 ** k for k in range(replicas.bit_length()))
+          if replicas % m == 0]
+
+
+def least_loaded_row(free_rows: Sequence[int], replica_load: Sequence[float],
+                     rows_per_replica: int) -> int:
+  """The free row on the replica with the least predicted work admitted
+  so far (ties: the lowest row). Admission adds the prompt's predicted
+  tokens (`predicted length * samples`) to its replica's load."""
+  return min(free_rows, key=lambda r: (replica_load[r // rows_per_replica], r))
+
+
+def no_gain_rows(replicas: int, rows_per_replica: int) -> int:
+  """The initial live-row threshold of `consolidation_due` (no bound)."""
+  return replicas * rows_per_replica + 1
+
+
+def consolidation_due(unfinished: int, total: int, r_t: float, *,
+                      pending: bool, replicas: int, live_rows: int,
+                      no_gain: int) -> bool:
+  """Row-level RLHFuse trigger of our engine.
+
+  `should_consolidate`, once every request is admitted (`pending` False),
+  on more than one replica, and while the live rows are fewer than
+  `no_gain` (the live-row count at which the last attempt found no smaller
+  block; `no_gain_rows` at first).
+  """
+  return (r_t > 0 and not pending and replicas > 1 and live_rows < no_gain
+          and should_consolidate(unfinished, total, r_t))
+
+
+def consolidation_block(rows_needed: int, rows_per_replica: int,
+                        sizes: Sequence[int], current: int) -> int:
+  """The smallest block size whose rows hold `rows_needed` (else
+  `current`: nothing to gain)."""
+  fits = [m for m in sizes if m * rows_per_replica >= rows_needed]
+  return min(fits) if fits else current
+
+
+def remap_rows(live_rows: Sequence[int], cap: int,
+               extra: int = 0) -> tuple[dict[int, int], list[int]]:
+  """Where the live rows go on a block of `cap` rows, and `extra` free rows.
+
+  Rows below the cap keep their index; the others take the lowest free
+  rows in ascending order; `extra` more free rows (for re-prefilled
+  samples, one row each) follow.
+  """
+  row_map = {r: r for r in live_rows if r < cap}
+  free = [r for r in range(cap) if r not in row_map.values()]
+  for r in sorted(live_rows):
+    if r not in row_map:
+      row_map[r] = free.pop(0)
+  return row_map, free[:extra]
+
+
+def reprefill_choice(row_tokens: Mapping[int, int], migration: str,
+                     max_tokens: int) -> list[int]:
+  """Live rows to re-prefill instead of moving their KV.
+
+  "kv": none; "reprefill": all; "auto": rows whose samples generated at
+  most `max_tokens` tokens in all (cheap to recompute).
+  """
+  if migration == "kv":
+    return []
+  if migration == "reprefill":
+    return sorted(row_tokens)
+  return sorted(r for r, n in row_tokens.items() if n <= max_tokens)
 
 
 def latency_capacity(step_time: Callable[[int], float], max_batch: int,

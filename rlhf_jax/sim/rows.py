@@ -45,6 +45,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from rlhf_jax.sched import assignment, tail
+
 POLICIES = ("static", "continuous", "ours")
 
 
@@ -115,14 +117,14 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
   n_prompts, G = lengths.shape
   ours, R, rpr = policy == "ours", replicas, rows_per_replica
   pred = np.asarray(lengths.mean(1) if predicted is None else predicted, float)
-  order = sorted(range(n_prompts), key=lambda p: (-pred[p], p)) if ours \
-      else list(range(n_prompts))
+  order = (assignment.longest_first(pred, range(n_prompts)) if ours
+           else list(range(n_prompts)))
   pending = collections.deque(order)
-  sizes = [m for m in (2 ** i for i in range(R.bit_length())) if R % m == 0]
+  sizes = tail.block_sizes(R)
   total, m, k = n_prompts * G, R, 0
   rows: dict[int, list[int]] = {}   # row -> read iterations of live samples
   load = [0.0] * R                  # predicted tokens admitted per replica
-  no_gain_rows, steps, moves, buffered = R * rpr + 1, 0, 0, 0
+  no_gain, steps, moves, buffered = tail.no_gain_rows(R, rpr), 0, 0, 0
   c = dict(t=0.0, busy=0.0, live=0.0, decode=0.0, score=0.0, free_at=0.0)
 
   def spend(dt, busy, live=None):  # Host-loop time; busy/live in replicas.
@@ -172,7 +174,7 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
       free = [r for r in range(m * rpr) if r not in rows]
       while pending and free:
         p = pending.popleft()
-        row = min(free, key=lambda r: (load[r // rpr], r)) if ours else free[0]
+        row = tail.least_loaded_row(free, load, rpr) if ours else free[0]
         free.remove(row)
         load[row // rpr] += pred[p] * G
         rows[row] = [k + int(x) - 1 for x in lengths[p]]
@@ -181,21 +183,19 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     steps += 1
     finished(read(k))
     n_live = sum(len(v) for v in rows.values())
-    if (ours and consolidate_below > 0 and not pending and m > 1 and rows
-        and n_live / total < consolidate_below and len(rows) < no_gain_rows):
+    if ours and tail.consolidation_due(
+        n_live, total, consolidate_below, pending=bool(pending), replicas=m,
+        live_rows=len(rows), no_gain=no_gain):
       finished(read(k + 1))  # The switch first reads the step in flight.
       if not rows:
         continue
-      target = min(x for x in sizes if x * rpr >= len(rows))
+      target = tail.consolidation_block(len(rows), rpr, sizes, m)
       if target >= m:
-        no_gain_rows = len(rows)
+        no_gain = len(rows)
         continue
-      cap = target * rpr
-      keep = {r: v for r, v in rows.items() if r < cap}
-      free = [r for r in range(cap) if r not in keep]
-      keep.update({free.pop(0): v for r, v in sorted(rows.items())
-                   if r >= cap})
-      rows, m, moves = keep, target, moves + 1
+      row_map, _ = tail.remap_rows(list(rows), target * rpr)
+      rows = {row_map[r]: v for r, v in rows.items()}
+      m, moves = target, moves + 1
       spend(costs.move_s, R)
   while buffered > 0:
     score(min(score_chunk, buffered))

@@ -155,15 +155,15 @@ class _Worker:
         del self.rows[r]
     return dt, finished
 
-  def take_running(self, n: int) -> list[tuple[int, int]]:
-    """Cuts whole rows of at most n live samples, the most budget left
-    first (`RolloutWorker.take_running`); their keys in the order cut."""
+  def take_running(self, n: int, samples_per_row: int
+                   ) -> list[tuple[int, int]]:
+    """Cuts the rows `sched.offload.rows_to_cut` picks (as
+    `RolloutWorker.take_running`); their keys in the order cut."""
     left = {r: [b - (self.k - a + 1) for a, b in row.values()]
             for r, row in self.rows.items()}
     out = []
-    for r in sorted(left, key=lambda r: (-max(left[r]), -sum(left[r]), r)):
-      if len(left[r]) <= n - len(out):
-        out += list(self.rows.pop(r))  # `Driver.evict`: slot order.
+    for r in offload.rows_to_cut(left, n, self.num_rows, samples_per_row):
+      out += list(self.rows.pop(r))  # `Driver.evict`: slot order.
     self.unread = self.unread or bool(out)
     return out
 
@@ -240,7 +240,6 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
   produced: collections.Counter = collections.Counter()
   n = dict(preemptions=0, migrated=0, kept=0, reprefill=0, balanced=0,
            moved=0)
-  B = 1 << 30 if plateau is None else plateau  # The manager's "off".
   applied, t, rounds, polls, nxt, worker_s = [], 0.0, 0, 0, 0, 0.0
   gap_since = None
 
@@ -321,12 +320,10 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
     poll_s = [poll(w) for w in ids] or [0.0]
     t += max(poll_s) if parallel else sum(poll_s)
     # Pending requests to starving workers; running samples above B.
-    for src, dst, count, moving in offload.balance_moves(views(ids), B):
+    for src, dst, count, moving in offload.worker_moves(views(ids), plateau):
       s, d = ids[src], ids[dst]
-      if s == d:  # balance_moves' no-op self-moves: skipped, as live.
-        continue
       if moving:  # Cut on s, continued on d from the tokens so far.
-        keys = workers[s].take_running(min(count, max(rows_per_worker, G)))
+        keys = workers[s].take_running(count, G)
         taken = [cut(key) for key in keys]
         # As the manager: s's running count drops until its next poll.
         running[s] = (max(running[s][0] - len(keys), 0), slots)
@@ -340,20 +337,13 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
         assign(req, d)
       pending[d] += len(taken)
     for w in lost:  # Unfinished samples continue elsewhere, queue first.
-      unstarted = collections.defaultdict(list)  # prompt -> keys
-      for key in sorted(k for k, v in where.items() if v == w):
-        if key in done:
-          continue
+      keys = sorted(k for k, v in where.items() if v == w and k not in done)
+      for key in keys:
         del where[key]
-        if key in streamed or head.get(key):
-          queue.appendleft(cut(key))
-        else:
-          unstarted[key[0]].append(key)
-      for p, keys in unstarted.items():  # Not started: back whole if all.
-        if len(keys) == G:
-          queue.appendleft(original(p))
-        else:
-          queue.extendleft(cut(key) for key in keys)
+      for kind, item in offload.requeue_plan(
+          keys, lambda k: k in streamed or bool(head.get(k)),
+          lambda k: k[0], lambda p: G):
+        queue.appendleft(cut(item) if kind == "continue" else original(item))
       pending.pop(w, None)
       n["preemptions"] += 1
       handles.remove(w)

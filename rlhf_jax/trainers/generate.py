@@ -7,21 +7,25 @@ import time
 import numpy as np
 from absl import logging
 
+from rlhf_jax.config import sections
 from rlhf_jax.engine.driver import Driver, Request
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
-from rlhf_jax.trainers import builders
+from rlhf_jax.rollout import build as rollout_build
 
 
 def run(config, workdir: str):
   del workdir  # Nothing is written.
-  cfg = builders.model_config(config.model)
-  train, rollout = builders.layouts(config.mesh)
+  model = sections.from_dict(sections.Model, config.model, "model")
+  ro = sections.from_dict(sections.Rollout, config.rollout, "rollout")
+  cfg = model.model_config()
+  train, rollout = mesh_lib.layouts(
+      sections.from_dict(sections.Mesh, config.mesh, "mesh"))
   graphdef, params = model_lib.init_params(cfg, config.seed, train)
   params = mesh_lib.to_layout(params, rollout)
-  engine = builders.engine(cfg, graphdef, rollout, config.rollout)
+  engine = rollout_build.engine(ro, cfg, graphdef, rollout)
   rng = np.random.default_rng(config.seed)
-  g = config.rollout.samples_per_row
+  g = ro.samples_per_row
   requests = [Request(i, rng.integers(0, cfg.vocab_size, config.prompt_len),
                       g, seed=config.seed) for i in range(config.num_prompts)]
 

@@ -1,19 +1,22 @@
 """RLHF with PPO: actor, critic, frozen reference and reward model.
 
-One step (InstructGPT-style):
-  rollout   the engine samples G responses per prompt from the actor;
-  scoring   the reward model scores each finished sequence on device, the
-            actor and reference give per-token log-probs and the critic
-            values (tracked verifiable rewards, if any, are only logged);
-  targets   r_t = score at the last token - beta * KL_t, GAE(gamma, lambda),
-            whitened advantages (`critic.ppo_targets`);
-  train     ppo_epochs x num_minibatches updates; each mini-batch updates the
+One step (InstructGPT-style), top to bottom in `ppo_step`:
+  rollout   the job's rollout (the trainer's mesh or elastic workers, with
+            the common prefix and long-tail policies as its options)
+            samples G responses per prompt; tracked verifiable rewards are
+            scored as groups finish (logged only);
+  scoring   the reward model scores each sequence on device, the critic
+            gives values, and the ADVANTAGES stage (`rl/prepare.py`, one
+            jitted function shared with GRPO) the actor's and reference's
+            log-probs, r_t = score at the last token - beta * KL_t,
+            GAE(gamma, lambda) and whitened advantages;
+  train     ppo_epochs x num_minibatches; each mini-batch updates the
             actor (clipped surrogate) and the critic (clipped value loss),
             each with its own optimizer, on the same training layout.
 
-The reward model comes from an `rm` job's workdir (`config.reward_model.
-workdir`); the critic starts as a copy of it. Resume, evaluation and
-checkpoints (actor, critic, reference): `trainers/loop.py`.
+The reward model comes from an `rm` job's workdir (`reward_model.workdir`);
+the critic starts as a copy of it. Resume, evaluation and checkpoints
+(actor, critic, reference): `loop.py`.
 
 Dimension letters: B sequences, T = prompt length + max new tokens.
 """
@@ -25,20 +28,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 
-from rlhf_jax.engine.driver import Driver
-from rlhf_jax.engine.engine import Engine
+from rlhf_jax.config import checks
+from rlhf_jax.config.sections import ConfigError, RLJob
+from rlhf_jax.data import sources
+from rlhf_jax.metrics import rl_step_metrics
+from rlhf_jax.models import build as model_build
+from rlhf_jax.parallel import colocate
+from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.model_score import ScalarHead
-from rlhf_jax.rl import critic, objectives
-from rlhf_jax.rl.aggregation import masked_mean
-from rlhf_jax.rl.learner import Learner
-from rlhf_jax.rl.logprobs import logprob_gap
-from rlhf_jax.trainers import builders, colocate, loop, rm, rollout, sources
+from rlhf_jax.rewards.scoring import RewardScorer
+from rlhf_jax.rl import batch as batch_lib
+from rlhf_jax.rl import objectives, prepare
+from rlhf_jax.rl.learner import Learner, TrainState, make_optimizer
+from rlhf_jax.rl.learner import train_epochs
+from rlhf_jax.rollout import build as rollout_build
+from rlhf_jax.rollout.base import Rollout, generate, step_seed
+from rlhf_jax.timeline import Timeline
+from rlhf_jax.trainers import loop, rm
 from rlhf_jax.trainers.sft import run_sft
-from rlhf_jax.trainers.validate import ConfigError, validate_ppo
 
 # Task fields that define the answer format a reward model has learned.
 _FORMAT_KEYS = ("max_digits", "min_digits", "reverse_answer", "zero_pad")
@@ -47,24 +57,104 @@ _FORMAT_KEYS = ("max_digits", "min_digits", "reverse_answer", "zero_pad")
 @dataclasses.dataclass
 class Job:
   """Everything a PPO run builds before its first step."""
-  config: Any
+  c: RLJob
   source: sources.DataSource
   graphdef: Any              # Actor (decoder).
   params: Any                # Actor init (random or HF), before SFT.
   train_layout: Any
-  rollout_layout: Any
   actor: Learner
   critic: Learner
+  preparer: prepare.Preparer
   heads: ScalarHead          # Reward model and critic share one graph.
   rm_params: Any
   rm_step: int
-  engine: Engine
-  eval_engine: Engine
+  tracked: RewardScorer | None  # Logged verifiable rewards.
+  rollout: Rollout
+  eval_rollout: Any
   colocation: colocate.Colocation
+  cfg: Any = None            # The actor's ModelConfig.
+  rollout_layout: Any = None
 
   @property
   def tokenizer(self):
     return self.source.tokenizer
+
+
+def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
+             prompts):
+  """One PPO step; returns the new actor and critic states and metrics.
+
+  The actor switches layouts as in GRPO (`parallel/colocate.py`); the
+  actor's optimizer state and the critic wait in host memory while the
+  rollout decodes, the parked reference visits the device for the
+  ADVANTAGES stage. Every phase is a span on the timeline.
+  """
+  co, c = job.colocation, job.c
+  co.begin_step(step)
+  with co.span("repartition"):
+    rollout_params = co.to_rollout(actor_state.params)
+    actor_opt, critic_state = (co.park(actor_state.opt_state),
+                               co.park(critic_state))
+  job.rollout.set_weights(rollout_params, co.version)
+  with co.span("rollout"):
+    sampled = generate(job.rollout, prompts, c.rollout.samples_per_row,
+                       step_seed(c.seed, step), step=step, scorer=job.tracked)
+  with co.span("repartition"):
+    params = co.to_train(rollout_params)
+  with co.span("scoring"), colocate.transient(co, ref_params) as ref:
+    keep = co.fresh(sampled.samples)  # Raises on stale ones unless "drop".
+    critic_state = co.unpark(critic_state)
+    batch, info = _train_batch(job, sampled.samples, keep, params, ref,
+                               critic_state.params)
+    jax.block_until_ready(batch)  # Before the reference copy is freed.
+  with co.span("train"):
+    actor_state = TrainState(params, co.unpark(actor_opt), actor_state.step)
+    (actor_state, critic_state), (trained, critic_trained) = train_epochs(
+        [job.actor, job.critic], [actor_state, critic_state], batch,
+        epochs=c.rl.ppo_epochs, num_minibatches=c.rl.num_minibatches,
+        seed=step_seed(c.seed, step))
+  info = jax.device_get(info)
+  return actor_state, critic_state, rl_step_metrics(
+      info, {"train": trained, "critic": critic_trained}, co.end_step(step),
+      sampled.metrics, {"rollout/reward_std": float(np.std(info["rewards"])),
+                        "rollout/value_mean": float(info["value_mean"]),
+                        "rollout/return_mean": float(info["return_mean"])},
+      version=co.version, stale=int(np.sum(~keep)))
+
+
+def _train_batch(job: Job, samples, trainable, params, ref, critic_params):
+  """The training batch: reward-model scores, critic values, then the
+  ADVANTAGES stage (GAE); and its info."""
+  packed = batch_lib.pack(samples, job.source.prompt_len,
+                          job.c.rollout.max_new_tokens, trainable=trainable)
+  batch = job.preparer.put(packed)
+  scores = job.heads.scores(job.rm_params, batch)
+  values = job.heads.values(critic_params, batch)
+  batch, info = job.preparer(params, ref, {**batch, "rewards": scores},
+                             values)
+  return batch, {**info, "response_len": packed.response_len}
+
+
+def evaluate(job: Job, actor_params) -> dict:
+  """Greedy responses to held-out prompts: eval/reward_mean (reward-model
+  score) and eval/accuracy (the first tracked reward, e.g. exact match)."""
+  c = job.c
+  tracked = (RewardScorer(job.tokenizer, c.rl.tracked_rewards[:1], None,
+                          "zero") if c.rl.tracked_rewards else None)
+  job.eval_rollout.set_weights(job.colocation.rollout_copy(actor_params), 0)
+  scores, accuracy = [], []
+  for prompts in job.source.eval_batches:
+    sampled = generate(job.eval_rollout, prompts, 1, seed=0, scorer=tracked)
+    packed = batch_lib.pack(sampled.samples, job.source.prompt_len,
+                            c.rollout.max_new_tokens)
+    batch = job.actor.put_batch(packed.arrays)
+    scores.append(np.asarray(job.heads.scores(job.rm_params, batch)))
+    if tracked is not None:
+      accuracy.append(sampled.rewards)
+  out = {"eval/reward_mean": float(np.mean(np.concatenate(scores)))}
+  if accuracy:
+    out["eval/accuracy"] = float(np.mean(np.concatenate(accuracy)))
+  return out
 
 
 def _check_reward_model_task(config, rm_config):
@@ -80,179 +170,63 @@ def _check_reward_model_task(config, rm_config):
           "scores would not mean anything for this policy's answers")
 
 
-def build(config) -> Job:
-  """Validates, loads the reward model, builds actor, critic and engines."""
-  source = sources.build(config)
-  validate_ppo(config, prompt_len=source.prompt_len)
-  train_layout, rollout_layout = builders.layouts(config.mesh)
+def build(config, timeline: Timeline | None = None) -> Job:
+  """Validates, loads the reward model, builds actor, critic, rollout."""
+  c = RLJob.from_config(config)
+  source = sources.build(config, c)
+  checks.check_rl_job(c, job="ppo", prompt_len=source.prompt_len)
+  train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
   rm_config, rm_graphdef, rm_params, rm_step = rm.load_trained(
-      config.reward_model.workdir, train_layout)
+      c.reward_model.workdir, train_layout)
   _check_reward_model_task(config, rm_config)
-  cfg, graphdef, params = builders.model(
-      config.model, seed=config.seed, layout=train_layout,
+  cfg, graphdef, params = model_build.build(
+      c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
-  rl = config.rl
-  actor_terms, actor_weight = objectives.policy_terms(
-      objectives.PolicyLossConfig(
-          policy_loss=rl.policy_loss, clip_low=rl.clip_low,
-          clip_high=rl.clip_high, clip_c=rl.clip_c or None,
-          kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-          kl_in_loss=rl.kl_in_loss, aggregation=rl.aggregation,
-          max_len=config.rollout.max_new_tokens))
+  rl = c.rl
+  terms, weight = objectives.policy_terms(rl.policy_loss_config(
+      max_len=c.rollout.max_new_tokens))
+  actor = Learner(graphdef, train_layout, make_optimizer(c.optim),
+                  terms_fn=terms, weight_fn=weight,
+                  micro_batches=rl.micro_batches)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
+  co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
+                                        params, timeline=timeline)
   return Job(
-      config=config, source=source, graphdef=graphdef, params=params,
-      train_layout=train_layout, rollout_layout=rollout_layout,
-      actor=Learner(graphdef, train_layout, builders.optimizer(config.optim),
-                    terms_fn=actor_terms, weight_fn=actor_weight,
-                    micro_batches=rl.micro_batches),
+      c=c, source=source, graphdef=graphdef, params=params,
+      train_layout=train_layout, actor=actor,
       critic=Learner(rm_graphdef, train_layout,
-                     builders.optimizer(config.critic.optim),
-                     terms_fn=value_terms, weight_fn=value_weight,
-                     micro_batches=rl.micro_batches),
+                     make_optimizer(c.critic.optim), terms_fn=value_terms,
+                     weight_fn=value_weight, micro_batches=rl.micro_batches),
+      preparer=prepare.Preparer(actor, rl.advantage_config(
+          c.rollout.samples_per_row)),
       heads=ScalarHead(rm_graphdef, train_layout), rm_params=rm_params,
       rm_step=rm_step,
-      **builders.policy_runtime(config, cfg, graphdef, params, train_layout,
-                                rollout_layout, source.stop_ids))
+      tracked=RewardScorer(source.tokenizer, rl.tracked_rewards, None,
+                           "zero") if rl.tracked_rewards else None,
+      rollout=rollout_build.build(
+          c.rollout, cfg, graphdef, rollout_layout, source.stop_ids,
+          rollout_tensor=c.mesh.rollout_tensor, timeline=co.timeline,
+          train_time=co.phase_seconds),
+      eval_rollout=rollout_build.eval_rollout(
+          c.rollout, c.eval.num_rows, cfg, graphdef, rollout_layout,
+          source.stop_ids),
+      colocation=co, cfg=cfg, rollout_layout=rollout_layout)
 
 
-def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
-             prompts):
-  """One PPO step; returns the new actor and critic states and metrics.
-
-  The actor switches layouts as in GRPO (`trainers/colocate.py`); the
-  actor's optimizer state and the critic wait in host memory while the
-  engine decodes, the parked reference visits the device for its log-prob
-  pass. Every phase is a span on the timeline; perf/ metrics come from it.
-  """
-  config, actor, critic_learner = job.config, job.actor, job.critic
-  co = job.colocation
-  rl, G = config.rl, config.rollout.samples_per_row
-  co.begin_step(step)
-  with co.span("repartition"):
-    rollout_params = jax.block_until_ready(co.to_rollout(actor_state.params))
-    actor_opt, critic_state = (co.park(actor_state.opt_state),
-                               co.park(critic_state))
-  with co.span("rollout"):
-    driver = Driver(job.engine, rollout_params, weight_version=co.version)
-    samples = rollout.generate(driver, prompts, G,
-                               rollout.step_seed(config.seed, step))
-  with co.span("repartition"):
-    actor_state = actor_state.replace(params=jax.block_until_ready(
-        co.to_train(rollout_params)), opt_state=None)
-
-  with co.span("scoring"):
-    keep = co.fresh(samples)  # Raises on stale samples unless "drop".
-    tracked = {}
-    if rl.tracked_rewards:
-      _, tracked = rollout.score(samples, prompts, job.tokenizer,
-                                 list(rl.tracked_rewards), None, "zero")
-    packed = rollout.pack(samples, job.source.prompt_len,
-                          config.rollout.max_new_tokens)
-    packed.arrays["loss_mask"][~keep] = 0.0
-    batch = actor.put_batch(packed.arrays)
-    critic_state = co.unpark(critic_state)
-    scores = job.heads.scores(job.rm_params, batch)
-    old_logp = actor.logprobs(actor_state.params, batch)
-    with colocate.transient(co, ref_params) as ref_on_device:
-      ref_logp = jax.block_until_ready(
-          actor.logprobs(ref_on_device, batch))
-    old_values = job.heads.values(critic_state.params, batch)
-    mask = batch["loss_mask"]
-    targets = _targets(scores, old_logp, ref_logp, old_values, mask,
-                       kl_coef=0.0 if rl.kl_in_loss else rl.kl_coef,
-                       kl_estimator=rl.kl_estimator, gamma=rl.gamma,
-                       lam=rl.lam, whiten=rl.whiten_advantages)
-    batch = actor.put_batch({
-        **batch, "old_logp": old_logp, "ref_logp": ref_logp,
-        "old_values": old_values, "advantages": targets["advantages"],
-        "returns": targets["returns"]})
-    gap_max, gap_mean = logprob_gap(old_logp, packed.sampler_logp, mask)
-    jax.block_until_ready(batch)
-
-  with co.span("train"):
-    actor_state = actor_state.replace(opt_state=co.unpark(actor_opt))
-    rng = np.random.default_rng(rollout.step_seed(config.seed, step))
-    B, n = len(samples), rl.num_minibatches
-    actor_metrics, critic_metrics = [], []
-    for _ in range(rl.ppo_epochs):
-      perm = rng.permutation(B)
-      for k in range(n):
-        mini = actor.rows(batch, perm[k::n])
-        actor_state, m = actor.step(actor_state, mini)
-        actor_metrics.append(m)
-        critic_state, m = critic_learner.step(critic_state, mini)
-        critic_metrics.append(m)
-    actor_metrics, critic_metrics, host = jax.device_get(
-        (actor_metrics, critic_metrics,
-         {"scores": scores, "kl": targets["kl"], "gap_max": gap_max,
-          "gap_mean": gap_mean, "values": masked_mean(old_values, mask),
-          "returns": masked_mean(targets["returns"], mask)}))
-  perf = co.end_step(step)
-
-  mean = lambda ms, k: float(np.mean([m[k] for m in ms]))  # noqa: E731
-  gen_tokens = float(packed.response_len.sum())
-  metrics = {
-      # The reward being maximised: the reward-model score (before KL).
-      "rollout/reward_mean": float(np.mean(host["scores"])),
-      "rollout/reward_std": float(np.std(host["scores"])),
-      "rollout/kl": float(np.mean(host["kl"])),
-      "rollout/response_len_mean": float(packed.response_len.mean()),
-      "rollout/logprob_gap": float(host["gap_max"]),
-      "rollout/logprob_gap_mean": float(host["gap_mean"]),
-      "rollout/weight_version": float(co.version),
-      "rollout/stale_dropped": float(np.sum(~keep)),
-      "rollout/value_mean": float(host["values"]),
-      "rollout/return_mean": float(host["returns"]),
-      **{k: float(v) for k, v in tracked.items()},
-      **{f"train/{k}": mean(actor_metrics, k) for k in actor_metrics[0]},
-      **{f"critic/{k}": mean(critic_metrics, k) for k in critic_metrics[0]},
-      **perf, "perf/tokens_per_s": gen_tokens / perf["perf/step_s"],
-  }
-  return actor_state, critic_state, metrics
-
-
-_targets = jax.jit(critic.ppo_targets, static_argnames=(
-    "kl_coef", "kl_estimator", "gamma", "lam", "whiten"))
-
-
-def evaluate(job: Job, actor_params) -> dict:
-  """Greedy responses to held-out prompts: eval/reward_mean (reward-model
-  score) and eval/accuracy (the first tracked reward, e.g. exact match)."""
-  config = job.config
-  params = job.colocation.rollout_copy(actor_params)
-  scores, tracked = [], []
-  for prompts in job.source.eval_batches:
-    samples = rollout.generate(Driver(job.eval_engine, params), prompts, 1,
-                               seed=0)
-    packed = rollout.pack(samples, job.source.prompt_len,
-                          config.rollout.max_new_tokens)
-    batch = job.actor.put_batch(packed.arrays)
-    scores.extend(np.asarray(job.heads.scores(job.rm_params, batch)).tolist())
-    if config.rl.tracked_rewards:
-      values, _ = rollout.score(samples, prompts, job.tokenizer,
-                                [config.rl.tracked_rewards[0]], None, "zero")
-      tracked.extend(values.tolist())
-  out = {"eval/reward_mean": float(np.mean(scores))}
-  if tracked:
-    out["eval/accuracy"] = float(np.mean(tracked))
-  return out
-
-
-def run(config: ml_collections.ConfigDict, workdir: str):
+def run(config, workdir: str):
   """Runs (or resumes) PPO in `workdir`; returns the final actor state."""
   config = sources.prepare(config, workdir)
   job = build(config)
   actor, critic_learner = job.actor, job.critic
-  logging.info("reward model: %s step %d", config.reward_model.workdir,
+  logging.info("reward model: %s step %d", job.c.reward_model.workdir,
                job.rm_step)
 
+  def copy(tree):  # Frozen copies: the learners donate their states.
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
   def fresh(writer, verbose):
-    params = run_sft(config, job.graphdef, job.params, job.train_layout,
+    params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,
                      job.source.sft_arrays, writer, verbose=verbose)
-    # Frozen copies: the learners donate the buffers of their states.
-    copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True),  # noqa: E731
-                                     tree)
     return {"actor": actor.init_state(params),
             "critic": critic_learner.init_state(copy(job.rm_params)),
             "ref": copy(params)}
@@ -263,11 +237,15 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         next(job.source.iterator))
     return {**states, "actor": actor_state, "critic": critic_state}, metrics
 
-  states = loop.run(
-      config, workdir, iterator=job.source.iterator,
-      colocation=job.colocation, fresh=fresh,
-      like=lambda: {"actor": actor.init_state(job.params),
-                    "critic": critic_learner.init_state(job.rm_params),
-                    "ref": job.params},
-      step=step, evaluate=lambda states: evaluate(job, states["actor"].params))
+  try:
+    states = loop.run(
+        config, workdir, train=job.c.train, eval_every=job.c.eval.every,
+        iterator=job.source.iterator, colocation=job.colocation,
+        fresh=fresh, step=step, history=job.rollout.length_history,
+        like=lambda: {"actor": actor.init_state(job.params),
+                      "critic": critic_learner.init_state(job.rm_params),
+                      "ref": job.params},
+        evaluate=lambda states: evaluate(job, states["actor"].params))
+  finally:
+    job.rollout.close()  # Held workers stop (and stop billing).
   return states["actor"]

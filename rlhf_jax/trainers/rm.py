@@ -25,15 +25,17 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from rlhf_jax.config import sections
 from rlhf_jax.data import preferences
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.metrics import Progress
 from rlhf_jax.models import reward_model
+from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl import objectives, preference
-from rlhf_jax.rl.learner import Learner
-from rlhf_jax.trainers import builders
+from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+from rlhf_jax.trainers import loop
 
 
 @dataclasses.dataclass
@@ -54,7 +56,7 @@ def _data(config, tokenizer):
   d = config.data
   if d.kind == "synthetic":
     task = AdditionTask(**config.task)
-    near_miss = d.get("near_miss", 0.0)
+    near_miss = d.near_miss
     return (lambda start, n: preferences.synthetic_train_pairs(
         task, start, n, max_offset=d.max_offset, seed=config.seed,
         near_miss=near_miss),
@@ -97,11 +99,14 @@ def build(config) -> Job:
   """Builds data, layout, the scalar-head model and its learner."""
   tokenizer = CharTokenizer()
   train_fn, evals = _data(config, tokenizer)
-  layout, _ = builders.layouts(config.mesh)
-  cfg = builders.model_config(config.model, vocab_size=tokenizer.vocab_size)
+  layout, _ = mesh_lib.layouts(sections.from_dict(sections.Mesh, config.mesh,
+                                                   "mesh"))
+  cfg = sections.from_dict(sections.Model, config.model, "model").model_config(
+      vocab_size=tokenizer.vocab_size)
   graphdef, params = reward_model.init_params(cfg, config.seed, layout)
   terms, weight = objectives.reward_model_terms()
-  learner = Learner(graphdef, layout, builders.optimizer(config.optim),
+  optim = sections.from_dict(OptimConfig, config.optim, "optim")
+  learner = Learner(graphdef, layout, make_optimizer(optim),
                     terms_fn=terms, weight_fn=weight,
                     micro_batches=config.train.micro_batches)
   return Job(config=config, tokenizer=tokenizer, train_pairs_fn=train_fn,
@@ -124,10 +129,11 @@ def load_trained(workdir: str, layout):
         f"no reward model in {workdir!r} (no config.json): train one first "
         f"with `{make}`")
   with open(config_path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  if config.get("job") != "rm":
-    raise ValueError(f"{workdir!r} holds a {config.get('job')!r} job, not a "
+    saved = json.load(f)
+  if saved.get("job") != "rm":  # A file on disk, not the locked config.
+    raise ValueError(f"{workdir!r} holds a {saved.get('job')!r} job, not a "
                      "reward model (job 'rm')")
+  config = ml_collections.ConfigDict(saved)
   from rlhf_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=None)
   step = ckpt.latest_step()
@@ -135,10 +141,11 @@ def load_trained(workdir: str, layout):
     ckpt.close()
     raise FileNotFoundError(f"the reward-model run in {workdir!r} has no "
                             f"checkpoint yet: finish it with `{make}`")
-  cfg = builders.model_config(config.model,
-                              vocab_size=CharTokenizer().vocab_size)
+  cfg = sections.from_saved(sections.Model, saved["model"], "model"
+                            ).model_config(vocab_size=CharTokenizer().vocab_size)
   graphdef, params = reward_model.init_params(cfg, config.seed, layout)
-  optimizer = builders.optimizer(config.optim)
+  optimizer = make_optimizer(sections.from_saved(OptimConfig, saved["optim"],
+                                                 "optim"))
   terms, weight = objectives.reward_model_terms()
   like = Learner(graphdef, layout, optimizer, terms_fn=terms,
                  weight_fn=weight, micro_batches=1).init_state(params)
@@ -192,7 +199,8 @@ def evaluate(job: Job, eval_fn, params) -> dict:
 def run(config, workdir: str):
   """Trains (or resumes) the reward model in `workdir`; returns the state."""
   job = build(config)
-  writer, ckpt, main_process = builders.workdir_outputs(config, workdir)
+  writer, ckpt, main_process = loop.workdir_outputs(
+      config, workdir, config.train.keep_checkpoints)
   learner, eval_fn = job.learner, make_eval_fn(job)
 
   state = learner.init_state(job.params)

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from rlhf_jax.data.batching import sft_batch
 from rlhf_jax.metrics import MetricWriter, Progress
 from rlhf_jax.rl import objectives
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
 
 
-def sft_arrays(task, tokenizer, start: int, batch_size: int) -> dict:
-  b = sft_batch(task, tokenizer, start, batch_size)
-  B, L = b.inputs_BxL.shape
-  return dict(tokens=b.inputs_BxL,
-              positions=np.broadcast_to(np.arange(L, dtype=np.int32),
-                                        (B, L)).copy(),
-              attn_mask=b.inputs_BxL != tokenizer.pad_id,
-              targets=b.targets_BxL, loss_mask=b.mask_BxL)
-
-
-def run_sft(config, graphdef, params, layout, arrays_fn,
+def run_sft(c, graphdef, params, layout, arrays_fn,
             writer: MetricWriter, *, verbose: bool = True):
-  """Runs `config.sft.steps` updates and returns the trained params.
+  """Runs `c.steps` updates and returns the trained params.
 
   Args:
-    config: the job config (`config.sft` is read).
+    c: the `sft` section (`config/sections.SFT`).
     graphdef: the model graph.
     params: initial params (train layout).
     layout: the train layout.
@@ -35,7 +22,6 @@ def run_sft(config, graphdef, params, layout, arrays_fn,
     writer: metric writer ("sft" phase).
     verbose: show progress.
   """
-  c = config.sft
   if c.steps == 0:
     return params
   if arrays_fn is None:

@@ -29,6 +29,8 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from rlhf_jax.engine.driver import Request, Sample
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import continuation
@@ -124,6 +126,10 @@ class ManagerStats:
   stale_resampled: int = 0
   pulls: int = 0
   pull_s: float = 0.0
+  # Tokens each worker generated (of samples it finished; a continued
+  # sample's earlier tokens count for the worker that made them).
+  tokens: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
 
 
 class RolloutManager:
@@ -148,6 +154,9 @@ class RolloutManager:
     self._lost: list[str] = []
     self._running: dict[str, tuple[int, int]] = {}
     self._sent: dict[str, int] = {}  # Newest version sent to each worker.
+    # The batch's common prefix, and the one each worker holds.
+    self.common_prefix = np.zeros(0, np.int32)
+    self._prefix_of: dict[str, tuple] = {}
 
   # ---------------------------------------------------------- membership
   def add(self, handle, version: int = -1) -> None:
@@ -156,6 +165,7 @@ class RolloutManager:
     self.handles[handle.worker_id] = handle
     self.versions[handle.worker_id] = version
     self._sent.pop(handle.worker_id, None)
+    self._prefix_of.pop(handle.worker_id, None)
 
   def _refresh(self) -> int:
     """Stale live workers pull the newest version; returns it."""
@@ -178,6 +188,13 @@ class RolloutManager:
           self._lost.append(w)
       self.stats.pulls += len(stale)
       self.stats.pull_s += time.perf_counter() - t0
+    # Workers whose common prefix is not this batch's get it (a worker
+    # starts with none).
+    want = tuple(self.common_prefix.tolist())
+    for w in [w for w, h in self.handles.items()
+              if h.alive and self._prefix_of.get(w, ()) != want]:
+      self._call(w, "set_common_prefix", self.common_prefix)
+      self._prefix_of[w] = want
     return latest
 
   def remove(self, worker_id: str) -> None:
@@ -206,15 +223,23 @@ class RolloutManager:
     self._running.pop(worker_id, None)
 
   # ---------------------------------------------------------------- run
-  def run(self, requests: Sequence[Request]) -> list[Sample]:
+  def run(self, requests: Sequence[Request],
+          common_prefix=None) -> list[Sample]:
     """Every sample of `requests`, whatever happens to the workers."""
-    self.start(requests)
+    self.start(requests, common_prefix)
     while not self.done:
       self.step()
     return self.results()
 
-  def start(self, requests: Sequence[Request]) -> None:
-    """Queues a batch; `step()` then advances it one poll round at a time."""
+  def start(self, requests: Sequence[Request],
+            common_prefix=None) -> None:
+    """Queues a batch; `step()` then advances it one poll round at a time.
+
+    `common_prefix`: tokens every request starts with, stored once per
+    worker (None or empty: none).
+    """
+    self.common_prefix = np.asarray(
+        [] if common_prefix is None else common_prefix, np.int32)
     self._lost = []
     self._states = {}
     self._queue = collections.deque()
@@ -273,6 +298,7 @@ class RolloutManager:
       for s in res.finished:
         if self._finish(s, states, done, queue, latest):
           self.produced[w] += 1
+          self.stats.tokens[w] += len(s.tokens)
           finished.append(done[s.key])
     self._balance(pending, states, latest, queue)
     for w in self._lost:
@@ -335,11 +361,8 @@ class RolloutManager:
            w not in self._lost and self.versions.get(w) == latest]
     views = [offload.QueueView(pending[w], *self._running.get(w, (0, 1)))
              for w in ids]
-    plateau = 1 << 30 if self.plateau is None else self.plateau
-    for src, dst, count, running in offload.balance_moves(views, plateau):
+    for src, dst, count, running in offload.worker_moves(views, self.plateau):
       s, d = ids[src], ids[dst]
-      if s == d:  # balance_moves picks the destination as a source once its
-        continue  # queue is the longest: a no-op, not a move.
       if running:  # Cut on s, continued on d from the tokens so far.
         parts = self._call(s, "take_running", count)
         if not parts:
@@ -393,27 +416,23 @@ class RolloutManager:
     A request none of whose samples had started goes back whole (one
     prefill for its G samples); a started sample continues from its tokens.
     """
-    unstarted = collections.defaultdict(list)  # request id -> keys
-    for key, st in states.items():
-      if st.worker != w or key in done:
-        continue
-      if st.live is None and not st.head:
-        unstarted[id(st.request)].append(key)
-        continue
-      self._continue(key, st, queue)
-    for keys in unstarted.values():
-      req = states[keys[0]].request
-      whole = len(keys) == req.num_samples
-      for key in keys:
-        states[key].worker = None
-        if not whole:
-          self._continue(key, states[key], queue)
-      if whole:
-        queue.appendleft(req)
+    keys = [k for k, st in states.items() if st.worker == w and k not in done]
+    requests = {id(states[k].request): states[k].request for k in keys}
+    for kind, item in offload.requeue_plan(
+        keys, lambda k: states[k].live is not None or bool(states[k].head),
+        lambda k: id(states[k].request),
+        lambda g: requests[g].num_samples):
+      if kind == "continue":
+        self._continue(item, states[item], queue)
+      else:
+        queue.appendleft(requests[item])
+    for k in keys:
+      states[k].worker = None
 
   def _continue(self, key, st, queue):
     if st.live is not None:
       self.stats.kept_tokens += len(st.live.tokens)
+      self.stats.tokens[st.worker] += len(st.live.tokens)
       st.head += st.live.tokens
       st.head_logp += st.live.logp
       st.head_raw += st.live.logp_raw

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
-from rlhf_jax.sched import actor_scaling
+from rlhf_jax.sched import actor_scaling, offload
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.workers.manager import WorkerDied
 
@@ -323,8 +323,8 @@ class DemandScaler:
             devices_per_worker=self.devices_per_worker,
             startup_s=self.startup_s, spawn_s=inputs["spawn_s"], held=before)
         inputs["table"] = table
-    if cap is not None and cap < n:
-      n, inputs["cap"] = max(1, int(cap)), cap
+    if cap is not None and offload.cap_count(n, cap) < n:
+      n, inputs["cap"] = offload.cap_count(n, cap), cap
     held = self.pool.hold(n)
     if self.scale == "cost":
       logging.info("elastic rollout v%d: holding %d of %d available workers "

@@ -35,6 +35,7 @@ class EngineSpec:
   samples_per_row: int
   prefill_buckets: tuple[int, ...]
   sampling: SamplingParams
+  max_common_length: int = 0   # > 0: a batch's common prefix stored once.
 
 
 @dataclasses.dataclass
@@ -50,9 +51,12 @@ class RolloutWorker:
   """Engine + driver on this process's (or the given) devices."""
 
   def __init__(self, worker_id: str, spec: EngineSpec | None, devices=None,
-               num_devices: int | None = None, engine: Engine | None = None):
+               num_devices: int | None = None, engine: Engine | None = None,
+               start_driver=None):
     """Builds an engine from `spec` on `devices`, or drives `engine` (the
-    trainer's own, for the seed window: `workers/seeding.py`)."""
+    trainer's own, for the seed window: `workers/seeding.py`) with
+    `start_driver(params, version, requests, common_prefix)` (a started
+    `Driver`; default: plain continuous batching on `engine`)."""
     self.worker_id, self.spec = worker_id, spec
     if engine is None:
       devices = list(devices or jax.local_devices()[:num_devices])
@@ -64,8 +68,13 @@ class RolloutWorker:
                       num_rows=spec.num_rows,
                       samples_per_row=spec.samples_per_row,
                       prefill_buckets=spec.prefill_buckets,
-                      sampling=spec.sampling)
+                      sampling=spec.sampling,
+                      max_common_length=spec.max_common_length)
     self.engine = engine
+    self._start_driver = start_driver or self._plain_driver
+    # The batch's common prefix (empty: none); a driver starts with it.
+    self.common_prefix = np.zeros(0, np.int32)
+    self._next_prefix = None   # A new prefix waiting for a drain.
     self.version = -1
     self.driver: Driver | None = None
     self.steps = 0
@@ -106,13 +115,38 @@ class RolloutWorker:
   def unload(self) -> None:
     """Drops the params and all work (the trainer takes its devices back)."""
     self.driver, self.params, self._next, self._queued = None, None, None, []
+    self._next_prefix = None
     self.version = -1
 
   def _install(self, version, params):
     self.version, self.params = version, params
-    self.driver = Driver(self.engine, params, weight_version=version)
-    self.driver.start(self._queued)
+    if self._next_prefix is not None:
+      self.common_prefix, self._next_prefix = self._next_prefix, None
+    self.driver = self._start_driver(params, version, self._queued,
+                                     self.common_prefix)
     self._next, self._queued = None, []
+
+  def _plain_driver(self, params, version, requests, common_prefix):
+    driver = Driver(self.engine, params, weight_version=version)
+    driver.start(requests, common_prefix=common_prefix)
+    return driver
+
+  def set_common_prefix(self, tokens) -> None:
+    """The prefix every request of the coming batch starts with (empty:
+    none): prefilled once per weight version and stored once. A worker
+    still draining older work switches once it drains."""
+    tokens = np.asarray(tokens, np.int32)
+    if np.array_equal(tokens, self.common_prefix):
+      return
+    d = self.driver
+    if d is not None and (d.busy or self._next is not None):
+      self._next_prefix = tokens
+      return
+    self.common_prefix = tokens
+    if d is not None:
+      self._queued = list(d.pending) + self._queued
+      d.pending.clear()
+      self._install(self.version, self.params)
 
   # ---------------------------------------------------------------- rollout
   def submit(self, requests: Sequence[Request]) -> int:
@@ -157,18 +191,16 @@ class RolloutWorker:
     always move, even when G > num_rows.
     """
     d = self.driver
-    n = min(n, max(self.engine.num_rows, self.engine.samples_per_row))
     if d is None or n < 1:
       return []
-    G = self.engine.samples_per_row
+    eng = d.engine
+    G = eng.samples_per_row
     rows = collections.defaultdict(list)
     for slot, it in d.live.items():
       rows[slot // G].append(it.budget - len(it.tokens))
-    order = sorted(rows, key=lambda r: (-max(rows[r]), -sum(rows[r]), r))
     out: list[Partial] = []
-    for r in order:
-      if len(rows[r]) <= n - len(out):
-        out += d.evict(r)
+    for r in offload.rows_to_cut(rows, n, eng.num_rows, G):
+      out += d.evict(r)
     return out
 
   def measure_plateau(self, fraction: float = 0.8, steps: int = 5,
@@ -226,9 +258,9 @@ class RolloutWorker:
     if self._next is not None:
       self._install(*self._next)
     elif self.driver is not None:
-      self.driver = Driver(self.engine, self.params,
-                           weight_version=self.version)
-      self.driver.start()  # Fed again by `submit` if it is held again.
+      # Fed again by `submit` if it is held again.
+      self.driver = self._start_driver(self.params, self.version, [],
+                                       self.common_prefix)
 
   def counters(self) -> tuple[int, float]:
     """(driver steps so far, their wall seconds): the pool's step time."""
@@ -248,9 +280,13 @@ class RolloutWorker:
     if d is not None and not d.busy and self._next is not None:
       self._install(*self._next)
       d = self.driver
+    elif d is not None and not d.busy and self._next_prefix is not None:
+      self._install(self.version, self.params)
+      d = self.driver
     pending = (len(d.pending) if d else 0) + len(self._queued)
+    engine = d.engine if d else self.engine  # Consolidation may shrink it.
     return PollResult(finished, d.partials() if d else [], pending,
-                      self.version, self.engine.max_concurrent_decodes)
+                      self.version, engine.max_concurrent_decodes)
 
 
 def ray_worker(num_cpus: float = 1, num_gpus: float = 0,

@@ -1,6 +1,9 @@
-"""Data sources of the GRPO job, one builder per `config.data.kind`.
+"""Prompt sources of the RL jobs, one builder per `config.data.kind`.
 
-  source = sources.build(config)   # tokenizer, prompts, eval, optional SFT
+  source = sources.build(config, c)   # tokenizer, prompts, eval, SFT data
+
+`c` are the job's typed sections (`config/sections.RLJob`); `config.data`
+and `config.task` are read as they are (their keys depend on the kind).
 
 - "addition": the synthetic addition task (`config.task`) with the character
   tokenizer; prompts are padded to `task.max_prompt_len`; SFT warm-start
@@ -29,11 +32,11 @@ import numpy as np
 
 from rlhf_jax import distributed
 from rlhf_jax.data import jsonl
-from rlhf_jax.data.batching import PromptBatch, PromptIterator, eval_batches
+from rlhf_jax.data.batching import (
+    PromptBatch, PromptIterator, eval_batches, sft_arrays)
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.trainers.sft import sft_arrays
-from rlhf_jax.trainers.validate import ConfigError
+from rlhf_jax.config.sections import ConfigError
 
 
 @dataclasses.dataclass
@@ -47,11 +50,6 @@ class DataSource:
   sft_arrays: Callable[[int, int], dict] | None = None  # (start, batch) ->
 
 
-def _data(config):
-  """`config.data`, or the addition default for configs that predate it."""
-  return config.get("data") or {"kind": "addition"}
-
-
 def prepare(config, workdir: str):
   """Materializes synthetic assets if `config.data.synthetic`; returns config.
 
@@ -59,7 +57,7 @@ def prepare(config, workdir: str):
   once under `<workdir>/runlocal_assets` and reused by a resumed run; the
   returned copy of the config points `model.path` / `data.path` at them.
   """
-  if not _data(config).get("synthetic"):
+  if config.data.kind != "jsonl" or not config.data.synthetic:
     return config
   from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
   # Multi-host: process 0 writes the shared files, the others then read them.
@@ -73,37 +71,37 @@ def prepare(config, workdir: str):
   return config
 
 
-def build(config) -> DataSource:
-  """The DataSource of `config.data.kind` (default "addition")."""
-  kind = _data(config).get("kind", "addition")
+def build(config, c) -> DataSource:
+  """The DataSource of `config.data.kind`, sized by the sections `c`."""
+  kind = config.data.kind
   builders = {"addition": addition, "jsonl": from_jsonl}
   if kind not in builders:
     raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
                       f"{sorted(builders)}")
-  source = builders[kind](config)
-  if config.sft.steps and source.sft_arrays is None:
-    raise ConfigError(f"config.sft.steps={config.sft.steps} but "
+  source = builders[kind](config, c)
+  if c.sft.steps and source.sft_arrays is None:
+    raise ConfigError(f"config.sft.steps={c.sft.steps} but "
                       f"config.data.kind={kind!r} has no SFT data; set "
                       "--config.sft.steps=0")
   return source
 
 
-def addition(config) -> DataSource:
+def addition(config, c) -> DataSource:
   """The addition task with the character tokenizer (configs/tiny_grpo.py)."""
   tokenizer = CharTokenizer()
   task = AdditionTask(**config.task)
   return DataSource(
       tokenizer=tokenizer, prompt_len=task.max_prompt_len,
       stop_ids=(tokenizer.eos_id,),
-      iterator=PromptIterator(task, tokenizer, config.train.prompts_per_step),
-      eval_batches=eval_batches(task, tokenizer, config.eval.batch_size),
+      iterator=PromptIterator(task, tokenizer, c.train.prompts_per_step),
+      eval_batches=eval_batches(task, tokenizer, c.eval.batch_size),
       sft_arrays=lambda start, size: sft_arrays(task, tokenizer, start, size))
 
 
 def require_path(config, key: str, what: str, example: str) -> str:
   """`config.<key>` as an existing path, else a ConfigError saying how to set it."""
   section, name = key.split(".")
-  path = config[section].get(name) or ""
+  path = config[section][name]
   if not path:
     raise ConfigError(
         f"config.{key} is empty: set it to {what}, e.g. "
@@ -146,7 +144,7 @@ def _eval_batches(examples, tokenizer, prompt_len: int, batch_size: int,
   return out
 
 
-def from_jsonl(config) -> DataSource:
+def from_jsonl(config, c) -> DataSource:
   """Prompts from `config.data.path` with the checkpoint's tokenizer."""
   from rlhf_jax.models.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
   data = config.data
@@ -162,8 +160,8 @@ def from_jsonl(config) -> DataSource:
                       "has no eos token or eos_token_id to stop sampling")
   fields = dict(data.fields)
   examples = jsonl.load_examples(data_path, fields)
-  num_eval = config.eval.num_prompts
-  if data.get("eval_path"):
+  num_eval = c.eval.num_prompts
+  if data.eval_path:
     eval_examples = jsonl.load_examples(data.eval_path, fields)
     eval_examples = eval_examples[:num_eval or None]
   else:
@@ -175,15 +173,15 @@ def from_jsonl(config) -> DataSource:
     eval_examples, examples = examples[:num_eval], examples[num_eval:]
   fmt = _format_kwargs(data)
   source = jsonl.PromptSource(
-      examples, tokenizer, batch_size=config.train.prompts_per_step,
+      examples, tokenizer, batch_size=c.train.prompts_per_step,
       max_prompt_len=data.max_prompt_len, seed=data.seed,
       shuffle=data.shuffle, **fmt)
-  if len(source) < config.train.prompts_per_step:
+  if len(source) < c.train.prompts_per_step:
     raise ConfigError(
         f"config.data.path has {len(source)} usable prompts, fewer than "
-        f"config.train.prompts_per_step={config.train.prompts_per_step}")
+        f"config.train.prompts_per_step={c.train.prompts_per_step}")
   return DataSource(
       tokenizer=tokenizer, prompt_len=data.max_prompt_len,
       stop_ids=tuple(tokenizer.stop_ids), iterator=source,
       eval_batches=_eval_batches(eval_examples, tokenizer, data.max_prompt_len,
-                                 config.eval.batch_size, **fmt))
+                                 c.eval.batch_size, **fmt))

@@ -1,65 +1,17 @@
-"""Rollout phase: prompts -> engine samples -> scored, packed training batch.
+"""Finished samples -> the host arrays of one RL batch, in either layout.
 
-Dimension letters: N prompts, G samples per prompt, B = N*G sequences,
-T = P + M (largest prompt bucket + max new tokens).
+Samples are the rollout's (`engine/driver.Sample`: prompt tokens, response
+tokens, sampler log-probs); only their fields are read, so this module
+imports nothing from the engine. Dimension letters: N prompts, G samples
+per prompt, B = N*G sequences, T = P + M (prompt length + max new tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
-
-from rlhf_jax.data.batching import PromptBatch
-from rlhf_jax.engine.driver import Driver, Request, Sample
-from rlhf_jax.rewards import scoring
-
-
-def step_seed(seed: int, step: int) -> int:
-  """Sampling seed of one RL step (placement-independent keys derive from it)."""
-  return (seed * 1_000_003 + step * 7_919 + 1) % (2**32)
-
-
-def requests_for(prompts: PromptBatch, num_samples: int, seed: int):
-  return [Request(int(pid), prompts.tokens_NxP[i, :prompts.lengths_N[i]],
-                  num_samples, seed=seed)
-          for i, pid in enumerate(prompts.prompt_ids)]
-
-
-def generate(driver: Driver, prompts: PromptBatch, num_samples: int,
-             seed: int, common_prefix=None) -> list[Sample]:
-  """All samples of the batch, ordered by (prompt order, sample index).
-
-  `common_prefix` ("auto", tokens or None) goes to `Driver.run`: a prefix
-  every prompt of the batch shares is prefilled and stored once.
-  """
-  order = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
-  if len(order) != len(prompts.prompt_ids):
-    # Sampling keys derive from the prompt id: a repeat would be a copy.
-    raise ValueError(f"prompt ids repeat within one batch: "
-                     f"{sorted(prompts.prompt_ids.tolist())}")
-  samples = list(driver.run(requests_for(prompts, num_samples, seed),
-                            common_prefix=common_prefix))
-  samples.sort(key=lambda s: (order[s.prompt_id], s.sample_idx))
-  expected = len(prompts.prompt_ids) * num_samples
-  if len(samples) != expected:
-    raise RuntimeError(f"rollout returned {len(samples)} samples, expected "
-                       f"{expected}")
-  return samples
-
-
-def score(samples: list[Sample], prompts: PromptBatch, tokenizer, reward_fns,
-          weights, on_error: str):
-  """Rewards [B] and reward metrics for samples ordered as `generate` returns."""
-  index = {int(pid): i for i, pid in enumerate(prompts.prompt_ids)}
-  rows = [index[s.prompt_id] for s in samples]
-  batch = scoring.RewardBatch(
-      prompt_ids=[s.prompt_id for s in samples],
-      prompts=[prompts.prompts[r] for r in rows],
-      completions=[tokenizer.decode(s.tokens) for s in samples],
-      metadata=[{**prompts.metadata[r], "finish_reason": s.finish_reason}
-                for r, s in zip(rows, samples)])
-  return scoring.score(reward_fns, weights, batch, on_error)
 
 
 @dataclasses.dataclass
@@ -70,17 +22,27 @@ class PackedBatch:
   response_len: np.ndarray  # [B]
 
 
-def pack(samples: list[Sample], prompt_len: int, max_new: int, *,
-         group_size: int = 0) -> PackedBatch:
+def pack(samples: Sequence, prompt_len: int, max_new: int, *,
+         group_size: int = 0, trainable=None) -> PackedBatch:
   """Host arrays of the batch in one of the layouts of `rl/grouped.py`.
 
   group_size=0: the repeated layout, prompt + response per row, right-padded
   to T; targets are shifted left. group_size=G: the grouped layout, each
   prompt once ([N, P], right-padded) and its G responses [N, G, R]; samples
   must come as `generate` returns them (G consecutive samples per prompt).
+  `trainable` [B] bool: False samples stay in the batch (static shapes) but
+  out of the loss (stale samples, empty dynamic-sampling slots).
   """
-  if group_size:
-    return _pack_grouped(samples, group_size, prompt_len, max_new)
+  packed = (_pack_grouped(samples, group_size, prompt_len, max_new)
+            if group_size else _pack_repeated(samples, prompt_len, max_new))
+  if trainable is not None:
+    rows = packed.arrays["loss_mask"].reshape(len(samples), -1)
+    rows[~np.asarray(trainable, bool)] = 0.0
+  return packed
+
+
+def _pack_repeated(samples, prompt_len, max_new) -> PackedBatch:
+  """The repeated layout; see `pack`."""
   B, T = len(samples), prompt_len + max_new
   tokens = np.zeros((B, T), np.int32)
   loss_mask = np.zeros((B, T), np.float32)

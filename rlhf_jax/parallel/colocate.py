@@ -4,7 +4,7 @@ A `Colocation` switches the policy between the training layout (FSDP) and the
 rollout layout (replicas x tensor) of the same devices, one weight copy at a
 time (`parallel/repartition.py`), parks optimizer state and the reference
 policy in host memory while the decode loop runs, counts weight versions and
-records every phase on a `Timeline`. Trainers (GRPO, PPO) call:
+records every phase on a `Timeline`. The RL jobs (GRPO, PPO) call:
 
   rollout_params = co.to_rollout(params)   # donates params; version += 1
   ... decode, stamping samples with co.version ...
@@ -97,9 +97,20 @@ class Colocation:
     self.group = device_group("all", train_layout.mesh.devices.flat)
     self._train_back = None
 
+  @classmethod
+  def from_section(cls, mesh, train_layout: Layout, rollout_layout: Layout,
+                   params_like, timeline: Timeline | None = None):
+    """The switch a `config.sections.Mesh` asks for."""
+    return cls(train_layout, rollout_layout, params_like,
+               offload=mesh.offload, layers_per_group=mesh.layers_per_group,
+               on_stale=mesh.stale_samples, timeline=timeline)
+
   # --------------------------------------------------------- repartition
   def to_rollout(self, params) -> Any:
-    """Training -> rollout layout (donating `params`); bumps the version."""
+    """Training -> rollout layout (donating `params`); bumps the version.
+
+    Returns once the arrays are ready: a phase boundary of the timeline.
+    """
     # `to_train` returns to exactly these shardings: the train step's own
     # outputs may shard small leaves differently from the layout rules, and
     # feeding it anything else would compile it again.
@@ -107,17 +118,17 @@ class Colocation:
     out = rp.repartition(params, self.rollout_shardings, groups=self.groups,
                          max_in_flight=self.max_in_flight)
     self.version += 1
-    return out
+    return jax.block_until_ready(out)
 
   def to_train(self, params) -> Any:
     """Rollout -> training layout (donating `params`).
 
     The shardings are those the params had before the last `to_rollout`
-    (the training layout's before the first).
+    (the training layout's before the first). Returns once ready.
     """
     dst = self._train_back or self.train_shardings
-    return rp.repartition(params, dst, groups=self.groups,
-                          max_in_flight=self.max_in_flight)
+    return jax.block_until_ready(rp.repartition(
+        params, dst, groups=self.groups, max_in_flight=self.max_in_flight))
 
   def rollout_copy(self, params) -> Any:
     """A rollout-layout copy that keeps `params` (evaluation); no version."""
@@ -148,6 +159,11 @@ class Colocation:
 
   def begin_step(self, step: int) -> None:
     self.timeline.begin_step(step)
+
+  def phase_seconds(self, step: int, phase: str = "train") -> float | None:
+    """Seconds of the step's `phase` spans (None when it has none)."""
+    return sum(x.duration for x in self.timeline.step_spans(step)
+               if x.phase == phase) or None
 
   def end_step(self, step: int) -> dict:
     """Closes the step on the timeline; returns its perf/ metrics."""

@@ -1,0 +1,466 @@
+"""Typed, frozen config sections: the locked ConfigDict stops at the job.
+
+A config file builds each section from the dataclass defaults here
+(`config_dict(Rollout, num_rows=64, ...)`), so every key has a default and
+the locked config rejects a mistyped override. A job turns the ConfigDict
+into these dataclasses once (`from_config`); each section validates itself
+and names the offending key (`ConfigError`), and the checks that span
+sections live in `config/checks.py`. Library code reads attributes of
+these objects, never `config.get(key, default)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, ClassVar
+
+import ml_collections
+
+from rlhf_jax.rl.learner import OptimConfig
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work, named by its key."""
+
+
+def _fail(section, key: str, message: str):
+  raise ConfigError(f"config.{section.PATH}.{key}={getattr(section, key)!r}: "
+                    f"{message}")
+
+
+def _positive_ints(section, *keys) -> None:
+  for key in keys:
+    v = getattr(section, key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      _fail(section, key, "must be a positive int")
+
+
+def _one_of(section, key: str, choices) -> None:
+  if getattr(section, key) not in choices:
+    _fail(section, key, f"must be one of {list(choices)}")
+
+
+def _in_range(section, key: str, lo: float, hi: float) -> None:
+  if not lo <= getattr(section, key) <= hi:
+    _fail(section, key, f"must be in [{lo}, {hi}]")
+
+
+# ----------------------------------------------------------------- sections
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The policy: a preset with overrides, or a local HF checkpoint."""
+  PATH: ClassVar[str] = "model"
+  preset: str = "tiny"         # tiny | qwen2.5-0.5b | llama3.2-1b | ...
+  overrides: dict = dataclasses.field(default_factory=dict)  # ModelConfig
+  param_dtype: str = "float32"   # Master weights (the optimizer's).
+  compute_dtype: str = "float32"
+  path: str = ""               # Local HF checkpoint directory ("": random).
+
+  def __post_init__(self):
+    for key in ("param_dtype", "compute_dtype"):
+      _one_of(self, key, ("float32", "bfloat16"))
+
+  def model_config(self, **fixed):
+    """The preset's `ModelConfig` with the overrides; `fixed` wins."""
+    from rlhf_jax.models.config import ModelConfig
+    kw = dict(self.overrides, param_dtype=self.param_dtype,
+              compute_dtype=self.compute_dtype, **fixed)
+    try:
+      return ModelConfig.preset(self.preset, **kw)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config.model: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """Training mesh axes (one may be -1) and the rollout layout."""
+  PATH: ClassVar[str] = "mesh"
+  num_devices: int = 0        # 0 = all devices; n = the first n.
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+  rollout_tensor: int = 1     # Rollout = the same devices as replicas x tensor.
+  offload: bool = True        # Optimizer state + reference in host memory.
+  layers_per_group: int = 1   # Layers per jitted reshard (transient memory).
+  stale_samples: str = "raise"  # Samples of older weights: raise | drop.
+
+  def __post_init__(self):
+    _positive_ints(self, "rollout_tensor", "layers_per_group")
+    _one_of(self, "stale_samples", ("raise", "drop"))
+    if sum(v == -1 for v in (self.data, self.fsdp, self.tensor)) > 1:
+      _fail(self, "data", "at most one of data, fsdp, tensor may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LongTail:
+  """Long-tail rollout on the trainer's mesh (`engine/long_tail.py`).
+
+  Length-aware assignment, tail consolidation onto fewer replicas (R_t),
+  cost-aware replica count; the same samples as without it.
+  """
+  PATH: ClassVar[str] = "rollout.long_tail"
+  enabled: bool = False
+  history_alpha: float = 0.5       # EWMA weight of the per-prompt lengths.
+  admission: str = "continuous"    # "static" | "continuous"
+  assignment: str = "length"       # "fifo" | "length"
+  consolidate_below: float = 0.2   # R_t (unfinished fraction); 0: never
+  migration: str = "kv"            # "kv" | "reprefill" | "auto"
+  reprefill_max_tokens: int = 64   # "auto": re-prefill rows this short
+  fusion: bool = True              # device scorers score as samples finish
+  score_chunk: int = 8             # samples per scoring dispatch
+  replicas: str | int = "all"      # "all" | "cost" | a count
+  cost_lambda: float = 0.7         # weight of latency vs device-seconds
+  default_length: float = 0.0      # prediction for unseen prompts (0: M/2)
+
+  def __post_init__(self):
+    if isinstance(self.replicas, str) and self.replicas.isdigit():
+      object.__setattr__(self, "replicas", int(self.replicas))  # CLI "4".
+    _one_of(self, "admission", ("static", "continuous"))
+    _one_of(self, "assignment", ("fifo", "length"))
+    _in_range(self, "consolidate_below", 0.0, 1.0)
+    _one_of(self, "migration", ("kv", "reprefill", "auto"))
+    _positive_ints(self, "score_chunk")
+    if not (self.replicas in ("all", "cost") or (
+        isinstance(self.replicas, int) and self.replicas >= 1)):
+      _fail(self, "replicas", "must be 'all', 'cost' or a count >= 1")
+    _in_range(self, "cost_lambda", 0.0, 1.0)
+    _in_range(self, "history_alpha", 0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workers:
+  """Elastic rollout workers (`rollout/elastic.py`, docs/elastic.md)."""
+  PATH: ClassVar[str] = "rollout.workers"
+  num: int = 0                 # 0 = the trainer's mesh only.
+  kind: str = "local"          # "local" in-process | "ray" actors.
+  theta: int = 4               # Queued requests per worker at most.
+  poll_steps: int = 8          # Decode steps per poll round.
+  devices_per_worker: int = 1  # Local devices per worker.
+  timeout_s: float = 300.0     # A silent worker counts as preempted.
+  # Ray resources each worker actor asks for: CPUs, GPUs, custom ones
+  # ({"TPU": 4}, {"spot": 1}: docs/elastic.md).
+  cpus_per_worker: float = 1.0
+  gpus_per_worker: float = 0.0
+  ray_resources: dict = dataclasses.field(default_factory=dict)
+  # Scale to demand (workers/pool.py): hold every available worker ("all")
+  # or the cost-aware count ("cost"; lambda = weight of latency vs cost).
+  scale: str = "all"
+  cost_lambda: float = 0.5
+  # Adaptive offload (RLBoost Algorithm 1): the trainer's engine seeds for
+  # T_seed, then hands its unfinished samples to the workers.
+  seed: bool = False
+  seed_init_s: float = 1.0
+  seed_eta: float = 3.0
+  seed_floor_s: float = 0.05
+
+  def __post_init__(self):
+    if self.num < 0:
+      _fail(self, "num", "must be >= 0")
+    _one_of(self, "kind", ("local", "ray"))
+    _positive_ints(self, "theta", "poll_steps", "devices_per_worker")
+    if not self.cpus_per_worker > 0:
+      _fail(self, "cpus_per_worker", "must be > 0")
+    if self.gpus_per_worker < 0:
+      _fail(self, "gpus_per_worker", "must be >= 0")
+    bad = {k: v for k, v in self.ray_resources.items()
+           if not (isinstance(v, (int, float)) and v > 0)}
+    if bad:
+      _fail(self, "ray_resources", f"amounts must be > 0, got {bad}")
+    _one_of(self, "scale", ("all", "cost"))
+    _in_range(self, "cost_lambda", 0.0, 1.0)
+    if not (self.seed_init_s >= 0 and self.seed_floor_s >= 0):
+      _fail(self, "seed_init_s", "seed_init_s and seed_floor_s must be >= 0")
+    if not self.seed_eta > 0:
+      _fail(self, "seed_eta", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """The decode engine's static shapes, sampling, and the rollout layers."""
+  PATH: ClassVar[str] = "rollout"
+  num_rows: int = 8              # Prompts decoding at once (engine rows).
+  samples_per_row: int = 8       # G: samples per prompt, sharing its KV.
+  prefill_buckets: tuple = (64,)  # Padded prompt lengths.
+  max_new_tokens: int = 64
+  max_seq_len: int = 128         # KV capacity: bucket + max_new_tokens.
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  attention_impl: str = "auto"   # "auto" | "xla" | "pallas"
+  # > 0: a token prefix all prompts of a batch share (system prompt, chat
+  # template) is prefilled and stored once, up to this length.
+  max_common_length: int = 0
+  long_tail: LongTail = dataclasses.field(default_factory=LongTail)
+  workers: Workers = dataclasses.field(default_factory=Workers)
+
+  def __post_init__(self):
+    _positive_ints(self, "num_rows", "samples_per_row", "max_new_tokens")
+    if not self.prefill_buckets or min(self.prefill_buckets) < 1:
+      _fail(self, "prefill_buckets", "must be positive lengths")
+    _one_of(self, "attention_impl", ("auto", "xla", "pallas"))
+    if self.max_common_length < 0:
+      _fail(self, "max_common_length", "must be >= 0")
+    cache = max(self.prefill_buckets) + self.max_new_tokens
+    if cache > self.max_seq_len:
+      _fail(self, "max_seq_len",
+            f"the largest prefill bucket {max(self.prefill_buckets)} + "
+            f"max_new_tokens {self.max_new_tokens} = {cache} does not fit")
+
+
+@dataclasses.dataclass(frozen=True)
+class RL:
+  """The RL objective, advantages and update schedule (GRPO and PPO)."""
+  PATH: ClassVar[str] = "rl"
+  # Registered "advantage" name (grpo | drgrpo | rloo | reinforce_pp | ...),
+  # or "gae" (PPO: the critic's values, GAE(gamma, lambda)).
+  advantage: str = "grpo"
+  policy_loss: str = "ppo"
+  clip_low: float = 0.2
+  clip_high: float = 0.2         # > clip_low: DAPO clip-higher.
+  clip_c: float = 0.0            # Dual-clip constant; 0 = off.
+  kl_coef: float = 0.0           # beta.
+  kl_estimator: str = "k3"
+  kl_in_loss: bool = True        # False: KL is a per-token reward penalty.
+  aggregation: str = "token-mean"
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  micro_batches: int = 1
+  # Log-probs and training run each prompt once for its G responses
+  # (rl/grouped.py); False repeats the prompt in every sequence.
+  share_prompt: bool = True
+  # Micro-batch streaming (trainers/grpo.streamed_step): once the trainer's
+  # devices leave the rollout they train on finished groups, stream_parts
+  # parts a step, while the rest is still decoding.
+  stream: bool = False
+  stream_parts: int = 2
+  # DAPO: refill groups whose rewards are all equal from later prompt
+  # batches (at most dynamic_max_rounds rollouts per step).
+  dynamic_sampling: bool = False
+  dynamic_max_rounds: int = 3
+  # DAPO soft overlong penalty over the last overlong_buffer tokens of
+  # rollout.max_new_tokens (0 = off).
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
+  rewards: tuple = ()            # Registered reward names (GRPO).
+  reward_weights: tuple = ()     # One per reward, or () for all 1.
+  on_reward_error: str = "raise"  # | "zero": score 0 and count it.
+  # PPO (advantage="gae"): discount, GAE lambda, whitening, value clip.
+  gamma: float = 1.0
+  lam: float = 0.95
+  whiten_advantages: bool = True
+  value_clip: float = 0.2        # 0 = unclipped value loss.
+  tracked_rewards: tuple = ()    # Logged only, never trained on (PPO).
+
+  def __post_init__(self):
+    from rlhf_jax.rl import registry
+    _positive_ints(self, "ppo_epochs", "num_minibatches", "micro_batches",
+                   "dynamic_max_rounds", "stream_parts")
+    known = [("policy_loss", "policy_loss"), ("kl_estimator", "kl_estimator"),
+             ("aggregation", "aggregation")]
+    if self.advantage != "gae":
+      known.append(("advantage", "advantage"))
+    for key, category in known:
+      if getattr(self, key) not in registry.names(category):
+        _fail(self, key, f"unknown; known: {registry.names(category)}")
+    for key in ("rewards", "tracked_rewards"):
+      for name in getattr(self, key):
+        if name not in registry.names("reward"):
+          _fail(self, key, f"{name!r} is not a registered reward; known: "
+                f"{registry.names('reward')}")
+    if len(self.reward_weights) not in (0, len(self.rewards)):
+      _fail(self, "reward_weights",
+            f"has {len(self.reward_weights)} entries for "
+            f"{len(self.rewards)} rewards")
+    _one_of(self, "on_reward_error", ("raise", "zero"))
+    if not isinstance(self.kl_coef, float) or self.kl_coef < 0:
+      _fail(self, "kl_coef", "must be a float >= 0")
+    if self.overlong_buffer < 0:
+      _fail(self, "overlong_buffer", "must be >= 0")
+    for key in ("gamma", "lam"):
+      _in_range(self, key, 0.0, 1.0)
+    if self.value_clip < 0:
+      _fail(self, "value_clip", "must be >= 0 (0 = off)")
+    if not isinstance(self.share_prompt, bool):
+      _fail(self, "share_prompt", "must be a bool")
+
+  def advantage_config(self, group_size: int):
+    """How this section turns rewards into advantages (`rl/prepare.py`)."""
+    from rlhf_jax.rl.prepare import AdvantageConfig
+    return AdvantageConfig(
+        estimator=self.advantage, group_size=group_size,
+        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
+        kl_in_loss=self.kl_in_loss, gamma=self.gamma, lam=self.lam,
+        whiten=self.whiten_advantages)
+
+  def policy_loss_config(self, max_len: int):
+    """The clipped policy objective of this section (`rl/objectives.py`)."""
+    from rlhf_jax.rl.objectives import PolicyLossConfig
+    return PolicyLossConfig(
+        policy_loss=self.policy_loss, clip_low=self.clip_low,
+        clip_high=self.clip_high, clip_c=self.clip_c or None,
+        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
+        kl_in_loss=self.kl_in_loss, aggregation=self.aggregation,
+        max_len=max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+  PATH: ClassVar[str] = "train"
+  steps: int = 100
+  prompts_per_step: int = 8
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 2
+
+  def __post_init__(self):
+    _positive_ints(self, "steps", "prompts_per_step", "checkpoint_every",
+                   "keep_checkpoints")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval:
+  PATH: ClassVar[str] = "eval"
+  every: int = 25
+  num_rows: int = 40         # Rows of the greedy eval engine.
+  batch_size: int = 200      # Held-out prompts per eval batch.
+  num_prompts: int = 0       # jsonl data: held-out records (0 = all).
+
+  def __post_init__(self):
+    _positive_ints(self, "every", "num_rows", "batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFT:
+  """The warm-start before RL (teacher forcing on task solutions)."""
+  PATH: ClassVar[str] = "sft"
+  steps: int = 0
+  batch_size: int = 64
+  learning_rate: float = 3e-3
+  warmup_steps: int = 0
+  grad_clip: float = 1.0
+  log_every: int = 25
+
+  def __post_init__(self):
+    if self.steps < 0:
+      _fail(self, "steps", "must be >= 0")
+    _positive_ints(self, "batch_size", "log_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class Critic:
+  """PPO's critic: initialised from the reward model, its own optimizer."""
+  PATH: ClassVar[str] = "critic"
+  init: str = "reward_model"
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+
+  def __post_init__(self):
+    _one_of(self, "init", ("reward_model",))
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModel:
+  """PPO's reward model: the workdir of an `rm` job (its last checkpoint)."""
+  PATH: ClassVar[str] = "reward_model"
+  workdir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RLJob:
+  """The typed sections of a GRPO or PPO job (`from_config`)."""
+  seed: int
+  model: Model
+  mesh: Mesh
+  rollout: Rollout
+  rl: RL
+  optim: OptimConfig
+  train: Train
+  eval: Eval
+  sft: SFT
+  critic: Critic | None = None             # PPO only.
+  reward_model: RewardModel | None = None  # PPO only.
+
+  @classmethod
+  def from_config(cls, config) -> "RLJob":
+    """The sections of `config` (a ConfigDict), each validated; the PPO
+    sections only where the config has them."""
+    sections = {}
+    for f in dataclasses.fields(cls):
+      kind = _SECTIONS.get(f.name)
+      if kind is None:
+        sections[f.name] = config[f.name]
+      elif f.name in config or f.default is dataclasses.MISSING:
+        sections[f.name] = from_dict(kind, config[f.name], f.name)
+    return cls(**sections)
+
+
+_SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
+             "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,
+             "critic": Critic, "reward_model": RewardModel}
+
+
+# --------------------------------------------------------- dict <-> object
+def config_dict(cls, **overrides) -> ml_collections.ConfigDict:
+  """A config section with every key of `cls` at its default, then
+  `overrides` (values, or nested ConfigDicts/dicts for nested sections)."""
+  out = ml_collections.ConfigDict(_asdict(cls()))
+  for key, value in overrides.items():
+    if key not in out:
+      raise ConfigError(f"{cls.__name__} has no key {key!r}; known: "
+                        f"{sorted(out.keys())}")
+    if isinstance(value, (dict, ml_collections.ConfigDict)):
+      out[key].update(dict(value))
+    else:
+      out[key] = value
+  return out
+
+
+def _asdict(obj) -> dict:
+  return {f.name: (_asdict(getattr(obj, f.name))
+                   if dataclasses.is_dataclass(getattr(obj, f.name))
+                   else getattr(obj, f.name))
+          for f in dataclasses.fields(obj)}
+
+
+def from_dict(cls, d, path: str):
+  """`cls` from the mapping `d` (a ConfigDict section), strictly: every
+  field present, no other key; nested sections recursively."""
+  known = [f.name for f in dataclasses.fields(cls)]
+  keys = set(d.keys())
+  missing = [k for k in known if k not in keys]
+  if missing:
+    raise ConfigError(
+        f"config.{path} has no key {missing[0]!r} (missing: {missing}); "
+        f"build the section with rlhf_jax.config.sections.config_dict("
+        f"{cls.__name__}, ...)")
+  extra = sorted(keys - set(known))
+  if extra:
+    raise ConfigError(f"config.{path}.{extra[0]} is not a known key; "
+                      f"known: {known}")
+  hints = typing.get_type_hints(cls)
+  values = {}
+  for name in known:
+    value, kind = d[name], hints[name]
+    if dataclasses.is_dataclass(kind):
+      value = from_dict(kind, value, f"{path}.{name}")
+    elif kind is tuple or typing.get_origin(kind) is tuple:
+      value = tuple(value)
+    elif kind is dict:
+      value = dict(value)
+    elif kind is float and isinstance(value, int) and not isinstance(
+        value, bool):
+      value = float(value)
+    values[name] = value
+  return cls(**values)
+
+
+def from_saved(cls, d, path: str):
+  """`cls` from a section saved in a workdir's config.json, keys missing
+  there (saved by an older version) at their defaults."""
+  merged = _asdict(cls())
+  merged.update({k: v for k, v in dict(d).items() if k in merged})
+  return from_dict(cls, merged, path)
+
+
+def to_dict(obj) -> dict[str, Any]:
+  """The plain-dict form of a section (for logs and `config.json`)."""
+  return _asdict(obj)

@@ -1,0 +1,26 @@
+"""The policy model from its config section: a preset or an HF checkpoint."""
+
+from __future__ import annotations
+
+from rlhf_jax.config.sections import ConfigError, Model
+from rlhf_jax.models import hf
+from rlhf_jax.models import model as model_lib
+
+
+def build(m: Model, *, seed: int, layout, vocab_size: int):
+  """(cfg, graphdef, params) on `layout`.
+
+  With `m.path` (a local HF directory) the weights are loaded with the
+  section's dtypes; otherwise the preset + overrides are randomly
+  initialised from `seed` with `vocab_size` (the tokenizer's).
+  """
+  if not m.path:
+    cfg = m.model_config(vocab_size=vocab_size)
+    return (cfg, *model_lib.init_params(cfg, seed, layout))
+  cfg, graphdef, params = hf.load(m.path, layout=layout, dtype=m.param_dtype,
+                                  compute_dtype=m.compute_dtype)
+  if cfg.vocab_size < vocab_size:
+    raise ConfigError(f"the model in config.model.path={m.path!r} has "
+                      f"vocab_size={cfg.vocab_size}, smaller than its "
+                      f"tokenizer's {vocab_size} ids")
+  return cfg, graphdef, params

@@ -1,0 +1,121 @@
+"""The ADVANTAGES stage: a sampled batch becomes a training batch in one
+jitted function, shared by GRPO and PPO.
+
+  batch = preparer.put(packed, rewards)            # the step's one put
+  batch, info = preparer(params, ref_params, batch, values=None)
+
+Inside: old log-probs (the policy the samples came from, recomputed by the
+trainer), reference log-probs, the KL reward penalty (when the KL is not a
+loss term), the advantage estimator (a registered group estimator on the
+sequence rewards, or GAE on the critic's `values` for PPO), and the
+sampler-vs-trainer log-prob gap. The result holds what the policy loss (and
+the critic's value loss) read; `info` (replicated) the sequence rewards
+(before the penalty), the sequence KL, the gap and, with GAE, the mean
+critic value and return. Both layouts of `rl/grouped.py` work.
+
+Dimension letters: B sequences, T positions, N groups, G per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.rl import critic, losses, registry
+from rlhf_jax.rl.aggregation import masked_mean
+from rlhf_jax.rl.batch import PackedBatch
+from rlhf_jax.rl.learner import Learner, batch_logprobs
+from rlhf_jax.rl.logprobs import logprob_gap
+
+# Host-side inputs of the stage that the training batch does not carry.
+_INPUTS = ("rewards", "sampler_logp")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+  """How rewards become advantages."""
+  estimator: str          # Registered "advantage" name, or "gae" (critic).
+  group_size: int         # G.
+  kl_coef: float = 0.0    # beta.
+  kl_estimator: str = "k3"
+  kl_in_loss: bool = True  # False: beta * KL is subtracted from the reward.
+  gamma: float = 1.0      # GAE.
+  lam: float = 0.95
+  whiten: bool = True
+
+  @property
+  def kl_penalty(self) -> float:
+    """beta of the reward penalty (0 when the KL is a loss term)."""
+    return 0.0 if self.kl_in_loss else self.kl_coef
+
+
+class Preparer:
+  """The stage for one policy learner (its model, layout, micro-batches)."""
+
+  def __init__(self, learner: Learner, c: AdvantageConfig):
+    if c.estimator != "gae":
+      registry.get("advantage", c.estimator)  # Fail early on a bad name.
+    self.learner, self.c = learner, c
+    self.trace_count = 0
+    self._jit = jax.jit(self._prepare)
+
+  def put(self, packed: PackedBatch, rewards=None) -> dict:
+    """The packed host arrays (+ sampler log-probs, + host rewards [B]) on
+    device, batch-sharded: the step's one host->device transfer."""
+    arrays = {**packed.arrays, "sampler_logp": packed.sampler_logp}
+    if rewards is not None:
+      arrays["rewards"] = jnp.asarray(rewards, jnp.float32).reshape(
+          packed.sampler_logp.shape[:-1])
+    return self.learner.put_batch(arrays)
+
+  def __call__(self, params, ref_params, batch: dict, values=None):
+    """(training batch, info) from a `put` batch; `batch["rewards"]` [B]
+    (or [N, G]) are sequence rewards, e.g. scores of a reward model, and
+    `values` [B, T] the critic's (GAE only)."""
+    if (values is None) != (self.c.estimator != "gae"):
+      raise ValueError(f"estimator {self.c.estimator!r}: critic values are "
+                       f"{'required' if values is None else 'unused'}")
+    return self._jit(params, ref_params, batch, values)
+
+  def _prepare(self, params, ref_params, batch, values):
+    self.trace_count += 1
+    c, lr = self.c, self.learner
+    with use_layout(lr.layout):
+      model_batch = {k: v for k, v in batch.items() if k not in _INPUTS}
+      old_logp = batch_logprobs(lr.graphdef, params, model_batch,
+                                lr.micro_batches)
+      ref_logp = batch_logprobs(lr.graphdef, ref_params, model_batch,
+                                lr.micro_batches)
+      mask = batch["loss_mask"]
+      B = mask.reshape(-1, mask.shape[-1]).shape[0]
+      rows = [x.reshape(B, -1) for x in (old_logp, ref_logp, mask)]
+      rewards = scores = batch["rewards"].reshape(B)
+      out = {"old_logp": old_logp, "ref_logp": ref_logp}
+      if c.estimator == "gae":
+        t = critic.ppo_targets(rewards, *rows[:2], values, rows[2],
+                               kl_coef=c.kl_penalty,
+                               kl_estimator=c.kl_estimator, gamma=c.gamma,
+                               lam=c.lam, whiten=c.whiten)
+        kl = t["kl"]
+        out.update(advantages=t["advantages"], returns=t["returns"],
+                   old_values=values)
+        extra = {"value_mean": masked_mean(values, rows[2]),
+                 "return_mean": masked_mean(t["returns"], rows[2])}
+      else:
+        extra = {}
+        penalised, kl = losses.kl_reward_penalty(
+            rewards, *rows, beta=c.kl_penalty, estimator=c.kl_estimator)
+        if c.kl_penalty:
+          rewards = penalised
+        out["advantages"] = registry.get("advantage", c.estimator)(
+            rewards, c.group_size).reshape(mask.shape[:-1])  # [B] | [N, G]
+      gap_max, gap_mean = logprob_gap(old_logp, batch["sampler_logp"], mask)
+      info = {"rewards": scores, "kl": kl, "gap_max": gap_max,
+              "gap_mean": gap_mean, **extra}
+      # Replicated: every process reads the (small) info whole.
+      info = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+          x, lr.layout.replicated()), info)
+      return {**model_batch, **out}, info

@@ -1,0 +1,1 @@
+"""The Rollout seam and its implementations (`base.py` explains the seam)."""

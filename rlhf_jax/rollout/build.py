@@ -1,0 +1,86 @@
+"""The job's rollout, built once from the `rollout` section.
+
+  rollout = build(c.rollout, cfg, graphdef, rollout_layout, stop_ids)
+
+`rollout.workers.num == 0`: a `LocalRollout` on the trainer's mesh (with
+the common prefix and the long-tail policies as its parameters); otherwise
+an `ElasticRollout` on the workers, seeded by that `LocalRollout` when
+`rollout.workers.seed` is on. Config checks: `config/checks.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rlhf_jax.config.sections import Rollout as RolloutSection
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.long_tail import EngineSet
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel.layout import Layout
+from rlhf_jax.rollout import elastic
+from rlhf_jax.rollout.base import Rollout
+from rlhf_jax.rollout.local import LocalRollout
+from rlhf_jax.timeline import Timeline
+
+
+def sampling_params(ro: RolloutSection, stop_tokens=()) -> SamplingParams:
+  return SamplingParams(
+      temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
+      max_new_tokens=ro.max_new_tokens, stop_tokens=tuple(stop_tokens))
+
+
+def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
+            stop_tokens=()) -> EngineSet:
+  """The rollout engines of the trainer's mesh (one per replica block)."""
+  return EngineSet(cfg, graphdef, layout,
+                   rows_per_replica=ro.num_rows // layout.mesh.shape["data"],
+                   samples_per_row=ro.samples_per_row,
+                   prefill_buckets=tuple(ro.prefill_buckets),
+                   sampling=sampling_params(ro, stop_tokens),
+                   attention_impl=ro.attention_impl,
+                   max_common_length=ro.max_common_length)
+
+
+def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
+                 graphdef, layout: Layout, stop_tokens=()) -> LocalRollout:
+  """Greedy, one sample per row: held-out evaluation."""
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=ro.max_new_tokens,
+                          stop_tokens=tuple(stop_tokens))
+  return LocalRollout(EngineSet(
+      cfg, graphdef, layout,
+      rows_per_replica=num_rows // layout.mesh.shape["data"],
+      samples_per_row=1, prefill_buckets=tuple(ro.prefill_buckets),
+      sampling=greedy))
+
+
+def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
+          stop_tokens, *, rollout_tensor: int = 1,
+          timeline: Timeline | None = None,
+          train_time: Callable[[int], float | None] | None = None) -> Rollout:
+  """The job's rollout (see the module doc).
+
+  Args:
+    ro: the rollout section.
+    cfg, graphdef: the policy model.
+    layout: the trainer's rollout layout.
+    stop_tokens: sampling stops at these tokens.
+    rollout_tensor: the rollout layout's tensor size.
+    timeline: where the long-tail policies' per-replica spans go.
+    train_time: step -> the trainer's train seconds (seed window cap).
+  """
+  local = LocalRollout(engines(ro, cfg, graphdef, layout, stop_tokens),
+                       tail=ro.long_tail, timeline=timeline)
+  if not ro.workers.num:
+    return local
+  return elastic.build(
+      ro, cfg, stop_tokens, rollout_tensor=rollout_tensor,
+      local=local if ro.workers.seed else None, train_time=train_time,
+      common_prefix=local.common_prefix if ro.max_common_length else None)
+
+
+def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
+           stop_tokens=()) -> Engine:
+  """One engine on every replica of `layout` (the generation demo)."""
+  return engines(ro, cfg, graphdef, layout, stop_tokens).engine(
+      layout.mesh.shape["data"])

@@ -1,0 +1,197 @@
+"""The trainer's own mesh decodes: continuous batching over prompt rows.
+
+One implementation, its options parameters rather than branches:
+  - common prefix (`rollout.max_common_length > 0`): a token prefix every
+    prompt of the batch shares is prefilled and stored once (two-level
+    sharing; `Driver.run(common_prefix="auto")`);
+  - long-tail policies (`rollout.long_tail.enabled`): longest-predicted
+    prompts first into the least-loaded replica's rows, tail consolidation
+    onto fewer replicas, the cost-aware replica count, per-replica spans
+    (`engine/long_tail.TailController`); the per-prompt length history
+    learns from every batch and is checkpointed.
+Samples are the same with or without either (placement-independent keys).
+`start_driver` starts the same decode loop for a worker that is fed over
+time (the trainer's engine seeding an elastic rollout).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+from absl import logging
+
+from rlhf_jax.config.sections import LongTail
+from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.engine import common_prefix as common_lib
+from rlhf_jax.engine.driver import Driver, Request, Sample
+from rlhf_jax.engine.long_tail import EngineSet, Scorer, TailController
+from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
+from rlhf_jax.sched import assignment, continuous
+from rlhf_jax.sched.length_history import LengthHistory
+from rlhf_jax.timeline import Timeline
+
+MIN_COMMON_LENGTH = 16  # "auto" shares a common prefix this long or more.
+
+
+class LocalRollout(Rollout):
+  """Prompt batches on the `EngineSet` of the trainer's rollout layout."""
+
+  def __init__(self, engines: EngineSet, *, tail: LongTail = LongTail(),
+               history: LengthHistory | None = None,
+               timeline: Timeline | None = None):
+    """
+    Args:
+      engines: the engines (their `max_common_length` > 0 enables the
+        common prefix).
+      tail: the long-tail policies; `tail.enabled` False runs plain
+        continuous batching on all replicas.
+      history: per-prompt length history (default: EWMA of
+        `tail.history_alpha`).
+      timeline: where per-replica spans go (long-tail only).
+    """
+    self.engines, self.tail = engines, tail
+    self.history = history or LengthHistory(tail.history_alpha)
+    self.timeline = timeline if timeline is not None else Timeline(None)
+    self.step_s: dict[int, float] = {}  # Measured decode step per block.
+    self.params = None
+    self.scores: dict = {}   # A device scorer's outputs of the last run.
+    self._metrics: dict = {}
+
+  @property
+  def length_history(self):
+    return self.history if self.tail.enabled else None
+
+  def set_weights(self, params, version: int) -> None:
+    self.params, self.version = params, version
+
+  def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,
+             step: int = 0, trainer_busy=None) -> Iterator[Group]:
+    del trainer_busy  # The trainer's devices decode here.
+    groups = Groups(prompts, num_samples)
+    for sample in self.run(requests_for(prompts, num_samples, seed),
+                           step=step):
+      group = groups.add(sample)
+      if group is not None:
+        yield group
+    groups.check_complete()
+
+  def metrics(self) -> dict:
+    return dict(self._metrics)
+
+  # ----------------------------------------------------------- requests
+  def predicted(self, req: Request) -> float:
+    """The request's predicted response length (its prompt's history)."""
+    default = (self.tail.default_length
+               or self.engines.sampling.max_new_tokens / 2)
+    return self.history.predict(req.prompt_id, default)
+
+  def common_prefix(self, requests: Sequence[Request]) -> np.ndarray:
+    """The batch's shared prefix to store once (empty: none)."""
+    cap = self.engines.engine(self.engines.replicas).max_common_length
+    if not cap:
+      return np.zeros(0, np.int32)
+    return common_lib.longest_common_prefix(
+        [r.tokens for r in requests], min_length=MIN_COMMON_LENGTH,
+        max_length=cap)
+
+  def run(self, requests: Sequence[Request], *, step: int = 0,
+          scorer: Scorer | None = None) -> Iterator[Sample]:
+    """Samples every request; yields samples as they finish.
+
+    A device `scorer` (long-tail only) scores chunks of finished samples on
+    the replicas the tail frees; its outputs are in `self.scores` once the
+    iterator is exhausted, the run's metrics in `metrics()`.
+    """
+    t, eng = self.tail, self.engines
+    requests = list(requests)
+    common = self.common_prefix(requests)
+    t0 = time.perf_counter()
+    if not t.enabled:
+      driver = Driver(eng.engine(eng.replicas), self.params,
+                      weight_version=self.version)
+      yield from driver.run(requests, common_prefix=common)
+      self.scores = {}
+      self._metrics = self._driver_metrics(driver)
+      return
+    if t.assignment == "length":
+      order = assignment.longest_first(
+          [self.predicted(r) for r in requests],
+          [r.prompt_id for r in requests])
+      requests = [requests[i] for i in order]
+    m0, decision = continuous.decode_replicas(
+        t.replicas, eng.sizes,
+        [[self.predicted(r)] * r.num_samples for r in requests],
+        eng.rows_per_replica, {m: self.step_s.get(m) for m in eng.sizes},
+        t.cost_lambda)
+    logging.info("long-tail rollout step %d: %d decode replicas of %d; "
+                 "inputs %s", step, m0, eng.replicas, decision)
+    driver, ctl = self._tail_driver(m0, step, scorer)
+    samples = []
+    for sample in driver.run(requests, admission=t.admission, controller=ctl,
+                             common_prefix=common):
+      samples.append(sample)
+      ctl.finished(sample)
+      yield sample
+    self.scores = ctl.flush()
+    ctl.close_spans()
+    wall = time.perf_counter() - t0
+    for m, times in ctl.step_times.items():
+      if times:
+        self.step_s[m] = statistics.median(times)
+    errors = self._learn_lengths(requests, samples)
+    self._metrics = {
+        **self._driver_metrics(driver), **ctl.stats(),
+        "rollout/replicas": m0, "perf/rollout_wall_s": wall,
+        "perf/rollout_idle_s": ctl.idle_s / eng.replicas,
+        "perf/rollout_idle_fraction": (ctl.idle_s / (eng.replicas * wall)
+                                       if wall else 0.0),
+        "sched/predicted_vs_actual_len": errors,
+        "sched/unmeasured": float(decision.get("unmeasured", False))}
+
+  def start_driver(self, params, version: int, requests: Sequence[Request],
+                   common_prefix: np.ndarray, *, step: int = 0) -> Driver:
+    """A started driver for a worker fed over time (requests may be added
+    later); with the long-tail policies on, on every replica."""
+    if not self.tail.enabled:
+      driver = Driver(self.engines.engine(self.engines.replicas), params,
+                      weight_version=version)
+      driver.start(requests, common_prefix=common_prefix)
+      return driver
+    self.params, self.version = params, version
+    driver, ctl = self._tail_driver(self.engines.replicas, step, None)
+    driver.start(requests, admission=self.tail.admission, controller=ctl,
+                 common_prefix=common_prefix)
+    return driver
+
+  # ------------------------------------------------------------ helpers
+  def _tail_driver(self, m: int, step: int, scorer):
+    eng = self.engines
+    ctl = TailController(eng, self.tail, self.predicted,
+                         full_params=self.params, m=m,
+                         timeline=self.timeline, step=step, scorer=scorer)
+    driver = Driver(eng.engine(m), eng.params_for(self.params, m),
+                    weight_version=self.version)
+    return driver, ctl
+
+  def _learn_lengths(self, requests, samples) -> float:
+    """Folds the lengths into the history; the mean relative error of the
+    predictions (made before this batch)."""
+    predicted = {r.prompt_id: self.predicted(r) for r in requests}
+    by_prompt: dict[int, list[int]] = {}
+    for s in samples:
+      by_prompt.setdefault(s.prompt_id, []).append(len(s.tokens))
+    errors = [abs(statistics.fmean(v) - predicted[p]) /
+              max(1.0, statistics.fmean(v)) for p, v in by_prompt.items()]
+    for p, v in by_prompt.items():
+      self.history.update(p, v)
+    return statistics.fmean(errors) if errors else 0.0
+
+  @staticmethod
+  def _driver_metrics(driver: Driver) -> dict:
+    st = driver.stats
+    return {"rollout/steps": st.steps,
+            "rollout/prefill_tokens": st.prefill_tokens,
+            "rollout/common_prefix_len": st.common_prefix_length}

@@ -1,0 +1,98 @@
+"""Fakes and helpers the tests share: a deterministic clock, step runners."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+class RoundClock:
+  """Seconds = poll rounds: a seed window's clock, made deterministic
+  (`tick` is the manager's `on_poll` hook)."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+  def tick(self, _mgr=None):
+    self.t += 1.0
+
+
+def copy_tree(tree):
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def local_rollout(job, **tail):
+  """A plain `LocalRollout` of the job (the trainer's mesh, no workers):
+  on the engines of its rollout or of its seed window when it has them;
+  `tail`: long-tail fields (default: off)."""
+  from rlhf_jax.config.sections import LongTail
+  from rlhf_jax.rollout import build as rollout_build
+  from rlhf_jax.rollout.local import LocalRollout
+
+  r = job.rollout
+  local = r if isinstance(r, LocalRollout) else (
+      r.seed_window.local if r.seed_window is not None else None)
+  if local is None:
+    ro = dataclasses.replace(job.c.rollout, workers=dataclasses.replace(
+        job.c.rollout.workers, num=0))
+    local = rollout_build.build(ro, job.cfg, job.graphdef,
+                                job.rollout_layout, job.source.stop_ids)
+  return LocalRollout(local.engines, tail=LongTail(**tail))
+
+
+def plain_rollout(job):
+  """The job's rollout with every layer off: its trainer's mesh, no common
+  prefix, no long-tail policies, no workers (new engines)."""
+  from rlhf_jax.config.sections import LongTail, Workers
+  from rlhf_jax.rollout import build as rollout_build
+
+  ro = dataclasses.replace(job.c.rollout, workers=Workers(),
+                           long_tail=LongTail(), max_common_length=0)
+  return rollout_build.build(ro, job.cfg, job.graphdef, job.rollout_layout,
+                             job.source.stop_ids)
+
+
+def capture_samples(job) -> list:
+  """Records every `Sampled` the job's steps draw (a list filled in place)."""
+  seen, sample = [], job.sample
+
+  def spy(prompts, step):
+    seen.append(sample(prompts, step))
+    return seen[-1]
+  job.sample = spy
+  return seen
+
+
+def first_step(job, prompts, rollout=None, ref_scale: float = 1.05,
+               step_fn=None):
+  """Step 1 of a built GRPO `job` from its initial params on `prompts`, on
+  `rollout` (default: the job's own) with `step_fn` (default: the job's
+  step function); the reference is the initial params times `ref_scale`.
+  Returns (state, metrics)."""
+  if rollout is not None:
+    job = dataclasses.replace(job, rollout=rollout)
+  ref = jax.tree.map(lambda x: x * ref_scale, job.params)
+  state = job.learner.init_state(copy_tree(job.params))
+  if step_fn is None:
+    return job.step(1, state, ref, prompts)
+  return step_fn(job, 1, state, ref, prompts)
+
+
+def watch_rounds(job, clock: RoundClock) -> None:
+  """Drives the job's elastic rollout by poll rounds: the seed window
+  reads `clock`, which the manager ticks every round."""
+  r = job.rollout
+  if r.seed_window is not None:
+    r.seed_window.clock = clock
+  pool = r.manager.on_poll
+
+  def on_poll(mgr):
+    clock.tick()
+    if pool is not None:
+      pool(mgr)
+  r.manager.on_poll = on_poll
