@@ -33,4 +33,4 @@ def mesh1():
 
 @pytest.fixture
 def round_clock():
-  return fakes.RoundClock()
+  return fakes.Clock()

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 
 
-class RoundClock:
-  """Seconds = poll rounds: a seed window's clock, made deterministic
-  (`tick` is the manager's `on_poll` hook)."""
+class Clock:
+  """A clock the test sets by hand (`t`), or one second per poll round
+  (`tick` as a manager's `on_poll` hook: a seed window made
+  deterministic)."""
 
-  def __init__(self):
-    self.t = 0.0
+  def __init__(self, t: float = 0.0):
+    self.t = t
 
   def __call__(self):
     return self.t
@@ -83,7 +84,7 @@ def first_step(job, prompts, rollout=None, ref_scale: float = 1.05,
   return step_fn(job, 1, state, ref, prompts)
 
 
-def watch_rounds(job, clock: RoundClock) -> None:
+def watch_rounds(job, clock: Clock) -> None:
   """Drives the job's elastic rollout by poll rounds: the seed window
   reads `clock`, which the manager ticks every round."""
   r = job.rollout

@@ -71,6 +71,7 @@ def test_prefix_rows_equal_independent_copies(model, mesh8, sampling):
     assert len({tuple(shared[0, j].tokens) for j in range(g)}) > 1
 
 
+@pytest.mark.slow
 def test_placement_independence(model, mesh8):
   prompts, g = _prompts(7, seed=1), 2
   base, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=2),

@@ -43,6 +43,7 @@ def run8(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_eight_devices_match_one_device(run8, tmp_path):
   grpo.run(_config(num_devices=1), str(tmp_path))
   sharded, single = _rl_records(run8), _rl_records(str(tmp_path))
@@ -67,6 +68,7 @@ def test_eight_devices_match_one_device(run8, tmp_path):
   assert steps == set(range(7))  # Step 0 is the evaluation after SFT.
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
   workdir = str(tmp_path / "run")
   env = dict(os.environ,
@@ -96,6 +98,7 @@ def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
     assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
   """DAPO's data side in the live loop, on 8 devices: the batch keeps its
   static shape whatever the refills, and the overlong penalty reaches the

@@ -22,6 +22,7 @@ from rlhf_jax.data import sources
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_runlocal_main_runs_grpo_steps(tmp_path):
   workdir = str(tmp_path / "run")
   env = dict(os.environ,

@@ -47,6 +47,7 @@ def _records(workdir):
   return {(r.pop("phase"), r.pop("step")): r for r in records}
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   multi = str(tmp_path / "multi")
   proc = _launcher(["--num_processes=2", "--devices_per_process=4",

@@ -171,6 +171,7 @@ def test_choose_replicas_trades_latency_for_cost():
   assert continuous.decode_steps([5, 3, 3, 1], 2) == 6.0
 
 
+@pytest.mark.slow
 def test_grpo_step_with_long_tail_matches_plain(mesh8):
   """One GRPO step on 8 devices: the long-tail rollout (consolidation,
   assignment; rewards scored as groups finish) gives the plain step's

@@ -34,6 +34,7 @@ def _rl_records(workdir):
           if r["phase"] == "rl"}
 
 
+@pytest.mark.slow
 def test_runs_checkpoints_and_resumes(rm_workdir, tmp_path):
   workdir = str(tmp_path / "ppo")
   config = _config(rm_workdir, **{"train.steps": 2, "eval.every": 2})

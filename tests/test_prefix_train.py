@@ -166,6 +166,7 @@ def test_logprobs_loss_and_grads_match_repeated(mesh8):
   assert only_prompt and np.abs(emb[only_prompt]).max() > 0
 
 
+@pytest.mark.slow
 def test_grpo_rl_step_share_prompt_matches_repeated():
   """One GRPO step of the tiny job, share_prompt True vs False."""
   from configs import tiny_grpo

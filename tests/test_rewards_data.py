@@ -338,3 +338,28 @@ class ScoreTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+def test_a_new_reward_module_is_found_without_editing_another(tmp_path,
+                                                              monkeypatch):
+  """The reward category is a package: a new file in it registers its
+  rewards on first lookup (here a stand-in package with one new module)."""
+  import sys
+
+  pkg = tmp_path / "my_rewards"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "length.py").write_text(
+      "from rlhf_jax.rl import registry\n"
+      "@registry.register('reward', 'test_length')\n"
+      "def length(prompts, completions, metadata):\n"
+      "  return [float(len(c)) for c in completions]\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(registry.CATEGORIES, "reward", "my_rewards")
+  monkeypatch.setitem(registry._ENTRIES, "reward", {})
+  assert "my_rewards.length" not in sys.modules
+  assert registry.get("reward", "test_length")([], ["abc"], [{}]) == [3.0]
+  # The built-in package works the same way: gsm8k.py is imported by the
+  # scan, no other module imports it.
+  monkeypatch.undo()
+  assert "gsm8k" in registry.names("reward")

@@ -6,6 +6,7 @@ import os
 import tempfile
 
 from absl.testing import absltest
+import pytest
 import jax
 import numpy as np
 
@@ -109,6 +110,7 @@ class DataTest(absltest.TestCase):
     self.assertLen(evals, 2)
 
 
+@pytest.mark.slow
 class RmJobTest(absltest.TestCase):
 
   def test_runlocal_trains_evaluates_checkpoints_and_resumes(self):

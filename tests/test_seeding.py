@@ -9,6 +9,7 @@ import fakes
 from rlhf_jax.config.sections import ConfigError
 
 
+@pytest.mark.slow
 def test_seeded_grpo_step_matches_trainer_only(mesh8, round_clock):
   del mesh8
   from configs import tiny_grpo

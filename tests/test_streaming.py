@@ -21,6 +21,7 @@ def _config(**workers):
 
 
 @pytest.mark.parametrize("seed", [True, False])
+@pytest.mark.slow
 def test_streamed_step_equals_whole_batch_step(mesh8, round_clock, seed):
   del mesh8
   from rlhf_jax.trainers import grpo
@@ -58,6 +59,7 @@ def test_streamed_step_equals_whole_batch_step(mesh8, round_clock, seed):
     assert ours["workers/train_wait_s"] < rounds_after_handoff
 
 
+@pytest.mark.slow
 def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
                                                           monkeypatch):
   """rl.num_minibatches=2: the first update is applied as soon as its half

@@ -5,15 +5,8 @@ import os
 
 import pytest
 
+import fakes
 from rlhf_jax.timeline import PHASES, Timeline
-
-
-class _Clock:
-  def __init__(self):
-    self.t = 100.0
-
-  def __call__(self):
-    return self.t
 
 
 def _step(tl, clock, step, phases):
@@ -27,7 +20,7 @@ def _step(tl, clock, step, phases):
 
 
 def test_idle_and_repartition_come_from_the_spans(tmp_path):
-  clock = _Clock()
+  clock = fakes.Clock(100.0)
   tl = Timeline(str(tmp_path), clock=clock)
   perf = _step(tl, clock, 1, [("repartition", 0.5, 0), ("rollout", 2, 0.25),
                               ("repartition", 0.5, 0), ("scoring", 1, 0),
@@ -48,7 +41,7 @@ def test_idle_and_repartition_come_from_the_spans(tmp_path):
 
 
 def test_trace_json_is_valid_and_resume_truncates(tmp_path):
-  clock = _Clock()
+  clock = fakes.Clock(100.0)
   tl = Timeline(str(tmp_path), clock=clock)
   for step in (1, 2, 3):
     _step(tl, clock, step, [("repartition", 0.1, 0), ("rollout", 1, 0.05),
@@ -83,7 +76,7 @@ def test_trace_json_is_valid_and_resume_truncates(tmp_path):
 
 
 def test_disabled_timeline_records_but_writes_nothing(tmp_path):
-  clock = _Clock()
+  clock = fakes.Clock(100.0)
   tl = Timeline(str(tmp_path), enabled=False, clock=clock)
   _step(tl, clock, 1, [("train", 1, 0)])
   tl.write(png=True)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import fakes
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers import pool as pool_lib
@@ -16,14 +17,6 @@ from rlhf_jax.workers.worker import RolloutWorker
 from worker_env import M, SPEC, check as _check, published_store
 from worker_env import reference, requests as _requests
 SLOTS = SPEC.num_rows * SPEC.samples_per_row
-
-
-class _Clock:
-  def __init__(self):
-    self.t = 0.0
-
-  def __call__(self):
-    return self.t
 
 
 class _Fake:
@@ -90,7 +83,7 @@ def _fake_pool(n, clock):
 
 
 def test_hold_release_acquire_bills_only_while_held():
-  clock = _Clock()
+  clock = fakes.Clock()
   mgr, pool, spawned = _fake_pool(4, clock)
   assert pool.available == 4 and pool.hold(2) == 2
   assert list(mgr.handles) == list(pool.held) == ["w0", "w1"]
@@ -123,7 +116,7 @@ def test_replayed_trace_offers_workers_the_pool_may_leave_unused():
   from rlhf_jax.sim.availability import SpotEvent
   from rlhf_jax.workers.replay import AvailabilityReplayer
 
-  clock = _Clock()
+  clock = fakes.Clock()
   trace = [SpotEvent(0, "a", "add"), SpotEvent(0, "b", "add"),
            SpotEvent(3, "a", "remove"), SpotEvent(5, "b", "remove")]
   replay = AvailabilityReplayer(trace, _Fake, clock=clock)
@@ -171,7 +164,7 @@ def test_policy_known_answer():
 def test_pool_measures_spawn_and_scaler_counts_it():
   """Workers ready 5 s after spawn() whose first rollout compiles for 2 s:
   the start-up is measured, billed, and keeps lambda=1 from growing."""
-  clock = _Clock()
+  clock = fakes.Clock()
   mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
   pool = pool_lib.WorkerPool(mgr, clock=clock)
   for i in range(4):
@@ -208,7 +201,7 @@ def test_pool_measures_spawn_and_scaler_counts_it():
 
 def test_a_worker_that_never_starts_is_dropped():
   """Silent past its timeout: killed, billing stops, the offer stays."""
-  clock = _Clock()
+  clock = fakes.Clock()
   mgr = manager_lib.RolloutManager(None, max_new_tokens=M)
   pool = pool_lib.WorkerPool(mgr, clock=clock)
   pool.offer("w0", lambda: _Fake("w0"))
@@ -223,7 +216,7 @@ def test_a_worker_that_never_starts_is_dropped():
 
 
 def test_scaler_measures_then_chooses():
-  clock = _Clock()
+  clock = fakes.Clock()
   mgr, pool, _ = _fake_pool(4, clock)
   scaler = pool_lib.DemandScaler(pool, scale="cost", lam=0.0, slots=4,
                                  max_new_tokens=20)
@@ -300,7 +293,7 @@ def _local_pool(mgr, workers, clock=None):
 
 def test_release_mid_batch_loses_nothing(env):
   store, workers, want = env
-  clock = _Clock()
+  clock = fakes.Clock()
   mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=1,
                                    poll_steps=2)
   pool = _local_pool(mgr, workers, clock)

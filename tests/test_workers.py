@@ -123,6 +123,7 @@ def test_idle_worker_takes_queued_requests(pool):
   assert mgr.stats.balanced_requests > 0 and mgr.produced["w2"] > 0
 
 
+@pytest.mark.slow
 def test_grpo_step_on_workers_matches_trainer_only(mesh8):
   """One GRPO step with its rollout on 2 local workers equals the
   trainer-only step (same tokens: per-device shapes are the same)."""
@@ -175,6 +176,7 @@ def test_availability_trace_replay(pool):
   assert replay.close() > 0
 
 
+@pytest.mark.slow
 def test_zero_workers_runs_trainer_only_and_learns(mesh8, tmp_path):
   """The elastic job with `rollout.workers.num=0`: no manager, the rollout
   on the trainer's own mesh (colocated), and the sampled reward rises."""
@@ -277,6 +279,7 @@ def _ray_version(ray, actor):
   return ray.get(actor.poll.remote(0), timeout=RAY_TIMEOUT_S).version
 
 
+@pytest.mark.slow
 def test_ray_workers_survive_a_kill(pool, ray_cluster, ray_actors, ray_spare):
   """Two Ray actors (own processes, own JAX); one is killed mid-response."""
   ray = ray_cluster
@@ -300,6 +303,7 @@ def test_ray_workers_survive_a_kill(pool, ray_cluster, ray_actors, ray_spare):
   assert mgr.produced["r0"] > 0
 
 
+@pytest.mark.slow
 def test_ray_joiner_pulls_current_weights_and_helps(pool, ray_cluster,
                                                     ray_actors, ray_spare):
   """An actor started mid-run, after the trainer published a new version,
@@ -328,6 +332,7 @@ def test_ray_joiner_pulls_current_weights_and_helps(pool, ray_cluster,
   assert mgr.produced["rj"] > 0 and mgr.produced["r0"] > 0
 
 
+@pytest.mark.slow
 def test_ray_samples_of_old_weights_are_sampled_again(pool, ray_cluster,
                                                       ray_actors):
   """Two Ray actors decoding when the trainer publishes v1: nothing of v0
@@ -348,6 +353,7 @@ def test_ray_samples_of_old_weights_are_sampled_again(pool, ray_cluster,
     assert _ray_version(ray, a) == 1 and mgr.produced[w] > 0, w
 
 
+@pytest.mark.slow
 def test_ray_elastic_job_equals_trainer_only(ray_cluster, tmp_path,
                                              monkeypatch):
   """`configs/tiny_grpo_elastic.py:runlocal` end to end on 3 Ray workers

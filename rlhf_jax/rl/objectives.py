@@ -131,3 +131,13 @@ def value_terms(clip_range: float | None):
     return jnp.sum(loss), m
 
   return terms, lambda batch: jnp.sum(batch["loss_mask"])
+
+
+def policy_learner(graphdef, layout, c: PolicyLossConfig, optimizer, *,
+                   micro_batches: int):
+  """The policy's `Learner` (GRPO's, PPO's actor): `policy_terms(c)`."""
+  from rlhf_jax.rl.learner import Learner  # pylint: disable=g-import-not-at-top
+  terms, weight = policy_terms(c)
+  return Learner(graphdef, layout, optimizer, terms_fn=terms,
+                 weight_fn=weight, micro_batches=micro_batches)
+

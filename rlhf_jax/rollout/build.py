@@ -84,3 +84,17 @@ def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
   """One engine on every replica of `layout` (the generation demo)."""
   return engines(ro, cfg, graphdef, layout, stop_tokens).engine(
       layout.mesh.shape["data"])
+
+
+def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, stop_tokens,
+            colocation) -> tuple[Rollout, LocalRollout]:
+  """(the job's rollout, its greedy eval rollout) from the sections `c`
+  (`config.sections.RLJob`); per-replica spans and the seed window's
+  train time come from the job's `colocation`."""
+  return (build(c.rollout, cfg, graphdef, layout, stop_tokens,
+                rollout_tensor=c.mesh.rollout_tensor,
+                timeline=colocation.timeline,
+                train_time=colocation.phase_seconds),
+          eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
+                       stop_tokens))
+

@@ -222,13 +222,14 @@ def build(config, timeline: Timeline | None = None) -> Job:
   cfg, graphdef, params = model_build.build(
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
-  terms, weight = objectives.policy_terms(c.rl.policy_loss_config(
-      max_len=c.rollout.max_new_tokens))
-  learner = Learner(graphdef, train_layout, make_optimizer(c.optim),
-                    terms_fn=terms, weight_fn=weight,
-                    micro_batches=c.rl.micro_batches)
+  learner = objectives.policy_learner(
+      graphdef, train_layout, c.rl.policy_loss_config(
+          max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
+      micro_batches=c.rl.micro_batches)
   co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
                                         params, timeline=timeline)
+  rollout, eval_rollout = rollout_build.for_job(
+      c, cfg, graphdef, rollout_layout, source.stop_ids, co)
   rl = c.rl
   return Job(
       c=c, source=source, graphdef=graphdef, params=params,
@@ -240,14 +241,7 @@ def build(config, timeline: Timeline | None = None) -> Job:
           source.tokenizer, rl.rewards, rl.reward_weights, rl.on_reward_error,
           overlong=(c.rollout.max_new_tokens, rl.overlong_buffer,
                     rl.overlong_penalty) if rl.overlong_buffer else None),
-      rollout=rollout_build.build(
-          c.rollout, cfg, graphdef, rollout_layout, source.stop_ids,
-          rollout_tensor=c.mesh.rollout_tensor, timeline=co.timeline,
-          train_time=co.phase_seconds),
-      eval_rollout=rollout_build.eval_rollout(
-          c.rollout, c.eval.num_rows, cfg, graphdef, rollout_layout,
-          source.stop_ids),
-      colocation=co, cfg=cfg)
+      rollout=rollout, eval_rollout=eval_rollout, colocation=co, cfg=cfg)
 
 
 def run(config, workdir: str):

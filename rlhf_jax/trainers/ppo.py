@@ -183,14 +183,15 @@ def build(config, timeline: Timeline | None = None) -> Job:
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
   rl = c.rl
-  terms, weight = objectives.policy_terms(rl.policy_loss_config(
-      max_len=c.rollout.max_new_tokens))
-  actor = Learner(graphdef, train_layout, make_optimizer(c.optim),
-                  terms_fn=terms, weight_fn=weight,
-                  micro_batches=rl.micro_batches)
+  actor = objectives.policy_learner(
+      graphdef, train_layout, rl.policy_loss_config(
+          max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
+      micro_batches=rl.micro_batches)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
   co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
                                         params, timeline=timeline)
+  rollout, eval_rollout = rollout_build.for_job(
+      c, cfg, graphdef, rollout_layout, source.stop_ids, co)
   return Job(
       c=c, source=source, graphdef=graphdef, params=params,
       train_layout=train_layout, actor=actor,
@@ -203,14 +204,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
       rm_step=rm_step,
       tracked=RewardScorer(source.tokenizer, rl.tracked_rewards, None,
                            "zero") if rl.tracked_rewards else None,
-      rollout=rollout_build.build(
-          c.rollout, cfg, graphdef, rollout_layout, source.stop_ids,
-          rollout_tensor=c.mesh.rollout_tensor, timeline=co.timeline,
-          train_time=co.phase_seconds),
-      eval_rollout=rollout_build.eval_rollout(
-          c.rollout, c.eval.num_rows, cfg, graphdef, rollout_layout,
-          source.stop_ids),
-      colocation=co, cfg=cfg, rollout_layout=rollout_layout)
+      rollout=rollout, eval_rollout=eval_rollout, colocation=co, cfg=cfg,
+      rollout_layout=rollout_layout)
 
 
 def run(config, workdir: str):
