@@ -75,7 +75,8 @@ def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
       optax.adamw(lr, c.b1, c.b2, c.eps, weight_decay=c.weight_decay))
 
 
-def _batch_axes(x):
+def batch_axes(x):
+  """Logical axes of a batch array: rows over the batch axes."""
   return ("batch",) + (None,) * (x.ndim - 1)
 
 
@@ -113,7 +114,7 @@ class Learner:
         lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
 
   def batch_shardings(self, batch: Batch):
-    return {k: self.layout.sharding(_batch_axes(v), v.shape)
+    return {k: self.layout.sharding(batch_axes(v), v.shape)
             for k, v in batch.items()}
 
   def put_batch(self, batch: dict) -> Batch:
@@ -191,7 +192,7 @@ class Learner:
     micro = split_micro(batch, self.micro_batches)
 
     def loss(params, mb):
-      mb = {k: constrain(v, _batch_axes(v)) for k, v in mb.items()}
+      mb = {k: constrain(v, batch_axes(v)) for k, v in mb.items()}
       num, aux = self.terms_fn(self.graphdef, params, mb)
       return num / weight, aux
 
@@ -266,7 +267,7 @@ def batch_logprobs(graphdef, params, batch: Batch, micro_batches: int):
   logp = jax.lax.map(one, micro)  # [U, B/U, ...]
   B = jax.tree.leaves(batch)[0].shape[0]  # Axis 0 is rows in any layout.
   logp = jnp.swapaxes(logp, 0, 1).reshape((B,) + logp.shape[2:])
-  return constrain(logp, _batch_axes(logp))
+  return constrain(logp, batch_axes(logp))
 
 
 def train_epochs(learners, states, batch: Batch, *, epochs: int,

@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
-from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.parallel.layout import constrain, use_layout
 from rlhf_jax.rl import critic, losses, registry
 from rlhf_jax.rl.aggregation import masked_mean
 from rlhf_jax.rl.batch import PackedBatch
-from rlhf_jax.rl.learner import Learner, batch_logprobs
+from rlhf_jax.rl.learner import Learner, batch_axes, batch_logprobs
 from rlhf_jax.rl.logprobs import logprob_gap
 
 # Host-side inputs of the stage that the training batch does not carry.
@@ -66,8 +66,8 @@ class Preparer:
     """The packed host arrays (+ sampler log-probs, + host rewards [B]) on
     device, batch-sharded: the step's one host->device transfer."""
     arrays = {**packed.arrays, "sampler_logp": packed.sampler_logp}
-    if rewards is not None:
-      arrays["rewards"] = jnp.asarray(rewards, jnp.float32).reshape(
+    if rewards is not None:  # Host numpy: no device round trip here.
+      arrays["rewards"] = np.asarray(rewards, np.float32).reshape(
           packed.sampler_logp.shape[:-1])
     return self.learner.put_batch(arrays)
 
@@ -115,7 +115,9 @@ class Preparer:
       gap_max, gap_mean = logprob_gap(old_logp, batch["sampler_logp"], mask)
       info = {"rewards": scores, "kl": kl, "gap_max": gap_max,
               "gap_mean": gap_mean, **extra}
-      # Replicated: every process reads the (small) info whole.
+      # The batch stays sharded over the batch axes, as `put_batch` places
+      # it; the (small) info is replicated: every process reads it whole.
+      out = {k: constrain(v, batch_axes(v)) for k, v in out.items()}
       info = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
           x, lr.layout.replicated()), info)
       return {**model_batch, **out}, info

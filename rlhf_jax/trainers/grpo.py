@@ -123,13 +123,10 @@ def grpo_step(job: Job, step: int, state: TrainState, ref_params, prompts):
 
 def streamed_step(job: Job, step: int, state: TrainState, ref_params,
                   prompts):
-  """One GRPO step with micro-batch streaming (RLBoost, `rl/streaming.py`).
-
-  Once the trainer's devices leave the rollout (the seed window's hand-off;
-  the end of a local rollout) they train on finished groups while the rest
-  decode: `rl.num_minibatches` updates, each as soon as its parts are in,
-  old log-probs from the step's weights. One update a step equals
-  `grpo_step` up to float32 summation order.
+  """GRPO with micro-batch streaming (RLBoost, `rl/streaming.py`): once the
+  trainer's devices leave the rollout they train on finished groups while
+  the rest decode, an update as soon as its parts are in (old log-probs:
+  the step's weights). One update equals `grpo_step`'s (float32 rounding).
   """
   co, c = job.colocation, job.c
   co.begin_step(step)
@@ -147,24 +144,25 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
   with contextlib.ExitStack() as scope:
 
     def leave_rollout():  # The train layout; the reference on device.
+      if updates.started:
+        return
       co.timeline.add(co.group, "rollout", t0, co.timeline.now())
       with co.span("repartition"):
         params = co.to_train(rollout_params)
       ref = scope.enter_context(colocate.transient(co, ref_params))
       updates.start(TrainState(params, co.unpark(opt_state), state.step), ref)
 
-    with co.span("rollout", group="workers"):
-      for group in job.rollout.stream(
-          prompts, c.rollout.samples_per_row, step_seed(c.seed, step),
-          step=step, trainer_busy=updates.busy):
-        updates.add(group, job.scorer.score(group, prompts))
-        if job.rollout.trainer_free:
-          if not updates.started:
-            leave_rollout()
-          with co.span("train"):
-            updates.train_ready()
-    if not updates.started:
-      leave_rollout()
+    for group in job.rollout.stream(
+        prompts, c.rollout.samples_per_row, step_seed(c.seed, step),
+        step=step, trainer_busy=updates.busy):
+      updates.add(group, job.scorer.score(group, prompts))
+      last_sample = co.timeline.now()  # The rollout's end, once all are in.
+      if job.rollout.trainer_free:
+        leave_rollout()
+        with co.span("train"):
+          updates.train_ready()
+    co.timeline.add("workers", "rollout", t0, last_sample)
+    leave_rollout()
     with co.span("train"):
       updates.train_ready(final=True)
       state, trained = updates.finish()
