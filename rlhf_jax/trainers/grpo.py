@@ -203,7 +203,8 @@ def evaluate(job: Job, params) -> dict:
   for prompts in job.source.eval_batches:
     values.append(generate(job.eval_rollout, prompts, 1, seed=0,
                            scorer=scorer).rewards)
-  return {"eval/accuracy": float(np.mean(np.concatenate(values)))}
+  return {"eval/accuracy": float(np.mean(np.concatenate(values),
+                                          dtype=np.float64))}
 
 
 def build(config, timeline: Timeline | None = None) -> Job:

@@ -151,9 +151,11 @@ def evaluate(job: Job, actor_params) -> dict:
     scores.append(np.asarray(job.heads.scores(job.rm_params, batch)))
     if tracked is not None:
       accuracy.append(sampled.rewards)
-  out = {"eval/reward_mean": float(np.mean(np.concatenate(scores)))}
+  out = {"eval/reward_mean": float(np.mean(np.concatenate(scores),
+                                           dtype=np.float64))}
   if accuracy:
-    out["eval/accuracy"] = float(np.mean(np.concatenate(accuracy)))
+    out["eval/accuracy"] = float(np.mean(np.concatenate(accuracy),
+                                         dtype=np.float64))
   return out
 
 
