@@ -133,10 +133,21 @@ def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
     ("rollout.num_rows", 7, "rollout replicas"),
     ("rl.kl_coef", -1.0, "kl_coef"),
     ("train.steps", 0, "config.train.steps=0: must be a positive int"),
+    ("rl.pack_length", 10, "config.rl.pack_length=10 is shorter than one "
+     "sequence"),
+    ("rl.pack_length", -1, "pack_length=-1: must be an int >= 0"),
 ])
 def test_config_errors(key, value, message):
   c = _config(**{key: value})
   with pytest.raises(ConfigError, match=message):
+    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
+                        num_devices=8)
+
+
+def test_packing_config_errors():
+  """Packed rows cannot serve GSPO's per-row sequence ratio."""
+  c = _config(**{"rl.pack_length": 64, "rl.policy_loss": "gspo"})
+  with pytest.raises(ConfigError, match="policy_loss='gspo'"):
     checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
                         num_devices=8)
 

@@ -81,6 +81,7 @@ def test_reward_model_of_another_answer_format_is_refused(rm_workdir):
     ("rl.policy_loss", "nope", "config.rl.policy_loss"),
     ("rl.advantage", "grpo", "config.rl.advantage='grpo': the PPO job"),
     ("rl.stream", True, "config.rl.stream is GRPO-only"),
+    ("rl.pack_length", 64, "config.rl.pack_length is GRPO-only"),
     ("train.prompts_per_step", 3, "data shards"),
 ])
 def test_config_errors(key, value, message):

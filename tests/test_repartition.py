@@ -215,11 +215,17 @@ def test_weight_version_increases_and_stale_samples_are_rejected():
 
 def test_layer_groups_cover_layers_and_top_level_entries():
   _, abstract = model_lib.abstract_params(CFG)
+  leaves = jax.tree.leaves(abstract)
+  stacked = [x for x in leaves if x.shape[:1] == (CFG.num_layers,)]
   groups = rp.layer_groups(abstract)
-  assert len(groups) == CFG.num_layers + 3  # blocks + embed, norm, head
-  assert len(rp.layer_groups(abstract, 2)) == 2 + 3
-  assert sorted(i for g in groups for i in g) == list(
-      range(len(jax.tree.leaves(abstract))))
+  # Stacked layers: one group per stacked weight (each holds every layer's
+  # copy of it); embed, final norm and head one each.
+  assert len(stacked) == 9 and len(groups) == len(stacked) + 3
+  assert sorted(i for g in groups for i in g) == list(range(len(leaves)))
+  # Per-layer trees (a list of layers) group by layers_per_group layers.
+  per_layer = {"embed": 0, "blocks": [{"q": 1, "k": 2}] * 4, "head": 3}
+  assert len(rp.layer_groups(per_layer)) == 4 + 2
+  assert len(rp.layer_groups(per_layer, 2)) == 2 + 2
 
 
 def _decode(engines, params, prompts, switch):

@@ -20,13 +20,17 @@ def _config(**workers):
   return c
 
 
-@pytest.mark.parametrize("seed", [True, False])
+@pytest.mark.parametrize("seed,pack_length", [(True, 0), (False, 0),
+                                              (False, 40)])
 @pytest.mark.slow
-def test_streamed_step_equals_whole_batch_step(mesh8, round_clock, seed):
+def test_streamed_step_equals_whole_batch_step(mesh8, round_clock, seed,
+                                              pack_length):
+  """(pack_length: every part, and the whole batch, in packed rows.)"""
   del mesh8
   from rlhf_jax.trainers import grpo
 
   c = _config(seed=seed, seed_init_s=1.0)
+  c.rl.pack_length = pack_length
   job = grpo.build(c)
   if seed:
     fakes.watch_rounds(job, round_clock)

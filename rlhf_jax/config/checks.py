@@ -49,11 +49,13 @@ def _check_batch(c: RLJob, prompt_len: int, num_devices) -> None:
   shards = n // max(m.tensor, 1) if -1 in (m.data, m.fsdp) else m.data * m.fsdp
   G = ro.samples_per_row
   B = c.train.prompts_per_step * G
-  if B % rl.num_minibatches:
+  if rl.pack_length:
+    _check_packing(c, prompt_len)
+  elif B % rl.num_minibatches:
     raise ConfigError(f"batch {B} (train.prompts_per_step x samples_per_row) "
                       "is not divisible by config.rl.num_minibatches="
                       f"{rl.num_minibatches}")
-  if B // rl.num_minibatches % (rl.micro_batches * shards):
+  elif B // rl.num_minibatches % (rl.micro_batches * shards):
     raise ConfigError(
         f"mini-batch of {B // rl.num_minibatches} sequences does not split "
         f"into config.rl.micro_batches={rl.micro_batches} x {shards} data "
@@ -90,7 +92,7 @@ def _check_grpo_splits(c: RLJob) -> None:
   """Whole groups per mini-batch, micro-batch and streamed part."""
   rl, G = c.rl, c.rollout.samples_per_row
   prompts = c.train.prompts_per_step
-  if rl.share_prompt and G > 1 and (
+  if rl.share_prompt and G > 1 and not rl.pack_length and (
       prompts % rl.num_minibatches or
       prompts // rl.num_minibatches % rl.micro_batches):
     # The grouped layout splits batches by whole groups (rl/grouped.py).
@@ -118,9 +120,27 @@ def _check_ppo(c: RLJob) -> None:
     if getattr(rl, key):
       raise ConfigError(f"config.rl.{key} is GRPO-only: PPO's GAE and "
                         "whitening need the whole batch")
+  if rl.pack_length:
+    raise ConfigError("config.rl.pack_length is GRPO-only: PPO's critic "
+                      "and GAE read one sequence per row")
   if rl.rewards:
     raise ConfigError("config.rl.rewards: PPO trains on its reward model's "
                       "score; use config.rl.tracked_rewards to log others")
+
+
+def _check_packing(c: RLJob, prompt_len: int) -> None:
+  """Packed rows (rl/packing.py) hold any sequence; the loss needs to tell
+  sequences apart, which GSPO's row ratio and PPO's critic do not."""
+  rl, ro = c.rl, c.rollout
+  need = prompt_len + ro.max_new_tokens
+  if rl.pack_length < need:
+    raise ConfigError(
+        f"config.rl.pack_length={rl.pack_length} is shorter than one "
+        f"sequence: prompt {prompt_len} + rollout.max_new_tokens "
+        f"{ro.max_new_tokens} = {need}")
+  if rl.policy_loss == "gspo":
+    raise ConfigError("config.rl.pack_length: policy_loss='gspo' takes the "
+                      "sequence ratio of a row; set rl.pack_length=0")
 
 
 def _check_stream(c: RLJob) -> None:
@@ -147,7 +167,7 @@ def _check_stream(c: RLJob) -> None:
   n, parts = c.train.prompts_per_step, rl.stream_parts
   G = c.rollout.samples_per_row
   rows = n // parts * (1 if rl.share_prompt and G > 1 else G)
-  if n % parts or rows % rl.micro_batches:
+  if n % parts or (rows % rl.micro_batches and not rl.pack_length):
     raise ConfigError(
         f"config.rl.stream_parts={parts} must divide "
         f"config.train.prompts_per_step={n} into parts whose {rows} rows "

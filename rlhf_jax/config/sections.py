@@ -56,16 +56,28 @@ class Model:
   param_dtype: str = "float32"   # Master weights (the optimizer's).
   compute_dtype: str = "float32"
   path: str = ""               # Local HF checkpoint directory ("": random).
+  # How the layers run: `jax.lax.scan` over the stacked layers (False: a
+  # Python loop), and activation checkpointing: "none" | "full" | "dots".
+  scan_layers: bool = True
+  remat: str = "none"
+  # Training / prefill attention (kernels_pallas/flash_attention.py):
+  # "auto" (splash on TPU, cuDNN on GPU where they apply, else chunked),
+  # "chunked", "splash", "cudnn", "reference" (T x T; tests).
+  attention: str = "auto"
 
   def __post_init__(self):
     for key in ("param_dtype", "compute_dtype"):
       _one_of(self, key, ("float32", "bfloat16"))
+    _one_of(self, "remat", ("none", "full", "dots"))
+    _one_of(self, "attention",
+            ("auto", "chunked", "splash", "cudnn", "reference"))
 
   def model_config(self, **fixed):
     """The preset's `ModelConfig` with the overrides; `fixed` wins."""
     from rlhf_jax.models.config import ModelConfig
     kw = dict(self.overrides, param_dtype=self.param_dtype,
-              compute_dtype=self.compute_dtype, **fixed)
+              compute_dtype=self.compute_dtype, scan_layers=self.scan_layers,
+              remat=self.remat, attention=self.attention, **fixed)
     try:
       return ModelConfig.preset(self.preset, **kw)
     except (TypeError, ValueError) as e:
@@ -229,6 +241,11 @@ class RL:
   # Log-probs and training run each prompt once for its G responses
   # (rl/grouped.py); False repeats the prompt in every sequence.
   share_prompt: bool = True
+  # Sequence packing (rl/packing.py): > 0 trains rows of this many tokens,
+  # several sequences each (with share_prompt, a group's prompt once per
+  # row), dealt to mini-batches, micro-batches and shards by token count;
+  # padding is neither computed nor trained. 0 = one sequence per row.
+  pack_length: int = 0
   # Micro-batch streaming (trainers/grpo.streamed_step): once the trainer's
   # devices leave the rollout they train on finished groups, stream_parts
   # parts a step, while the rest is still decoding.
@@ -283,6 +300,8 @@ class RL:
       _fail(self, "value_clip", "must be >= 0 (0 = off)")
     if not isinstance(self.share_prompt, bool):
       _fail(self, "share_prompt", "must be a bool")
+    if not isinstance(self.pack_length, int) or self.pack_length < 0:
+      _fail(self, "pack_length", "must be an int >= 0 (0 = no packing)")
 
   def advantage_config(self, group_size: int):
     """How this section turns rewards into advantages (`rl/prepare.py`)."""

@@ -211,11 +211,11 @@ class Engine:
       # After a common prefix the prompt's tokens continue its positions and
       # attend to its KV (C = 0 when the engine has no common prefix: the
       # model then skips the context part, and this is the plain prefill).
-      logits, (k, v) = model_lib.forward(
+      logits, (k, v) = model_lib.prefill(
           self.graphdef, params, tokens_P[None], index + common.length, mask,
-          return_kv=True, context=(common.k, common.v, common.length))
-      last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, 0,
-                                          keepdims=False)
+          (true_length - 1)[None],
+          context=(common.k, common.v, common.length))
+      last = logits[0]
       G = sample_idx_G.shape[0]
       keys = token_keys(seed, prompt_id, sample_idx_G,
                         common.length + true_length)
@@ -230,9 +230,9 @@ class Engine:
     self.trace_counts["common_prefill"] += 1
     with use_layout(self.layout):
       index = jnp.arange(tokens_C.shape[0], dtype=jnp.int32)[None]
-      _, (k, v) = model_lib.forward(
+      _, (k, v) = model_lib.prefill(
           self.graphdef, params, tokens_C[None], index, index < length,
-          return_kv=True)
+          jnp.zeros((1,), jnp.int32))
       cdt = self.cfg.compute_jnp_dtype
       return CommonPrefix(k=k[:, 0].astype(cdt), v=v[:, 0].astype(cdt),
                           length=length)
@@ -296,23 +296,27 @@ class Engine:
     return jnp.any(tokens[..., None] == stops, axis=-1)
 
   # ------------------------------------------------------------ public API
+  def _zero_state(self) -> DecodeState:
+    cdt = self.cfg.compute_jnp_dtype
+    fields = {}
+    for name in STATE_AXES:
+      shape = self._state_shape(name)
+      dtype = (cdt if name in _KV_FIELDS
+               else bool if name == "active"
+               else jnp.uint32 if name == "seed" else jnp.int32)
+      fields[name] = jnp.zeros(shape, dtype)
+    return DecodeState(**fields)
+
+  def abstract_state(self) -> DecodeState:
+    """The decode state's shapes and dtypes (nothing allocated)."""
+    return jax.eval_shape(self._zero_state)
+
   def init_decode_state(self) -> DecodeState:
     """An empty state (every row free) holding the current common prefix."""
-    cdt = self.cfg.compute_jnp_dtype
-
-    def init():
-      fields = {}
-      for name in STATE_AXES:
-        shape = self._state_shape(name)
-        dtype = (cdt if name in _KV_FIELDS
-                 else bool if name == "active"
-                 else jnp.uint32 if name == "seed" else jnp.int32)
-        fields[name] = jnp.zeros(shape, dtype)
-      return DecodeState(**fields)
-
     self._row_slots = [set() for _ in range(self.num_rows)]
     if self._init_jit is None:  # Once: a fresh closure per call would retrace.
-      self._init_jit = jax.jit(init, out_shardings=self.state_shardings)
+      self._init_jit = jax.jit(self._zero_state,
+                               out_shardings=self.state_shardings)
     state = self._init_jit()
     if self._common is not None:
       state = self._set_common_jit(state, self._common)

@@ -18,7 +18,9 @@ def build(m: Model, *, seed: int, layout, vocab_size: int):
     cfg = m.model_config(vocab_size=vocab_size)
     return (cfg, *model_lib.init_params(cfg, seed, layout))
   cfg, graphdef, params = hf.load(m.path, layout=layout, dtype=m.param_dtype,
-                                  compute_dtype=m.compute_dtype)
+                                  compute_dtype=m.compute_dtype,
+                                  scan_layers=m.scan_layers, remat=m.remat,
+                                  attention=m.attention)
   if cfg.vocab_size < vocab_size:
     raise ConfigError(f"the model in config.model.path={m.path!r} has "
                       f"vocab_size={cfg.vocab_size}, smaller than its "

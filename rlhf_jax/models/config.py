@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,19 @@ class ModelConfig:
   sliding_window: int | None = None  # Gemma 2: every other layer is local.
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
+  # How the layers run (not part of a checkpoint): under `jax.lax.scan` over
+  # the stacked layer params (compile time independent of depth) or a
+  # Python loop over them; activation checkpointing of each layer: "none",
+  # "full" (recompute everything in the backward pass) or "dots" (save the
+  # matmul outputs, recompute the rest).
+  scan_layers: bool = True
+  remat: str = "none"
+  # Full-sequence attention (training, prefill): "auto" | "chunked" |
+  # "reference" | "splash" | "cudnn" (kernels_pallas/flash_attention.py).
+  attention: str = "auto"
+  # Log-probs from hidden states in [rows, vocab] blocks of logits
+  # (`rl/logprobs.head_logprobs`); (0, 0): one block, the whole [B*T, V].
+  logprob_chunks: tuple[int, int] = (1024, 8192)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -64,6 +78,9 @@ class ModelConfig:
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, "
                          f"got {getattr(self, name)!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {REMAT_POLICIES}, got "
+                       f"{self.remat!r}")
 
   @property
   def param_jnp_dtype(self):
@@ -77,9 +94,14 @@ class ModelConfig:
   def scores_scale(self) -> float:
     return self.head_dim**-0.5 if self.query_scale is None else self.query_scale
 
-  def is_local_layer(self, layer: int) -> bool:
-    """Gemma 2 alternates local (sliding window) and global layers."""
-    return self.sliding_window is not None and layer % 2 == 0
+  def is_local_layer(self, layer):
+    """Gemma 2 alternates local (sliding window) and global layers: layer 0
+    is local. `layer` may be traced (a scan index): a bool array then."""
+    if self.sliding_window is None:
+      return False
+    if isinstance(layer, int):
+      return layer % 2 == 0
+    return jnp.asarray(layer) % 2 == 0
 
   def replace(self, **kwargs) -> "ModelConfig":
     return dataclasses.replace(self, **kwargs)
@@ -105,6 +127,31 @@ class ModelConfig:
     base = dict(vocab_size=151936, num_layers=24, embed_dim=896, num_heads=14,
                 num_kv_heads=2, head_dim=64, mlp_dim=4864, rope_theta=1e6,
                 qkv_bias=True, tie_embeddings=True, norm_eps=1e-6)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def qwen2_5_1_5b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=151936, num_layers=28, embed_dim=1536, num_heads=12,
+                num_kv_heads=2, head_dim=128, mlp_dim=8960, rope_theta=1e6,
+                qkv_bias=True, tie_embeddings=True, norm_eps=1e-6)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def qwen2_5_7b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=152064, num_layers=28, embed_dim=3584, num_heads=28,
+                num_kv_heads=4, head_dim=128, mlp_dim=18944, rope_theta=1e6,
+                qkv_bias=True, tie_embeddings=False, norm_eps=1e-6)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def llama3_1_8b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=128256, num_layers=32, embed_dim=4096,
+                num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
+                rope_theta=500_000.0,
+                rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
+                                         high_freq_factor=4.0,
+                                         original_max_position=8192),
+                tie_embeddings=False, norm_eps=1e-5)
     return cls(**{**base, **kw})
 
   @classmethod
@@ -136,8 +183,9 @@ class ModelConfig:
   @classmethod
   def preset(cls, name: str, **kw: Any) -> "ModelConfig":
     presets = {"tiny": cls.tiny, "qwen2.5-0.5b": cls.qwen2_5_0_5b,
-               "llama3.2-1b": cls.llama3_2_1b, "qwen3-0.6b": cls.qwen3_0_6b,
-               "gemma2-2b": cls.gemma2_2b}
+               "qwen2.5-1.5b": cls.qwen2_5_1_5b, "qwen2.5-7b": cls.qwen2_5_7b,
+               "llama3.2-1b": cls.llama3_2_1b, "llama3.1-8b": cls.llama3_1_8b,
+               "qwen3-0.6b": cls.qwen3_0_6b, "gemma2-2b": cls.gemma2_2b}
     if name not in presets:
       raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
     return presets[name](**kw)

@@ -23,11 +23,10 @@ Prompts are right-padded: prompt n holds tokens at positions [0, len_n) and
 response token j of group n sits at position len_n + j, exactly where the
 repeated layout [prompt; response] puts it. Padding keys are masked.
 
-This is pure jnp: the XLA path, used on every backend (the default on CPU).
-The Pallas prefix-decode kernel is not on this path: JAX cannot differentiate
-a `pallas_call`, so a kernel here would need a `custom_vjp` (forward kernel
-saving the LSE, backward kernel or jnp recompute); none is needed to get the
-FLOP and memory saving, which comes from running the prompt once.
+Both parts run `kernels_pallas/flash_attention.py` (the chunked path with
+its own VJP: no [R, P] or [R, R] scores are held whole, in either pass;
+the prompt's self-attention may use the vendor kernels), so the memory
+saving of running the prompt once composes with the flash-style saving.
 """
 
 from __future__ import annotations
@@ -36,57 +35,55 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.attention_parts import attention_part, merge_parts
-from rlhf_jax.models.transformer import Decoder, causal_attention
+from kernels_pallas import flash_attention as fa
+from kernels_pallas.attention_parts import merge_parts
+from rlhf_jax.models.transformer import (
+    Decoder, layer_window, parts_impl, scan_layers, self_attention)
 from rlhf_jax.parallel.layout import constrain
 
 
-def _softcap(x, cap):
-  return x if cap is None else cap * jnp.tanh(x / cap)
-
-def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, prompt_k_NxPxJxK,
-                            prompt_v_NxPxJxK, prefix_allowed_BxRxP,
-                            suffix_allowed_BxRxS, cfg):
+def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
+                            prompt_k_NxPxJxK, prompt_v_NxPxJxK, prompt_pos_NxP,
+                            prompt_seg_NxP, window, cfg):
   """Attention of response queries over prompt keys + own keys, LSE-merged.
 
   Args:
     q_BxRxHxK: response queries, rows ordered group-major (b = n*G + g).
     k_BxRxJxK, v_BxRxJxK: the responses' own keys/values.
+    pos_BxR: response positions (after the group's prompt).
     prompt_k_NxPxJxK, prompt_v_NxPxJxK: each group's prompt keys/values.
-    prefix_allowed_BxRxP: bool, which prompt keys a query sees.
-    suffix_allowed_BxRxS: bool, which own keys a query sees (causal).
-    cfg: the ModelConfig (scale, logit soft-cap).
+    prompt_pos_NxP, prompt_seg_NxP: their positions; segment 0 real, -1 pad.
+    window: this layer's sliding window (`transformer.layer_window`).
+    cfg: the ModelConfig (scale, logit soft-cap, attention impl).
 
   Returns:
     [B, R, H, K] attention output in the query dtype.
   """
   B, R, H, K = q_BxRxHxK.shape
-  N, P, J = prompt_k_NxPxJxK.shape[:3]
+  N = prompt_k_NxPxJxK.shape[0]
   G = B // N
-  q = q_BxRxHxK.reshape(B, R, J, H // J, K)
-  # Prefix: the group's G*R*Q queries per kv head in one matmul.
-  qg = q.reshape(N, G, R, J, H // J, K)
-  s_pre = jnp.einsum("ngrjqk,npjk->ngrjqp", qg, prompt_k_NxPxJxK,
-                     preferred_element_type=jnp.float32) * cfg.scores_scale
-  s_pre = _softcap(s_pre, cfg.attn_logit_softcap)
-  mask_pre = prefix_allowed_BxRxP.reshape(N, G, R, 1, 1, P)
-  o_pre, l_pre = attention_part(s_pre, mask_pre, prompt_v_NxPxJxK,
-                                "ngrjqp,npjk->ngrjqk")
-  o_pre = o_pre.reshape(B, R, J, H // J, K)
-  l_pre = l_pre.reshape(B, R, J, H // J)
-  # Suffix: each response against its own tokens.
-  s_suf = jnp.einsum("brjqk,bsjk->brjqs", q, k_BxRxJxK,
-                     preferred_element_type=jnp.float32) * cfg.scores_scale
-  s_suf = _softcap(s_suf, cfg.attn_logit_softcap)
-  o_suf, l_suf = attention_part(s_suf, suffix_allowed_BxRxS[:, :, None, None],
-                                v_BxRxJxK, "brjqs,bsjk->brjqk")
-  out, _ = merge_parts([(o_pre, l_pre), (o_suf, l_suf)])
-  return out.reshape(B, R, H, K).astype(q_BxRxHxK.dtype)
+  # Prefix: a group's G*R queries against its P prompt keys, one call.
+  pre, lse_pre = fa.attention(
+      q_BxRxHxK.reshape(N, G * R, H, K), prompt_k_NxPxJxK, prompt_v_NxPxJxK,
+      pos_BxR.reshape(N, G * R), prompt_pos_NxP,
+      jnp.zeros((N, G * R), jnp.int32), prompt_seg_NxP, window=window,
+      softcap=cfg.attn_logit_softcap, scale=cfg.scores_scale,
+      impl=parts_impl(cfg),
+      return_lse=True)
+  # Suffix: each response against its own tokens (causal).
+  own, lse_own = self_attention(
+      q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
+      jnp.zeros((B, R), jnp.int32), window, cfg, return_lse=True)
+  out, _ = merge_parts([
+      (pre.reshape(B, R, H, K).astype(jnp.float32), lse_pre.reshape(B, R, H)),
+      (own.astype(jnp.float32), lse_own)])
+  return out.astype(q_BxRxHxK.dtype)
 
 
-def _grouped_logits(model: Decoder, prompt_tokens_NxP, prompt_len_N,
-                    response_tokens_NxGxR):
-  """See `grouped_logits`; `model` is the merged Decoder."""
+def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
+                   response_tokens_NxGxR):
+  """Final-norm hidden states [B, R, D] that predict each response token
+  (`grouped_logits` projects them); `model` is a merged Decoder."""
   cfg = model.cfg
   N, P = prompt_tokens_NxP.shape
   G, R = response_tokens_NxGxR.shape[1:]
@@ -94,40 +91,29 @@ def _grouped_logits(model: Decoder, prompt_tokens_NxP, prompt_len_N,
   len_B = jnp.repeat(prompt_len_N, G)
   pos_p = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
   pos_r = len_B[:, None] + jnp.arange(R, dtype=jnp.int32)[None]  # [B, R]
-  mask_p = pos_p < prompt_len_N[:, None]
-  # Prompt self-attention: causal + padding, as Decoder._trunk.
-  allowed_p = jnp.tril(jnp.ones((P, P), bool))[None] & mask_p[:, None, :]
-  dist_p = pos_p[:, :, None] - pos_p[:, None, :]
-  # Responses: prompt keys below the prompt length; own keys causal.
-  allowed_pre = jnp.broadcast_to(jnp.repeat(mask_p, G, axis=0)[:, None, :],
-                                 (B, R, P))
-  dist_pre = pos_r[:, :, None] - jnp.arange(P)[None, None, :]
-  allowed_suf = jnp.broadcast_to(jnp.tril(jnp.ones((R, R), bool)), (B, R, R))
-  dist_suf = jnp.arange(R)[:, None] - jnp.arange(R)[None, :]
+  seg_p = jnp.where(pos_p < prompt_len_N[:, None], 0, -1)
 
-  x_p = model._embed(prompt_tokens_NxP)
-  x_r = model._embed(response_tokens_NxGxR.reshape(B, R))
-  for i, block in enumerate(model.blocks):
-    a_p, a_pre, a_suf = allowed_p, allowed_pre, allowed_suf
-    if cfg.is_local_layer(i):
-      w = cfg.sliding_window
-      a_p, a_pre, a_suf = (a_p & (dist_p < w), a_pre & (dist_pre < w),
-                           a_suf & (dist_suf < w)[None])
+  def layer(block, i, x, _):
+    x_p, x_r = x
+    window = layer_window(cfg, i)
     q_p, k_p, v_p = block.attn.qkv(block.attn_norm(x_p), pos_p)
     q_r, k_r, v_r = block.attn.qkv(block.attn_norm(x_r), pos_r)
-    o_p = causal_attention(q_p, k_p, v_p, a_p, cfg)
-    o_r = prefix_suffix_attention(q_r, k_r, v_r, k_p, v_p, a_pre, a_suf, cfg)
-    x_p = block._residual_mlp(x_p, block.attn.out(o_p))
-    x_r = block._residual_mlp(x_r, block.attn.out(o_r))
+    o_p = self_attention(q_p, k_p, v_p, pos_p, seg_p, window, cfg)
+    o_r = prefix_suffix_attention(q_r, k_r, v_r, pos_r, k_p, v_p, pos_p,
+                                  seg_p, window, cfg)
+    return (block._residual_mlp(x_p, block.attn.out(o_p)),
+            block._residual_mlp(x_r, block.attn.out(o_r))), None
+
+  x = (model._embed(prompt_tokens_NxP),
+       model._embed(response_tokens_NxGxR.reshape(B, R)))
+  (x_p, x_r), _ = scan_layers(model.blocks, cfg, layer, x)
   # Response token 0 is predicted by the prompt's last token (shared by the
   # group), token j > 0 by response token j - 1; the last response token
-  # predicts nothing, so it skips the vocabulary projection.
+  # predicts nothing.
   last_N = jnp.take_along_axis(x_p, (prompt_len_N - 1)[:, None, None],
                                axis=1)  # [N, 1, D]
-  first = model._logits(last_N)  # [N, 1, V]
-  first = constrain(jnp.repeat(first, G, axis=0), ("batch", "length", "vocab"))
-  rest = model._logits(x_r[:, :R - 1])
-  return jnp.concatenate([first, rest], axis=1)
+  x = jnp.concatenate([jnp.repeat(last_N, G, axis=0), x_r[:, :R - 1]], 1)
+  return model.final_norm(constrain(x, ("batch", "length", "embed_act")))
 
 
 def grouped_logits(graphdef, params, prompt_tokens_NxP: jax.Array,
@@ -148,5 +134,5 @@ def grouped_logits(graphdef, params, prompt_tokens_NxP: jax.Array,
     repeated layout has at position len_n - 1 + j.
   """
   model = nnx.merge(graphdef, params)
-  return _grouped_logits(model, prompt_tokens_NxP, prompt_len_N,
-                         response_tokens_NxGxR)
+  return model.project(grouped_hidden(model, prompt_tokens_NxP, prompt_len_N,
+                                      response_tokens_NxGxR))

@@ -36,7 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
 
 
 def load(path: str, layout: Layout | None = None, dtype: str | None = None,
-         compute_dtype: str | None = None):
+         compute_dtype: str | None = None, **runtime):
   """Loads an HF checkpoint directory onto `layout`, one tensor at a time.
 
   Args:
@@ -47,6 +47,8 @@ def load(path: str, layout: Layout | None = None, dtype: str | None = None,
     dtype: param dtype ("float32", "bfloat16", "float16"); None keeps the
       checkpoint's dtype.
     compute_dtype: activation dtype; None means the param dtype.
+    **runtime: `ModelConfig` fields of how the model runs (`scan_layers`,
+      `remat`), not in the checkpoint.
 
   Returns:
     (cfg, graphdef, params) as `model.init_params` returns them.
@@ -58,7 +60,8 @@ def load(path: str, layout: Layout | None = None, dtype: str | None = None,
   """
   hf = hf_config.read_json(os.path.join(path, "config.json"))
   arch = hf_config.architecture(hf)
-  cfg = hf_config.from_hf(hf, dtype=dtype, compute_dtype=compute_dtype)
+  cfg = hf_config.from_hf(hf, dtype=dtype, compute_dtype=compute_dtype
+                         ).replace(**runtime)
   graphdef, abstract = model_lib.abstract_params(cfg)
   shardings = None if layout is None else layout.param_shardings(abstract)
   params = hf_weights.load_params(path, cfg, arch, abstract, shardings)

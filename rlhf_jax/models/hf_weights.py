@@ -7,10 +7,14 @@ o_proj [D, H*K] -> o [H,K,D], gate/up_proj [F, D] -> [D,F], down_proj
 and the embedding are stored as they are (Gemma's (1 + w) norm is our
 `norm_plus_one`, so w is not shifted).
 
-Reading is one tensor at a time: read from its file, re-layout and cast on the
-host, `jax.device_put` to that param's sharding, wait, move on. Host memory
-never holds more than one tensor (two while re-laying it out). Writing
-gathers one output shard's tensors at a time.
+Our layer weights are stacked over layers ([L, ...], `stack_layers`): HF's
+tensor of layer i is slice i of one param. Reading is one tensor at a time:
+read from its file, re-layout and cast on the host, `jax.device_put` to
+that param's sharding (a layer slice: the stacked sharding without its
+layer axis) and written into its slice of the stacked param, which is
+allocated once on its sharding (donated, so updated in place); wait, move
+on. Host memory never holds more than one tensor (two while re-laying it
+out). Writing gathers one output shard's tensors at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import struct
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -54,6 +59,7 @@ class TensorSpec:
   hf_name: str
   path: tuple[Any, ...]
   n_in: int
+  layer: int | None = None  # Slice `layer` of a stacked param.
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     if self.n_in == 0:
@@ -88,9 +94,9 @@ def tensor_specs(cfg: ModelConfig, arch: str) -> list[TensorSpec]:
            [("post_attention_layernorm", "mlp_norm")])
   norms.append(("input_layernorm", "attn_norm"))
   for i in range(cfg.num_layers):
-    pre, blk = f"model.layers.{i}.", ("blocks", i)
-    add = lambda name, path, n_in: specs.append(
-        TensorSpec(pre + name, blk + path, n_in))
+    pre = f"model.layers.{i}."
+    add = lambda name, path, n_in, i=i, pre=pre: specs.append(
+        TensorSpec(pre + name, ("blocks",) + path, n_in, i))
     for hf, ours in norms:
       add(f"{hf}.weight", (ours, "scale"), 0)
     for x in "qkv":
@@ -196,21 +202,50 @@ def load_params(path: str, cfg: ModelConfig, arch: str, abstract,
   for name, w in read_tensors(path, set(specs)):
     spec = specs[name]
     var = flat[spec.path]
-    shape = tuple(var.get_value().shape)
+    full = tuple(var.get_value().shape)
+    shape = full if spec.layer is None else full[1:]
     if tuple(w.shape) != spec.hf_shape(shape):
       raise ValueError(
           f"tensor {name!r} has shape {tuple(w.shape)}, expected "
           f"{spec.hf_shape(shape)} for param {'.'.join(map(str, spec.path))} "
-          f"{shape}")
+          f"{full}{'' if spec.layer is None else f' [layer {spec.layer}]'}")
     # astype copies: nothing placed on a device aliases the file's mmap.
     host = spec.to_ours(w, shape).astype(var.get_value().dtype)
     sharding = flat_sh[spec.path].get_value() if flat_sh else None
-    # put_global: each host places its own shards of the tensor it read.
-    out[spec.path] = var.replace(
-        jax.device_put(host) if sharding is None
-        else distributed.put_global(host, sharding))
-    out[spec.path].get_value().block_until_ready()  # Bounds host memory.
+    if spec.layer is None:
+      value = _put(host, sharding)
+    else:
+      if spec.path not in out:  # The stacked param, allocated once.
+        out[spec.path] = var.replace(_zeros(full, host.dtype, sharding))
+      value = _set_layer(out[spec.path].get_value(),
+                         _put(host, _layer_sharding(sharding)),
+                         spec.layer)
+    out[spec.path] = var.replace(value)
+    value.block_until_ready()  # Bounds host memory.
   return nnx.from_flat_state(out)
+
+
+def _put(host: np.ndarray, sharding):
+  # put_global: each host places its own shards of the tensor it read.
+  return (jax.device_put(host) if sharding is None
+          else distributed.put_global(host, sharding))
+
+
+def _layer_sharding(sharding):
+  """The sharding of one layer of a stacked param (no layer axis)."""
+  if sharding is None:
+    return None
+  return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+def _zeros(shape, dtype, sharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked, layer_value, layer: int):
+  return jax.lax.dynamic_update_index_in_dim(stacked, layer_value, layer, 0)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -236,7 +271,15 @@ def save_params(path: str, cfg: ModelConfig, arch: str, params, *,
   """
   flat = dict(nnx.to_flat_state(params))
   specs = tensor_specs(cfg, arch)
-  size = lambda s: math.prod(flat[s.path].get_value().shape) * dtype.itemsize
+
+  def value(s: TensorSpec):
+    x = flat[s.path].get_value()
+    return x if s.layer is None else x[s.layer]
+
+  def size(s: TensorSpec) -> int:
+    shape = flat[s.path].get_value().shape
+    return math.prod(shape[s.layer is not None:]) * dtype.itemsize
+
   shards: list[list[TensorSpec]] = [[]]
   used = 0
   for spec in specs:
@@ -251,8 +294,7 @@ def save_params(path: str, cfg: ModelConfig, arch: str, params, *,
   writer = jax.process_index() == 0
   for name, shard in zip(names, shards):
     tensors = {s.hf_name: np.ascontiguousarray(
-        s.to_hf(_to_host(flat[s.path].get_value())).astype(dtype))
-               for s in shard}
+        s.to_hf(_to_host(value(s))).astype(dtype)) for s in shard}
     if writer:
       save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
     del tensors

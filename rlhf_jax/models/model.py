@@ -47,6 +47,13 @@ def forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, *,
                context=context)
 
 
+def prefill(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, last_B,
+            *, context=None):
+  """Logits at `last_B` only, and every layer's KV; see `Decoder.prefill`."""
+  return nnx.merge(graphdef, params).prefill(
+      tokens_BxT, positions_BxT, mask_BxT, last_B, context=context)
+
+
 def decode(graphdef, params, *args, **kwargs):
   """One prefix-shared decode step; see `Decoder.decode`."""
   return nnx.merge(graphdef, params).decode(*args, **kwargs)

@@ -17,11 +17,14 @@ per row, P prefix length, M per-sample suffix length.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.attention_parts import attention_part, merge_parts
+from kernels_pallas import flash_attention as fa
+from kernels_pallas.attention_parts import merge_parts
 from kernels_pallas.prefix_decode_attention import prefix_decode_attention
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import (
@@ -33,44 +36,59 @@ def _softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def causal_attention(q_BxTxHxK, k_BxSxNxK, v_BxSxNxK, allowed_BxTxS, cfg):
-  """Softmax attention with an explicit allowed-keys mask (fp32 softmax)."""
-  B, T, H, K = q_BxTxHxK.shape
-  N = k_BxSxNxK.shape[2]
-  q = q_BxTxHxK.reshape(B, T, N, H // N, K)
-  s = jnp.einsum("btnqk,bsnk->bnqts", q, k_BxSxNxK,
-                 preferred_element_type=jnp.float32) * cfg.scores_scale
-  s = _softcap(s, cfg.attn_logit_softcap)
-  out, _ = attention_part(s, allowed_BxTxS[:, None, None], v_BxSxNxK,
-                          "bnqts,bsnk->btnqk")
-  return out.reshape(B, T, H, K).astype(q_BxTxHxK.dtype)
+def layer_window(cfg: ModelConfig, layer):
+  """The sliding window of a layer (`NO_WINDOW` on a global one); traced
+  when the layer index is (a scanned layer of Gemma 2)."""
+  if cfg.sliding_window is None:
+    return fa.NO_WINDOW
+  local = cfg.is_local_layer(layer)
+  if isinstance(local, bool):
+    return cfg.sliding_window if local else fa.NO_WINDOW
+  return jnp.where(local, cfg.sliding_window, fa.NO_WINDOW)
 
 
-def context_causal_attention(q_BxTxHxK, k_BxSxNxK, v_BxSxNxK, allowed_BxTxS,
-                             ctx_k_CxNxK, ctx_v_CxNxK, ctx_allowed_BxTxC, cfg):
-  """`causal_attention` plus a context KV shared by the batch, LSE-merged.
+def self_attention(q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT, seg_BxT,
+                   window, cfg: ModelConfig, *, sub_BxT=None,
+                   return_lse: bool = False, padded_rows: bool = True):
+  """Causal attention of a row's tokens to its own (same segment, earlier
+  positions, within the window; with `sub_BxT`, packed groups' sub-segments
+  too); `kernels_pallas/flash_attention.py`."""
+  return fa.attention(
+      q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT, positions_BxT, seg_BxT,
+      seg_BxT, window=window, softcap=cfg.attn_logit_softcap,
+      scale=cfg.scores_scale, impl=cfg.attention, return_lse=return_lse,
+      q_sub=sub_BxT, k_sub=sub_BxT, self_attention=True,
+      padded_rows=padded_rows)
 
-  The context (the engine's common prefix) is one [C, N, K] copy for all B
-  sequences; it is its own attention part, merged exactly with the causal
-  part by log-sum-exp, so it is never broadcast to [B, C, N, K].
-  """
-  B, T, H, K = q_BxTxHxK.shape
-  N = k_BxSxNxK.shape[2]
-  q = q_BxTxHxK.reshape(B, T, N, H // N, K)
-  s = jnp.einsum("btnqk,bsnk->bnqts", q, k_BxSxNxK,
-                 preferred_element_type=jnp.float32) * cfg.scores_scale
-  own = attention_part(_softcap(s, cfg.attn_logit_softcap),
-                       allowed_BxTxS[:, None, None], v_BxSxNxK,
-                       "bnqts,bsnk->btnqk")
-  s = jnp.einsum("btnqk,cnk->bnqtc", q, ctx_k_CxNxK,
-                 preferred_element_type=jnp.float32) * cfg.scores_scale
-  ctx = attention_part(_softcap(s, cfg.attn_logit_softcap),
-                       ctx_allowed_BxTxC[:, None, None], ctx_v_CxNxK,
-                       "bnqtc,cnk->btnqk")
-  # lse comes back as [B, N, Q, T]; merge_parts wants out's layout minus K.
-  parts = [(o, jnp.transpose(lse, (0, 3, 1, 2))) for o, lse in (own, ctx)]
-  out, _ = merge_parts(parts)
-  return out.reshape(B, T, H, K).astype(q_BxTxHxK.dtype)
+
+def parts_impl(cfg: ModelConfig) -> str:
+  """The attention impl of parts that are not a sequence's self-attention
+  (a shared context, the grouped layout's prompt part): the vendor kernels
+  take self-attention only, so "auto" picks for those."""
+  return "auto" if cfg.attention in ("splash", "cudnn") else cfg.attention
+
+
+def context_attention(q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT,
+                      seg_BxT, ctx_k_CxNxK, ctx_v_CxNxK, ctx_len, window,
+                      cfg: ModelConfig):
+  """`self_attention` plus a context KV that precedes every row (the
+  engine's common prefix, positions 0..ctx_len-1), LSE-merged: two parts
+  over disjoint keys, merged exactly (`attention_parts.merge_parts`)."""
+  B = q_BxTxHxK.shape[0]
+  C = ctx_k_CxNxK.shape[0]
+  own = self_attention(q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT,
+                       seg_BxT, window, cfg, return_lse=True)
+  ctx_pos = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+  ctx_seg = jnp.where(ctx_pos < ctx_len, 0, -1)
+  ctx = fa.attention(
+      q_BxTxHxK, jnp.broadcast_to(ctx_k_CxNxK, (B,) + ctx_k_CxNxK.shape),
+      jnp.broadcast_to(ctx_v_CxNxK, (B,) + ctx_v_CxNxK.shape), positions_BxT,
+      ctx_pos, jnp.where(seg_BxT >= 0, 0, -2), ctx_seg, window=window,
+      softcap=cfg.attn_logit_softcap, scale=cfg.scores_scale,
+      impl=parts_impl(cfg),
+      return_lse=True)
+  out, _ = merge_parts([(o.astype(jnp.float32), lse) for o, lse in (own, ctx)])
+  return out.astype(q_BxTxHxK.dtype)
 
 
 class Block(nnx.Module):
@@ -97,16 +115,74 @@ class Block(nnx.Module):
     return x + y.astype(x.dtype)
 
 
+def stack_layers(modules: list[nnx.Module]) -> nnx.Module:
+  """One module whose params hold `modules`' params stacked on a leading
+  "layers" axis (logical name prepended), for `jax.lax.scan`."""
+  splits = [nnx.split(m) for m in modules]
+  graphdef, states = splits[0][0], [state for _, state in splits]
+
+  def stack(*vs):
+    axes = vs[0].get_metadata().get("logical_axes")
+    value = jnp.stack([v.get_value() for v in vs])
+    if axes is None:
+      return vs[0].replace(value)
+    return vs[0].replace(value, logical_axes=("layers",) + tuple(axes))
+
+  return nnx.merge(graphdef, jax.tree.map(
+      stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+_REMAT = {"none": None,
+          "full": lambda f: jax.checkpoint(f, prevent_cse=False),
+          "dots": lambda f: jax.checkpoint(
+              f, prevent_cse=False,
+              policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}
+
+
+def scan_layers(stacked: nnx.Module, cfg: ModelConfig,
+                body: Callable[[nnx.Module, Any, Any, Any], tuple[Any, Any]],
+                carry, xs=None):
+  """Runs `body(block, layer, carry, x) -> (carry, y)` over the layers of
+  the stacked module; returns (carry, ys stacked over layers).
+
+  `jax.lax.scan` over the stacked params (one compiled layer, whatever the
+  depth), or with `cfg.scan_layers=False` a Python loop over the same
+  params (the reference; `layer` is then an int). `cfg.remat` wraps each
+  layer in `jax.checkpoint` with its policy.
+  """
+  graphdef, state = nnx.split(stacked)
+
+  def step(carry, inputs):
+    layer_state, layer, x = inputs
+    return body(nnx.merge(graphdef, layer_state), layer, carry, x)
+
+  if _REMAT[cfg.remat] is not None:
+    step = _REMAT[cfg.remat](step)
+  if cfg.scan_layers:
+    return jax.lax.scan(step, carry, (state, jnp.arange(cfg.num_layers), xs))
+  ys = []
+  for i in range(cfg.num_layers):
+    layer_state, x = jax.tree.map(lambda a, i=i: a[i], (state, xs))
+    carry, y = step(carry, (layer_state, i, x))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
 class Decoder(nnx.Module):
-  """Decoder-only transformer for the Llama / Qwen2 / Qwen3 / Gemma 2 family."""
+  """Decoder-only transformer for the Llama / Qwen2 / Qwen3 / Gemma 2 family.
+
+  The blocks' params are stacked over layers (`stack_layers`; logical axis
+  "layers", never sharded) and every mode runs them with `scan_layers`.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d, v = cfg.embed_dim, cfg.vocab_size
     self.embed = _param(rngs, (v, d), ("vocab", "embed"), cfg.param_jnp_dtype,
                         fan_in=d)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    # Built one by one (each layer draws its own init), then stacked.
+    self.blocks = stack_layers([Block(cfg, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(d, cfg, rngs=rngs)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (d, v), ("embed", "vocab"),
@@ -119,17 +195,26 @@ class Decoder(nnx.Module):
       x = x * jnp.asarray(math.sqrt(self.cfg.embed_dim), cdt)
     return constrain(x, ("batch", "length", "embed_act"))
 
-  def _logits(self, x):
+  def head(self) -> tuple[jax.Array, int]:
+    """(the vocabulary projection in the compute dtype, its vocab axis):
+    the tied embedding [V, D] (axis 0) or the lm_head [D, V] (axis 1)."""
     cdt = self.cfg.compute_jnp_dtype
-    x = self.final_norm(x)
     if self.cfg.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(cdt),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(cdt),
-                          preferred_element_type=jnp.float32)
+      return self.embed[...].astype(cdt), 0
+    return self.lm_head[...].astype(cdt), 1
+
+  def project(self, h):
+    """fp32 logits [..., V] of final-norm hidden states (soft-capped)."""
+    w, axis = self.head()
+    spec = "...d,vd->...v" if axis == 0 else "...d,dv->...v"
+    logits = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
     logits = _softcap(logits, self.cfg.final_logit_softcap)
-    return constrain(logits, ("batch", "length", "vocab"))
+    if logits.ndim == 3:
+      logits = constrain(logits, ("batch", "length", "vocab"))
+    return logits
+
+  def _logits(self, x):
+    return self.project(self.final_norm(x))
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, *,
                return_kv: bool = False, context=None):
@@ -153,45 +238,54 @@ class Decoder(nnx.Module):
                             context=context)
     logits = self._logits(x)
     if return_kv:
-      return logits, (jnp.stack(ks), jnp.stack(vs))
+      return logits, (ks, vs)
     return logits
 
-  def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT):
-    """Final-norm hidden states [B,T,D] (compute dtype), for scalar heads."""
-    x, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT)
+  def prefill(self, tokens_BxT, positions_BxT, mask_BxT, last_B, *,
+              context=None):
+    """(logits [B,V] fp32 at positions `last_B` only, (k, v) [L,B,T,N,K]):
+    the engine's prefill, without the [B,T,V] logits of every position."""
+    x, ks, vs = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                            context=context)
+    x_last = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
+    return self.project(self.final_norm(x_last)), (ks, vs)
+
+  def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT, *,
+                    segments=None, subs=None):
+    """Final-norm hidden states [B,T,D] (compute dtype): of right-padded
+    rows (`mask_BxT`), or of packed rows (`segments` [B,T]: tokens attend
+    within their segment; negative: padding; `subs` [B,T]: packed groups,
+    `rl/packing.py`)."""
+    x, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                          segments=segments, subs=subs)
     return self.final_norm(x)
 
-  def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None):
-    """Embedding + blocks: residual stream [B,T,D] and per-layer k, v lists."""
-    T = tokens_BxT.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    allowed = causal[None] & mask_BxT[:, None, :]
-    dist = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+  def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None,
+             segments=None, subs=None):
+    """Embedding + blocks: residual stream [B,T,D] and k, v [L,B,T,N,K]."""
+    cfg = self.cfg
+    padded_rows = segments is None
+    seg_BxT = (jnp.where(mask_BxT, 0, -1) if padded_rows  # Padding: its own.
+               else segments)
     if context is not None and context[0].shape[1] == 0:
       context = None
-    if context is not None:
-      ctx_k, ctx_v, ctx_len = context
-      ctx_pos = jnp.arange(ctx_k.shape[1])
-      ctx_dist = positions_BxT[:, :, None] - ctx_pos  # [B, T, C]
-      ctx_allowed = jnp.broadcast_to(ctx_pos < ctx_len, ctx_dist.shape)
-    x = self._embed(tokens_BxT)
-    ks, vs = [], []
-    for i, block in enumerate(self.blocks):
-      layer_allowed = allowed
-      if self.cfg.is_local_layer(i):
-        layer_allowed = allowed & (dist < self.cfg.sliding_window)
+    ctx_len = None if context is None else context[2]
+
+    def layer(block, i, x, ctx):
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_BxT)
-      if context is None:
-        o = causal_attention(q, k, v, layer_allowed, self.cfg)
+      window = layer_window(cfg, i)
+      if ctx is None:
+        o = self_attention(q, k, v, positions_BxT, seg_BxT, window, cfg,
+                           sub_BxT=subs, padded_rows=padded_rows)
       else:
-        layer_ctx = ctx_allowed
-        if self.cfg.is_local_layer(i):
-          layer_ctx = ctx_allowed & (ctx_dist < self.cfg.sliding_window)
-        o = context_causal_attention(q, k, v, layer_allowed, ctx_k[i],
-                                     ctx_v[i], layer_ctx, self.cfg)
-      x = block._residual_mlp(x, block.attn.out(o))
-      ks.append(k)
-      vs.append(v)
+        o = context_attention(q, k, v, positions_BxT, seg_BxT, ctx[0],
+                              ctx[1], ctx_len, window, cfg)
+      return block._residual_mlp(x, block.attn.out(o)), (k, v)
+
+    x = self._embed(tokens_BxT)
+    x, (ks, vs) = scan_layers(
+        self.blocks, cfg, layer, x,
+        None if context is None else (context[0], context[1]))
     return x, ks, vs
 
   def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,
@@ -218,8 +312,11 @@ class Decoder(nnx.Module):
     R, G = tokens_RxG.shape
     rows = jnp.arange(R)[:, None]
     cols = jnp.arange(G)[None, :]
-    x = self._embed(tokens_RxG)  # [R, G, D]: rows as batch, samples as length.
-    for i, block in enumerate(self.blocks):
+
+    def layer(block, i, carry, _):
+      # The caches ride in the carry: each layer writes its own slice in
+      # place (a scan output would be a second copy of the cache).
+      x, suffix_k, suffix_v = carry
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_RxG)
       suffix_k = suffix_k.at[i, rows, cols, suffix_len_RxG].set(
           k.astype(suffix_k.dtype), mode="drop")
@@ -231,5 +328,10 @@ class Decoder(nnx.Module):
           logit_softcap=self.cfg.attn_logit_softcap, impl=attention_impl,
           **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
                   common_len=common_len) if common else {}))
-      x = block._residual_mlp(x, block.attn.out(o))
+      return (block._residual_mlp(x, block.attn.out(o)), suffix_k,
+              suffix_v), None
+
+    x = self._embed(tokens_RxG)  # [R, G, D]: rows as batch, samples as length.
+    (x, suffix_k, suffix_v), _ = scan_layers(
+        self.blocks, self.cfg, layer, (x, suffix_k, suffix_v))
     return self._logits(x), suffix_k, suffix_v

@@ -69,6 +69,12 @@ class Layout:
                  else tuple(kept))
     return PartitionSpec(*out)
 
+  def shards(self, logical: str) -> int:
+    """Devices a dimension named `logical` is split over (at most)."""
+    spec = self.spec((logical,))[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
   def sharding(self, logical, shape=None) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(logical, shape))
 
@@ -79,7 +85,9 @@ class Layout:
     On a dimension already split over other axes (e.g. "tensor" on heads),
     `param_axis` goes minor to them: ("tensor", "fsdp"). Every device's block
     then lies inside its block of the rollout layout (which drops
-    `param_axis`), so the switch gathers within groups only.
+    `param_axis`), so the switch gathers within groups only. The "layers"
+    axis of stacked params is never split: a scan over layers slices it,
+    and each layer's shards must be on every device.
     """
     spec = list(self.spec(logical, shape))
     spec += [None] * (len(shape) - len(spec))
@@ -89,6 +97,8 @@ class Layout:
         for s in spec):
       return PartitionSpec(*spec)
     for i, n in enumerate(shape):
+      if i < len(logical) and logical[i] == "layers":
+        continue
       axes = (spec[i],) if isinstance(spec[i], str) else tuple(spec[i] or ())
       size = int(np.prod([self.mesh.shape[a] for a in axes]))
       if n % (size * self.mesh.shape[axis]) == 0:

@@ -41,23 +41,34 @@ def _layer_key(path) -> Any:
   return str(getattr(first, "key", getattr(first, "name", first)))
 
 
+def _is_layers(path) -> bool:
+  """Whether a leaf lies under the stacked layers (a "blocks" entry)."""
+  return any(getattr(k, "key", getattr(k, "name", None)) == "blocks"
+             for k in path)
+
+
 def layer_groups(tree: PyTree, layers_per_group: int = 1
                  ) -> tuple[tuple[int, ...], ...]:
   """Leaf indices (in flatten order) cut into layer groups.
 
   Leaves under an integer key (a block of `blocks`) belong to that layer;
   `layers_per_group` consecutive layers form one group. Every other top-level
-  entry (embedding, final norm, head) is its own group. For stacked/scanned
-  params (no integer keys) each top-level entry is a group: a contiguous set
-  of leaves.
+  entry (embedding, final norm, head) is its own group. Stacked layers
+  (`models/transformer.stack_layers`: no integer keys) hold each kind of
+  weight of every layer in one leaf: each of those leaves is a group, so at
+  most one leaf (plus `max_in_flight` - 1) exists in both layouts at once.
   """
   if layers_per_group < 1:
     raise ValueError(f"layers_per_group must be >= 1, got {layers_per_group}")
   paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  stacked = not any(isinstance(_layer_key(p), int) for p in paths)
   groups: dict[Any, list[int]] = {}
   for i, path in enumerate(paths):
     key = _layer_key(path)
-    key = ("layer", key // layers_per_group) if isinstance(key, int) else key
+    if isinstance(key, int):
+      key = ("layer", key // layers_per_group)
+    elif stacked and _is_layers(path):
+      key = ("leaf", i)
     groups.setdefault(key, []).append(i)
   return tuple(tuple(v) for v in groups.values())
 

@@ -12,6 +12,10 @@ Modes (registered under category "aggregation"):
     then mean over the B rows (Dr.GRPO). Both divisors are constants, so a
     token's gradient does not depend on its own or anyone's length.
 
+Packed rows (`rl/packing.py`) hold several sequences per row; the batch
+says which tokens belong to which (`aggregate_terms(..., packed=batch)`),
+so the "seq-mean" modes average per sequence, not per row.
+
 Each mode is a pair (numerator, weight) with aggregate = numerator / weight.
 Summing numerators and weights over micro-batches and dividing once gives
 exactly the full-batch value, which is what gradient accumulation needs
@@ -52,69 +56,92 @@ def masked_mean(
   return total / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
 
 
+def _sequences(mask_BxT, seq_BxT, seq_len_BxT):
+  """(per-token length of the token's sequence, 1 on each sequence's first
+  trained token). Repeated/grouped rows are one sequence each; packed rows
+  (`rl/packing.py`) say which tokens belong to which sequence (`seq`) and
+  how long each is (`seq_len`); a sequence's trained tokens are contiguous.
+  """
+  if seq_BxT is None:
+    B, T = mask_BxT.shape
+    seq_len_BxT = jnp.broadcast_to(jnp.sum(mask_BxT, 1, keepdims=True), (B, T))
+    seq_BxT = jnp.where(mask_BxT > 0, jnp.arange(B)[:, None], -1)
+  before = jnp.pad(seq_BxT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  first = ((mask_BxT > 0) & (seq_BxT != before)).astype(jnp.float32)
+  return seq_len_BxT, first
+
+
 @registry.register("aggregation", "token-mean")
-def token_mean_terms(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, max_len: int | None = None
-) -> tuple[jax.Array, jax.Array]:
+def token_mean_terms(loss_BxT: jax.Array, mask_BxT: jax.Array,
+                     **unused) -> tuple[jax.Array, jax.Array]:
   """Terms of "token-mean": (sum of valid losses, number of valid tokens).
 
   Args:
     loss_BxT: [B, T] per-token losses.
     mask_BxT: [B, T] 1 on valid tokens.
-    max_len: unused; accepted so all modes share one signature.
+    **unused: the other modes' arguments (one signature for all).
 
   Returns:
     (numerator, weight), fp32 scalars.
   """
-  del max_len
+  del unused
   mask_BxT = _fp32_mask(mask_BxT)
   return jnp.sum(_masked_loss(loss_BxT, mask_BxT)), jnp.sum(mask_BxT)
 
 
 @registry.register("aggregation", "seq-mean-token-mean")
 def seq_mean_token_mean_terms(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, max_len: int | None = None
-) -> tuple[jax.Array, jax.Array]:
+    loss_BxT: jax.Array, mask_BxT: jax.Array, *,
+    seq_BxT: jax.Array | None = None, seq_len_BxT: jax.Array | None = None,
+    **unused) -> tuple[jax.Array, jax.Array]:
   """Terms of "seq-mean-token-mean": (sum of sequence means, #sequences).
 
-  Rows without any valid token (batch padding) count in neither term.
+  Sequences without any valid token (batch padding) count in neither term.
 
   Args:
     loss_BxT: [B, T] per-token losses.
     mask_BxT: [B, T] 1 on valid tokens.
-    max_len: unused; accepted so all modes share one signature.
+    seq_BxT, seq_len_BxT: packed rows only (`_sequences`).
+    **unused: the other modes' arguments.
 
   Returns:
     (numerator, weight), fp32 scalars.
   """
-  del max_len
+  del unused
   mask_BxT = _fp32_mask(mask_BxT)
-  len_B = jnp.sum(mask_BxT, axis=1)
-  seq_mean_B = jnp.sum(_masked_loss(loss_BxT, mask_BxT), axis=1) / (
-      jnp.maximum(len_B, 1.0)
-  )
-  return jnp.sum(seq_mean_B), jnp.sum((len_B > 0).astype(jnp.float32))
+  len_BxT, first_BxT = _sequences(mask_BxT, seq_BxT, seq_len_BxT)
+  per_token = _masked_loss(loss_BxT, mask_BxT) / jnp.maximum(len_BxT, 1.0)
+  return jnp.sum(per_token), jnp.sum(first_BxT)
 
 
 @registry.register("aggregation", "seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm_terms(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, max_len: int | None = None
+    loss_BxT: jax.Array, mask_BxT: jax.Array, *, max_len: int | None = None,
+    num_seqs: jax.Array | None = None, **unused
 ) -> tuple[jax.Array, jax.Array]:
-  """Terms of "seq-mean-token-sum-norm": (sum / max_len, B).
+  """Terms of "seq-mean-token-sum-norm": (sum / max_len, #sequences).
 
   Args:
     loss_BxT: [B, T] per-token losses.
     mask_BxT: [B, T] 1 on valid tokens.
     max_len: the constant length normaliser, normally the maximum response
-      length of the run; defaults to T.
+      length of the run; defaults to T (not in packed rows: required there).
+    num_seqs: packed rows only: [B] sequences each row counts for (every
+      sample, trained or not, as the B rows of the other layouts do).
+    **unused: the other modes' arguments.
 
   Returns:
     (numerator, weight), fp32 scalars.
   """
+  del unused
   mask_BxT = _fp32_mask(mask_BxT)
+  if max_len is None and num_seqs is not None:
+    raise ValueError("seq-mean-token-sum-norm of packed rows needs max_len")
   norm = float(loss_BxT.shape[1] if max_len is None else max_len)
   total = jnp.sum(_masked_loss(loss_BxT, mask_BxT)) / norm
-  return total, jnp.asarray(loss_BxT.shape[0], jnp.float32)
+  count = (jnp.asarray(loss_BxT.shape[0], jnp.float32) if num_seqs is None
+           else jnp.sum(num_seqs))
+  return total, count
 
 
 def aggregate_terms(
@@ -123,6 +150,7 @@ def aggregate_terms(
     mode: str,
     *,
     max_len: int | None = None,
+    packed: dict | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(numerator, weight) of `mode`; sum these over micro-batches.
 
@@ -131,11 +159,17 @@ def aggregate_terms(
     mask_BxT: [B, T] 1 on valid tokens, 0 on prompt/padding.
     mode: a registered aggregation name, e.g. "token-mean".
     max_len: constant normaliser of "seq-mean-token-sum-norm".
+    packed: a packed batch (`rl/packing.py`): rows hold several sequences,
+      which its "seq", "seq_len" and "row_seqs" tell apart.
 
   Returns:
     (numerator, weight), fp32 scalars.
   """
-  return registry.get("aggregation", mode)(loss_BxT, mask_BxT, max_len=max_len)
+  extra = {} if packed is None else dict(
+      seq_BxT=packed["seq"], seq_len_BxT=packed["seq_len"],
+      num_seqs=packed["row_seqs"])
+  return registry.get("aggregation", mode)(loss_BxT, mask_BxT,
+                                           max_len=max_len, **extra)
 
 
 def aggregate_loss(

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from rlhf_jax.rl import packing
+
 
 @dataclasses.dataclass
 class PackedBatch:
@@ -23,7 +25,8 @@ class PackedBatch:
 
 
 def pack(samples: Sequence, prompt_len: int, max_new: int, *,
-         group_size: int = 0, trainable=None) -> PackedBatch:
+         group_size: int = 0, trainable=None,
+         slots: packing.Slots | None = None) -> PackedBatch:
   """Host arrays of the batch in one of the layouts of `rl/grouped.py`.
 
   group_size=0: the repeated layout, prompt + response per row, right-padded
@@ -31,8 +34,17 @@ def pack(samples: Sequence, prompt_len: int, max_new: int, *,
   prompt once ([N, P], right-padded) and its G responses [N, G, R]; samples
   must come as `generate` returns them (G consecutive samples per prompt).
   `trainable` [B] bool: False samples stay in the batch (static shapes) but
-  out of the loss (stale samples, empty dynamic-sampling slots).
+  out of the loss (stale samples, empty dynamic-sampling slots). `slots`:
+  the packed layout instead (`rl/packing.py`: rows of `slots.length`
+  tokens dealt to the step's mini-batch x micro-batch x shard cells; with
+  group_size each group's prompt is shared inside its row), where
+  untrainable samples take no room at all.
   """
+  response_len = np.array([len(s.tokens) for s in samples], np.float32)
+  if slots is not None:
+    arrays, sampler_logp = packing.pack(samples, slots, group_size=group_size,
+                                        trainable=trainable)
+    return PackedBatch(arrays, sampler_logp, response_len)
   packed = (_pack_grouped(samples, group_size, prompt_len, max_new)
             if group_size else _pack_repeated(samples, prompt_len, max_new))
   if trainable is not None:

@@ -273,19 +273,26 @@ def batch_logprobs(graphdef, params, batch: Batch, micro_batches: int):
 def train_epochs(learners, states, batch: Batch, *, epochs: int,
                  num_minibatches: int, seed: int):
   """`epochs` x `num_minibatches` updates of every learner on the same
-  mini-batches (rows of `batch`, a fresh permutation each epoch).
+  mini-batches (rows of `batch`, a fresh permutation each epoch; packed
+  rows come in balanced mini-batches, `rl/packing.py`: contiguous blocks,
+  visited in a fresh order each epoch).
 
   GRPO passes one learner (the policy); PPO the actor and the critic. All
   of them train on each mini-batch before the next. Returns the new states
   and, per learner, the host metrics of every update.
   """
   rng = np.random.default_rng(seed)
-  rows = batch["loss_mask"].shape[0]  # Sequences, or groups (grouped).
+  rows = batch["loss_mask"].shape[0]  # Sequences, groups or packed rows.
   states, metrics = list(states), [[] for _ in learners]
   for _ in range(epochs):
-    perm = rng.permutation(rows)
-    for k in range(num_minibatches):
-      mini = learners[0].rows(batch, perm[k::num_minibatches])
+    if grouped.is_packed(batch):
+      blocks = np.arange(rows).reshape(num_minibatches, -1)
+      minis = blocks[rng.permutation(num_minibatches)]
+    else:
+      perm = rng.permutation(rows)
+      minis = [perm[k::num_minibatches] for k in range(num_minibatches)]
+    for idx in minis:
+      mini = learners[0].rows(batch, idx)
       for i, learner in enumerate(learners):
         states[i], m = learner.step(states[i], mini)
         metrics[i].append(m)

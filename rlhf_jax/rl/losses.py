@@ -227,6 +227,7 @@ def kl_reward_penalty(
     *,
     beta: float,
     estimator: str = "k1",
+    sequence_sums=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Subtracts beta * KL(pi || ref) from rewards (InstructGPT-style penalty).
 
@@ -241,6 +242,8 @@ def kl_reward_penalty(
     mask_BxT: [B, T] 1 on response tokens.
     beta: KL coefficient.
     estimator: registered "kl_estimator" name.
+    sequence_sums: [B, T] -> [B] per-sequence sums (default: over axis 1;
+      packed rows pass `grouped.sequence_sums`).
 
   Returns:
     (penalised rewards with the shape of `rewards`, fp32 sequence KL [B]).
@@ -250,8 +253,11 @@ def kl_reward_penalty(
   )
   kl_BxT = jnp.where(jnp.asarray(mask_BxT) > 0, kl_BxT, 0.0)
   rewards = jnp.asarray(rewards, jnp.float32)
-  penalty = kl_BxT if rewards.ndim == 2 else jnp.sum(kl_BxT, axis=1)
-  return rewards - beta * penalty, jnp.sum(kl_BxT, axis=1)
+  if sequence_sums is None:
+    sequence_sums = lambda x: jnp.sum(x, axis=1)
+  kl_B = sequence_sums(kl_BxT)
+  penalty = kl_BxT if rewards.ndim == 2 else kl_B
+  return rewards - beta * penalty, kl_B
 
 
 def entropy_metric(

@@ -13,7 +13,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import reward_model
 from rlhf_jax.rl import (
   aggregation,
@@ -23,7 +22,6 @@ from rlhf_jax.rl import (
   preference,
   registry,
 )
-from rlhf_jax.rl.logprobs import token_entropy, token_logprobs
 
 
 def _masked_mean(x, mask):
@@ -33,12 +31,10 @@ def _masked_mean(x, mask):
 def sft_terms():
   """Token-mean cross-entropy on the loss_mask targets."""
   def terms(graphdef, params, mb):
-    logits = model_lib.forward(graphdef, params, mb["tokens"], mb["positions"],
-                               mb["attn_mask"])
-    logp = token_logprobs(logits, mb["targets"])
+    logp, _, argmax = grouped.target_logprobs(graphdef, params, mb)
     mask = mb["loss_mask"]
     return -jnp.sum(logp * mask), {"accuracy": _masked_mean(
-        (jnp.argmax(logits, -1) == mb["targets"]).astype(jnp.float32), mask)}
+        (argmax == mb["targets"]).astype(jnp.float32), mask)}
 
   return terms, lambda batch: jnp.sum(batch["loss_mask"])
 
@@ -60,15 +56,24 @@ class PolicyLossConfig:
 def policy_terms(c: PolicyLossConfig):
   """Clipped surrogate (+ beta * KL to the reference) with `c.aggregation`.
 
-  Takes batches in either layout of `rl/grouped.py` (repeated prompts, or
-  grouped: each prompt run once for its G responses); same loss either way.
+  Takes batches in any layout of `rl/grouped.py` (repeated prompts,
+  grouped: each prompt run once for its G responses, or packed rows); same
+  loss in each. GSPO's sequence ratio needs one sequence per row: not
+  packed rows.
   """
   loss_fn = registry.get("policy_loss", c.policy_loss)
   registry.get("kl_estimator", c.kl_estimator)  # Fail early on a bad name.
 
+  def packed(batch):
+    if not grouped.is_packed(batch):
+      return None
+    if c.policy_loss == "gspo":
+      raise ValueError("policy_loss 'gspo' takes one sequence per row: "
+                       "set rl.pack_length = 0")
+    return batch
+
   def terms(graphdef, params, mb):
-    logits, targets = grouped.logits_and_targets(graphdef, params, mb)
-    logp = token_logprobs(logits, targets)
+    logp, entropy, _ = grouped.target_logprobs(graphdef, params, mb)
     mb = grouped.per_sequence(mb)
     mask = mb["loss_mask"]
     loss, m = loss_fn(logp, mb["old_logp"], mb["advantages"], mask,
@@ -79,9 +84,9 @@ def policy_terms(c: PolicyLossConfig):
       loss = loss + losses.kl_loss(logp, mb["ref_logp"], mask,
                                    beta=c.kl_coef, estimator=c.kl_estimator)
     num, _ = aggregation.aggregate_terms(loss, mask, c.aggregation,
-                                         max_len=c.max_len)
+                                         max_len=c.max_len, packed=packed(mb))
     aux = {"kl": _masked_mean(kl, mask),
-           "entropy": _masked_mean(token_entropy(logits), mask),
+           "entropy": _masked_mean(entropy, mask),
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
     return num, aux
 
@@ -89,7 +94,8 @@ def policy_terms(c: PolicyLossConfig):
     batch = grouped.per_sequence(batch)
     zeros = jnp.zeros(batch["loss_mask"].shape, jnp.float32)
     return aggregation.aggregate_terms(zeros, batch["loss_mask"],
-                                       c.aggregation, max_len=c.max_len)[1]
+                                       c.aggregation, max_len=c.max_len,
+                                       packed=packed(batch))[1]
 
   return terms, weight
 

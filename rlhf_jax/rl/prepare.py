@@ -11,7 +11,9 @@ sequence rewards, or GAE on the critic's `values` for PPO), and the
 sampler-vs-trainer log-prob gap. The result holds what the policy loss (and
 the critic's value loss) read; `info` (replicated) the sequence rewards
 (before the penalty), the sequence KL, the gap and, with GAE, the mean
-critic value and return. Both layouts of `rl/grouped.py` work.
+critic value and return. Every layout of `rl/grouped.py` works (packed
+rows: sequence sums by segment, advantages laid out per token; GAE, PPO's,
+needs one sequence per row).
 
 Dimension letters: B sequences, T positions, N groups, G per group.
 """
@@ -24,7 +26,7 @@ import jax
 import numpy as np
 
 from rlhf_jax.parallel.layout import constrain, use_layout
-from rlhf_jax.rl import critic, losses, registry
+from rlhf_jax.rl import critic, grouped, losses, registry
 from rlhf_jax.rl.aggregation import masked_mean
 from rlhf_jax.rl.batch import PackedBatch
 from rlhf_jax.rl.learner import Learner, batch_axes, batch_logprobs
@@ -66,10 +68,16 @@ class Preparer:
     """The packed host arrays (+ sampler log-probs, + host rewards [B]) on
     device, batch-sharded: the step's one host->device transfer."""
     arrays = {**packed.arrays, "sampler_logp": packed.sampler_logp}
+    batch = self.learner.put_batch(arrays)
     if rewards is not None:  # Host numpy: no device round trip here.
-      arrays["rewards"] = np.asarray(rewards, np.float32).reshape(
-          packed.sampler_logp.shape[:-1])
-    return self.learner.put_batch(arrays)
+      rewards = np.asarray(rewards, np.float32)
+      if grouped.is_packed(arrays):  # [B]: not row-aligned; replicated.
+        batch["rewards"] = jax.device_put(rewards,
+                                          self.learner.layout.replicated())
+      else:
+        batch.update(self.learner.put_batch(
+            {"rewards": rewards.reshape(packed.sampler_logp.shape[:-1])}))
+    return batch
 
   def __call__(self, params, ref_params, batch: dict, values=None):
     """(training batch, info) from a `put` batch; `batch["rewards"]` [B]
@@ -90,11 +98,14 @@ class Preparer:
       ref_logp = batch_logprobs(lr.graphdef, ref_params, model_batch,
                                 lr.micro_batches)
       mask = batch["loss_mask"]
-      B = mask.reshape(-1, mask.shape[-1]).shape[0]
-      rows = [x.reshape(B, -1) for x in (old_logp, ref_logp, mask)]
+      B = batch["rewards"].size
+      rows = [x.reshape(-1, x.shape[-1]) for x in (old_logp, ref_logp, mask)]
       rewards = scores = batch["rewards"].reshape(B)
       out = {"old_logp": old_logp, "ref_logp": ref_logp}
       if c.estimator == "gae":
+        if grouped.is_packed(batch):
+          raise ValueError("GAE (PPO) takes one sequence per row: set "
+                           "rl.pack_length = 0")
         t = critic.ppo_targets(rewards, *rows[:2], values, rows[2],
                                kl_coef=c.kl_penalty,
                                kl_estimator=c.kl_estimator, gamma=c.gamma,
@@ -107,11 +118,13 @@ class Preparer:
       else:
         extra = {}
         penalised, kl = losses.kl_reward_penalty(
-            rewards, *rows, beta=c.kl_penalty, estimator=c.kl_estimator)
+            rewards, *rows, beta=c.kl_penalty, estimator=c.kl_estimator,
+            sequence_sums=lambda x: grouped.sequence_sums(x, batch, B))
         if c.kl_penalty:
           rewards = penalised
-        out["advantages"] = registry.get("advantage", c.estimator)(
-            rewards, c.group_size).reshape(mask.shape[:-1])  # [B] | [N, G]
+        out["advantages"] = grouped.per_sequence_values(  # [B]|[N, G]|[W, L]
+            registry.get("advantage", c.estimator)(rewards, c.group_size),
+            batch)
       gap_max, gap_mean = logprob_gap(old_logp, batch["sampler_logp"], mask)
       info = {"rewards": scores, "kl": kl, "gap_max": gap_max,
               "gap_mean": gap_mean, **extra}

@@ -31,7 +31,7 @@ from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.scoring import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
-from rlhf_jax.rl import objectives, prepare, streaming
+from rlhf_jax.rl import objectives, packing, prepare, streaming
 from rlhf_jax.rl.learner import Learner, TrainState, make_optimizer
 from rlhf_jax.rl.learner import train_epochs
 from rlhf_jax.rollout import build as rollout_build
@@ -109,7 +109,8 @@ def grpo_step(job: Job, step: int, state: TrainState, ref_params, prompts):
   with co.span("scoring"), colocate.transient(co, ref_params) as ref:
     keep = co.fresh(sampled.samples)  # Raises on stale ones unless "drop".
     batch, info = _train_batch(job, sampled.samples, sampled.rewards,
-                               keep & sampled.valid, params, ref)
+                               keep & sampled.valid, params, ref,
+                               minibatches=rl.num_minibatches)
     jax.block_until_ready(batch)  # Before the reference copy is freed.
   with co.span("train"):
     state = TrainState(params, co.unpark(opt_state), state.step)
@@ -173,14 +174,19 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
       stale=int(np.sum(~info["keep"])))
 
 
-def _train_batch(job: Job, samples, rewards, trainable, params, ref):
+def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,
+                 minibatches: int):
   """The device training batch of whole groups and its info: the
-  ADVANTAGES stage's, the response lengths and the trained tokens."""
-  G = job.c.rollout.samples_per_row
+  ADVANTAGES stage's, the response lengths and the trained tokens. With
+  `rl.pack_length`, packed rows dealt to `minibatches` mini-batches."""
+  G, rl = job.c.rollout.samples_per_row, job.c.rl
+  slots = packing.Slots(
+      rl.pack_length, minibatches, rl.micro_batches,
+      job.learner.layout.shards("batch")) if rl.pack_length else None
   packed = batch_lib.pack(
       samples, job.source.prompt_len, job.c.rollout.max_new_tokens,
-      group_size=G if job.c.rl.share_prompt and G > 1 else 0,
-      trainable=trainable)
+      group_size=G if rl.share_prompt and G > 1 else 0,
+      trainable=trainable, slots=slots)
   batch, info = job.preparer(params, ref, job.preparer.put(packed, rewards))
   return batch, {**info, "response_len": packed.response_len,
                  "tokens": float(packed.arrays["loss_mask"].sum())}
@@ -190,7 +196,8 @@ def _part_batch(job: Job, samples, rewards, params, ref):
   """`_train_batch` of a streamed part; stale samples are left out (or
   raise, as `mesh.stale_samples` says)."""
   keep = job.colocation.fresh(samples)
-  batch, info = _train_batch(job, samples, rewards, keep, params, ref)
+  batch, info = _train_batch(job, samples, rewards, keep, params, ref,
+                             minibatches=1)
   return batch, {**info, "keep": keep}
 
 

@@ -1,0 +1,212 @@
+"""Per-device memory of the train step, log-prob pass and decode step at
+7-8B scale, proven by AOT compilation on 8 fake CPU devices (nothing is
+allocated).
+
+  python -m benchmarks.memory [--quick] [--presets=qwen2.5-7b,llama3.1-8b]
+
+Each step is `jax.jit(...).lower(abstract args).compile()` on
+ShapeDtypeStructs that carry the real shardings (FSDP 8 for training, 8
+replicas for the rollout), and `compiled.memory_analysis()` gives bytes per
+device of XLA:CPU's allocation (a proxy for an accelerator's):
+  train_gib_per_device   argument + output - aliased + temporary bytes of
+                         one `Learner` update (forward, backward, AdamW),
+                         grouped layout with G=8, 4 sequences x 4096 tokens
+                         per device per micro-batch (prompt 512 + response
+                         3584), bf16 compute, fp32 master weights and
+                         optimizer state, layers scanned, remat "full",
+                         chunked attention and log-probs;
+  logprob_gib_per_device the forward-only log-prob pass on the same batch
+                         (the ADVANTAGES stage runs two);
+  decode_gib_per_device  one engine decode step, 256 live samples (32 rows
+                         x G=8) with 4096 tokens of context each (prompt
+                         512 shared per row, 3584 of their own), the
+                         rollout copy of the weights as the engine holds it.
+The baseline, measured in the same run where it compiles: the same train
+step with the code paths it replaces (`*_before`: layers in a Python loop,
+no remat, T x T attention, the whole [B*T, V] logits); in --quick on
+`qwen2.5-0.5b` only (`small.*`), the full run on every preset.
+
+Last stdout line: JSON with `<preset>.train_gib_per_device`,
+`<preset>.decode_gib_per_device`, `<preset>.compile_s`, ..., and
+`small.train_temp_ratio` = temporary bytes before / after.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_QUICK = flags.DEFINE_bool("quick", False, "One preset; baseline on the small "
+                           "model only (< 3 minutes).")
+_PRESETS = flags.DEFINE_list("presets", None, "Model presets (default: "
+                             "qwen2.5-7b in --quick, + llama3.1-8b).")
+_DEVICES = 8
+GIB = 2**30
+# Per device per micro-batch: 4 sequences of 512 + 3584 tokens, G = 8.
+SEQ_PER_DEVICE, PROMPT, RESPONSE, G = 4, 512, 3584, 8
+DECODE_ROWS, DECODE_G = 32, 8
+
+
+def _abstract(tree, shardings):
+  import jax
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      tree, shardings)
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes
+           - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  return {"gib": total / GIB, "temp_gib": m.temp_size_in_bytes / GIB,
+          "argument_gib": m.argument_size_in_bytes / GIB}
+
+
+def _train(cfg, learner_of):
+  """(train memory, log-prob memory, compile seconds) of `cfg`."""
+  import jax
+  import jax.numpy as jnp
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.parallel import mesh as mesh_lib
+
+  mesh = mesh_lib.make_mesh(fsdp=_DEVICES)
+  layout = mesh_lib.train_layout(mesh)
+  graphdef, params = model_lib.abstract_params(cfg)
+  learner = learner_of(graphdef, layout)
+  params = _abstract(params, layout.param_shardings(params))
+  opt = jax.eval_shape(learner.optimizer.init, params)
+  opt = _abstract(opt, learner.opt_shardings(params, opt))
+  from rlhf_jax.rl.learner import TrainState
+  state = TrainState(params, opt, jax.ShapeDtypeStruct(
+      (), jnp.int32, sharding=layout.replicated()))
+  n_groups = SEQ_PER_DEVICE * _DEVICES // G
+  shapes = {"prompt_tokens": ((n_groups, PROMPT), jnp.int32),
+            "prompt_len": ((n_groups,), jnp.int32),
+            "response_tokens": ((n_groups, G, RESPONSE), jnp.int32),
+            "loss_mask": ((n_groups, G, RESPONSE), jnp.float32),
+            "old_logp": ((n_groups, G, RESPONSE), jnp.float32),
+            "ref_logp": ((n_groups, G, RESPONSE), jnp.float32),
+            "advantages": ((n_groups, G), jnp.float32)}
+  batch = {k: jax.ShapeDtypeStruct(
+      s, d, sharding=layout.sharding(("batch",) + (None,) * (len(s) - 1), s))
+           for k, (s, d) in shapes.items()}
+  t0 = time.perf_counter()
+  train = learner._step_jit.lower(state, batch).compile()  # pylint: disable=protected-access
+  compile_s = time.perf_counter() - t0
+  logp_batch = {k: v for k, v in batch.items()
+                if k not in ("old_logp", "ref_logp", "advantages")}
+  logp = learner._logprobs_jit.lower(params, logp_batch).compile()  # pylint: disable=protected-access
+  return _memory(train), _memory(logp), compile_s
+
+
+def _decode(cfg):
+  """(decode step memory, compile seconds) on 8 rollout replicas."""
+  import jax
+  from rlhf_jax.engine.engine import Engine
+  from rlhf_jax.engine.sampling import SamplingParams
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.parallel import mesh as mesh_lib
+
+  mesh = mesh_lib.make_mesh(fsdp=_DEVICES)
+  layout = mesh_lib.rollout_layout(mesh, 1)
+  graphdef, params = model_lib.abstract_params(cfg)
+  engine = Engine(cfg, graphdef, layout, num_rows=DECODE_ROWS,
+                  samples_per_row=DECODE_G, prefill_buckets=(PROMPT,),
+                  sampling=SamplingParams(max_new_tokens=RESPONSE))
+  params = _abstract(params, engine.param_shardings)
+  state = _abstract(engine.abstract_state(), engine.state_shardings)
+  t0 = time.perf_counter()
+  step = engine._generate_jit.lower(params, state).compile()  # pylint: disable=protected-access
+  return _memory(step), time.perf_counter() - t0
+
+
+def _learner_of(cfg):
+  from rlhf_jax.rl import objectives
+  from rlhf_jax.rl.learner import OptimConfig, make_optimizer
+
+  def build(graphdef, layout):
+    return objectives.policy_learner(
+        graphdef, layout, objectives.PolicyLossConfig(
+            kl_coef=0.01, max_len=RESPONSE),
+        make_optimizer(OptimConfig()), micro_batches=1)
+  return build
+
+
+def _configs(preset: str):
+  """(ours, before) ModelConfigs: bf16 compute on fp32 master weights."""
+  from rlhf_jax.models.config import ModelConfig
+  cfg = ModelConfig.preset(preset, param_dtype="float32",
+                           compute_dtype="bfloat16")
+  ours = cfg.replace(scan_layers=True, remat="full", attention="chunked")
+  before = cfg.replace(scan_layers=False, remat="none", attention="reference",
+                       logprob_chunks=(0, 0))
+  return ours, before
+
+
+def main(argv):
+  del argv
+  import jax
+  jax.config.update("jax_num_cpu_devices", _DEVICES)
+  jax.config.update("jax_platforms", "cpu")
+  t_start = time.perf_counter()
+  presets = _PRESETS.value or (["qwen2.5-7b"] if _QUICK.value
+                               else ["qwen2.5-7b", "llama3.1-8b"])
+  out, rows = {}, []
+
+  def measure(name, preset, before: bool):
+    ours, base = _configs(preset)
+    cfg = base if before else ours
+    train, logp, compile_s = _train(cfg, _learner_of(cfg))
+    suffix = "_before" if before else ""
+    out[f"{name}.train_gib_per_device{suffix}"] = round(train["gib"], 2)
+    out[f"{name}.train_temp_gib{suffix}"] = round(train["temp_gib"], 2)
+    out[f"{name}.logprob_gib_per_device{suffix}"] = round(logp["gib"], 2)
+    out[f"{name}.compile_s{suffix}"] = round(compile_s, 1)
+    rows.append((name, "before" if before else "ours", train, logp,
+                 compile_s))
+    print(f"  {name} {'before' if before else 'ours'}: train "
+          f"{train['gib']:.2f} GiB (temp {train['temp_gib']:.2f}), "
+          f"compile {compile_s:.1f}s ({time.perf_counter() - t_start:.0f}s)",
+          flush=True)
+
+  for preset in presets:
+    measure(preset, preset, before=False)
+    decode, decode_s = _decode(_configs(preset)[0])
+    out[f"{preset}.decode_gib_per_device"] = round(decode["gib"], 2)
+    out[f"{preset}.decode_compile_s"] = round(decode_s, 1)
+    print(f"  {preset} decode: {decode['gib']:.2f} GiB "
+          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
+    if not _QUICK.value:
+      measure(preset, preset, before=True)
+  for before in (False, True):  # The baseline on a model both compile for.
+    measure("small", "qwen2.5-0.5b", before=before)
+  out["small.preset"] = "qwen2.5-0.5b"
+  out["small.train_temp_ratio"] = round(
+      out["small.train_temp_gib_before"] / out["small.train_temp_gib"], 2)
+
+  print(f"\n{_DEVICES} fake CPU devices, FSDP {_DEVICES}; grouped G={G}, "
+        f"{SEQ_PER_DEVICE} x ({PROMPT}+{RESPONSE}) tokens per device per "
+        "micro-batch; bf16 compute, fp32 master weights and AdamW state")
+  head = (f"{'model':<14}{'path':<8}{'train GiB':>10}{'temp GiB':>10}"
+          f"{'logp GiB':>10}{'compile s':>11}")
+  print(head)
+  print("-" * len(head))
+  for name, path, train, logp, compile_s in rows:
+    print(f"{name:<14}{path:<8}{train['gib']:>10.2f}{train['temp_gib']:>10.2f}"
+          f"{logp['gib']:>10.2f}{compile_s:>11.1f}")
+  for preset in presets:
+    print(f"{preset} decode step: {out[f'{preset}.decode_gib_per_device']:.2f}"
+          f" GiB per device ({DECODE_ROWS * DECODE_G} samples x "
+          f"{PROMPT + RESPONSE} context)")
+  out["quick"] = _QUICK.value
+  out["wall_s"] = round(time.perf_counter() - t_start, 1)
+  sys.stdout.flush()
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  app.run(main)
