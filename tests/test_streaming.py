@@ -77,10 +77,10 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
   job = grpo.build(c)
   parts, old_params, real = [], [], grpo._train_batch
 
-  def spy(job_, samples, rewards, trainable, params, ref):
+  def spy(job_, samples, rewards, trainable, params, ref, **kw):
     parts.append((list(samples), np.asarray(rewards)))
     old_params.append(jax.device_get(params))  # Of the old log-probs.
-    return real(job_, samples, rewards, trainable, params, ref)
+    return real(job_, samples, rewards, trainable, params, ref, **kw)
   monkeypatch.setattr(grpo, "_train_batch", spy)
   prompts = next(job.iterator)
   state, metrics = fakes.first_step(job, prompts)
@@ -97,7 +97,8 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
   ref = jax.tree.map(lambda x: x * 1.05, job.params)
   for samples, rewards in parts:
     batch, _ = grpo._train_batch(job, samples, rewards,
-                                 np.ones(len(samples), bool), behaviour, ref)
+                                 np.ones(len(samples), bool), behaviour, ref,
+                                 minibatches=1)
     want, _ = job.learner.step(want, batch)
   diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                       state.params, want.params)
