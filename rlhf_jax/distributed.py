@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from rlhf_jax.errors import CheckpointError, ConfigError
+
 MODES = ("auto", "on", "off")
 
 
@@ -33,7 +35,7 @@ def wanted(mode: str, coordinator_address: str | None,
   "auto" does when a flag or JAX_COORDINATOR_ADDRESS names a cluster.
   """
   if mode not in MODES:
-    raise ValueError(f"--distributed={mode!r}; expected one of {MODES}")
+    raise ConfigError(f"--distributed={mode!r}; expected one of {MODES}")
   if mode != "auto":
     return mode == "on"
   return bool(coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
@@ -56,17 +58,17 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
   if not wanted(mode, coordinator_address, num_processes, process_id):
     return False
   if num_processes is not None and num_processes < 1:
-    raise ValueError(f"--num_processes={num_processes} must be >= 1")
+    raise ConfigError(f"--num_processes={num_processes} must be >= 1")
   if process_id is not None and not (
       0 <= process_id < (num_processes or process_id + 1)):
-    raise ValueError(f"--process_id={process_id} must be in "
-                     f"[0, --num_processes={num_processes})")
+    raise ConfigError(f"--process_id={process_id} must be in "
+                      f"[0, --num_processes={num_processes})")
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes,
                                process_id=process_id)
   except ValueError as e:
-    raise ValueError(
+    raise ConfigError(
         f"jax.distributed.initialize could not find the cluster ({e}); pass "
         "--coordinator_address, --num_processes and --process_id, or run "
         "where JAX auto-detects them (Cloud TPU, SLURM, Open MPI, GKE)"
@@ -123,7 +125,7 @@ def this_process(states: list[dict]) -> dict:
     return states[jax.process_index()]
   if all(s == states[0] for s in states):
     return states[0]
-  raise ValueError(
+  raise CheckpointError(
       f"the checkpoint holds per-process data states of {len(states)} "
       f"processes that differ; this run has {jax.process_count()} processes. "
       "Resume with the original process count.")

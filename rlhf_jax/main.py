@@ -12,7 +12,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rlhf_jax import distributed
+from rlhf_jax import cli, distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (with optional :arg).",
@@ -31,22 +31,19 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "Number of processes (multi-host).")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index in [0, num_processes).")
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Tracebacks for errors in the config, data or "
+    "checkpoints, and other libraries' INFO logs (Orbax, JAX).")
 flags.mark_flags_as_required(["config"])
-
-
-class _QuietOrbax(logging.logging.Filter):
-  """Orbax logs every save step at INFO; keep its warnings only."""
-
-  def filter(self, record):
-    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
 
 
 def main(argv):
   del argv
-  logging.get_absl_handler().addFilter(_QuietOrbax())
-  # Before any JAX computation: the backend must see every host.
-  distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value,
-                         _NUM_PROCESSES.value, _PROCESS_ID.value)
+  cli.quiet_third_party(_VERBOSE.value)
+  with cli.user_errors(_VERBOSE.value):
+    # Before any JAX computation: the backend must see every host.
+    distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value,
+                           _NUM_PROCESSES.value, _PROCESS_ID.value)
   import jax  # pylint: disable=g-import-not-at-top
 
   from rlhf_jax import trainers  # pylint: disable=g-import-not-at-top
@@ -56,8 +53,9 @@ def main(argv):
       "workdirs", config.name))
   logging.info("process %d/%d, devices: %s", jax.process_index(),
                jax.process_count(), jax.devices())
-  trainers.run(config, workdir)
+  with cli.user_errors(_VERBOSE.value):
+    trainers.run(config, workdir)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -63,13 +64,15 @@ class MetricWriter:
 
 
 class Progress:
-  """A one-line progress report with rate and ETA (a ReportProgress hook)."""
+  """Step/total, elapsed, ETA and key metrics: a bar redrawn in place when
+  stderr is a terminal, else one log line per update."""
 
   def __init__(self, total: int, first: int = 0, *, name: str = "step",
                enabled: bool = True):
     self.total, self.first, self.name = total, first, name
     self.enabled = enabled
     self._start = time.perf_counter()
+    self._tty = sys.stderr.isatty()
 
   def update(self, step: int, summary: str = "") -> None:
     if not self.enabled:
@@ -77,11 +80,17 @@ class Progress:
     done = step - self.first
     elapsed = time.perf_counter() - self._start
     eta = elapsed / max(done, 1) * (self.total - step)
-    line = (f"{self.name} {step}/{self.total} "
-            f"[{elapsed:.0f}s elapsed, ETA {eta:.0f}s] {summary}")
-    logging.info(line)
-    if sys.stdout.isatty():
-      print("\r" + line[:150], end="", flush=True)
+    where = f"{step}/{self.total} [{elapsed:.0f}s elapsed, ETA {eta:.0f}s]"
+    if not self._tty:
+      logging.info("%s %s %s", self.name, where, summary)
+      return
+    filled = int(20 * step / max(self.total, 1))
+    width = shutil.get_terminal_size().columns - 1
+    line = f"{self.name} [{'#' * filled:<20}] {where} {summary}"
+    print("\r" + line[:width].ljust(width), end="", file=sys.stderr,
+          flush=True)
+    if step >= self.total:
+      print(file=sys.stderr, flush=True)
 
 
 def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,

@@ -6,7 +6,7 @@ import os
 
 LOG_KEYS = (("rollout/reward_mean", "reward"), ("eval/accuracy", "eval_acc"),
             ("eval/reward_mean", "eval_reward"), ("train/loss", "loss"),
-            ("train/kl", "kl"), ("rollout/kl", "kl"),
+            ("train/kl", "train_kl"), ("rollout/kl", "rollout_kl"),
             ("critic/loss", "vf_loss"), ("perf/step_s", "step_s"))
 # (key, label) of eval metrics reported first -> last and plotted.
 EVAL_KEYS = (("eval/accuracy", "eval accuracy (greedy, held-out)"),

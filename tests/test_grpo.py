@@ -1,8 +1,11 @@
 """The GRPO job end to end: sharding parity, kill-and-resume, config errors."""
 
+import glob
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +13,7 @@ import time
 
 import pytest
 
+import resume
 from configs import tiny_grpo
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
@@ -92,10 +96,76 @@ def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "resumed from step" in out.stderr
+  # What a person sees: progress lines, and little else (no Orbax INFO).
+  other = [l for l in out.stderr.splitlines()
+           if not re.search(r"\] (sft|rl) \d+/\d+ \[", l)]
+  assert len(other) < 20, "\n".join(other)
   resumed, reference = _rl_records(workdir), _rl_records(run8)
   assert sorted(resumed) == list(range(7))
   for step in range(3, 7):
     assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_warm_start_then_rerun_equals_uninterrupted(
+    run8, tmp_path):
+  """SIGTERM during the SFT warm-start saves it (checkpoints_sft/) and
+  stops; the rerun resumes the SFT and writes run8's metrics."""
+  workdir = str(tmp_path / "run")
+  config = _config()
+  with resume.SigtermWhen(lambda: resume.has_record(workdir, "sft", 10)
+                          ) as sigterm:
+    assert grpo.run(config, workdir) is None  # Stopped in the SFT.
+  assert sigterm.sent
+  saved = os.listdir(os.path.join(workdir, "checkpoints_sft"))
+  assert saved and all(10 <= int(s) < config.sft.steps for s in saved)
+  assert not os.listdir(os.path.join(workdir, "checkpoints"))
+  grpo.run(config, workdir)
+  resume.assert_same_records(resume.records(workdir), resume.records(run8))
+  assert not os.path.exists(os.path.join(workdir, "checkpoints_sft"))
+
+
+@pytest.mark.slow
+def test_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes(
+    run8, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(run8, workdir)
+  latest = os.path.join(workdir, "checkpoints", "6")
+  for path in glob.glob(os.path.join(latest, "**"), recursive=True):
+    if os.path.isfile(path):  # Truncated, as by a full disk.
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+  step4 = resume.tree_digest(os.path.join(workdir, "checkpoints", "4"))
+  grpo.run(_config(), workdir)
+  aside = glob.glob(os.path.join(workdir, "checkpoints.damaged", "6-*"))
+  assert len(aside) == 1  # Kept for a post-mortem, not deleted.
+  assert resume.tree_digest(os.path.join(workdir, "checkpoints", "4")) == (
+      step4)
+  # Steps 5 and 6 rerun from step 4 give the uninterrupted numbers.
+  resume.assert_same_records(resume.records(workdir), resume.records(run8))
+
+
+@pytest.mark.slow
+def test_wrong_shape_restore_is_one_line_and_keeps_the_workdir(run8,
+                                                               tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(run8, workdir)
+  before = resume.tree_digest(workdir)
+  out = resume.run_main(["--config=configs/tiny_grpo.py:runlocal",
+                         "--config.model.overrides.mlp_dim=256",
+                         f"--workdir={workdir}"])
+  assert out.returncode == 2, out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert lines[-1].startswith(
+      f"error: checkpoint {workdir}/checkpoints/6 does not match this "
+      "config's state (wrong model shape or different job?)"), lines[-1]
+  assert "Traceback" not in out.stderr and "Event loop" not in out.stderr
+  assert len(lines) < 5, out.stderr
+  # Checkpoints, config.json and metrics as they were (TensorBoard may
+  # have opened a new, empty events file).
+  kept = lambda d: {k: v for k, v in d.items()
+                    if not k.startswith("tensorboard")}
+  assert kept(resume.tree_digest(workdir)) == kept(before)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import resume
 from configs import tiny_ppo, tiny_rm
 from rlhf_jax.metrics import MetricWriter
 from rlhf_jax.trainers import ppo, rm
@@ -35,13 +36,14 @@ def _rl_records(workdir):
 
 
 @pytest.mark.slow
-def test_runs_checkpoints_and_resumes(rm_workdir, tmp_path):
-  workdir = str(tmp_path / "ppo")
-  config = _config(rm_workdir, **{"train.steps": 2, "eval.every": 2})
-  ppo.run(config, workdir)
-  first = _rl_records(workdir)
-  assert sorted(first) == [0, 1, 2]
-  step = first[2]
+def test_runs_and_resumes_after_sigterm_as_if_uninterrupted(rm_workdir,
+                                                            tmp_path):
+  config = _config(rm_workdir, **{"train.steps": 3, "eval.every": 3})
+  reference = str(tmp_path / "reference")
+  ppo.run(config, reference)
+  first = _rl_records(reference)
+  assert sorted(first) == [0, 1, 2, 3]
+  step = first[3]
   for key in ("rollout/reward_mean", "rollout/kl", "train/loss",
               "critic/loss", "critic/value_error", "critic/vf_clip_frac",
               "train/clip_frac", "rewards/addition", "eval/reward_mean",
@@ -50,14 +52,19 @@ def test_runs_checkpoints_and_resumes(rm_workdir, tmp_path):
   # The sampler and the learner agree on the log-probs of sampled tokens.
   assert step["rollout/logprob_gap"] < 1e-4
 
-  # Resume: two more steps continue from step 2's checkpoint.
-  config.train.steps = 4
+  # SIGTERM after step 1: the run checkpoints the step it is in and
+  # stops; the rerun resumes there and writes the uninterrupted metrics.
+  workdir = str(tmp_path / "run")
+  with resume.SigtermWhen(lambda: resume.has_record(workdir, "rl", 1)
+                          ) as sigterm:
+    ppo.run(config, workdir)
+  assert sigterm.sent
+  assert max(_rl_records(workdir)) < 3
   state = ppo.run(config, workdir)
   assert int(state.step) == (config.train.steps * config.rl.ppo_epochs *
                              config.rl.num_minibatches)
-  records = _rl_records(workdir)
-  assert sorted(records) == [0, 1, 2, 3, 4]
-  assert records[2] == step  # Not rewritten.
+  resume.assert_same_records(resume.records(workdir),
+                             resume.records(reference))
 
 
 def test_missing_reward_model_names_the_command(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 import jax
 import numpy as np
 
+import resume
+
 from configs import tiny_rm
 from rlhf_jax import trainers
 from rlhf_jax.data import preferences
@@ -113,26 +115,32 @@ class DataTest(absltest.TestCase):
 @pytest.mark.slow
 class RmJobTest(absltest.TestCase):
 
-  def test_runlocal_trains_evaluates_checkpoints_and_resumes(self):
-    workdir = tempfile.mkdtemp()
+  def test_runlocal_trains_evaluates_and_resumes_after_sigterm(self):
     config = tiny_rm.get_config("runlocal")
-    config.train.steps = 2
-    config.train.checkpoint_every = 2
-    config.eval.every = 2
-    trainers.run(config, workdir)
-    records = [json.loads(l) for l in open(os.path.join(workdir,
-                                                        "metrics.jsonl"))]
-    evals = [r for r in records if "rm/pair_accuracy" in r]
-    self.assertEqual([r["step"] for r in evals], [0, 2])
-    self.assertTrue(all(np.isfinite(r["rm/loss"]) for r in evals))
-    self.assertTrue(os.path.isdir(os.path.join(workdir, "checkpoints", "2")))
-    # Resume: more steps continue from the checkpoint, not from scratch.
-    config.train.steps = 3
+    config.train.steps = 4  # Checkpoints at 3 and 4, evals at 0, 3, 4.
+    reference = tempfile.mkdtemp()
+    trainers.run(config, reference)
+    records = resume.records(reference)
+    evals = {step: r for (_, step), r in records.items()
+             if "rm/pair_accuracy" in r}
+    self.assertEqual(sorted(evals), [0, 3, 4])
+    self.assertTrue(all(np.isfinite(r["rm/loss"]) for r in evals.values()))
+    self.assertTrue(os.path.isdir(os.path.join(reference, "checkpoints",
+                                               "4")))
+    # SIGTERM after step 0's eval: the run checkpoints the step it is in
+    # and stops; the rerun continues from there and writes the
+    # uninterrupted run's metrics.
+    workdir = tempfile.mkdtemp()
+    with resume.SigtermWhen(lambda: resume.has_record(workdir, "rm", 0)
+                            ) as sigterm:
+      trainers.run(config, workdir)
+    self.assertTrue(sigterm.sent)
+    saved = [int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))]
+    self.assertTrue(saved)
+    self.assertLess(max(saved), 4)  # Stopped early, checkpointed.
     state = trainers.run(config, workdir)
-    self.assertEqual(int(jax.device_get(state.step)), 3)
-    steps = [json.loads(l)["step"] for l in open(os.path.join(
-        workdir, "metrics.jsonl"))]
-    self.assertEqual(steps.count(0), 1)
+    self.assertEqual(int(jax.device_get(state.step)), 4)
+    resume.assert_same_records(resume.records(workdir), records)
 
 
 if __name__ == "__main__":

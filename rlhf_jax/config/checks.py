@@ -28,7 +28,7 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
     num_devices: devices of the mesh (default: `c.mesh.num_devices` or all).
   """
   if job not in ("grpo", "ppo"):
-    raise ValueError(f"unknown RL job {job!r}")
+    raise ConfigError(f"unknown RL job {job!r}")
   (_check_grpo if job == "grpo" else _check_ppo)(c)
   _check_batch(c, prompt_len, num_devices)
   if job == "grpo":

@@ -17,11 +17,8 @@ from typing import Any, ClassVar
 
 import ml_collections
 
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.rl.learner import OptimConfig
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work, named by its key."""
 
 
 def _fail(section, key: str, message: str):
@@ -94,7 +91,8 @@ class Mesh:
   tensor: int = 1
   rollout_tensor: int = 1     # Rollout = the same devices as replicas x tensor.
   offload: bool = True        # Optimizer state + reference in host memory.
-  layers_per_group: int = 1   # Layers per jitted reshard (transient memory).
+  # Unstacked layers per jitted reshard (stacked: one leaf per group).
+  layers_per_group: int = 1
   stale_samples: str = "raise"  # Samples of older weights: raise | drop.
 
   def __post_init__(self):
@@ -358,11 +356,12 @@ class SFT:
   warmup_steps: int = 0
   grad_clip: float = 1.0
   log_every: int = 25
+  checkpoint_every: int = 100  # And on SIGTERM; a rerun resumes the SFT.
 
   def __post_init__(self):
     if self.steps < 0:
       _fail(self, "steps", "must be >= 0")
-    _positive_ints(self, "batch_size", "log_every")
+    _positive_ints(self, "batch_size", "log_every", "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)

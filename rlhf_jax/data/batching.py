@@ -14,6 +14,7 @@ import numpy as np
 
 from rlhf_jax.data.tasks import AdditionTask, Example
 from rlhf_jax.data.tokenizer import PAD_ID, CharTokenizer
+from rlhf_jax.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class PromptIterator:
     for key in ("seed", "batch_size"):
       mine = self.get_state()[key]
       if int(state[key]) != mine:
-        raise ValueError(
+        raise CheckpointError(
             f"Iterator state has {key}={int(state[key])}, this iterator has "
             f"{key}={mine}; refusing to resume with a different data order."
         )

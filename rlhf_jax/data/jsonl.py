@@ -26,27 +26,34 @@ from absl import logging
 import numpy as np
 
 from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.errors import (CheckpointError, ConfigError, DataError,
+                             MissingFieldError)
 
 
 def _get(record: Mapping[str, Any], key: str, where: str) -> Any:
   value: Any = record
   for part in key.split("."):
     if not isinstance(value, Mapping) or part not in value:
-      raise KeyError(f"{where} has no field {key!r} (keys: {sorted(record)})")
+      raise MissingFieldError(
+          f"{where} has no field {key!r} (keys: {sorted(record)})")
     value = value[part]
   return value
 
 
 def read_records(path: str) -> list[dict]:
-  """Rows of a .jsonl / .json-lines file, or of a .parquet file (pyarrow)."""
+  """Rows of a .jsonl / .json-lines file, or of a .parquet file (pyarrow);
+  DataError if there are none."""
   if path.endswith(".parquet"):
     try:
       import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     except ImportError as e:
-      raise ImportError(
+      raise ConfigError(
           f"reading {path!r} needs pyarrow (pip install pyarrow), or convert "
           "it to JSONL") from e
-    return pq.read_table(path).to_pylist()
+    rows = pq.read_table(path).to_pylist()
+    if not rows:
+      raise DataError(f"{path} has no records")
+    return rows
   rows = []
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
@@ -54,7 +61,9 @@ def read_records(path: str) -> list[dict]:
         try:
           rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{n} is not valid JSON: {e}") from e
+          raise DataError(f"{path}:{n} is not valid JSON: {e}") from e
+  if not rows:
+    raise DataError(f"{path} has no records")
   return rows
 
 
@@ -73,7 +82,7 @@ def load_examples(path: str, fields: Mapping[str, str]
     KeyError: a record lacks a mapped field (names the record).
   """
   if "prompt" not in fields:
-    raise ValueError(f"fields must map 'prompt', got {dict(fields)}")
+    raise ConfigError(f"fields must map 'prompt', got {dict(fields)}")
   out = []
   for i, row in enumerate(read_records(path)):
     where = f"{path} record {i}"
@@ -124,7 +133,7 @@ class PromptSource:
       logging.info("dropped %d of %d prompts longer than %d tokens",
                    self.num_dropped, len(examples), max_prompt_len)
     if not self._items:
-      raise ValueError(f"no prompt fits max_prompt_len={max_prompt_len}")
+      raise DataError(f"no prompt fits max_prompt_len={max_prompt_len}")
     self._next = 0
     self._orders: dict[int, np.ndarray] = {}
 
@@ -167,7 +176,7 @@ class PromptSource:
     mine = self.get_state()
     for key in ("seed", "batch_size", "num_prompts"):
       if int(state[key]) != mine[key]:
-        raise ValueError(
+        raise CheckpointError(
             f"iterator state has {key}={int(state[key])}, this source has "
             f"{mine[key]}; refusing to resume with a different data order")
     self._next = int(state["next_index"])

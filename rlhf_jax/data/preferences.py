@@ -34,6 +34,7 @@ import numpy as np
 from rlhf_jax.data import jsonl
 from rlhf_jax.data.tasks import AdditionTask, format_answer
 from rlhf_jax.data.tokenizer import CharTokenizer
+from rlhf_jax.errors import DataError, MissingFieldError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ def load_jsonl(path: str) -> list[Pair]:
   for i, r in enumerate(jsonl.read_records(path)):
     missing = {"prompt", "chosen", "rejected"} - set(r)
     if missing:
-      raise KeyError(f"{path} record {i} lacks {sorted(missing)}")
+      raise MissingFieldError(f"{path} record {i} lacks {sorted(missing)}")
     pairs.append(Pair(str(r["prompt"]), str(r["chosen"]), str(r["rejected"]),
                       float(r.get("margin", 0.0))))
   return pairs
@@ -62,8 +63,8 @@ def split_holdout(pairs: list[Pair], fraction: float, seed: int
   order = np.random.default_rng(seed).permutation(len(pairs))
   n_eval = max(1, int(round(fraction * len(pairs))))
   if n_eval >= len(pairs):
-    raise ValueError(f"holdout_fraction={fraction} leaves no train pairs of "
-                     f"{len(pairs)}")
+    raise DataError(f"holdout_fraction={fraction} leaves no train pairs of "
+                    f"{len(pairs)}")
   return ([pairs[i] for i in order[n_eval:]],
           [pairs[i] for i in order[:n_eval]])
 

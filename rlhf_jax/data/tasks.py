@@ -39,6 +39,8 @@ import functools
 
 import numpy as np
 
+from rlhf_jax.errors import ConfigError
+
 # Eval prompt ids live above every train index, so ids are unique across
 # splits (the engine derives sampling keys from prompt ids) and fit in int32.
 EVAL_ID_OFFSET = 1 << 30
@@ -123,7 +125,7 @@ class AdditionTask:
 
   def __post_init__(self):
     if not 1 <= self.min_digits <= self.max_digits:
-      raise ValueError(
+      raise ConfigError(
           f"Need 1 <= min_digits <= max_digits, got min_digits="
           f"{self.min_digits}, max_digits={self.max_digits}."
       )
@@ -131,14 +133,14 @@ class AdditionTask:
     n = 10**self.max_digits - lo
     unordered_pairs = n * (n + 1) // 2
     if not 0.0 < self.holdout_fraction <= 0.5:
-      raise ValueError(
+      raise ConfigError(
           "holdout_fraction must be in (0, 0.5], got "
           f"{self.holdout_fraction}."
       )
     # Leave the eval draw plenty of held-out problems to pick from.
     limit = int(self.holdout_fraction * unordered_pairs) // 2
     if not 1 <= self.num_eval <= limit:
-      raise ValueError(
+      raise ConfigError(
           f"num_eval={self.num_eval} must be in [1, {limit}] for "
           f"{self.min_digits}-{self.max_digits} digit operands "
           f"({unordered_pairs} distinct problems, holdout_fraction "
@@ -175,7 +177,7 @@ class AdditionTask:
       if key not in seen and self.is_heldout_pair(a, b):
         seen.add(key)
         pairs.append((a, b))
-    raise ValueError(
+    raise ConfigError(
         f"Found only {len(pairs)} of num_eval={self.num_eval} distinct "
         "held-out problems; lower num_eval or raise holdout_fraction."
     )

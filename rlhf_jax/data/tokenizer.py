@@ -10,6 +10,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from rlhf_jax.errors import DataError
+
 PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
@@ -57,7 +59,7 @@ class CharTokenizer:
     for pos, ch in enumerate(text):
       tok = self._id_of.get(ch)
       if tok is None:
-        raise ValueError(
+        raise DataError(
             f"Character {ch!r} at index {pos} of {text!r} is not in the "
             f"CharTokenizer vocabulary {CHARS!r}."
         )
@@ -130,7 +132,7 @@ class CharTokenizer:
     for n, text in enumerate(texts):
       ids = self.encode(text, add_bos=add_bos, add_eos=add_eos)
       if len(ids) > length:
-        raise ValueError(
+        raise DataError(
             f"{text!r} encodes to {len(ids)} tokens, more than the padded "
             f"length {length}."
         )

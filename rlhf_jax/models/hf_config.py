@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.models.config import ModelConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -36,7 +37,7 @@ def architecture(hf: Mapping[str, Any]) -> str:
   """The supported architecture named by a config.json dict, or raise."""
   archs = hf.get("architectures") or []
   if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-    raise ValueError(
+    raise ConfigError(
         f"unsupported architecture {archs!r} (model_type "
         f"{hf.get('model_type')!r}); supported: {list(ARCHITECTURES)}")
   return archs[0]

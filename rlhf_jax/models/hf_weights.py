@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlhf_jax import distributed
+from rlhf_jax.errors import CheckpointError, MissingInputError
 from rlhf_jax.models.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
@@ -121,7 +122,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
     return {k: os.path.join(path, v) for k, v in weight_map.items()}
   files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
   if not files:
-    raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    raise MissingInputError(f"no *.safetensors files in {path!r}")
   out = {}
   for file in files:
     with safe_open(file, framework="numpy") as f:
@@ -195,7 +196,7 @@ def load_params(path: str, cfg: ModelConfig, arch: str, abstract,
   missing = sorted(set(specs) - available)
   extra = sorted(available - set(specs) - ignored)
   if missing or extra:
-    raise ValueError(
+    raise CheckpointError(
         f"checkpoint {path!r} does not match {arch} with this config: "
         f"missing tensors {missing}, unexpected tensors {extra}")
   out = {}
@@ -205,7 +206,7 @@ def load_params(path: str, cfg: ModelConfig, arch: str, abstract,
     full = tuple(var.get_value().shape)
     shape = full if spec.layer is None else full[1:]
     if tuple(w.shape) != spec.hf_shape(shape):
-      raise ValueError(
+      raise CheckpointError(
           f"tensor {name!r} has shape {tuple(w.shape)}, expected "
           f"{spec.hf_shape(shape)} for param {'.'.join(map(str, spec.path))} "
           f"{full}{'' if spec.layer is None else f' [layer {spec.layer}]'}")

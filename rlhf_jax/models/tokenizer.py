@@ -28,6 +28,8 @@ import tokenizers
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rlhf_jax.errors import ConfigError, MissingInputError
+
 SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -131,7 +133,7 @@ class HFTokenizer:
     """
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
-      raise FileNotFoundError(
+      raise MissingInputError(
           f"{file} not found; only fast tokenizers (tokenizer.json) are "
           "supported")
     tok_config = _read(os.path.join(path, "tokenizer_config.json"))
@@ -200,7 +202,7 @@ class HFTokenizer:
       The prompt text (tokenize it with `encode`, no special tokens added).
     """
     if self._template is None:
-      raise ValueError("this tokenizer has no chat template")
+      raise ConfigError("this tokenizer has no chat template")
     context = {k: v for k, v in self.special_tokens.items() if v is not None}
     return self._template.render(
         **context, messages=[dict(m) for m in messages],

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.parallel.layout import Layout
 
 AXES = ("data", "fsdp", "tensor")
@@ -45,16 +46,17 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   devices = list(jax.devices() if devices is None else devices)
   sizes = [data, fsdp, tensor]
   if sizes.count(-1) > 1:
-    raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(AXES, sizes))}")
+    raise ConfigError(
+        f"at most one mesh axis may be -1, got {dict(zip(AXES, sizes))}")
   known = int(np.prod([s for s in sizes if s != -1]))
   if -1 in sizes:
     if len(devices) % known:
-      raise ValueError(f"mesh {dict(zip(AXES, sizes))} does not divide "
-                       f"{len(devices)} devices")
+      raise ConfigError(f"mesh {dict(zip(AXES, sizes))} does not divide "
+                        f"{len(devices)} devices")
     sizes[sizes.index(-1)] = len(devices) // known
   if int(np.prod(sizes)) != len(devices):
-    raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} "
-                     f"devices, have {len(devices)}")
+    raise ConfigError(f"mesh {dict(zip(AXES, sizes))} needs "
+                      f"{int(np.prod(sizes))} devices, have {len(devices)}")
   return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3,
                        devices=devices)
 
@@ -67,8 +69,8 @@ def rollout_layout(mesh: Mesh, tensor: int = 1) -> Layout:
   """Replicas x tensor over the devices of `mesh`, in the same order."""
   devices = mesh.devices.reshape(-1)
   if len(devices) % tensor:
-    raise ValueError(f"rollout tensor={tensor} does not divide "
-                     f"{len(devices)} devices")
+    raise ConfigError(f"rollout tensor={tensor} does not divide "
+                      f"{len(devices)} devices")
   grid = devices.reshape(len(devices) // tensor, 1, tensor)
   rmesh = Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
   return Layout("rollout", rmesh, ROLLOUT_RULES)

@@ -14,6 +14,7 @@ import math
 import re
 from typing import Mapping, Sequence
 
+from rlhf_jax.errors import DataError
 from rlhf_jax.rl import registry
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+(?:\.\d+)?)?|-?\.\d+")
@@ -77,7 +78,7 @@ def reference_answer(answer) -> float:
   value = extract_answer(text) if ("####" in text or "\\boxed" in text) else (
       to_number(text))
   if value is None:
-    raise ValueError(f"reference answer {text!r} has no number")
+    raise DataError(f"reference answer {text!r} has no number")
   return value
 
 

@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 from absl import logging
 import numpy as np
 
+from rlhf_jax.errors import ConfigError, UserError
 from rlhf_jax.rl import registry
 
 RewardFn = Callable[
@@ -24,7 +25,7 @@ RewardFn = Callable[
 ON_ERROR_MODES = ("raise", "zero")
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
   """A reward function failed on a sample; names the function and prompt."""
 
   def __init__(self, message: str, fn_name: str, prompt_id: int | None):
@@ -152,12 +153,12 @@ def score(
     ValueError: bad on_error, weights of the wrong length, unknown name.
   """
   if on_error not in ON_ERROR_MODES:
-    raise ValueError(
+    raise ConfigError(
         f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}."
     )
   weights = [1.0] * len(fns) if weights is None else list(weights)
   if len(weights) != len(fns):
-    raise ValueError(
+    raise ConfigError(
         f"Got {len(weights)} reward weights for {len(fns)} reward functions."
     )
   total_B = np.zeros((len(batch),), np.float64)

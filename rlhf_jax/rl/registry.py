@@ -23,6 +23,8 @@ import importlib
 import pkgutil
 from typing import Callable, TypeVar
 
+from rlhf_jax.errors import ConfigError
+
 _F = TypeVar("_F", bound=Callable)
 
 # category -> module or package that registers its built-in entries.
@@ -90,7 +92,7 @@ def get(category: str, name: str) -> Callable:
   _load_builtins(category)
   entries = _ENTRIES[category]
   if name not in entries:
-    raise ValueError(
+    raise ConfigError(
         f"Unknown {category} {name!r}; known {category} names: "
         f"{sorted(entries)}."
     )

@@ -256,9 +256,10 @@ def run(config, workdir: str):
   job = build(config)
   learner = job.learner
 
-  def fresh(writer, verbose):
+  def fresh(writer, verbose, sft_dir, stop):
     params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,
-                     job.source.sft_arrays, writer, verbose=verbose)
+                     job.source.sft_arrays, writer, verbose=verbose,
+                     checkpoint_dir=sft_dir, stop=stop)
     # The reference is a frozen copy: the policy's buffers are donated.
     ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     return {"policy": learner.init_state(params), "ref": ref_params}
@@ -277,4 +278,4 @@ def run(config, workdir: str):
         evaluate=lambda states: evaluate(job, states["policy"].params))
   finally:
     job.rollout.close()  # Held workers stop (and stop billing).
-  return states["policy"]
+  return None if states is None else states["policy"]

@@ -1,8 +1,9 @@
 """The RL step loop shared by the GRPO and PPO jobs.
 
-Resume order: (1) the latest checkpoint in the workdir, else (2) a fresh
-start (the job's SFT warm-start and initial states, evaluated and saved as
-step 0). Then steps until `train.steps`, evaluating every `eval.every`,
+Resume order: (1) the newest intact checkpoint in the workdir (a damaged
+one is moved aside, `Checkpointer.restore_latest`), else (2) a fresh start
+(the job's SFT warm-start, itself resumable from `checkpoints_sft/`, and
+initial states, evaluated and saved as step 0). Then steps until `train.steps`, evaluating every `eval.every`,
 checkpointing every `train.checkpoint_every` and on SIGTERM/SIGINT. All
 randomness derives from (seed, step), so a killed run restarted with the
 same command writes the metrics an uninterrupted run would have. The
@@ -13,6 +14,7 @@ policy) waits in host memory between uses.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from typing import Any, Callable
 
@@ -21,47 +23,60 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax import distributed, report
+from rlhf_jax.errors import NonFiniteError
 from rlhf_jax.metrics import MetricWriter, Progress
 from rlhf_jax.parallel.colocate import Colocation
+from rlhf_jax.trainers.sft import Stopped
 
 States = dict[str, Any]
 
 
 class StopFlag:
-  """Set by SIGTERM/SIGINT (preemption): save and exit after this step."""
+  """Set by SIGTERM/SIGINT (preemption): save and exit after this step.
+  `close()` puts the previous handlers back."""
 
   def __init__(self):
     self.requested = False
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, self._set)
+    self._previous = {sig: signal.signal(sig, self._set)
+                      for sig in (signal.SIGTERM, signal.SIGINT)}
 
   def _set(self, signum, frame):
     del frame
     logging.warning("signal %d: checkpointing after this step", signum)
     self.requested = True
 
+  def close(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
 
 def workdir_outputs(config, workdir: str, keep: int):
-  """(writer, checkpointer, is_main): config.json saved, process 0 writes."""
+  """(writer, checkpointer, is_main); process 0 writes."""
   from rlhf_jax.checkpoint import Checkpointer
 
   main_process = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
-  if main_process:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   writer = MetricWriter(workdir, enabled=main_process)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
   return writer, ckpt, main_process
 
 
+def write_config(config, workdir: str) -> None:
+  """config.json of the run (process 0), once its checkpoint restored: a
+  run refused for another model or job leaves the workdir's as it was."""
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+
 def run(config, workdir: str, *, train, eval_every: int, iterator,
         colocation: Colocation,
-        fresh: Callable[[MetricWriter, bool], States],
+        fresh: Callable[[MetricWriter, bool, str, StopFlag], States],
         like: Callable[[], States],
         step: Callable[[int, States], tuple[States, dict]],
         evaluate: Callable[[States], dict], history=None) -> States:
-  """Runs (or resumes) the loop; returns the final states.
+  """Runs (or resumes) the loop; returns the final states (None when
+  stopped by a signal during the warm-start).
 
   Args:
     config: the job's ConfigDict (saved as config.json).
@@ -70,7 +85,9 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     eval_every: evaluate every this many steps (and at the end).
     iterator: the train prompt iterator (its position is checkpointed).
     colocation: the job's training <-> rollout switch; owns the timeline.
-    fresh: (writer, verbose) -> initial states (runs the warm-start).
+    fresh: (writer, verbose, checkpoint_dir, stop) -> initial states (runs
+      the warm-start, resumable from `checkpoint_dir`; raises
+      `sft.Stopped` when `stop` is set).
     like: -> states with the shapes and shardings to restore into.
     step: (step, states) -> (states, host metrics) of one RL step.
     evaluate: states -> eval metrics.
@@ -93,49 +110,64 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       meta["length_history"] = history.state_dict()
     ckpt.save(s, states, meta)
 
-  start = ckpt.latest_step()
-  if start is None:
-    writer.truncate_after("sft", -1)
-    writer.truncate_after("rl", -1)
-    co.timeline.truncate_after(-1)
-    states, start = fresh(writer, main_process), 0
-    writer.write("rl", 0, do_eval(states))
-    save(0, states)
-  else:
-    states, meta = ckpt.restore(start, like())
-    distributed.restore_iterator(iterator, meta)
-    if history is not None and "length_history" in meta:
-      history.load_state_dict(meta["length_history"])
-    writer.truncate_after("rl", start)
-    co.timeline.truncate_after(start)
-    logging.info("resumed from step %d", start)
-  # Weight version v = the weights of step v.
-  co.version = start
-  states["ref"] = co.park(states["ref"])
+  try:
+    restored = ckpt.restore_latest(like())
+    write_config(config, workdir)
+    if restored is None:
+      writer.truncate_after("rl", -1)
+      co.timeline.truncate_after(-1)
+      # The warm-start checkpoints to (and resumes from) sft_dir until RL
+      # step 0 holds its result.
+      sft_dir = os.path.join(workdir, "checkpoints_sft")
+      states, start = fresh(writer, main_process, sft_dir, stop), 0
+      writer.write("rl", 0, do_eval(states))
+      save(0, states)
+      ckpt.wait()
+      if main_process:
+        shutil.rmtree(sft_dir, ignore_errors=True)
+    else:
+      start, states, meta = restored
+      distributed.restore_iterator(iterator, meta)
+      if history is not None and "length_history" in meta:
+        history.load_state_dict(meta["length_history"])
+      writer.truncate_after("rl", start)
+      co.timeline.truncate_after(start)
+      logging.info("resumed from step %d", start)
+    # Weight version v = the weights of step v.
+    co.version = start
+    states["ref"] = co.park(states["ref"])
 
-  total = train.steps
-  progress = Progress(total, start, name="rl", enabled=main_process)
-  for s in range(start + 1, total + 1):
-    states, metrics = step(s, states)
-    bad = {k: v for k, v in metrics.items()
-           if k.endswith("/loss") and not np.isfinite(v)}
-    if bad:
-      raise FloatingPointError(
-          f"non-finite loss at step {s}: {bad}; the last checkpoint "
-          f"(step {ckpt.latest_step()}) is intact, so lower the learning "
-          "rate or check the rewards and rerun the same command to resume")
-    if s % eval_every == 0 or s == total:
-      metrics.update(do_eval(states))
-    record = writer.write("rl", s, metrics)
-    progress.update(s, report.log_line(record))
-    last = s == total or stop.requested
-    co.timeline.write(png=s % train.checkpoint_every == 0 or last)
-    if s % train.checkpoint_every == 0 or last:
-      save(s, states)
-    if stop.requested:
-      break
-  ckpt.close()
-  writer.close()
-  if main_process and not stop.requested:
+    total = train.steps
+    progress = Progress(total, start, name="rl", enabled=main_process)
+    for s in range(start + 1, total + 1):
+      states, metrics = step(s, states)
+      bad = {k: v for k, v in metrics.items()
+             if k.endswith("/loss") and not np.isfinite(v)}
+      if bad:
+        raise NonFiniteError(
+            f"non-finite loss at step {s}: {bad}; the last checkpoint "
+            f"(step {ckpt.latest_step()}) is intact, so lower the learning "
+            "rate or check the rewards and rerun the same command to resume")
+      if s % eval_every == 0 or s == total:
+        metrics.update(do_eval(states))
+      record = writer.write("rl", s, metrics)
+      progress.update(s, report.log_line(record))
+      last = s == total or stop.requested
+      co.timeline.write(png=s % train.checkpoint_every == 0 or last)
+      if s % train.checkpoint_every == 0 or last:
+        save(s, states)
+      if stop.requested:
+        logging.warning("stopped after step %d (checkpointed); rerun the "
+                        "same command to resume", s)
+        return states
+  except Stopped as e:
+    logging.warning("%s; rerun the same command to resume", e)
+    return None
+  finally:  # Also on errors: Orbax's threads end before the interpreter.
+    stop.close()
+    ckpt.close()
+    writer.close()
+  if main_process:
     report.finish(writer.read(), workdir)
   return states
+

@@ -221,9 +221,10 @@ def run(config, workdir: str):
   def copy(tree):  # Frozen copies: the learners donate their states.
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
-  def fresh(writer, verbose):
+  def fresh(writer, verbose, sft_dir, stop):
     params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,
-                     job.source.sft_arrays, writer, verbose=verbose)
+                     job.source.sft_arrays, writer, verbose=verbose,
+                     checkpoint_dir=sft_dir, stop=stop)
     return {"actor": actor.init_state(params),
             "critic": critic_learner.init_state(copy(job.rm_params)),
             "ref": copy(params)}
@@ -245,4 +246,4 @@ def run(config, workdir: str):
         evaluate=lambda states: evaluate(job, states["actor"].params))
   finally:
     job.rollout.close()  # Held workers stop (and stop billing).
-  return states["actor"]
+  return None if states is None else states["actor"]

@@ -29,6 +29,8 @@ from rlhf_jax.config import sections
 from rlhf_jax.data import preferences
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
+from rlhf_jax.errors import (CheckpointError, ConfigError, DataError,
+                             MissingInputError, NonFiniteError)
 from rlhf_jax.metrics import Progress
 from rlhf_jax.models import reward_model
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -64,9 +66,9 @@ def _data(config, tokenizer):
                                              seed=config.seed,
                                              near_miss=near_miss))
   if d.kind != "jsonl":
-    raise ValueError(f"config.data.kind={d.kind!r}; known: synthetic, jsonl")
+    raise ConfigError(f"config.data.kind={d.kind!r}; known: synthetic, jsonl")
   if not d.train_path:
-    raise ValueError("config.data.kind='jsonl' needs config.data.train_path")
+    raise ConfigError("config.data.kind='jsonl' needs config.data.train_path")
   train = preferences.load_jsonl(d.train_path)
   if d.eval_path:
     evals = preferences.load_jsonl(d.eval_path)
@@ -80,7 +82,7 @@ def _data(config, tokenizer):
                     d.seq_len)
   train, evals = [p for p in train if fit(p)], [p for p in evals if fit(p)]
   if not train or not evals:
-    raise ValueError(f"no pairs fit seq_len={d.seq_len} in {d.train_path}")
+    raise DataError(f"no pairs fit seq_len={d.seq_len} in {d.train_path}")
 
   def train_fn(start, n):
     # Epoch e visits the pairs in the seeded permutation e.
@@ -125,22 +127,16 @@ def load_trained(workdir: str, layout):
           f"--workdir={workdir}")
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
-    raise FileNotFoundError(
+    raise MissingInputError(
         f"no reward model in {workdir!r} (no config.json): train one first "
         f"with `{make}`")
   with open(config_path) as f:
     saved = json.load(f)
   if saved.get("job") != "rm":  # A file on disk, not the locked config.
-    raise ValueError(f"{workdir!r} holds a {saved.get('job')!r} job, not a "
-                     "reward model (job 'rm')")
+    raise CheckpointError(f"{workdir!r} holds a {saved.get('job')!r} job, "
+                          "not a reward model (job 'rm')")
   config = ml_collections.ConfigDict(saved)
   from rlhf_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=None)
-  step = ckpt.latest_step()
-  if step is None:
-    ckpt.close()
-    raise FileNotFoundError(f"the reward-model run in {workdir!r} has no "
-                            f"checkpoint yet: finish it with `{make}`")
   cfg = sections.from_saved(sections.Model, saved["model"], "model"
                             ).model_config(vocab_size=CharTokenizer().vocab_size)
   graphdef, params = reward_model.init_params(cfg, config.seed, layout)
@@ -149,8 +145,12 @@ def load_trained(workdir: str, layout):
   terms, weight = objectives.reward_model_terms()
   like = Learner(graphdef, layout, optimizer, terms_fn=terms,
                  weight_fn=weight, micro_batches=1).init_state(params)
-  state, _ = ckpt.restore(step, like)
-  ckpt.close()
+  with Checkpointer(os.path.join(workdir, "checkpoints"), keep=None) as ckpt:
+    restored = ckpt.restore_latest(like)
+  if restored is None:
+    raise MissingInputError(f"the reward-model run in {workdir!r} has no "
+                            f"checkpoint yet: finish it with `{make}`")
+  step, state, _ = restored
   return config, graphdef, state.params, step
 
 
@@ -204,37 +204,61 @@ def run(config, workdir: str):
   learner, eval_fn = job.learner, make_eval_fn(job)
 
   state = learner.init_state(job.params)
-  start = ckpt.latest_step()
-  if start is None:
-    start = 0
-    writer.truncate_after("rm", -1)
-    writer.write("rm", 0, evaluate(job, eval_fn, state.params))
-  else:
-    state, _ = ckpt.restore(start, state)
-    writer.truncate_after("rm", start)
-    logging.info("resumed from step %d", start)
+  stop = loop.StopFlag()
+  try:
+    restored = ckpt.restore_latest(state)
+    loop.write_config(config, workdir)
+    if restored is None:
+      start = 0
+      writer.truncate_after("rm", -1)
+      writer.write("rm", 0, evaluate(job, eval_fn, state.params))
+    else:
+      start, state, _ = restored
+      writer.truncate_after("rm", start)
+      logging.info("resumed from step %d", start)
+    state = _train(job, eval_fn, state, start, writer, ckpt, stop,
+                   main_process)
+  finally:  # Also on errors: Orbax's threads end before the interpreter.
+    stop.close()
+    ckpt.close()
+    writer.close()
+  return state
 
+
+def _train(job: Job, eval_fn, state, start, writer, ckpt, stop,
+           main_process):
+  """Steps `start + 1 .. train.steps`; checkpoints every
+  `train.checkpoint_every`, at the end and on SIGTERM/SIGINT."""
+  config, learner = job.config, job.learner
   total, t = config.train.steps, config.train
   progress = Progress(total, start, name="rm", enabled=main_process)
   for step in range(start + 1, total + 1):
     batch = learner.put_batch(train_arrays(job, step))
     state, metrics = learner.step(state, batch)
-    if step % t.log_every == 0 or step % config.eval.every == 0 or (
-        step == total):
+    saving = (step % t.checkpoint_every == 0 or step == total
+              or stop.requested)
+    evaluating = step % config.eval.every == 0 or step == total
+    log = evaluating or step % t.log_every == 0
+    # Device values are fetched only to log, evaluate or check a save.
+    if (log or saving) and not np.isfinite(float(metrics["loss"])):
+      raise NonFiniteError(
+          f"non-finite rm loss at step {step}: lower "
+          "config.optim.learning_rate and rerun the same command; it "
+          f"resumes from the last checkpoint (step {ckpt.latest_step()})")
+    if log:
       record = {"train/loss": metrics["loss"],
                 "train/pair_accuracy": metrics["pair_accuracy"],
                 "train/score_gap": metrics["score_gap"],
                 "train/grad_norm": metrics["grad_norm"]}
-      if step % config.eval.every == 0 or step == total:
+      if evaluating:
         record.update(evaluate(job, eval_fn, state.params))
-      # Device values are fetched only here, at log steps.
       record = writer.write("rm", step, record)
-      if not np.isfinite(record["train/loss"]):
-        raise FloatingPointError(f"non-finite rm loss at step {step}")
       progress.update(step, " ".join(f"{k} {v:.3f}"
                                      for k, v in record.items()))
-    if step % t.checkpoint_every == 0 or step == total:
+    if saving:
       ckpt.save(step, state, {"step": step})
-  ckpt.close()
-  writer.close()
+    if stop.requested:
+      logging.warning("stopped after step %d (checkpointed); rerun the "
+                      "same command to resume", step)
+      break
   return state

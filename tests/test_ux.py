@@ -1,0 +1,90 @@
+"""[ux] Bad input is one line and a non-zero exit: a mistyped key or
+value, empty data, NaN in the warm-start (no checkpoint of it is kept).
+The kill-and-resume, damaged- and wrong-shape-checkpoint tests of each job
+are in test_grpo.py, test_ppo_trainer.py and test_rm.py."""
+
+import os
+
+import pytest
+
+from configs import tiny_grpo, tiny_rm
+from resume import run_main
+from rlhf_jax import cli
+from rlhf_jax.data import jsonl, preferences
+from rlhf_jax.errors import DataError, NonFiniteError
+from rlhf_jax.trainers import grpo, rm
+
+
+def _set(c, overrides):
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  return c
+
+
+# --------------------------------------------------------------- config keys
+def test_unknown_key_names_the_full_path_and_the_closest_keys():
+  c = tiny_grpo.get_config("runlocal")
+  assert cli.unknown_key(c, "rollout.num_rows") is None
+  assert cli.unknown_key(c, "rollout.num_row") == (
+      "unknown config key config.rollout.num_row; did you mean "
+      "config.rollout.num_rows?")
+  # A key of another section: where it lives.
+  assert cli.unknown_key(c, "max_new_tokens") == (
+      "unknown config key config.max_new_tokens; did you mean "
+      "config.rollout.max_new_tokens?")
+  nothing_close = cli.unknown_key(c, "rollout.nonexistent")
+  assert nothing_close.startswith("unknown config key config.rollout."
+                                  "nonexistent; keys of config.rollout: ")
+  assert "num_rows" in nothing_close and "max_new_tokens" in nothing_close
+  assert cli.unknown_key(c, "train.steps.every") == (
+      "unknown config key config.train.steps.every: config.train.steps is "
+      "a int value, not a section")
+
+
+def test_typo_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+  workdir = tmp_path / "run"
+  out = run_main(["--config=configs/tiny_grpo.py:runlocal",
+               "--config.rollout.nonexistent=3", f"--workdir={workdir}"])
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1, out.stderr[-2000:]
+  assert lines[0].startswith("error: unknown config key "
+                             "config.rollout.nonexistent; keys of "
+                             "config.rollout: ")
+  assert not workdir.exists()  # Nothing ran.
+  # A bad value is one line too.
+  out = run_main(["--config=configs/tiny_grpo.py:runlocal",
+               "--config.train.steps=many", f"--workdir={workdir}"])
+  assert out.returncode == 2
+  assert out.stderr.strip().startswith("error: ")
+  assert "config.train.steps" in out.stderr
+  assert "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------ data
+def test_empty_dataset_is_one_clear_error(tmp_path):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  with pytest.raises(DataError, match=f"^{empty} has no records$"):
+    jsonl.load_examples(str(empty), {"prompt": "question"})
+  with pytest.raises(DataError, match="has no records"):
+    preferences.load_jsonl(str(empty))
+  # The reward-model job with it: stops in its build, before any output.
+  c = tiny_rm.get_config("runlocal")
+  c.data.kind, c.data.train_path = "jsonl", str(empty)
+  with pytest.raises(DataError, match="has no records"):
+    rm.run(c, str(tmp_path / "rm"))
+  assert not (tmp_path / "rm" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ NaN
+def test_nan_in_sft_stops_before_saving_it(tmp_path):
+  workdir = str(tmp_path / "run")
+  config = _set(tiny_grpo.get_config("runlocal"), {
+      "sft.steps": 3, "sft.log_every": 1, "sft.checkpoint_every": 1,
+      "sft.learning_rate": float("inf")})
+  with pytest.raises(NonFiniteError, match="non-finite SFT loss at step 2"):
+    grpo.run(config, workdir)
+  # Step 1 (finite: computed before the first update) is the one kept.
+  assert os.listdir(os.path.join(workdir, "checkpoints_sft")) == ["1"]
