@@ -14,7 +14,7 @@ Executors:
   xmanager launch launch/xm_launch.py -- --executor=local --num_processes=2 \
       -- --config=configs/tiny_grpo.py:runlocal --workdir=/tmp/xm_run
   python launch/xm_launch.py --executor=vertex --accelerator=a100=8 \
-      --dry_run -- --config=configs/gsm8k_grpo.py --workdir=gs://b/run1
+      --dry_run -- --config=configs/gsm8k_grpo.py --workdir=/mnt/shared/run1
 """
 
 from __future__ import annotations
