@@ -1,5 +1,7 @@
 """Engine and driver: prefix sharing, placement independence, compiles, errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -109,19 +111,35 @@ def test_generate_compiles_once_over_50_steps(model, mesh8):
 
 
 def test_stop_tokens_and_sample_fields(model, mesh8):
-  out, *_ = _run(model, mesh_lib.rollout_layout(mesh8, tensor=2),
-                 _grouped(_prompts(4), 4), rows=4, per_row=4)
-  reasons = {s.finish_reason for s in out.values()}
-  for s in out.values():
-    assert s.weight_version == 0
-    assert len(s.tokens) == len(s.logp) == len(s.logp_raw)
-    if s.finish_reason == "stop":
-      assert s.tokens[-1] == STOP and STOP not in s.tokens[:-1]
+  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
+  requests = _grouped(_prompts(4), 4)
+  out, *_ = _run(model, layout, requests, rows=4, per_row=4)
+  # Oracle: the same requests without stop tokens. A token's key depends
+  # only on (seed, prompt, sample, position), so a stop token ends a
+  # sample right after its first occurrence and changes nothing before it.
+  no_stop = dataclasses.replace(SAMPLED, stop_tokens=())
+  full, *_ = _run(model, layout, requests, rows=4, per_row=4,
+                  sampling=no_stop)
+  assert out.keys() == full.keys() and len(out) == 16
+  reasons = []
+  for k, s in out.items():
+    f = full[k]
+    assert len(f.tokens) == SAMPLED.max_new_tokens and (
+        f.finish_reason == "length")
+    if STOP in f.tokens:
+      n = f.tokens.index(STOP) + 1
+      want = (f.tokens[:n], "stop")
     else:
-      assert len(s.tokens) == SAMPLED.max_new_tokens
-      assert STOP not in s.tokens
+      n, want = len(f.tokens), (f.tokens, "length")
+    assert (s.tokens, s.finish_reason) == want, k
+    assert len(s.tokens) == len(s.logp) == len(s.logp_raw) == n
+    np.testing.assert_allclose(s.logp_raw, f.logp_raw[:n], atol=1e-5)
+    np.testing.assert_allclose(s.logp, f.logp[:n], atol=1e-5)
+    assert s.weight_version == 0
     assert all(lp <= 0 for lp in s.logp_raw)
-  assert reasons  # at least one sample finished
+    reasons.append(s.finish_reason)
+  # Both endings occur, so both branches above were checked.
+  assert 0 < reasons.count("stop") < len(reasons), reasons
 
 
 def test_bad_inputs_raise_clear_errors(model, mesh8):

@@ -117,8 +117,11 @@ def test_budgets_force_the_lengths(setup):
   plain = setup[3]
   by_key = {(r.prompt_id, i): b for r in _requests()
             for i, b in enumerate(r.max_new_tokens_per_sample)}
+  assert sorted(plain) == sorted(by_key)
+  # No stop tokens in SAMPLING: every sample runs to exactly its budget.
+  assert SAMPLING.stop_tokens == ()
   for key, s in plain.items():
-    assert len(s.tokens) == by_key[key] or s.finish_reason == "stop"
+    assert (len(s.tokens), s.finish_reason) == (by_key[key], "length"), key
 
 
 @pytest.mark.parametrize("migration,assignment",

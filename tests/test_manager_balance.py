@@ -274,8 +274,22 @@ def test_take_running_cuts_longest_row_and_source_never_emits_it(live):
 def test_measure_plateau(live):
   store, _, b, _ = live
   b.pull(store)  # Weights, whichever test of the module ran first.
-  plateau = b.measure_plateau(fraction=0.8, steps=2)
   slots = b.engine.max_concurrent_decodes
-  assert 1 <= plateau <= slots
-  assert sorted(b.plateau_step_s) == [1, 2, 4]
+  # Two fractions: near the full batch at 0.8 (this engine's step time is
+  # nearly flat in b), and a small batch at 0.25.
+  for fraction in (0.8, 0.25):
+    plateau = b.measure_plateau(fraction=fraction, steps=2)
+    # Measured at 1 sample and at every multiple of the row size (G=2).
+    assert slots == 4 and sorted(b.plateau_step_s) == [1, 2, 4]
+    counts = np.array(sorted(b.plateau_step_s), float)
+    times = np.array([b.plateau_step_s[c] for c in sorted(b.plateau_step_s)])
+    assert (times > 0).all()
+    # Oracle (numpy, from the measured step times): throughput(b) = b /
+    # step time, linear between measured counts; B is the smallest batch
+    # reaching `fraction` of the full batch's throughput.
+    batch = np.arange(1, slots + 1)
+    throughput = batch / np.interp(batch, counts, times)
+    reaches = throughput >= fraction * throughput[-1]
+    assert plateau == batch[np.argmax(reaches)], (fraction, times)
+    assert reaches[plateau - 1] and not reaches[:plateau - 1].any()
   assert not b.driver.busy and len(b.engine.free_rows()) == SPEC.num_rows

@@ -149,7 +149,16 @@ class CriticTest(_Base):
                                               clip_range=0.2))(v, old, ret, m)
     np.testing.assert_allclose(loss, np_value_loss(v, old, ret, 0.2) * m,
                                rtol=1e-5, atol=1e-6)
-    self.assertBetween(float(metrics["vf_clip_frac"]), 0.0, 1.0)
+    # Oracle: the share of response tokens whose clipped branch is strictly
+    # the larger (the element-wise max picks it).
+    v64, old64, ret64 = (x.astype(np.float64) for x in (v, old, ret))
+    v_clip = old64 + np.clip(v64 - old64, -0.2, 0.2)
+    clipped = (v_clip - ret64) ** 2 > (v64 - ret64) ** 2
+    want_frac = (clipped * m).sum() / m.sum()
+    self.assertGreater(want_frac, 0.0)  # Both branches occur here.
+    self.assertLess(want_frac, 1.0)
+    self.assertAlmostEqual(float(metrics["vf_clip_frac"]), want_frac,
+                           places=6)
     # Hand-checked: v=1, old=0, R=2, clip 0.2: v_clip = 0.2;
     # max((1-2)^2, (0.2-2)^2) / 2 = 3.24 / 2 = 1.62, clipped branch active.
     loss, metrics = critic.value_loss(np.array([[1.0]]), np.array([[0.0]]),

@@ -65,11 +65,16 @@ def test_select_instance_waits_when_all_at_theta():
 
 
 def test_balance_moves_pending_to_starving_instance():
+  # Instance 1 has no pending work and every slot busy: it takes its free
+  # slots (8 - 8 = 0) + 1 = one request, from the longest queue.
   views = [offload.QueueView(6, 8, 8), offload.QueueView(0, 8, 8)]
-  moves = offload.balance_moves(views, plateau=4)
-  assert moves and all(m[:2] == (0, 1) and not m[3] for m in moves)
-  moved = sum(m[2] for m in moves)
-  assert 1 <= moved <= 5
+  assert offload.balance_moves(views, plateau=4) == [(0, 1, 1, False)]
+  # With 3 free slots it takes 3 + 1 = 4 of the 6, one request per move.
+  views = [offload.QueueView(6, 8, 8), offload.QueueView(0, 5, 8)]
+  assert offload.balance_moves(views, plateau=4) == [(0, 1, 1, False)] * 4
+  # The source always keeps its last request: 2 pending give up only one.
+  views = [offload.QueueView(2, 8, 8), offload.QueueView(0, 0, 8)]
+  assert offload.balance_moves(views, plateau=4) == [(0, 1, 1, False)]
 
 
 def test_balance_moves_running_above_plateau_to_idle_instance():

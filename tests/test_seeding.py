@@ -56,17 +56,85 @@ def test_seed_config_errors():
     RLJob.from_config(c)
 
 
-def test_seed_window_caps_the_held_workers():
-  """From the third seeded run on, the N_prem cap bounds the pool."""
-  from rlhf_jax.sched import offload
-  from rlhf_jax.workers.seeding import SeedWindow
+def test_seed_window_caps_the_held_workers(mesh8):
+  """From the third seeded run on, the N_prem cap bounds the pool.
 
-  window = SeedWindow.__new__(SeedWindow)  # No engine needed for the cap.
-  window.controller = offload.SeedWindowController(n_resv=1, t_init=1.0,
-                                                    floor=0.5)
-  assert window.worker_cap is None
-  window.controller.update(offload.StepObservation(
-      t_train_wait=0.0, t_remote_wait=0.0, t_train=4.0, t_remote=2.0,
-      n_prem=3.0, n_prem_next=3))
-  # (t_remote * n_prem + t_seed * n_resv) / t_train = (6 + 1) / 4.
-  assert window.worker_cap == pytest.approx(1.75)
+  Four rollouts of an `ElasticRollout` whose trainer engine seeds each one
+  (T_seed 1 poll round) beside a pool of 2 one-device workers that holds
+  every available worker unless capped. Runs 1 and 2 set no cap (their
+  train times include compilation); run 3 sets N_prem = (t_remote * n_prem
+  + T_seed * N_resv) / t_train, by hand from its observation; run 4 holds
+  cap_count(2, N_prem) = 1 worker (t_train = 1000 s puts N_prem far below
+  0.5). The tokens never change."""
+  import functools
+  import types
+
+  import jax
+
+  from rlhf_jax.rollout.base import generate
+  from rlhf_jax.rollout.elastic import ElasticRollout
+  from rlhf_jax.sched import offload
+  from rlhf_jax.workers import manager as manager_lib
+  from rlhf_jax.workers import pool as pool_lib
+  from rlhf_jax.workers.seeding import TRAINER_ID, SeedWindow
+  from rlhf_jax.workers.worker import RolloutWorker
+  from worker_env import M, SPEC, check, published_store, reference
+  from worker_env import requests as make_requests
+
+  del mesh8
+  store, params = published_store()
+  d0, d1, d2 = jax.devices()[:3]
+  workers = [RolloutWorker(f"w{i}", SPEC, devices=[d])
+             for i, d in ((1, d1), (2, d2))]
+  want = reference(store, workers[0], make_requests(), poll_steps=2)
+  # The trainer's engine (one device) and the step's params in its layout.
+  engine = RolloutWorker("t", SPEC, devices=[d0]).engine
+  local = types.SimpleNamespace(
+      engines=types.SimpleNamespace(engine=lambda n: engine, replicas=1),
+      start_driver=None)
+  clock = fakes.Clock()
+  window = SeedWindow(local, offload.SeedWindowController(
+      n_resv=1, t_init=1.0, eta=3.0, floor=0.5), clock=clock)
+  ctl, seen = window.controller, []
+  update = ctl.update
+
+  def spy(obs):  # Each observation and the T_seed it leads to.
+    update(obs)
+    seen.append((obs, ctl.t_seed))
+  ctl.update = spy
+  mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=2,
+                                   poll_steps=2)
+  mgr.on_poll = clock.tick  # One second per poll round.
+  pool = pool_lib.WorkerPool(mgr)
+  for w in workers:
+    pool.offer(w.worker_id, functools.partial(manager_lib.LocalHandle, w))
+  rollout = ElasticRollout(
+      mgr, scaler=pool_lib.DemandScaler(pool, scale="all", slots=4,
+                                        max_new_tokens=M),
+      seed_window=window, train_time=lambda step: 1000.0)
+  rollout.set_weights(jax.device_put(params, engine.param_shardings), 0)
+  reqs = make_requests()
+  width = max(len(r.tokens) for r in reqs)
+  prompts = types.SimpleNamespace(
+      prompt_ids=np.array([r.prompt_id for r in reqs]),
+      lengths_N=np.array([len(r.tokens) for r in reqs]),
+      tokens_NxP=np.stack([np.pad(r.tokens, (0, width - len(r.tokens)))
+                           for r in reqs]))
+  held, caps = [], []
+  for run in range(1, 5):
+    sampled = generate(rollout, prompts, 2, seed=3, step=run)
+    check(sampled.samples, want)
+    held.append(sampled.metrics["workers/held"])
+    caps.append(window.worker_cap)
+    # The trainer's engine decoded beside the workers, then handed off.
+    assert sampled.metrics["workers/trainer_tokens"] > 0, run
+    assert TRAINER_ID not in mgr.handles
+  # The train time reaches the controller from the third run on only.
+  assert [o.t_train for o, _ in seen] == [0.0, 0.0, 1000.0, 1000.0]
+  assert caps[:2] == [None, None]
+  for (obs, t_seed), cap in list(zip(seen, caps))[2:]:
+    assert obs.t_remote > 0 and obs.n_prem > 0
+    assert cap == pytest.approx(
+        (obs.t_remote * obs.n_prem + t_seed * 1) / 1000.0)
+  assert caps[2] < 0.5  # cap_count(2, cap) = 1.
+  assert held == [2, 2, 2, 1]

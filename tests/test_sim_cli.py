@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,9 +36,37 @@ def test_config_docstring_is_run_command_and_runlocal_runs(path):
   assert f"python -m rlhf_jax.sim --config={rel}" in module.__doc__
   _, config = _load(path, "runlocal")
   rows, headlines = reproduce.reproduce(config)
-  assert rows and headlines
-  for h in headlines:
-    assert {"headline", "paper", "ours", "rel_error"} <= set(h)
+  # One table row per (case, policy), in the config's order.
+  cases = [dict(c).get("name", "") for c in config.cases]
+  policies = [e.partition("=")[0] for e in config.policies.split(",")]
+  assert [(r["case"], r["policy"]) for r in rows] == [
+      (c, p) for c in cases for p in policies]
+  for r in rows:
+    assert r["step_s"] > 0 and r["cost_per_step"] > 0, r
+    assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
+  # One headline per configured one, each the config's aggregate of its
+  # per-case values and the paper's number: recomputed here by hand.
+  assert [h["headline"] for h in headlines] == [
+      h.name for h in config.headlines]
+  for h, want in zip(headlines, config.headlines):
+    values = h["per_case"]
+    fault = want.metric == "overhead_reduction"
+    assert len(values) == (1 if fault else len(cases)), h
+    assert all(math.isfinite(v) for v in values), h
+    agg = max(values) if want.aggregate == "max" else sum(values) / len(
+        values)
+    assert h["ours"] == pytest.approx(agg, abs=1e-4), h
+    assert h["paper"] == want.paper
+    if want.paper is None:
+      assert h["rel_error"] is None
+    else:
+      # Both are rounded to 4 decimals: `ours` by up to 5e-5.
+      assert h["rel_error"] == pytest.approx(
+          abs(h["ours"] - want.paper) / abs(want.paper),
+          abs=5e-5 + 5e-5 / abs(want.paper) + 1e-9), h
+    if want.metric in ("throughput_ratio", "speedup", "train_speedup",
+                       "gen_score_speedup") and not want.best_of:
+      assert all(v > 0 for v in values), h  # A ratio of two rates.
 
 
 def test_cli_prints_table_then_json(tmp_path):

@@ -77,7 +77,19 @@ def test_dedup_prefill_prefills_each_prompt_once():
   for inst in (dedup, plain):
     for j in range(4):
       inst.add(Sample(j, 7, j, 2000, 100), 0.0)
-  assert dedup.stall_until < plain.stall_until
+  # Oracle: one prefill of the prompt, i.e. the stall of the group's first
+  # sample added alone to a fresh instance.
+  alone = _instance()
+  alone.add(Sample(0, 7, 0, 2000, 100), 0.0)
+  one = alone.stall_until
+  assert one > 0
+  assert dedup.stall_until == pytest.approx(one, rel=1e-12)
+  # Without dedup every sample prefills its 2000 prompt tokens: four
+  # prefills (each at most `one`: a smaller mean context per sample).
+  assert 3 * one < plain.stall_until <= 4 * one * (1 + 1e-12)
+  # A different prompt on the dedup instance is prefilled again.
+  dedup.add(Sample(4, 8, 0, 2000, 100), 0.0)
+  assert dedup.stall_until > 1.5 * one
 
 
 def test_cpu_profile_calibration_hook(tmp_path):
