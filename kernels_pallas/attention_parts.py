@@ -59,7 +59,8 @@ def merge_parts(parts):
 
 
 def common_prefix_part(q_RxGxNxQxK, common_k_CxNxK, common_v_CxNxK,
-                       common_len, *, scale, logit_softcap=None):
+                       common_len, *, scale, logit_softcap=None,
+                       q_pos_RxG=None, window=None):
   """Attention of every query to one common prefix shared by all rows.
 
   Args:
@@ -69,6 +70,8 @@ def common_prefix_part(q_RxGxNxQxK, common_k_CxNxK, common_v_CxNxK,
     common_len: [] valid common tokens (0: no common prefix).
     scale: logit scale.
     logit_softcap: optional soft-cap of the logits.
+    q_pos_RxG, window: optional sliding window: a query at position t sees
+      common positions c with t - c < window.
 
   Returns:
     (out [R,G,N,Q,K] fp32, lse [R,G,N,Q] fp32), as `attention_part`.
@@ -78,4 +81,8 @@ def common_prefix_part(q_RxGxNxQxK, common_k_CxNxK, common_v_CxNxK,
                  preferred_element_type=jnp.float32) * scale
   s = softcap(s, logit_softcap)
   mask = jnp.arange(C) < common_len
+  if window is not None:
+    mask = (mask[None, None, :]
+            & (q_pos_RxG[:, :, None] - jnp.arange(C)[None, None, :] < window)
+            )[:, :, None, None, :]
   return attention_part(s, mask, common_v_CxNxK, "rgnqc,cnk->rgnqk")

@@ -23,8 +23,12 @@ by backend.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from absl import logging
 
 from kernels_pallas import prefix_decode_attention_tpu as tpu
 from kernels_pallas.attention_parts import (
@@ -45,11 +49,17 @@ def prefix_decode_attention_reference(
     scale=None,
     logit_softcap=None,
     return_lse=False,
+    q_pos_RxG=None,
+    window=None,
 ):
   """Pure-jnp prefix-shared decode attention (see module docstring).
 
   `common_k_CxNxK`, `common_v_CxNxK`, `common_len` (optional, together) add
   the common-prefix part shared by all rows; C = 0 is the same as None.
+  `window` (with `q_pos_RxG`, each query's position): a query sees only keys
+  less than `window` positions behind it (Gemma 2's local layers; may be
+  traced). Key positions: common prefix 0.., then the row's prompt from
+  `common_len`, then the sample's own tokens after the prompt.
   """
   R, G, H, K = q_RxGxHxK.shape
   N = prefix_k_RxPxNxK.shape[2]
@@ -63,9 +73,14 @@ def prefix_decode_attention_reference(
       "rgnqk,rpnk->rnqgp", q, prefix_k_RxPxNxK,
       preferred_element_type=jnp.float32) * scale
   s_pre = softcap(s_pre, logit_softcap)
-  mask_pre = (jnp.arange(P)[None, :] < prefix_len_R[:, None])
+  base = 0 if common_len is None else common_len  # Prompt's first position.
+  mask_pre = jnp.broadcast_to(
+      jnp.arange(P)[None, None, :] < prefix_len_R[:, None, None], (R, G, P))
+  if window is not None:
+    k_pos = base + jnp.arange(P)
+    mask_pre &= q_pos_RxG[:, :, None] - k_pos[None, None, :] < window
   o_pre, l_pre = attention_part(
-      s_pre, mask_pre[:, None, None, None, :], prefix_v_RxPxNxK,
+      s_pre, mask_pre[:, None, None, :, :], prefix_v_RxPxNxK,
       "rnqgp,rpnk->rnqgk")
   o_pre = jnp.transpose(o_pre, (0, 3, 1, 2, 4))  # r g n q k
   l_pre = jnp.transpose(l_pre, (0, 3, 1, 2))
@@ -76,6 +91,9 @@ def prefix_decode_attention_reference(
       preferred_element_type=jnp.float32) * scale
   s_suf = softcap(s_suf, logit_softcap)
   mask_suf = jnp.arange(M)[None, None, :] < suffix_len_RxG[..., None]
+  if window is not None:
+    k_pos = base + prefix_len_R[:, None, None] + jnp.arange(M)[None, None, :]
+    mask_suf &= q_pos_RxG[:, :, None] - k_pos < window
   o_suf, l_suf = attention_part(
       s_suf, mask_suf[:, :, None, None, :], suffix_v_RxGxMxNxK,
       "rgnqm,rgmnk->rgnqk")
@@ -84,12 +102,17 @@ def prefix_decode_attention_reference(
   if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:
     parts.append(common_prefix_part(
         q, common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
-        logit_softcap=logit_softcap))
+        logit_softcap=logit_softcap, q_pos_RxG=q_pos_RxG, window=window))
   out, lse = merge_parts(parts)
   out = out.reshape(R, G, H, K).astype(q_RxGxHxK.dtype)
   if return_lse:
     return out, lse.reshape(R, G, H)
   return out
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+  logging.warning(message)
 
 
 def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
@@ -112,7 +135,8 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
     block_sizes: `BlockSizes` for the Pallas kernel (default if None); unused
       by the reference.
     **kwargs: common_k_CxNxK, common_v_CxNxK, common_len (the optional
-      third part), scale, logit_softcap, return_lse.
+      third part), scale, logit_softcap, return_lse, q_pos_RxG and window
+      (sliding window; the jnp path).
 
   Returns:
     As `prefix_decode_attention_reference`.
@@ -120,6 +144,12 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
   backend = jax.default_backend()
   if impl == "auto":
     impl = "pallas" if backend == "tpu" else "xla"
+  if impl == "pallas" and kwargs.get("window") is not None:
+    # The Mosaic kernel has no window mask: Gemma 2's decode runs the jnp
+    # path (said once, never silently).
+    _say_once("prefix_decode_attention: the Pallas kernel has no sliding "
+              "window; windowed models decode with the jnp reference")
+    impl = "xla"
   if impl == "xla":
     return prefix_decode_attention_reference(*args, **kwargs)
   if impl == "pallas":

@@ -33,11 +33,12 @@ except ImportError:
 needs_torch = pytest.mark.skipif(
     transformers is None, reason="needs the test-only torch + transformers")
 
-V, NEW_TOKENS, BUCKET = 128, 32, 8
+V, NEW_TOKENS, BUCKET, WINDOW = 128, 32, 8, 8
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 # Each family covers other switches: tied/untied, bias, QK-norm, GQA ratios
-# 4:1, 4:2, 4:4; Gemma 2's window (40) is shorter than the logits batch (48).
+# 4:1, 4:2, 4:4; Gemma 2's window (8) is shorter than the logits batch (48)
+# and than a prompt plus its 32 greedy tokens (decode past the window).
 FAMILIES = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=1,
                                   tie_word_embeddings=True,
@@ -50,7 +51,7 @@ FAMILIES = {
                                     query_pre_attn_scalar=24,
                                     attn_logit_softcapping=5.0,
                                     final_logit_softcapping=3.0,
-                                    sliding_window=BUCKET + NEW_TOKENS,
+                                    sliding_window=WINDOW,
                                     tie_word_embeddings=True)),
 }
 

@@ -44,8 +44,11 @@ def _make_inputs(seed, *, R, G, H, N, K, P, M, dtype=jnp.float32,
           normal(R, G, M, N, K), jnp.asarray(suffix_len, jnp.int32))
 
 
-def _naive(q, pk, pv, plen, sk, sv, slen, *, scale=None, softcap=None):
-  """Float64 softmax over [prefix[:plen] ; suffix[:slen]] per query."""
+def _naive(q, pk, pv, plen, sk, sv, slen, *, scale=None, softcap=None,
+           window=None):
+  """Float64 softmax over [prefix[:plen] ; suffix[:slen]] per query; with
+  `window`, only the keys at positions t - window < s <= t, where the query
+  is the sample's last own token (t = plen + slen - 1)."""
   q, pk, pv, sk, sv = (np.asarray(x, np.float64) for x in (q, pk, pv, sk, sv))
   plen, slen = np.asarray(plen), np.asarray(slen)
   R, G, H, K = q.shape
@@ -59,6 +62,10 @@ def _naive(q, pk, pv, plen, sk, sv, slen, *, scale=None, softcap=None):
         n = h // (H // N)
         keys = np.concatenate([pk[r, :plen[r], n], sk[r, g, :slen[r, g], n]])
         vals = np.concatenate([pv[r, :plen[r], n], sv[r, g, :slen[r, g], n]])
+        if window is not None:
+          positions = np.arange(len(keys))  # Prompt, then own tokens.
+          keep = positions[-1] - positions < window
+          keys, vals = keys[keep], vals[keep]
         if not len(keys):
           continue
         s = keys @ q[r, g, h] * scale
@@ -90,6 +97,23 @@ class ReferenceTest(parameterized.TestCase):
     out, lse = _reference(
         *args, logit_softcap=softcap, return_lse=True)
     want_out, want_lse = _naive(*args, softcap=softcap)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+    _assert_lse_close(lse, want_lse, atol=1e-5)
+
+  @parameterized.named_parameters(
+      dict(testcase_name="inside_prompt", window=3),
+      dict(testcase_name="past_prompt", window=9),
+      dict(testcase_name="wider_than_all", window=40))
+  def test_sliding_window_matches_naive(self, window):
+    """Gemma 2's local layers: only the last `window` positions."""
+    args = _make_inputs(3, R=3, G=3, H=4, N=2, K=8, P=11, M=6,
+                        prefix_len=[11, 4, 9],
+                        suffix_len=[[1, 6, 3], [2, 5, 1], [6, 6, 4]])
+    q_pos = args[3][:, None] + args[6] - 1
+    out, lse = jax.jit(functools.partial(
+        pda.prefix_decode_attention_reference, return_lse=True,
+        logit_softcap=5.0))(*args, q_pos_RxG=q_pos, window=window)
+    want_out, want_lse = _naive(*args, softcap=5.0, window=window)
     np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
     _assert_lse_close(lse, want_lse, atol=1e-5)
 

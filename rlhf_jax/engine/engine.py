@@ -86,12 +86,6 @@ class Engine:
     if num_rows % replicas:
       raise ValueError(f"num_rows={num_rows} must be divisible by the rollout "
                        f"replicas={replicas}")
-    total = max_common_length + buckets[-1] + sampling.max_new_tokens
-    if cfg.sliding_window is not None and total > cfg.sliding_window:
-      raise NotImplementedError(
-          f"decode beyond the sliding window ({cfg.sliding_window}) is not "
-          f"implemented; common prefix + prompt bucket + max_new_tokens = "
-          f"{total}")
     self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
     self.num_rows, self.samples_per_row = num_rows, samples_per_row
     self.buckets, self.sampling = buckets, sampling

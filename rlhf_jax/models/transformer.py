@@ -322,10 +322,13 @@ class Decoder(nnx.Module):
           k.astype(suffix_k.dtype), mode="drop")
       suffix_v = suffix_v.at[i, rows, cols, suffix_len_RxG].set(
           v.astype(suffix_v.dtype), mode="drop")
+      windowed = (dict(q_pos_RxG=positions_RxG, window=layer_window(
+          self.cfg, i)) if self.cfg.sliding_window is not None else {})
       o = prefix_decode_attention(
           q, prefix_k[i], prefix_v[i], prefix_len_R, suffix_k[i], suffix_v[i],
           suffix_len_RxG + 1, scale=self.cfg.scores_scale,
           logit_softcap=self.cfg.attn_logit_softcap, impl=attention_impl,
+          **windowed,
           **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
                   common_len=common_len) if common else {}))
       return (block._residual_mlp(x, block.attn.out(o)), suffix_k,
