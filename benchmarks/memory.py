@@ -20,7 +20,8 @@ device of XLA:CPU's allocation (a proxy for an accelerator's):
   decode_gib_per_device  one engine decode step, 256 live samples (32 rows
                          x G=8) with 4096 tokens of context each (prompt
                          512 shared per row, 3584 of their own), the
-                         rollout copy of the weights as the engine holds it.
+                         rollout copy of the weights as the engine holds it
+                         (in the compute dtype, bf16; `parallel/colocate`).
 The baseline, measured in the same run where it compiles: the same train
 step with the code paths it replaces (`*_before`: layers in a Python loop,
 no remat, T x T attention, the whole [B*T, V] logits); in --quick on
@@ -117,6 +118,11 @@ def _decode(cfg):
   engine = Engine(cfg, graphdef, layout, num_rows=DECODE_ROWS,
                   samples_per_row=DECODE_G, prefill_buckets=(PROMPT,),
                   sampling=SamplingParams(max_new_tokens=RESPONSE))
+  # The rollout copy as `Colocation` makes it: floating leaves in the
+  # compute dtype (the fp32 master weights wait in host memory).
+  params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_jnp_dtype)
+      if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
   params = _abstract(params, engine.param_shardings)
   state = _abstract(engine.abstract_state(), engine.state_shardings)
   t0 = time.perf_counter()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Clock:
@@ -97,3 +99,14 @@ def watch_rounds(job, clock: Clock) -> None:
     if pool is not None:
       pool(mgr)
   r.manager.on_poll = on_poll
+
+
+def prompt_batch(requests):
+  """A PromptBatch-like batch (ids, lengths, right-padded tokens) of engine
+  requests, for `rollout.base.generate`."""
+  width = max(len(r.tokens) for r in requests)
+  return types.SimpleNamespace(
+      prompt_ids=np.array([r.prompt_id for r in requests]),
+      lengths_N=np.array([len(r.tokens) for r in requests]),
+      tokens_NxP=np.stack([np.pad(r.tokens, (0, width - len(r.tokens)))
+                           for r in requests]))

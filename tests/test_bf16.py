@@ -72,6 +72,37 @@ def test_bf16_grpo_runlocal_step_runs_and_matches_fp32_loss(mesh8, tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_rollout_copy_samples_what_fp32_weights_would(mesh8, tmp_path):
+  """With bf16 compute the rollout copy is stored in bf16 (half the bytes
+  each decode step reads): the sampled tokens and their log-probs equal a
+  rollout from the fp32 weights, which bf16 compute casts at use."""
+  del mesh8
+  from configs import tiny_grpo
+  from rlhf_jax.data import sources
+  from rlhf_jax.trainers import grpo
+
+  runs = {}
+  for cast in (True, False):
+    c = sources.prepare(tiny_grpo.get_config("runlocal"),
+                        str(tmp_path / str(cast)))
+    c.model.compute_dtype = "bfloat16"
+    job = grpo.build(c)
+    co = job.colocation
+    assert co.rollout_dtype == np.dtype(jax.numpy.bfloat16)
+    if not cast:
+      co.rollout_dtype = None  # The fp32 weights switch layouts instead.
+    weights = co.to_rollout(fakes.copy_tree(job.params))
+    assert {x.dtype for x in jax.tree.leaves(weights)} == {
+        np.dtype(jax.numpy.bfloat16 if cast else np.float32)}
+    job.rollout.set_weights(weights, co.version)
+    runs[cast] = job.sample(next(job.iterator), 1).samples
+  assert len(runs[True]) == len(runs[False]) > 0
+  for a, b in zip(runs[True], runs[False]):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logp_raw, b.logp_raw, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_bf16_grpo_reward_rises(mesh8, tmp_path):
   """60 GRPO steps of the runlocal job in bf16 compute: the sampled reward
   of the last 10 steps beats the first 10 (as the fp32 job's does)."""

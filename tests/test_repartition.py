@@ -192,6 +192,38 @@ def test_offload_round_trip_is_bitwise():
       x.sharding for x in jax.tree.leaves(opt_state)]
 
 
+def test_bf16_rollout_copy_halves_decode_weights_and_master_returns_bitwise():
+  """rollout_dtype=bf16 on fp32 params: the rollout copy is the params cast
+  (what bf16 compute reads anyway) in the rollout layout; the fp32 master
+  waits in host memory during rollout and comes back bit for bit; device
+  bytes during rollout are the bf16 copy's (half the fp32 rollout copy)."""
+  train, rollout = _layouts(8, 1, 1)
+  _, params = _init(train)
+  want = _host(params)
+  shardings = [x.sharding for x in jax.tree.leaves(params)]
+  co = colocate.Colocation(train, rollout, params, offload=True,
+                           rollout_dtype=jnp.bfloat16)
+  fp32_rollout = rp.tree_device_bytes(params, co.rollout_shardings)
+  base = rp.live_device_bytes() - rp.tree_device_bytes(params)
+  cast = co.to_rollout(params)
+  assert co.version == 1
+  for x, w, s in zip(jax.tree.leaves(cast), want,
+                     jax.tree.leaves(co.rollout_shardings)):
+    assert x.dtype == jnp.bfloat16 and x.sharding.is_equivalent_to(s, x.ndim)
+    np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                  w.astype(jnp.bfloat16).astype(np.float32))
+  on_device = rp.live_device_bytes() - base
+  assert on_device == rp.tree_device_bytes(cast) == fp32_rollout // 2
+  back = co.to_train(cast)
+  assert all(x.is_deleted() for x in jax.tree.leaves(cast))
+  assert [x.sharding for x in jax.tree.leaves(back)] == shardings
+  for a, b in zip(_host(back), want):
+    np.testing.assert_array_equal(a, b)
+  # Same dtype: no cast, the params themselves switch (the fp32 path).
+  assert colocate.Colocation(train, rollout, back,
+                             rollout_dtype=jnp.float32).rollout_dtype is None
+
+
 def test_weight_version_increases_and_stale_samples_are_rejected():
   train, rollout = _layouts(8, 1, 2)
   _, params = _init(train)

@@ -114,12 +114,7 @@ def test_seed_window_caps_the_held_workers(mesh8):
       seed_window=window, train_time=lambda step: 1000.0)
   rollout.set_weights(jax.device_put(params, engine.param_shardings), 0)
   reqs = make_requests()
-  width = max(len(r.tokens) for r in reqs)
-  prompts = types.SimpleNamespace(
-      prompt_ids=np.array([r.prompt_id for r in reqs]),
-      lengths_N=np.array([len(r.tokens) for r in reqs]),
-      tokens_NxP=np.stack([np.pad(r.tokens, (0, width - len(r.tokens)))
-                           for r in reqs]))
+  prompts = fakes.prompt_batch(reqs)
   held, caps = [], []
   for run in range(1, 5):
     sampled = generate(rollout, prompts, 2, seed=3, step=run)

@@ -325,12 +325,7 @@ def test_generate_holds_the_chosen_count(env):
 
   store, workers, want = env
   reqs = _requests()
-  width = max(len(r.tokens) for r in reqs)
-  prompts = types.SimpleNamespace(
-      prompt_ids=np.array([r.prompt_id for r in reqs]),
-      lengths_N=np.array([len(r.tokens) for r in reqs]),
-      tokens_NxP=np.stack([np.pad(r.tokens, (0, width - len(r.tokens)))
-                           for r in reqs]))
+  prompts = fakes.prompt_batch(reqs)
   mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=2,
                                    poll_steps=4)
   scaler = pool_lib.DemandScaler(

@@ -4,7 +4,11 @@ A `Colocation` switches the policy between the training layout (FSDP) and the
 rollout layout (replicas x tensor) of the same devices, one weight copy at a
 time (`parallel/repartition.py`), parks optimizer state and the reference
 policy in host memory while the decode loop runs, counts weight versions and
-records every phase on a `Timeline`. The RL jobs (GRPO, PPO) call:
+records every phase on a `Timeline`. With a `rollout_dtype` narrower than
+the params (bf16 compute on fp32 master weights), the rollout copy is cast
+on the way and the master weights wait in host memory like the optimizer
+state: the decode reads half the bytes, and the values are those the
+compute dtype would have used anyway. The RL jobs (GRPO, PPO) call:
 
   rollout_params = co.to_rollout(params)   # donates params; version += 1
   ... decode, stamping samples with co.version ...
@@ -21,6 +25,7 @@ import contextlib
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax.parallel import repartition as rp
@@ -66,7 +71,7 @@ class Colocation:
                params_like: Any, *, offload: bool = True,
                layers_per_group: int = 1, max_in_flight: int = 2,
                version: int = 0, on_stale: str = "raise",
-               timeline: Timeline | None = None):
+               timeline: Timeline | None = None, rollout_dtype=None):
     """Builds the two target sharding trees once.
 
     Args:
@@ -80,6 +85,9 @@ class Colocation:
       version: the weight version before the first `to_rollout`.
       on_stale: "raise" or "drop" (see `fresh_mask`).
       timeline: where phase spans go (an in-memory one by default).
+      rollout_dtype: dtype of the rollout copy's floating params (the
+        model's compute dtype); None or the params' own: no cast, the
+        params themselves switch layouts.
     """
     fresh_mask([], 0, on_stale)  # Validates the policy early.
     if (set(train_layout.mesh.devices.flat)
@@ -96,14 +104,22 @@ class Colocation:
     self.timeline = timeline if timeline is not None else Timeline(None)
     self.group = device_group("all", train_layout.mesh.devices.flat)
     self._train_back = None
+    floats = {x.dtype for x in jax.tree.leaves(params_like)
+              if jnp.issubdtype(x.dtype, jnp.floating)}
+    self.rollout_dtype = (None if rollout_dtype is None
+                          or floats <= {jnp.dtype(rollout_dtype)}
+                          else jnp.dtype(rollout_dtype))
+    self._master = None  # The master weights during a cast rollout.
 
   @classmethod
   def from_section(cls, mesh, train_layout: Layout, rollout_layout: Layout,
-                   params_like, timeline: Timeline | None = None):
+                   params_like, timeline: Timeline | None = None,
+                   rollout_dtype=None):
     """The switch a `config.sections.Mesh` asks for."""
     return cls(train_layout, rollout_layout, params_like,
                offload=mesh.offload, layers_per_group=mesh.layers_per_group,
-               on_stale=mesh.stale_samples, timeline=timeline)
+               on_stale=mesh.stale_samples, timeline=timeline,
+               rollout_dtype=rollout_dtype)
 
   # --------------------------------------------------------- repartition
   def to_rollout(self, params) -> Any:
@@ -115,8 +131,12 @@ class Colocation:
     # outputs may shard small leaves differently from the layout rules, and
     # feeding it anything else would compile it again.
     self._train_back = jax.tree.map(lambda x: x.sharding, params)
-    out = rp.repartition(params, self.rollout_shardings, groups=self.groups,
-                         max_in_flight=self.max_in_flight)
+    if self.rollout_dtype is None:
+      out = rp.repartition(params, self.rollout_shardings, groups=self.groups,
+                           max_in_flight=self.max_in_flight)
+    else:  # A cast copy; the master weights wait (in host memory).
+      out = self.rollout_copy(params)
+      self._master = self.park(params)
     self.version += 1
     return jax.block_until_ready(out)
 
@@ -126,14 +146,20 @@ class Colocation:
     The shardings are those the params had before the last `to_rollout`
     (the training layout's before the first). Returns once ready.
     """
+    if self._master is not None:  # The cast copy goes; the master returns.
+      delete(params)
+      master, self._master = self._master, None
+      return jax.block_until_ready(self.unpark(master))
     dst = self._train_back or self.train_shardings
     return jax.block_until_ready(rp.repartition(
         params, dst, groups=self.groups, max_in_flight=self.max_in_flight))
 
   def rollout_copy(self, params) -> Any:
-    """A rollout-layout copy that keeps `params` (evaluation); no version."""
+    """A rollout-layout copy (in `rollout_dtype`) that keeps `params`
+    (evaluation, a cast rollout); no version."""
     return rp.repartition(params, self.rollout_shardings, groups=self.groups,
-                          donate=False, max_in_flight=self.max_in_flight)
+                          donate=False, max_in_flight=self.max_in_flight,
+                          dtype=self.rollout_dtype)
 
   # -------------------------------------------------------------- offload
   def park(self, tree) -> Any:

@@ -24,6 +24,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -182,16 +183,23 @@ def canonical(s: NamedSharding) -> NamedSharding:
 
 
 @functools.lru_cache(maxsize=256)
-def _group_fn(dst: tuple[NamedSharding, ...], donate: bool):
-  """One jitted identity per distinct tuple of target shardings (cached)."""
-  return jax.jit(lambda *xs: xs, out_shardings=dst,
+def _group_fn(dst: tuple[NamedSharding, ...], donate: bool,
+              casts: tuple | None = None):
+  """One jitted identity per distinct tuple of target shardings (cached);
+  `casts`: a dtype (or None: keep) per leaf."""
+  def fn(*xs):
+    if casts is None:
+      return xs
+    return tuple(x if c is None else x.astype(c) for x, c in zip(xs, casts))
+  return jax.jit(fn, out_shardings=dst,
                  donate_argnums=tuple(range(len(dst))) if donate else ())
 
 
 def repartition(tree: PyTree, dst_shardings: PyTree, *,
                 groups: Sequence[Sequence[int]] | None = None,
                 donate: bool = True, max_in_flight: int = 1,
-                on_group: Callable[[int], None] | None = None) -> PyTree:
+                on_group: Callable[[int], None] | None = None,
+                dtype=None) -> PyTree:
   """Reshards `tree` onto `dst_shardings` group by group, on device.
 
   Args:
@@ -206,6 +214,8 @@ def repartition(tree: PyTree, dst_shardings: PyTree, *,
       cores stalled XLA's in-process all-gather rendezvous until it aborted.
     on_group: called with the group index after each group is dispatched
       (memory accounting in benchmarks).
+    dtype: cast floating leaves to this dtype on the way (the rollout copy
+      in the compute dtype); None keeps the dtypes.
 
   Returns:
     The pytree on `dst_shardings`.
@@ -222,7 +232,10 @@ def repartition(tree: PyTree, dst_shardings: PyTree, *,
   for gi, group in enumerate(groups):
     if len(pending) >= max_in_flight:
       jax.block_until_ready(pending.pop(0))
-    fn = _group_fn(tuple(canonical(dst[i]) for i in group), donate)
+    casts = None if dtype is None else tuple(
+        jnp.dtype(dtype) if jnp.issubdtype(leaves[i].dtype, jnp.floating)
+        else None for i in group)
+    fn = _group_fn(tuple(canonical(dst[i]) for i in group), donate, casts)
     srcs = [leaves[i] for i in group]
     with warnings.catch_warnings():
       # Leaves whose per-device shape changes cannot be aliased; they are

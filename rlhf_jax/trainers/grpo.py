@@ -233,7 +233,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
           max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
       micro_batches=c.rl.micro_batches)
   co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
-                                        params, timeline=timeline)
+                                        params, timeline=timeline,
+                                        rollout_dtype=cfg.compute_jnp_dtype)
   rollout, eval_rollout = rollout_build.for_job(
       c, cfg, graphdef, rollout_layout, source.stop_ids, co)
   rl = c.rl

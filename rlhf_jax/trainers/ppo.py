@@ -191,7 +191,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
       micro_batches=rl.micro_batches)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
   co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
-                                        params, timeline=timeline)
+                                        params, timeline=timeline,
+                                        rollout_dtype=cfg.compute_jnp_dtype)
   rollout, eval_rollout = rollout_build.for_job(
       c, cfg, graphdef, rollout_layout, source.stop_ids, co)
   return Job(
