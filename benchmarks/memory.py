@@ -22,6 +22,10 @@ device of XLA:CPU's allocation (a proxy for an accelerator's):
                          512 shared per row, 3584 of their own), the
                          rollout copy of the weights as the engine holds it
                          (in the compute dtype, bf16; `parallel/colocate`).
+                         Also `decode_argument_gib` (weights + KV cache) and
+                         `decode_temp_gib`: XLA:CPU upcasts bf16 weights to
+                         f32 copies for its dots, which an accelerator does
+                         not.
 The baseline, measured in the same run where it compiles: the same train
 step with the code paths it replaces (`*_before`: layers in a Python loop,
 no remat, T x T attention, the whole [B*T, V] logits); in --quick on
@@ -183,6 +187,11 @@ def main(argv):
     measure(preset, preset, before=False)
     decode, decode_s = _decode(_configs(preset)[0])
     out[f"{preset}.decode_gib_per_device"] = round(decode["gib"], 2)
+    # Arguments: the bf16 rollout weights and the KV cache. XLA:CPU has no
+    # bf16 dot and keeps f32 copies of the stacked weights in temporaries
+    # (hoisted out of the layer loop): a CPU artifact, shown apart.
+    out[f"{preset}.decode_argument_gib"] = round(decode["argument_gib"], 2)
+    out[f"{preset}.decode_temp_gib"] = round(decode["temp_gib"], 2)
     out[f"{preset}.decode_compile_s"] = round(decode_s, 1)
     print(f"  {preset} decode: {decode['gib']:.2f} GiB "
           f"({time.perf_counter() - t_start:.0f}s)", flush=True)
