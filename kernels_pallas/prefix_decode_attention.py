@@ -116,7 +116,7 @@ def _say_once(message: str) -> None:
 
 
 def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
-                            **kwargs):
+                            interpret: bool | None = None, **kwargs):
   """Dispatch: "xla" (jnp reference), "pallas" (kernel), "auto" (by backend).
 
   "auto" is the Pallas TPU kernel on TPU and the reference elsewhere. On GPU
@@ -134,6 +134,8 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
     impl: "auto" | "xla" | "pallas".
     block_sizes: `BlockSizes` for the Pallas kernel (default if None); unused
       by the reference.
+    interpret: run the Pallas kernel in interpret mode; None: off TPU only
+      (False off TPU lowers the Mosaic kernel, e.g. for `jax.export`).
     **kwargs: common_k_CxNxK, common_v_CxNxK, common_len (the optional
       third part), scale, logit_softcap, return_lse, q_pos_RxG and window
       (sliding window; the jnp path).
@@ -144,6 +146,9 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
   backend = jax.default_backend()
   if impl == "auto":
     impl = "pallas" if backend == "tpu" else "xla"
+    if backend == "gpu":
+      _say_once("prefix_decode_attention: no GPU kernel yet; decode runs "
+                "the jnp path (XLA)")
   if impl == "pallas" and kwargs.get("window") is not None:
     # The Mosaic kernel has no window mask: Gemma 2's decode runs the jnp
     # path (said once, never silently).
@@ -159,7 +164,55 @@ def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
           "attention_impl='auto' or 'xla'.")
     if block_sizes is not None:
       kwargs["block_sizes"] = block_sizes
-    return tpu.prefix_decode_attention_tpu(
-        *args, interpret=backend != "tpu", **kwargs)
+    if interpret is None:
+      interpret = backend != "tpu"
+    return _sharded_tpu_kernel(*args, interpret=interpret, **kwargs)
   raise ValueError(
       f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+
+
+def _sharded_tpu_kernel(q, pk, pv, plen, sk, sv, slen, *, common_k_CxNxK=None,
+                        common_v_CxNxK=None, common_len=None,
+                        return_lse=False, **kwargs):
+  """The Pallas TPU kernel under `shard_map` over the active layout's rows
+  (replicas) and heads (tensor): a Pallas call does not partition by
+  itself. Each device runs the kernel on its rows and heads; no
+  communication (rows and kv heads are independent). Without an active
+  layout, the kernel as it is."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.parallel.layout import active_layout  # pylint: disable=g-import-not-at-top
+
+  common = common_k_CxNxK is not None
+  kernel = functools.partial(tpu.prefix_decode_attention_tpu,
+                             return_lse=return_lse, **kwargs)
+  layout = active_layout()
+  if common and not isinstance(common_len, jax.Array):
+    common_len = jnp.asarray(common_len, jnp.int32)
+  if layout is None or layout.mesh.size == 1:
+    return kernel(q, pk, pv, plen, sk, sv, slen, common_k_CxNxK=common_k_CxNxK,
+                  common_v_CxNxK=common_v_CxNxK, common_len=common_len)
+  R, _, H, _ = q.shape
+  N = pk.shape[2]
+  rows = layout.spec(("batch",), (R,))[0]
+  heads = layout.spec(("heads",), (H,))[0]
+  kv = layout.spec(("kv_heads",), (N,))[0]
+  if (heads is None) != (kv is None):  # GQA groups must stay whole.
+    heads = kv = None
+
+  def local(q, pk, pv, plen, sk, sv, slen, *common_kv):
+    ck, cv, clen = common_kv if common else (None, None, None)
+    return kernel(q, pk, pv, plen, sk, sv, slen, common_k_CxNxK=ck,
+                  common_v_CxNxK=cv, common_len=clen)
+
+  in_specs = [P(rows, None, heads), P(rows, None, kv), P(rows, None, kv),
+              P(rows), P(rows, None, None, kv), P(rows, None, None, kv),
+              P(rows)]
+  args = [q, pk, pv, plen, sk, sv, slen]
+  if common:
+    in_specs += [P(None, kv), P(None, kv), P()]
+    args += [common_k_CxNxK, common_v_CxNxK, common_len]
+  out = P(rows, None, heads)
+  return jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(in_specs),
+                       out_specs=(out, out) if return_lse else out,
+                       check_vma=False)(*args)
+

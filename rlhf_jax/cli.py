@@ -78,8 +78,10 @@ def unknown_key(config, path: str) -> str | None:
     elsewhere = [p for p in _paths(config) if p.rsplit(".", 1)[-1] == part]
     hints = [f"{where}.{c}" for c in close] + [f"config.{p}"
                                               for p in elsewhere]
+    keys = sorted(node.keys())
     hint = (f"did you mean {' or '.join(hints)}?" if hints else
-            f"keys of {where}: {', '.join(sorted(node.keys()))}")
+            f"keys of {where}: {', '.join(keys)}" if keys else
+            f"{where} is empty in this config file (add the key there)")
     return f"unknown config key config.{path}; {hint}"
   return None
 

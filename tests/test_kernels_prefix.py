@@ -312,5 +312,78 @@ class DispatchTest(parameterized.TestCase):
     self.assertEqual([index(j, 16) for j in range(3)], [0, 1, 1])
 
 
+def _rollout_layout(tensor):
+  from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  return mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=8), tensor)
+
+
+def _decode_specs(layout, R, G, H, N, K, P, M, C, dtype):
+  """Abstract decode-attention args with the rollout layout's shardings."""
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  shapes = [(R, G, H, K), (R, P, N, K), (R, P, N, K), (R,), (R, G, M, N, K),
+            (R, G, M, N, K), (R, G), (C, N, K), (C, N, K), ()]
+  axes = [("batch", None, "heads", None), ("batch", None, "kv_heads", None),
+          ("batch", None, "kv_heads", None), ("batch",),
+          ("batch", None, None, "kv_heads", None),
+          ("batch", None, None, "kv_heads", None), ("batch", None),
+          (None, "kv_heads", None), (None, "kv_heads", None), ()]
+  int_args = {3, 6, 9}
+  return [jax.ShapeDtypeStruct(
+      s, jnp.int32 if i in int_args else dtype,
+      sharding=NamedSharding(layout.mesh, layout.spec(a, s)))
+          for i, (s, a) in enumerate(zip(shapes, axes))]
+
+
+def _with_layout(layout, **kw):
+  from rlhf_jax.parallel.layout import use_layout  # pylint: disable=g-import-not-at-top
+
+  def f(q, pk, pv, plen, sk, sv, slen, ck, cv, clen):
+    with use_layout(layout):
+      return pda.prefix_decode_attention(
+          q, pk, pv, plen, sk, sv, slen, common_k_CxNxK=ck,
+          common_v_CxNxK=cv, common_len=clen, impl="pallas", **kw)
+  return jax.jit(f)
+
+
+def test_sharded_kernel_equals_reference_on_8_devices():
+  """The kernel under shard_map over 4 replicas x tensor 2 (interpreted):
+  each device its rows and heads, the same numbers as the reference."""
+  layout = _rollout_layout(2)
+  R, G, H, N, K, P, M, C = 4, 2, 4, 2, 16, 13, 5, 6
+  args = list(_make_inputs(7, R=R, G=G, H=H, N=N, K=K, P=P, M=M))
+  rng = np.random.default_rng(7)
+  args += [jnp.asarray(rng.standard_normal((C, N, K)), jnp.float32),
+           jnp.asarray(rng.standard_normal((C, N, K)), jnp.float32),
+           jnp.asarray(4, jnp.int32)]
+  specs = _decode_specs(layout, R, G, H, N, K, P, M, C, jnp.float32)
+  placed = [jax.device_put(a, s.sharding) for a, s in zip(args, specs)]
+  out, lse = _with_layout(layout, logit_softcap=3.0, return_lse=True,
+                          block_sizes=pda_tpu.BlockSizes(8, 8))(*placed)
+  assert out.sharding.spec == specs[0].sharding.spec
+  want_out, want_lse = _reference(
+      *args[:7], common_k_CxNxK=args[7], common_v_CxNxK=args[8],
+      common_len=args[9], logit_softcap=3.0, return_lse=True)
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+  _assert_lse_close(lse, want_lse, atol=1e-5)
+
+
+def test_sharded_kernel_lowers_for_tpu():
+  """What the engine runs on a TPU pod slice, exported for TPU from this
+  CPU: 8 devices (4 replicas x tensor 2), prompt 2048 in bf16, the Mosaic
+  kernels (prefix and suffix) inside one shard_map, each on its device's
+  rows and heads."""
+  import re  # pylint: disable=g-import-not-at-top
+  layout = _rollout_layout(2)
+  R, G, H, N, K, P, M, C = 8, 4, 8, 2, 128, 2048, 512, 64
+  specs = _decode_specs(layout, R, G, H, N, K, P, M, C, jnp.bfloat16)
+  text = jax.export.export(_with_layout(layout, interpret=False),
+                           platforms=("tpu",))(*specs).mlir_module()
+  assert text.count("tpu_custom_call") >= 2, "prefix and suffix kernels"
+  assert "manual_computation" in text or "SPMDFullToShardShape" in text
+  dims = [[int(d) for d in m.split("x")[:-1]]
+          for m in re.findall(r"tensor<((?:\d+x)+)", text)]
+  assert [R // 4, G, H // 2, K] in dims, "the per-device query block"
+
+
 if __name__ == "__main__":
   absltest.main()
