@@ -5,19 +5,11 @@ Ray clusters, multi-process launches); `.ci/run` runs everything.
 """
 
 import os
-import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for the session: both xdist workers and
-# the jobs tests start as subprocesses (they inherit the variable). Tests
-# build the same tiny jobs many times; a program compiled once is loaded
-# after that. Per run (not across runs), so CI timings stay honest.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), "rlhf_jax_test_jit_cache_" + os.environ.get(
-        "PYTEST_XDIST_TESTRUNUID", str(os.getpid()))))
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402
