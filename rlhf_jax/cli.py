@@ -86,25 +86,33 @@ def unknown_key(config, path: str) -> str | None:
   return None
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """`app.run`'s flags parser: a bad flag or config key is one line."""
+def _unknown_override(argv: list[str]) -> str | None:
+  """The message for the first `--config.<path>` that names no key."""
   spec = _config_spec(argv)
-  overrides = [m[1] for a in argv
-               if (m := re.match(r"--config\.([^=]+)(=|$)", a))]
-  if spec and overrides:
-    try:
-      config = _load_config(spec)
-    except Exception:  # pylint: disable=broad-except
-      config = None  # absl reports a bad config file below.
-    for path in overrides if config is not None else []:
-      if message := unknown_key(config, path):
-        fail(message)
+  if not spec:
+    return None
+  try:
+    config = _load_config(spec)
+  except Exception:  # pylint: disable=broad-except
+    return None  # A bad config file: absl's own message says so.
+  for arg in argv:
+    if (m := re.match(r"--config\.([^=]+)(=|$)", arg)) and (
+        message := unknown_key(config, m[1])):
+      return message
+  return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """`app.run`'s flags parser: a bad flag or config key is one line. The
+  config file is read a second time only when parsing failed, to name an
+  unknown key and its closest neighbours."""
   try:
     return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(e)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    fail(f"bad command line ({type(e).__name__}: {e})")
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    if message := _unknown_override(argv):
+      fail(message)
+    fail(e if isinstance(e, flags.Error)
+         else f"bad command line ({type(e).__name__}: {e})")
 
 
 # ---------------------------------------------------------------- logging
