@@ -53,7 +53,169 @@ _KV_FIELDS = ("prefix_k", "prefix_v", "suffix_k", "suffix_v", "common_k",
               "common_v")
 
 
-class Engine:
+class EngineBase:
+  """What every decode engine shares: the model, the rollout layout, the
+  prompt buckets and their validation, the sampling rule, and the common
+  prefix prefilled once and held as one dense copy for all prompts.
+
+  Subclasses store their decode state their own way (`Engine`: prompt rows
+  x G slots; `paged.PagedEngine`: a page pool)."""
+
+  def __init__(self, cfg: ModelConfig, graphdef, layout: Layout, *,
+               prefill_buckets: Sequence[int], sampling: SamplingParams,
+               attention_impl: str = "auto", max_common_length: int = 0):
+    sampling.validate(cfg.vocab_size)
+    if max_common_length < 0:
+      raise ValueError(
+          f"max_common_length must be >= 0, got {max_common_length}")
+    buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
+    if not buckets or buckets[0] < 1:
+      raise ValueError(f"prefill_buckets must be positive, got {prefill_buckets}")
+    self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
+    self.buckets, self.sampling = buckets, sampling
+    self.attention_impl = attention_impl
+    self.max_common_length = int(max_common_length)
+    self.trace_counts: collections.Counter = collections.Counter()
+    self._common_tokens = np.zeros(0, np.int32)
+    self._common: CommonPrefix | None = None
+    self._empty_common: CommonPrefix | None = None  # Built on first use.
+    self._common_version = 0
+    self._state_common_version = 0
+    _, abstract = model_lib.abstract_params(cfg)
+    self.param_shardings = layout.param_shardings(abstract)
+    rep = layout.replicated()
+    common_kv = layout.sharding(STATE_AXES["common_k"],
+                                self._common_kv_shape())
+    self._common_shardings = CommonPrefix(k=common_kv, v=common_kv,
+                                          length=rep)
+    self._common_prefill_jit = jax.jit(
+        self._common_prefill_fn,
+        in_shardings=(self.param_shardings, rep, rep),
+        out_shardings=self._common_shardings)
+
+  def _common_kv_shape(self):
+    c = self.cfg
+    return (c.num_layers, self.max_common_length, c.num_kv_heads, c.head_dim)
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self.buckets[-1]
+
+  @property
+  def common_prefix_tokens(self) -> np.ndarray:
+    """The common prefix set on the engine (empty if none)."""
+    return self._common_tokens.copy()
+
+  def bucket_for(self, length: int, prompt_id=None) -> int:
+    for b in self.buckets:
+      if length <= b:
+        return b
+    raise ValueError(f"prompt {prompt_id} has {length} tokens, longer than the "
+                     f"largest prefill bucket {self.buckets[-1]}")
+
+  def pad_prompt(self, tokens, prompt_id=None):
+    """Validates a prompt and right-pads it to its bucket."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if tokens.size == 0:
+      raise ValueError(f"prompt {prompt_id} is empty")
+    bad = tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt {prompt_id} has token ids {bad[:5].tolist()} "
+                       f"outside the vocabulary [0, {self.cfg.vocab_size})")
+    padded = np.zeros(self.bucket_for(tokens.size, prompt_id), np.int32)
+    padded[:tokens.size] = tokens
+    return padded, tokens.size
+
+  def _common_prefill_fn(self, params, tokens_C, length) -> CommonPrefix:
+    self.trace_counts["common_prefill"] += 1
+    with use_layout(self.layout):
+      index = jnp.arange(tokens_C.shape[0], dtype=jnp.int32)[None]
+      _, (k, v) = model_lib.prefill(
+          self.graphdef, params, tokens_C[None], index, index < length,
+          jnp.zeros((1,), jnp.int32))
+      cdt = self.cfg.compute_jnp_dtype
+      return CommonPrefix(k=k[:, 0].astype(cdt), v=v[:, 0].astype(cdt),
+                          length=length)
+
+  def set_common_prefix(self, params, tokens) -> CommonPrefix:
+    """Prefills a prefix common to the prompts that follow, once.
+
+    Later `prefill*` calls take only the tokens after it, and decode states
+    from later `init_decode_state` calls hold its KV once for all rows.
+    Rows of an older state keep decoding against the old common prefix, but
+    inserting a new prefill into it raises (see `bulk_insert`).
+
+    Args:
+      params: the weights (rollout layout).
+      tokens: 1-D common token ids, at most `max_common_length`.
+
+    Returns:
+      The prefilled `CommonPrefix` (the engine keeps it).
+    """
+    tokens = self.check_common_prefix(tokens)
+    padded = np.zeros(self.max_common_length, np.int32)
+    padded[:tokens.size] = tokens
+    self._common = self._common_prefill_jit(params, padded,
+                                            np.int32(tokens.size))
+    self._common_tokens = tokens.copy()
+    self._common_version += 1
+    return self._common
+
+  def check_common_prefix(self, tokens) -> np.ndarray:
+    """Validates a common prefix for this engine; returns it as int32."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if not self.max_common_length:
+      raise ValueError(
+          "this engine stores no common prefix (max_common_length=0); build "
+          f"it with max_common_length >= {tokens.size} to share one")
+    if not tokens.size:
+      raise ValueError("common prefix is empty; use clear_common_prefix()")
+    if tokens.size > self.max_common_length:
+      raise ValueError(
+          f"common prefix has {tokens.size} tokens, longer than this engine's "
+          f"max_common_length={self.max_common_length}")
+    bad = tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)]
+    if bad.size:
+      raise ValueError(f"common prefix has token ids {bad[:5].tolist()} "
+                       f"outside the vocabulary [0, {self.cfg.vocab_size})")
+    return tokens
+
+  def copy_common_prefix(self, other: "EngineBase") -> None:
+    """Holds `other`'s common prefix (its KV moved onto this engine's
+    devices, no prefill): a decode state migrated from `other` keeps its
+    rows, and later prefills here attend to the same tokens."""
+    if other.max_common_length != self.max_common_length:
+      raise ValueError("engines with different max_common_length")
+    if other._common is None:  # pylint: disable=protected-access
+      self.clear_common_prefix()
+      return
+    self._common = jax.device_put(other._common, self._common_shardings)  # pylint: disable=protected-access
+    self._common_tokens = other.common_prefix_tokens
+    self._common_version += 1
+
+  def clear_common_prefix(self) -> None:
+    """Prompts that follow are whole again (no common prefix)."""
+    if self._common is None:
+      return
+    self._common, self._common_tokens = None, np.zeros(0, np.int32)
+    self._common_version += 1
+
+  def _common_or_empty(self) -> CommonPrefix:
+    """The current common prefix, or an all-masked one (length 0)."""
+    if self._common is not None:
+      return self._common
+    if self._empty_common is None:
+      kv = np.zeros(self._common_kv_shape(), self.cfg.compute_jnp_dtype)
+      self._empty_common = jax.device_put(
+          CommonPrefix(k=kv, v=kv, length=np.int32(0)), self._common_shardings)
+    return self._empty_common
+
+  def _is_stop(self, tokens):
+    stops = jnp.asarray(self.sampling.stop_tokens or (-1,), jnp.int32)
+    return jnp.any(tokens[..., None] == stops, axis=-1)
+
+
+class Engine(EngineBase):
   """Prefill / insert / generate over R rows x G slots on one layout."""
 
   def __init__(self, cfg: ModelConfig, graphdef, layout: Layout, *,
@@ -75,50 +237,27 @@ class Engine:
       max_common_length: capacity C of the common prefix stored once for all
         rows (0: no common prefix).
     """
-    sampling.validate(cfg.vocab_size)
-    if max_common_length < 0:
-      raise ValueError(
-          f"max_common_length must be >= 0, got {max_common_length}")
-    buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
-    if not buckets or buckets[0] < 1:
-      raise ValueError(f"prefill_buckets must be positive, got {prefill_buckets}")
+    super().__init__(cfg, graphdef, layout, prefill_buckets=prefill_buckets,
+                     sampling=sampling, attention_impl=attention_impl,
+                     max_common_length=max_common_length)
     replicas = layout.mesh.shape["data"]
     if num_rows % replicas:
       raise ValueError(f"num_rows={num_rows} must be divisible by the rollout "
                        f"replicas={replicas}")
-    self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
     self.num_rows, self.samples_per_row = num_rows, samples_per_row
-    self.buckets, self.sampling = buckets, sampling
-    self.attention_impl = attention_impl
-    self.max_common_length = int(max_common_length)
-    self.trace_counts: collections.Counter = collections.Counter()
     self._row_slots: list[set[int]] = [set() for _ in range(num_rows)]
-    self._common_tokens = np.zeros(0, np.int32)
-    self._common: CommonPrefix | None = None
-    self._empty_common: CommonPrefix | None = None  # Built on first use.
     self._init_jit = None
-    self._common_version = 0
-    self._state_common_version = 0
-
-    _, abstract = model_lib.abstract_params(cfg)
-    self.param_shardings = layout.param_shardings(abstract)
     self.state_shardings = DecodeState(**{
         name: layout.sharding(axes, self._state_shape(name))
         for name, axes in STATE_AXES.items()})
     rep = layout.replicated()
     prefix_sh = Prefix(k=rep, v=rep, true_length=rep, first_tokens=rep,
                        first_logp=rep, first_logp_raw=rep)
-    common_sh = CommonPrefix(k=self.state_shardings.common_k,
-                             v=self.state_shardings.common_v, length=rep)
-    self._common_shardings = common_sh
+    common_sh = self._common_shardings
     self._prefill_jit = jax.jit(
         self._prefill_fn,
         in_shardings=(self.param_shardings,) + (rep,) * 5 + (common_sh,),
         out_shardings=prefix_sh)
-    self._common_prefill_jit = jax.jit(
-        self._common_prefill_fn,
-        in_shardings=(self.param_shardings, rep, rep),
-        out_shardings=common_sh)
     self._set_common_jit = jax.jit(
         lambda state, common: state.replace(
             common_k=common.k, common_v=common.v, common_len=common.length),
@@ -139,15 +278,6 @@ class Engine:
   @property
   def max_concurrent_decodes(self) -> int:
     return self.num_rows * self.samples_per_row
-
-  @property
-  def max_prefill_length(self) -> int:
-    return self.buckets[-1]
-
-  @property
-  def common_prefix_tokens(self) -> np.ndarray:
-    """The common prefix set on the engine (empty if none)."""
-    return self._common_tokens.copy()
 
   def _state_shape(self, name):
     c = self.cfg
@@ -172,27 +302,6 @@ class Engine:
                (self.cfg.compute_jnp_dtype(0).itemsize
                 if n in _KV_FIELDS else 4)
                for n in STATE_AXES)
-
-  # ------------------------------------------------------------ validation
-  def bucket_for(self, length: int, prompt_id=None) -> int:
-    for b in self.buckets:
-      if length <= b:
-        return b
-    raise ValueError(f"prompt {prompt_id} has {length} tokens, longer than the "
-                     f"largest prefill bucket {self.buckets[-1]}")
-
-  def pad_prompt(self, tokens, prompt_id=None):
-    """Validates a prompt and right-pads it to its bucket."""
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if tokens.size == 0:
-      raise ValueError(f"prompt {prompt_id} is empty")
-    bad = tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)]
-    if bad.size:
-      raise ValueError(f"prompt {prompt_id} has token ids {bad[:5].tolist()} "
-                       f"outside the vocabulary [0, {self.cfg.vocab_size})")
-    padded = np.zeros(self.bucket_for(tokens.size, prompt_id), np.int32)
-    padded[:tokens.size] = tokens
-    return padded, tokens.size
 
   # ----------------------------------------------------------- jitted fns
   def _prefill_fn(self, params, tokens_P, true_length, prompt_id, seed,
@@ -219,17 +328,6 @@ class Engine:
       return Prefix(k=k[:, 0].astype(cdt), v=v[:, 0].astype(cdt),
                     true_length=true_length, first_tokens=tokens,
                     first_logp=logp, first_logp_raw=raw)
-
-  def _common_prefill_fn(self, params, tokens_C, length) -> CommonPrefix:
-    self.trace_counts["common_prefill"] += 1
-    with use_layout(self.layout):
-      index = jnp.arange(tokens_C.shape[0], dtype=jnp.int32)[None]
-      _, (k, v) = model_lib.prefill(
-          self.graphdef, params, tokens_C[None], index, index < length,
-          jnp.zeros((1,), jnp.int32))
-      cdt = self.cfg.compute_jnp_dtype
-      return CommonPrefix(k=k[:, 0].astype(cdt), v=v[:, 0].astype(cdt),
-                          length=length)
 
   def _insert_fn(self, state: DecodeState, prefix: Prefix, row, slot_mask_G,
                  sample_idx_G, prompt_id, seed):
@@ -285,10 +383,6 @@ class Engine:
       result = ResultTokens.pack(tokens, valid, done, generated, logp, raw)
       return new_state, result
 
-  def _is_stop(self, tokens):
-    stops = jnp.asarray(self.sampling.stop_tokens or (-1,), jnp.int32)
-    return jnp.any(tokens[..., None] == stops, axis=-1)
-
   # ------------------------------------------------------------ public API
   def _zero_state(self) -> DecodeState:
     cdt = self.cfg.compute_jnp_dtype
@@ -316,79 +410,6 @@ class Engine:
       state = self._set_common_jit(state, self._common)
     self._state_common_version = self._common_version
     return state
-
-  def set_common_prefix(self, params, tokens) -> CommonPrefix:
-    """Prefills a prefix common to the prompts that follow, once.
-
-    Later `prefill*` calls take only the tokens after it, and decode states
-    from later `init_decode_state` calls hold its KV once for all rows.
-    Rows of an older state keep decoding against the old common prefix, but
-    inserting a new prefill into it raises (see `bulk_insert`).
-
-    Args:
-      params: the weights (rollout layout).
-      tokens: 1-D common token ids, at most `max_common_length`.
-
-    Returns:
-      The prefilled `CommonPrefix` (the engine keeps it).
-    """
-    tokens = self.check_common_prefix(tokens)
-    padded = np.zeros(self.max_common_length, np.int32)
-    padded[:tokens.size] = tokens
-    self._common = self._common_prefill_jit(params, padded,
-                                            np.int32(tokens.size))
-    self._common_tokens = tokens.copy()
-    self._common_version += 1
-    return self._common
-
-  def check_common_prefix(self, tokens) -> np.ndarray:
-    """Validates a common prefix for this engine; returns it as int32."""
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if not self.max_common_length:
-      raise ValueError(
-          "this engine stores no common prefix (max_common_length=0); build "
-          f"it with max_common_length >= {tokens.size} to share one")
-    if not tokens.size:
-      raise ValueError("common prefix is empty; use clear_common_prefix()")
-    if tokens.size > self.max_common_length:
-      raise ValueError(
-          f"common prefix has {tokens.size} tokens, longer than this engine's "
-          f"max_common_length={self.max_common_length}")
-    bad = tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)]
-    if bad.size:
-      raise ValueError(f"common prefix has token ids {bad[:5].tolist()} "
-                       f"outside the vocabulary [0, {self.cfg.vocab_size})")
-    return tokens
-
-  def copy_common_prefix(self, other: "Engine") -> None:
-    """Holds `other`'s common prefix (its KV moved onto this engine's
-    devices, no prefill): a decode state migrated from `other` keeps its
-    rows, and later prefills here attend to the same tokens."""
-    if other.max_common_length != self.max_common_length:
-      raise ValueError("engines with different max_common_length")
-    if other._common is None:  # pylint: disable=protected-access
-      self.clear_common_prefix()
-      return
-    self._common = jax.device_put(other._common, self._common_shardings)  # pylint: disable=protected-access
-    self._common_tokens = other.common_prefix_tokens
-    self._common_version += 1
-
-  def clear_common_prefix(self) -> None:
-    """Prompts that follow are whole again (no common prefix)."""
-    if self._common is None:
-      return
-    self._common, self._common_tokens = None, np.zeros(0, np.int32)
-    self._common_version += 1
-
-  def _common_or_empty(self) -> CommonPrefix:
-    """The current common prefix, or an all-masked one (length 0)."""
-    if self._common is not None:
-      return self._common
-    if self._empty_common is None:
-      kv = np.zeros(self._state_shape("common_k"), self.cfg.compute_jnp_dtype)
-      self._empty_common = jax.device_put(
-          CommonPrefix(k=kv, v=kv, length=np.int32(0)), self._common_shardings)
-    return self._empty_common
 
   def prefill(self, params, padded_tokens, true_length, *, prompt_id=0,
               seed=0) -> Prefix:

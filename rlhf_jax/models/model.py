@@ -59,5 +59,10 @@ def decode(graphdef, params, *args, **kwargs):
   return nnx.merge(graphdef, params).decode(*args, **kwargs)
 
 
+def paged_decode(graphdef, params, *args, **kwargs):
+  """One paged decode step; see `Decoder.paged_decode`."""
+  return nnx.merge(graphdef, params).paged_decode(*args, **kwargs)
+
+
 def param_bytes(params) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

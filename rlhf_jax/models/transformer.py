@@ -25,6 +25,8 @@ from flax import nnx
 
 from kernels_pallas import flash_attention as fa
 from kernels_pallas.attention_parts import merge_parts
+from kernels_pallas.paged_decode_attention import (
+    paged_decode_attention_reference)
 from kernels_pallas.prefix_decode_attention import prefix_decode_attention
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import (
@@ -338,3 +340,48 @@ class Decoder(nnx.Module):
     (x, suffix_k, suffix_v), _ = scan_layers(
         self.blocks, self.cfg, layer, (x, suffix_k, suffix_v))
     return self._logits(x), suffix_k, suffix_v
+
+  def paged_decode(self, tokens_S, positions_S, k_pages, v_pages,
+                   write_page_S, write_offset_S, index, *, common_k=None,
+                   common_v=None, common_len=None):
+    """One decode step for S slots against paged, prefix-shared KV.
+
+    Args:
+      tokens_S: the token each slot feeds now (not yet in any page).
+      positions_S: its position.
+      k_pages, v_pages: [L, num_pages, T, N, K] the page pool.
+      write_page_S, write_offset_S: where each slot's new KV goes (a page
+        id out of range: nowhere, a free slot).
+      index: dict of the page tables and lengths
+        (`paged_decode_attention_reference`: slot_group_S, slot_member_S,
+        group_slots_RxG, group_pages_RxA, group_len_R, own_pages_SxB,
+        own_len_S counting the new token).
+      common_k, common_v, common_len: optional common prefix [L, C, N, K].
+
+    Returns:
+      logits [S, V] fp32, updated k_pages, v_pages.
+    """
+    common = common_k is not None and common_k.shape[1] > 0
+
+    def layer(block, i, carry, _):
+      x, k_pages, v_pages = carry
+      q, k, v = block.attn.qkv(block.attn_norm(x), positions_S[:, None])
+      k_pages = k_pages.at[i, write_page_S, write_offset_S].set(
+          k[:, 0].astype(k_pages.dtype), mode="drop")
+      v_pages = v_pages.at[i, write_page_S, write_offset_S].set(
+          v[:, 0].astype(v_pages.dtype), mode="drop")
+      windowed = (dict(q_pos_S=positions_S, window=layer_window(self.cfg, i))
+                  if self.cfg.sliding_window is not None else {})
+      o = paged_decode_attention_reference(
+          q[:, 0], k_pages[i], v_pages[i], **index,
+          scale=self.cfg.scores_scale,
+          logit_softcap=self.cfg.attn_logit_softcap, **windowed,
+          **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
+                  common_len=common_len) if common else {}))
+      x = block._residual_mlp(x, block.attn.out(o[:, None]))
+      return (x, k_pages, v_pages), None
+
+    x = self._embed(tokens_S[:, None])  # [S, 1, D]
+    (x, k_pages, v_pages), _ = scan_layers(
+        self.blocks, self.cfg, layer, (x, k_pages, v_pages))
+    return self._logits(x)[:, 0], k_pages, v_pages

@@ -1,0 +1,511 @@
+"""A paged decode engine: KV in a page pool, prompt pages read once per group.
+
+Memory: KV lives in fixed-size pages of one pool ([L, num_pages, T, N, K]),
+sized from a byte or page budget, not from slots x max_new_tokens. A
+group (one prompt, up to G samples) holds the pages of its prompt; each
+sample holds pages for its own tokens, one more page whenever it crosses a
+page boundary. A finished sample frees its pages and its slot at once; the
+slot takes new work (a waiting sample of any group) while the rest of its
+group decodes. The common prefix of a batch is one dense copy for all
+groups (`EngineBase`). Sharing tree: common -> prompt -> sample.
+
+Work per step: decode attention reads the first A prompt pages of every
+group entry and the first B own pages of every slot, A and B the live
+maxima rounded up to a power of two (one compile per (A, B)): live pages,
+not the max-length reservation; a group's prompt pages are read once for
+all its live members (`kernels_pallas/paged_decode_attention.py`).
+
+This class executes; `paged_driver.PagedDriver` decides (admission, page
+allocation, preemption). Device ops, each a pure jitted function of the
+donated `PagedState`:
+  prefill(params, prompts)                 batched: several prompts a call
+  insert(state, prefill, entries, pages)   prompt KV into pages, group rows
+  start(state, starts)                     samples into free slots
+  extend(params, state, slot, tokens, ...) KV of tokens appended to a live
+                                           sample (a preempted sample's
+                                           recompute; multi-turn input)
+  generate(params, state, growth, A, B)    one token for every live slot
+  stop(state, slots)                       deactivate slots (preemption)
+Sampling keys are (seed, prompt id, sample index, position) as in `Engine`:
+a sample's tokens do not depend on its slot, its page ids, its neighbours
+or on being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from rlhf_jax.engine.engine import EngineBase
+from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
+from rlhf_jax.engine.state import CommonPrefix, ResultTokens
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel.layout import Layout, use_layout
+
+_PAGES = ("layers", None, None, "kv_heads", "head_dim")
+_SLOTS, _GROUPS = ("batch",), ("batch",)
+
+
+@struct.dataclass
+class PagedState:
+  """Everything `generate` reads and writes (S slots, R group entries)."""
+  k_pages: jax.Array       # [L, num_pages, T, N, K]
+  v_pages: jax.Array
+  group_pages: jax.Array   # [R, A_max] prompt page ids
+  group_len: jax.Array     # [R] prompt tokens (after the common prefix)
+  group_slots: jax.Array   # [R, G] slot of each member (-1: none)
+  group_first: jax.Array   # [R, G] each member's first token (from prefill)
+  group_prompt_id: jax.Array  # [R]
+  group_seed: jax.Array    # [R] uint32
+  slot_group: jax.Array    # [S] group entry of the slot's sample
+  slot_member: jax.Array   # [S] its member index in the group
+  own_pages: jax.Array     # [S, B_max] own page ids
+  own_len: jax.Array       # [S] own tokens whose KV is in the pool
+  tokens: jax.Array        # [S] last sampled token, fed next step
+  positions: jax.Array     # [S] its position
+  generated: jax.Array     # [S] tokens of the response so far
+  budget: jax.Array        # [S] the sample's token budget
+  active: jax.Array        # [S] bool
+  sample_idx: jax.Array    # [S]
+  common_k: jax.Array      # [L, C, N, K]
+  common_v: jax.Array
+  common_len: jax.Array    # []
+
+
+@struct.dataclass
+class PagedPrefill:
+  """B prompts prefilled in one call: KV and each one's G first tokens."""
+  k: jax.Array             # [L, B, Pb, N, K]
+  v: jax.Array
+  first_tokens: jax.Array  # [B, G]
+  first_logp: jax.Array    # [B, G]
+  first_logp_raw: jax.Array  # [B, G]
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+  return min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+class PagedEngine(EngineBase):
+  """Paged prefill / insert / start / generate over S slots."""
+
+  def __init__(self, cfg: ModelConfig, graphdef, layout: Layout, *,
+               num_slots: int, samples_per_group: int,
+               prefill_buckets: Sequence[int], sampling: SamplingParams,
+               page_size: int = 16, num_pages: int | None = None,
+               kv_budget_bytes: int | None = None,
+               num_groups: int | None = None, prefill_batch: int = 4,
+               attention_impl: str = "auto", max_common_length: int = 0):
+    """Builds the jitted functions; nothing is compiled until first use.
+
+    Args:
+      cfg, graphdef, layout: the model and the rollout layout.
+      num_slots: S samples decoded per step at most.
+      samples_per_group: G, the most samples one prompt has.
+      prefill_buckets: padded prompt lengths (after a common prefix).
+      sampling: how tokens are drawn; `max_new_tokens` caps every sample.
+      page_size: T tokens per page.
+      num_pages / kv_budget_bytes: the pool size, in pages or in bytes of
+        K+V over all layers (exactly one of them).
+      num_groups: R group entries (prompts with samples alive or waiting);
+        default 2 S / G, at least 2.
+      prefill_batch: prompts per prefill call.
+      attention_impl: kept for the API; the paged op is the jnp reference
+        on every backend (a Pallas paged kernel is not written yet).
+      max_common_length: capacity of the common prefix (0: none).
+    """
+    super().__init__(cfg, graphdef, layout, prefill_buckets=prefill_buckets,
+                     sampling=sampling, attention_impl=attention_impl,
+                     max_common_length=max_common_length)
+    if (num_pages is None) == (kv_budget_bytes is None):
+      raise ValueError("give the page pool as exactly one of num_pages or "
+                       "kv_budget_bytes")
+    self.page_size = int(page_size)
+    if num_pages is None:
+      num_pages = int(kv_budget_bytes) // self.page_bytes
+    if num_pages < 2:
+      raise ValueError(f"a page pool of {num_pages} pages is too small "
+                       f"(one page is {self.page_bytes} bytes)")
+    G = int(samples_per_group)
+    if num_slots < 1 or G < 1:
+      raise ValueError(f"num_slots and samples_per_group must be >= 1, got "
+                       f"{num_slots} and {G}")
+    self.num_slots, self.samples_per_group = int(num_slots), G
+    self.samples_per_row = G  # The Driver's name for the same limit.
+    self.num_pages = int(num_pages)
+    self.num_groups = int(num_groups or max(2, 2 * num_slots // G))
+    self.prefill_batch = int(prefill_batch)
+    T = self.page_size
+    self.max_prompt_pages = math.ceil(self.max_prefill_length / T)
+    # Own tokens in the pool reach max_new_tokens - 1; the driver keeps two
+    # tokens of headroom (the step in flight and the next).
+    self.max_own_pages = math.ceil((sampling.max_new_tokens + 1) / T)
+    self.state_shardings = PagedState(**{
+        name: layout.sharding(axes, shape)
+        for name, (axes, shape, _) in self._fields().items()})
+    rep = layout.replicated()
+    self._prefill_sh = PagedPrefill(*(rep,) * 5)
+    st, params, common = (self.state_shardings, self.param_shardings,
+                          self._common_shardings)
+    self._init_jit = jax.jit(self._zero_state, in_shardings=(common,),
+                             out_shardings=st)
+    self._prefill_jit = jax.jit(
+        self._prefill_fn, in_shardings=(params,) + (rep,) * 5 + (common,),
+        out_shardings=self._prefill_sh)
+    self._insert_jit = jax.jit(
+        self._insert_fn, in_shardings=(st, self._prefill_sh) + (rep,) * 5,
+        out_shardings=st, donate_argnums=0)
+    self._start_jit = jax.jit(self._start_fn, out_shardings=st,
+                              donate_argnums=0)
+    self._stop_jit = jax.jit(self._stop_fn, out_shardings=st,
+                             donate_argnums=0)
+    self._extend_jit = jax.jit(self._extend_fn, out_shardings=st,
+                               donate_argnums=1)
+    self._generate_jit = jax.jit(
+        self._generate_fn, static_argnums=(3, 4),
+        out_shardings=(st, ResultTokens(rep)), donate_argnums=1)
+
+  # ---------------------------------------------------------------- shapes
+  @property
+  def page_bytes(self) -> int:
+    """Bytes of one page: K and V of T tokens over all layers."""
+    c = self.cfg
+    return (2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim *
+            jnp.dtype(c.compute_jnp_dtype).itemsize)
+
+  @property
+  def pool_bytes(self) -> int:
+    """Bytes of the allocated page pool (what the engine reserves)."""
+    return self.num_pages * self.page_bytes
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.num_slots
+
+  def _fields(self):
+    """name -> (logical axes, shape, dtype) of every PagedState field."""
+    c = self.cfg
+    L, N, K = c.num_layers, c.num_kv_heads, c.head_dim
+    S, R, G = self.num_slots, self.num_groups, self.samples_per_group
+    cdt = c.compute_jnp_dtype
+    i32 = jnp.int32
+    pool = (L, self.num_pages, self.page_size, N, K)
+    common = (L, self.max_common_length, N, K)
+    slot = lambda dt=i32: (_SLOTS, (S,), dt)
+    group = lambda dt=i32: (_GROUPS, (R,), dt)
+    return {
+        "k_pages": (_PAGES, pool, cdt), "v_pages": (_PAGES, pool, cdt),
+        "group_pages": (_GROUPS + (None,), (R, self.max_prompt_pages), i32),
+        "group_len": group(), "group_slots": (_GROUPS + (None,), (R, G), i32),
+        "group_first": (_GROUPS + (None,), (R, G), i32),
+        "group_prompt_id": group(), "group_seed": group(jnp.uint32),
+        "slot_group": slot(), "slot_member": slot(),
+        "own_pages": (_SLOTS + (None,), (S, self.max_own_pages), i32),
+        "own_len": slot(), "tokens": slot(), "positions": slot(),
+        "generated": slot(), "budget": slot(), "active": slot(jnp.bool_),
+        "sample_idx": slot(),
+        "common_k": (("layers", None, "kv_heads", "head_dim"), common, cdt),
+        "common_v": (("layers", None, "kv_heads", "head_dim"), common, cdt),
+        "common_len": ((), (), i32),
+    }
+
+  def _zero_state(self, common: CommonPrefix) -> PagedState:
+    fields = {name: jnp.zeros(shape, dtype)
+              for name, (_, shape, dtype) in self._fields().items()}
+    fields["group_slots"] = -jnp.ones_like(fields["group_slots"])
+    fields.update(common_k=common.k, common_v=common.v,
+                  common_len=common.length)
+    return PagedState(**fields)
+
+  def init_decode_state(self) -> PagedState:
+    """An empty state (no groups, no samples, every page free) holding the
+    current common prefix."""
+    self._state_common_version = self._common_version
+    return self._init_jit(self._common_or_empty())
+
+  # ----------------------------------------------------------- jitted fns
+  def _prefill_fn(self, params, tokens_BxP, lengths_B, prompt_ids_B, seeds_B,
+                  sample_idx_BxG, common: CommonPrefix) -> PagedPrefill:
+    self.trace_counts["prefill"] += 1
+    with use_layout(self.layout):
+      B, P = tokens_BxP.shape
+      index = jnp.arange(P, dtype=jnp.int32)[None]
+      mask = index < lengths_B[:, None]
+      logits_BxV, (k, v) = model_lib.prefill(
+          self.graphdef, params, tokens_BxP, index + common.length, mask,
+          lengths_B - 1, context=(common.k, common.v, common.length))
+      G = sample_idx_BxG.shape[1]
+      keys = token_keys(seeds_B[:, None], prompt_ids_B[:, None],
+                        sample_idx_BxG, (common.length + lengths_B)[:, None])
+      logits = jnp.broadcast_to(logits_BxV[:, None], (B, G) +
+                                logits_BxV.shape[1:])
+      tokens, logp, raw = sample(logits.reshape(B * G, -1), keys.reshape(-1),
+                                 self.sampling)
+      cdt = self.cfg.compute_jnp_dtype
+      return PagedPrefill(k=k.astype(cdt), v=v.astype(cdt),
+                          first_tokens=tokens.reshape(B, G),
+                          first_logp=logp.reshape(B, G),
+                          first_logp_raw=raw.reshape(B, G))
+
+  def _insert_fn(self, state: PagedState, pre: PagedPrefill, entries_B,
+                 pages_BxA, lengths_B, prompt_ids_B, seeds_B) -> PagedState:
+    """Prompt KV into its pages; entry rows of the group tables. Padding
+    rows of the batch have entry R and page ids num_pages (dropped)."""
+    self.trace_counts["insert"] += 1
+    L, B, P, N, K = pre.k.shape
+    T, A = self.page_size, pages_BxA.shape[1]
+    pad = A * T - P
+
+    def to_pages(x):  # [L, B, P, N, K] -> [L, B, A, T, N, K]
+      x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+      return x.reshape(L, B, A, T, N, K).astype(state.k_pages.dtype)
+
+    drop = dict(mode="drop")
+    G = state.group_slots.shape[1]
+    # The table reads page 0 past a prompt's pages (masked); the KV scatter
+    # drops them (id num_pages).
+    table = jnp.zeros((B, state.group_pages.shape[1]), jnp.int32)
+    table = table.at[:, :A].set(
+        jnp.where(pages_BxA < state.k_pages.shape[1], pages_BxA, 0))
+    return state.replace(
+        k_pages=state.k_pages.at[:, pages_BxA].set(to_pages(pre.k), **drop),
+        v_pages=state.v_pages.at[:, pages_BxA].set(to_pages(pre.v), **drop),
+        group_pages=state.group_pages.at[entries_B].set(table, **drop),
+        group_len=state.group_len.at[entries_B].set(lengths_B, **drop),
+        group_slots=state.group_slots.at[entries_B].set(
+            jnp.full((B, G), -1, jnp.int32), **drop),
+        group_first=state.group_first.at[entries_B].set(pre.first_tokens,
+                                                        **drop),
+        group_prompt_id=state.group_prompt_id.at[entries_B].set(prompt_ids_B,
+                                                                **drop),
+        group_seed=state.group_seed.at[entries_B].set(seeds_B, **drop))
+
+  def _start_fn(self, state: PagedState, slots_X, entries_X, members_X,
+                sample_idx_X, budgets_X, own_rows_XxB) -> PagedState:
+    """Samples into slots at their first token (padding: slot S)."""
+    self.trace_counts["start"] += 1
+    drop = dict(mode="drop")
+    first = state.group_first[entries_X, members_X]
+    done = (budgets_X <= 1) | self._is_stop(first)
+    pos = state.common_len + state.group_len[entries_X]
+    zero = jnp.zeros_like(slots_X)
+    at = lambda a, x: a.at[slots_X].set(x, **drop)
+    return state.replace(
+        group_slots=state.group_slots.at[entries_X, members_X].set(
+            slots_X, **drop),
+        slot_group=at(state.slot_group, entries_X),
+        slot_member=at(state.slot_member, members_X),
+        own_pages=at(state.own_pages, own_rows_XxB),
+        own_len=at(state.own_len, zero), tokens=at(state.tokens, first),
+        positions=at(state.positions, pos),
+        generated=at(state.generated, zero + 1),
+        budget=at(state.budget, budgets_X), active=at(state.active, ~done),
+        sample_idx=at(state.sample_idx, sample_idx_X))
+
+  def _stop_fn(self, state: PagedState, slots_X) -> PagedState:
+    self.trace_counts["stop"] += 1
+    return state.replace(active=state.active.at[slots_X].set(False,
+                                                             mode="drop"))
+
+  def _extend_fn(self, params, state: PagedState, slot, own_row_B,
+                 tokens_E, count, active) -> PagedState:
+    """Appends `count` tokens to a sample: the token it feeds now and
+    tokens_E[:count-1] get KV in its pages (attending to the common prefix,
+    its prompt and its own tokens); tokens_E[count-1] is fed next."""
+    self.trace_counts["extend"] += 1
+    with use_layout(self.layout):
+      E = tokens_E.shape[0]
+      T = self.page_size
+      g = state.slot_group[slot]
+      c_len, g_len, o_len = (state.common_len, state.group_len[g],
+                             state.own_len[slot])
+      own_pages = state.own_pages.at[slot].set(own_row_B)
+      # Dense context [common ; prompt ; own] at their true positions: each
+      # piece is written after the previous one's valid tokens.
+      L, _, _, N, K = state.k_pages.shape
+      flat = lambda pages, ids: pages[:, ids].reshape(L, -1, N, K)
+      size = (state.common_k.shape[1] + state.group_pages.shape[1] * T +
+              own_pages.shape[1] * T)
+
+      def context(common, pages):
+        ctx = jnp.zeros((L, size, N, K), pages.dtype)
+        ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
+        ctx = jax.lax.dynamic_update_slice(
+            ctx, flat(pages, state.group_pages[g]), (0, c_len, 0, 0))
+        return jax.lax.dynamic_update_slice(
+            ctx, flat(pages, own_pages[slot]), (0, c_len + g_len, 0, 0))
+
+      feed = jnp.concatenate([state.tokens[slot][None], tokens_E[:-1]])
+      index = jnp.arange(E, dtype=jnp.int32)
+      _, (k, v) = model_lib.prefill(
+          self.graphdef, params, feed[None], (state.positions[slot] + index
+                                              )[None],
+          (index < count)[None], jnp.zeros((1,), jnp.int32),
+          context=(context(state.common_k, state.k_pages),
+                   context(state.common_v, state.v_pages),
+                   c_len + g_len + o_len))
+      own_pos = o_len + index
+      page = jnp.where(index < count, own_pages[slot, own_pos // T],
+                       state.k_pages.shape[1])
+      put = lambda pages, x: pages.at[:, page, own_pos % T].set(
+          x[:, 0].astype(pages.dtype), mode="drop")
+      return state.replace(
+          k_pages=put(state.k_pages, k), v_pages=put(state.v_pages, v),
+          own_pages=own_pages, own_len=state.own_len.at[slot].add(count),
+          tokens=state.tokens.at[slot].set(tokens_E[count - 1]),
+          positions=state.positions.at[slot].add(count),
+          generated=state.generated.at[slot].add(count),
+          active=state.active.at[slot].set(active))
+
+  def _generate_fn(self, params, state: PagedState, growth_Sx3, A: int,
+                   B: int):
+    """One token per live slot. growth_Sx3 rows (slot, column, page) add
+    own pages first (slot S: none); A, B: prompt/own page columns read."""
+    self.trace_counts["generate"] += 1
+    with use_layout(self.layout):
+      T, num_pages = self.page_size, state.k_pages.shape[1]
+      own_pages = state.own_pages.at[growth_Sx3[:, 0], growth_Sx3[:, 1]].set(
+          growth_Sx3[:, 2], mode="drop")
+      live = state.active
+      write_page = jnp.where(
+          live, jnp.take_along_axis(own_pages, (state.own_len // T)[:, None],
+                                    axis=1)[:, 0], num_pages)
+      group_slots = jnp.where(
+          live[jnp.maximum(state.group_slots, 0)], state.group_slots, -1)
+      index = dict(
+          slot_group_S=state.slot_group, slot_member_S=state.slot_member,
+          group_slots_RxG=group_slots,
+          group_pages_RxA=state.group_pages[:, :A],
+          group_len_R=state.group_len, own_pages_SxB=own_pages[:, :B],
+          own_len_S=state.own_len + 1)
+      logits, k_pages, v_pages = model_lib.paged_decode(
+          self.graphdef, params, state.tokens, state.positions, state.k_pages,
+          state.v_pages, write_page, state.own_len % T, index,
+          common_k=state.common_k, common_v=state.common_v,
+          common_len=state.common_len)
+      g = state.slot_group
+      keys = token_keys(state.group_seed[g], state.group_prompt_id[g],
+                        state.sample_idx, state.positions + 1)
+      tokens, logp, raw = sample(logits, keys, self.sampling)
+      step = live.astype(jnp.int32)
+      generated = state.generated + step
+      done = live & (self._is_stop(tokens) | (generated >= state.budget))
+      new_state = state.replace(
+          k_pages=k_pages, v_pages=v_pages, own_pages=own_pages,
+          own_len=state.own_len + step,
+          tokens=jnp.where(live, tokens, state.tokens),
+          positions=state.positions + step, generated=generated,
+          active=live & ~done)
+      return new_state, ResultTokens.pack(tokens, live, done, generated, logp,
+                                          raw)
+
+  # ------------------------------------------------------------ host API
+  def prefill(self, params, prompts: Sequence[tuple[np.ndarray, int]],
+              prompt_ids, seeds, sample_indices) -> PagedPrefill:
+    """Prefills up to `prefill_batch` prompts in one call.
+
+    Args:
+      params: rollout weights.
+      prompts: (tokens after the common prefix, unpadded) per prompt.
+      prompt_ids, seeds: per prompt.
+      sample_indices: per prompt, the sample indices of its G first tokens
+        (fewer than G: the rest are unused).
+
+    Returns:
+      `PagedPrefill` with B = prefill_batch rows (the first len(prompts)
+      real), padded to the bucket of the longest prompt.
+    """
+    n, Bp = len(prompts), self.prefill_batch
+    if not 1 <= n <= Bp:
+      raise ValueError(f"prefill takes 1..{Bp} prompts, got {n}")
+    P = self.bucket_for(max(len(t) for t, _ in prompts))
+    tokens = np.zeros((Bp, P), np.int32)
+    lengths = np.ones(Bp, np.int32)
+    ids, sd = np.zeros(Bp, np.int32), np.zeros(Bp, np.uint32)
+    idx = np.zeros((Bp, self.samples_per_group), np.int32)
+    for b, ((toks, pid), seed, si) in enumerate(
+        zip(zip((t for t, _ in prompts), prompt_ids), seeds, sample_indices)):
+      tokens[b, :len(toks)] = toks
+      lengths[b], ids[b], sd[b] = len(toks), pid, seed
+      idx[b, :len(si)] = si
+    return self._prefill_jit(params, tokens, lengths, ids, sd, idx,
+                             self._common_or_empty())
+
+  def insert(self, state: PagedState, pre: PagedPrefill, entries, pages,
+             lengths, prompt_ids, seeds) -> PagedState:
+    """Writes the first len(entries) prompts of `pre` into their pages
+    (`pages[b]`: ceil(length / T) ids) and group entries."""
+    if self._state_common_version != self._common_version:
+      raise ValueError(
+          "the decode state holds an older common prefix than the engine's; "
+          "call init_decode_state() once its samples finish")
+    Bp = pre.k.shape[1]
+    A = math.ceil(pre.k.shape[2] / self.page_size)
+    ent = np.full(Bp, self.num_groups, np.int32)
+    table = np.full((Bp, A), self.num_pages, np.int32)
+    lens, ids = np.zeros(Bp, np.int32), np.zeros(Bp, np.int32)
+    sd = np.zeros(Bp, np.uint32)
+    for b, e in enumerate(entries):
+      ent[b], lens[b], ids[b], sd[b] = e, lengths[b], prompt_ids[b], seeds[b]
+      table[b, :len(pages[b])] = pages[b]
+    return self._insert_jit(state, pre, ent, table, lens, ids, sd)
+
+  def start(self, state: PagedState, starts) -> PagedState:
+    """Puts samples into slots at their first token.
+
+    Args:
+      state: the decode state.
+      starts: (slot, group entry, member, sample index, budget, own page
+        ids) per sample.
+    """
+    S, Bm = self.num_slots, self.max_own_pages
+    cols = np.zeros((5, S), np.int32)
+    cols[0], cols[1] = S, self.num_groups  # Padding: dropped.
+    rows = np.zeros((S, Bm), np.int32)
+    for x, (slot, entry, member, idx, budget, pages) in enumerate(starts):
+      cols[:, x] = slot, entry, member, idx, budget
+      rows[x, :len(pages)] = pages
+    return self._start_jit(state, *cols, rows)
+
+  def extend(self, params, state: PagedState, slot: int, own_row,
+             tokens, *, active: bool = True) -> PagedState:
+    """Appends `tokens` to the live sample in `slot`: the token it feeds
+    now and tokens[:-1] get KV (own pages `own_row`, covering the new
+    length); tokens[-1] is fed by the next step."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if not tokens.size:
+      raise ValueError("extend needs at least one token")
+    E = _pow2_at_least(tokens.size, 1 << 30)
+    padded = np.zeros(E, np.int32)
+    padded[:tokens.size] = tokens
+    row = np.zeros(self.max_own_pages, np.int32)
+    row[:len(own_row)] = own_row
+    return self._extend_jit(params, state, np.int32(slot), row, padded,
+                            np.int32(tokens.size), np.bool_(active))
+
+  def stop(self, state: PagedState, slots) -> PagedState:
+    """Deactivates `slots` (their pages may be reused after this call)."""
+    arr = np.full(self.num_slots, self.num_slots, np.int32)
+    arr[:len(slots)] = list(slots)
+    return self._stop_jit(state, arr)
+
+  def generate(self, params, state: PagedState, growth=(), *,
+               prompt_pages: int, own_pages: int):
+    """One decode step. `growth`: (slot, column, page) own pages added
+    first; `prompt_pages`/`own_pages`: live maxima of the columns read
+    (rounded up to a power of two here)."""
+    g = np.full((self.num_slots, 3), 0, np.int32)
+    g[:, 0] = self.num_slots
+    for x, row in enumerate(growth):
+      g[x] = row
+    A = _pow2_at_least(prompt_pages, self.max_prompt_pages)
+    B = _pow2_at_least(own_pages, self.max_own_pages)
+    return self._generate_jit(params, state, g, A, B)

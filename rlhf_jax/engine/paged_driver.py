@@ -1,0 +1,330 @@
+"""Sample-level continuous batching over the paged engine.
+
+Same contract as `driver.Driver.run` (requests in, `Sample`s out as they
+finish, results read one step late so the host never stalls the device),
+with the decisions a page pool needs, all taken here on the host:
+
+- Admission: pending prompts are prefilled `prefill_batch` at a time into
+  free group entries when the pool has their prompt pages and there are
+  free slots no waiting sample will take. Their samples wait in the group
+  until a slot frees.
+- Slots: a slot whose sample finished takes the next waiting sample at once
+  (oldest group first), whatever group it belongs to; the rest of the old
+  group keeps reading its prompt pages once per step.
+- Pages: before each step every live sample is given pages for its known
+  length + 2 tokens (the step in flight and the one dispatched now).
+- Exhaustion policy (stated and tested): when a live sample needs a page and
+  none is free, the most recently started live sample is preempted: it is
+  stopped on the device, its own pages are freed, and it goes back to the
+  front of its group's waiting samples with the tokens read so far. When it
+  gets a slot again, `PagedEngine.extend` recomputes its KV and it
+  continues with the same tokens (sampling keys do not depend on the
+  slot). Admission and restarts never preempt: they wait for pages. A
+  sample whose own tokens alone cannot fit the pool is a configuration
+  error said at construction (`check_fits`), never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Iterable
+
+import numpy as np
+
+from rlhf_jax.engine import common_prefix as common_lib
+from rlhf_jax.engine.driver import Driver, Request, Sample
+from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
+from rlhf_jax.engine.paged import PagedEngine
+
+
+@dataclasses.dataclass
+class _Waiting:
+  """A sample of an admitted group without a slot (new, or preempted)."""
+  member: int
+  sample_idx: int
+  budget: int
+  tokens: list = dataclasses.field(default_factory=list)
+  logp: list = dataclasses.field(default_factory=list)
+  logp_raw: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Group:
+  request: Request
+  entry: int
+  length: int                      # prompt tokens after the common prefix
+  pages: list[int]
+  waiting: collections.deque
+  order: int = 0                   # admission order
+  live: int = 0
+  first: tuple | None = None       # host copies of (tokens, logp, raw) [G]
+
+
+@dataclasses.dataclass
+class _Slot:
+  group: _Group
+  member: int
+  sample_idx: int
+  budget: int
+  pages: list[int]
+  started: int                     # decode steps dispatched before start
+  order: int                       # start order (preemption picks newest)
+  tokens: list = dataclasses.field(default_factory=list)
+  logp: list = dataclasses.field(default_factory=list)
+  logp_raw: list = dataclasses.field(default_factory=list)
+
+  @property
+  def since_step(self):  # The name Driver._consume reads.
+    return self.started
+
+
+@dataclasses.dataclass
+class PagedStats:
+  preemptions: int = 0
+  recomputed_tokens: int = 0
+  peak_pages: int = 0
+  peak_live: int = 0
+  steps_by_shape: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+
+
+class PagedDriver(Driver):
+  """Streams samples for a stream of requests through one PagedEngine."""
+
+  def __init__(self, engine: PagedEngine, params, *, weight_version: int = 0):
+    super().__init__(engine, params, weight_version=weight_version)
+    self.paged = PagedStats()
+
+  # ------------------------------------------------------------ the run
+  def start(self, requests: Iterable[Request] = (), *, common_prefix=None,
+            min_common_length: int = 16, admission: str = "continuous",
+            controller=None) -> None:
+    if admission != "continuous" or controller is not None:
+      raise ValueError("the paged driver does continuous admission without "
+                       "a controller")
+    eng: PagedEngine = self.engine
+    pending = collections.deque(requests)
+    common = self._resolve_common_prefix(pending, common_prefix,
+                                         min_common_length)
+    for req in pending:
+      self._validate(req, common)
+    if common.size:
+      eng.set_common_prefix(self.params, common)
+      self.stats.prefill_tokens += eng.max_common_length
+    else:
+      eng.clear_common_prefix()
+    self.stats.common_prefix_length = int(common.size)
+    self.state = eng.init_decode_state()
+    self.pool = PagePool(eng.num_pages, eng.page_size)
+    self.pending = pending
+    self.live: dict[int, _Slot] = {}
+    self.groups: dict[int, _Group] = {}        # entry -> group
+    self._free_entries = list(range(eng.num_groups - 1, -1, -1))
+    self._free_slots = list(range(eng.num_slots - 1, -1, -1))
+    self._common, self._admission, self._controller = common, admission, None
+    self._events = collections.deque()
+    self._order = 0
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.pending or self.live or self._events or self.groups)
+
+  def _validate(self, req: Request, common: np.ndarray) -> None:
+    super()._validate(req, common)
+    eng = self.engine
+    own = len(req.tokens) - common.size
+    need = self.pool_pages_for(own) + eng.max_own_pages
+    if need > eng.num_pages:
+      raise ValueError(
+          f"prompt {req.prompt_id}: one sample needs up to {need} pages "
+          f"(prompt + max_new_tokens={eng.sampling.max_new_tokens}), the "
+          f"pool has {eng.num_pages}; give the engine more pages")
+
+  def pool_pages_for(self, tokens: int) -> int:
+    return math.ceil(tokens / self.engine.page_size)
+
+  def step(self) -> list[Sample]:
+    eng: PagedEngine = self.engine
+    self._admit()
+    out = self._start_waiting()
+    growth = self._grow()
+    if self.live:
+      A = max(self.pool_pages_for(s.group.length) for s in self.live.values())
+      B = max(self.pool_pages_for(max(len(s.tokens), 1) + 2)
+              for s in self.live.values())
+      self.state, result = eng.generate(self.params, self.state, growth,
+                                        prompt_pages=A, own_pages=B)
+      result.copy_to_host_async()
+      self.stats.steps += 1
+      self.paged.steps_by_shape[A, B] += 1
+      self._events.append(("step", result, self.stats.steps))
+    self.paged.peak_live = max(self.paged.peak_live, len(self.live))
+    self.paged.peak_pages = max(self.paged.peak_pages, self.pool.num_used)
+    events = self._events
+    while events and (len(events) > 1 or not self.live or
+                      events[0][0] == "insert"):
+      out.extend(self._consume(events.popleft(), self.live))
+    return out
+
+  # ---------------------------------------------------------- decisions
+  def _admit(self) -> None:
+    """Prefills pending prompts into free entries, `prefill_batch` a call,
+    while pages and unclaimed slots allow."""
+    eng: PagedEngine = self.engine
+    waiting = sum(len(g.waiting) for g in self.groups.values())
+    batch = []
+    while (self.pending and self._free_entries and len(batch) <
+           eng.prefill_batch and len(self._free_slots) > waiting):
+      req = self.pending[0]
+      own = np.asarray(req.tokens, np.int32)[self._common.size:]
+      need = self.pool_pages_for(own.size)
+      # Prompt pages never take the last sample's worth of the pool: with
+      # nothing live, any waiting sample can start and run to its end.
+      if self.pool.num_free - need < eng.max_own_pages:
+        break
+      pages = self.pool.allocate(need)
+      self.pending.popleft()
+      self._order += 1
+      group = _Group(req, self._free_entries.pop(), int(own.size), pages,
+                     collections.deque(
+                         _Waiting(j, req.first_sample_index + j,
+                                  req.budget(j, eng.sampling.max_new_tokens))
+                         for j in range(req.num_samples)), self._order)
+      self.groups[group.entry] = group
+      batch.append((group, own))
+      waiting += req.num_samples
+    if not batch:
+      return
+    reqs = [g.request for g, _ in batch]
+    pre = eng.prefill(
+        self.params, [(own, g.request.prompt_id) for g, own in batch],
+        [r.prompt_id for r in reqs], [r.seed for r in reqs],
+        [[w.sample_idx for w in g.waiting] for g, _ in batch])
+    self.state = eng.insert(
+        self.state, pre, [g.entry for g, _ in batch],
+        [g.pages for g, _ in batch], [g.length for g, _ in batch],
+        [r.prompt_id for r in reqs], [r.seed for r in reqs])
+    for x in (pre.first_tokens, pre.first_logp, pre.first_logp_raw):
+      x.copy_to_host_async()
+    self._events.append(("insert", [g for g, _ in batch], pre))
+    self.stats.prefills += 1
+    self.stats.prefill_tokens += pre.k.shape[1] * pre.k.shape[2]
+
+  def _start_waiting(self) -> list[Sample]:
+    """Free slots take waiting samples, oldest group first; returns the
+    samples that end at a first token already on the host."""
+    eng: PagedEngine = self.engine
+    started = []
+    for group in sorted(self.groups.values(), key=lambda g: g.order):
+      while group.waiting and self._free_slots:
+        w = group.waiting[0]
+        try:
+          pages = self.pool.allocate(self.pool_pages_for(len(w.tokens) + 2))
+        except PoolExhausted:
+          break
+        group.waiting.popleft()
+        slot = self._free_slots.pop()
+        self._order += 1
+        item = _Slot(group, w.member, w.sample_idx, w.budget, pages,
+                     self.stats.steps, self._order, w.tokens, w.logp,
+                     w.logp_raw)
+        self.live[slot] = item
+        group.live += 1
+        started.append((slot, item))
+    if not started:
+      return []
+    self.state = eng.start(self.state, [
+        (slot, it.group.entry, it.member, it.sample_idx, it.budget, it.pages)
+        for slot, it in started])
+    out = []
+    for slot, it in started:
+      if len(it.tokens) > 1:  # Preempted: recompute the KV it had.
+        self.state = eng.extend(self.params, self.state, slot, it.pages,
+                                it.tokens[1:])
+        self.paged.recomputed_tokens += len(it.tokens) - 1
+      elif not it.tokens and it.group.first is not None:
+        out.extend(self._take_first(slot, it))
+    return out
+
+  def _grow(self) -> list[tuple[int, int, int]]:
+    """Pages for every live sample's next tokens; preempts on exhaustion."""
+    growth = []
+    for slot in sorted(self.live, key=lambda s: self.live[s].order):
+      it = self.live.get(slot)
+      if it is None:  # Preempted by an earlier sample of this loop.
+        continue
+      need = self.pool_pages_for(max(len(it.tokens), 1) + 2)
+      while len(it.pages) < min(need, self.engine.max_own_pages):
+        try:
+          (page,) = self.pool.allocate(1)
+        except PoolExhausted:
+          victim = max(self.live, key=lambda s: self.live[s].order)
+          self._preempt(victim)
+          growth = [g for g in growth if g[0] != victim]
+          if victim == slot:
+            break
+          continue
+        growth.append((slot, len(it.pages), page))
+        it.pages.append(page)
+    return growth
+
+  def _preempt(self, slot: int) -> None:
+    it = self.live.pop(slot)
+    self.state = self.engine.stop(self.state, [slot])
+    self.pool.release(it.pages)
+    self._free_slots.append(slot)
+    it.group.live -= 1
+    it.group.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
+                                         it.tokens, it.logp, it.logp_raw))
+    self.paged.preemptions += 1
+
+  # ------------------------------------------------------------ results
+  def _consume(self, event, live):
+    if event[0] == "insert":
+      _, groups, pre = event
+      host = [np.asarray(x) for x in (pre.first_tokens, pre.first_logp,
+                                      pre.first_logp_raw)]
+      for b, group in enumerate(groups):
+        group.first = tuple(x[b] for x in host)
+      batch = {id(g) for g in groups}
+      for slot, it in list(live.items()):
+        if id(it.group) in batch and not it.tokens:
+          yield from self._take_first(slot, it)
+      return
+    res, step = event[1].convert_to_numpy(), event[2]
+    for s in np.nonzero(res.valid)[0]:
+      it = live.get(int(s))
+      if it is not None and step > it.started:
+        yield from self._append(int(s), live, int(res.tokens[s]),
+                                float(res.logp[s]), float(res.logp_raw[s]))
+
+  def _take_first(self, slot, it: _Slot):
+    toks, logp, raw = it.group.first
+    j = it.member
+    return list(self._append(slot, self.live, int(toks[j]), float(logp[j]),
+                             float(raw[j])))
+
+  def _append(self, slot, live, token, logp, raw, first=False):
+    del first
+    it = live[slot]
+    it.tokens.append(token)
+    it.logp.append(logp)
+    it.logp_raw.append(raw)
+    self.stats.generated_tokens += 1
+    stop = token in self.engine.sampling.stop_tokens
+    if stop or len(it.tokens) >= it.budget:
+      del live[slot]
+      self.pool.release(it.pages)
+      self._free_slots.append(slot)
+      group = it.group
+      group.live -= 1
+      if not group.live and not group.waiting:
+        self.pool.release(group.pages)
+        del self.groups[group.entry]
+        self._free_entries.append(group.entry)
+      yield Sample(group.request.prompt_id, it.sample_idx,
+                   np.asarray(group.request.tokens, np.int32), it.tokens,
+                   it.logp, it.logp_raw, "stop" if stop else "length",
+                   self.weight_version)
