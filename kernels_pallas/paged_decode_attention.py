@@ -1,47 +1,85 @@
-"""Paged decode attention that reads each group's prompt pages once.
+"""Paged decode attention that reads only live pages, prompt pages once.
 
 Dimension letters: S decode slots (one sample each), R group entries (one
-prompt each), G members per group, H query heads, N kv heads, K head dim,
-T page size, A prompt pages read per group, B own pages read per slot,
-C common-prefix capacity.
+prompt each), G members per group, H query heads, N kv heads (Q = H / N per
+kv head), K head dim, T page size, X page chunks read in a step.
 
 KV lives in a pool of fixed-size pages [num_pages, T, N, K] (one pool per
 layer). A group's prompt KV is in the pages of its row of `group_pages_RxA`
 (shared by its G samples); a sample's own tokens are in the pages of its
-row of `own_pages_SxB`. The queries of a group's live members are gathered
-into [R, G] so the group's prompt pages are read ONCE per step for all of
-them (one [G*H/N, K] x [K, A*T] matmul per group and kv head), exactly like
-the dense prefix rows (`prefix_decode_attention.py`); each sample then reads
-only its own pages. The parts merge by log-sum-exp in fp32
-(`attention_parts.merge_parts`), with the optional common prefix (stored
-once for every group) as a third part.
+row of `own_pages_SxB`. The op is ragged: it lists the live pages of the
+step (a group's prompt pages if any member is live; a live slot's pages up
+to its length) and reads each listed page once:
+  - a prompt page against the queries of all G members of its group (one
+    [G*Q, K] x [K, T] matmul per kv head: the prompt is read once per
+    group, like the dense prefix rows of `prefix_decode_attention.py`);
+  - an own page against its slot's query.
+Each page gives a normalised partial output and its log-sum-exp; partials
+of one query merge exactly in fp32 (`segment_merge`, the rule of
+`attention_parts.merge_parts` over a variable number of parts), then the
+prompt, own and optional common-prefix parts merge by the same rule. Work
+and bytes read scale with the live KV, not with max lengths or with the
+longest sample of the batch.
 
-Only the first A (B) columns of the page tables are read: the caller slices
-the tables to the live maximum (the engine rounds it up to a power of two,
-one compile per bucket), so a step reads live pages, not the max-length
-reservation. Entries past a group's (slot's) length are masked and may hold
-any page id.
+The page lists have a static size (`num_prompt_chunks`, `num_own_chunks`):
+the caller passes upper bounds of the live page counts (the engine rounds
+them up to powers of two, one compile per pair); surplus entries are
+masked. A bound below the live count would drop pages: the engine derives
+its bounds from lengths that are never below the device's.
 
 This file is the jnp reference, used on every backend; a Pallas kernel
-that reads pages in place (no gather copy) is the follow-up.
+that reads the pages in place (no gather copy) is the follow-up.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_parts import (
-    attention_part, common_prefix_part, merge_parts, softcap)
+    NEG_INF, attention_part, common_prefix_part, merge_parts, softcap)
 
 
-def gather_pages(pages_PxTxNxK, table_XxA):
-  """[X, A*T, N, K]: the pages of each row of `table_XxA`, in order."""
-  X, A = table_XxA.shape
-  _, T, N, K = pages_PxTxNxK.shape
-  # "clip": an id out of range reads some page (masked by the caller),
-  # never the NaN fill of jnp.take's default.
-  return jnp.take(pages_PxTxNxK, table_XxA, axis=0, mode="clip").reshape(
-      X, A * T, N, K)
+def segment_merge(out_XxD, lse_X, segment_X, num_segments):
+  """Exact merge of partial attention outputs by segment.
+
+  Args:
+    out_XxD: normalised partial outputs [X, ...D] (fp32).
+    lse_X: their log-sum-exps [X, ...] (-inf: an empty part).
+    segment_X: [X] segment of each part (>= num_segments: dropped).
+    num_segments: number of segments.
+
+  Returns:
+    (out [num_segments, ...D], lse [num_segments, ...]); a segment with no
+    keys gets zeros and -inf.
+  """
+  seg_max = jax.ops.segment_max(lse_X, segment_X, num_segments)
+  seg_max = jnp.where(jnp.isfinite(seg_max), seg_max, 0.0)
+  weight = jnp.exp(lse_X - seg_max[jnp.minimum(segment_X, num_segments - 1)])
+  total = jax.ops.segment_sum(weight, segment_X, num_segments)
+  out = jax.ops.segment_sum(weight[..., None] * out_XxD, segment_X,
+                            num_segments)
+  safe = jnp.where(total > 0, total, 1.0)
+  lse = jnp.where(total > 0, seg_max + jnp.log(safe), NEG_INF)
+  return out / safe[..., None], lse
+
+
+def live_chunks(num_pages_X, num_chunks):
+  """Lists the pages of rows with ragged page counts, row-major.
+
+  Args:
+    num_pages_X: [rows] pages each row has live.
+    num_chunks: static length of the list (>= the sum; surplus masked).
+
+  Returns:
+    (row [num_chunks] (rows: a surplus entry), column [num_chunks]).
+  """
+  ends = jnp.cumsum(num_pages_X)
+  i = jnp.arange(num_chunks)
+  row = jnp.searchsorted(ends, i, side="right")
+  start = ends - num_pages_X
+  col = i - start[jnp.minimum(row, num_pages_X.shape[0] - 1)]
+  return row, col
 
 
 def paged_decode_attention_reference(
@@ -56,6 +94,8 @@ def paged_decode_attention_reference(
     own_pages_SxB,
     own_len_S,
     *,
+    num_prompt_chunks,
+    num_own_chunks,
     common_k_CxNxK=None,
     common_v_CxNxK=None,
     common_len=None,
@@ -65,7 +105,7 @@ def paged_decode_attention_reference(
     window=None,
     return_lse=False,
 ):
-  """Pure-jnp paged prefix-shared decode attention (module docstring).
+  """Pure-jnp ragged paged prefix-shared decode attention (module doc).
 
   Args:
     q_SxHxK: one query per slot.
@@ -73,11 +113,15 @@ def paged_decode_attention_reference(
     slot_group_S, slot_member_S: each slot's group entry and its place in
       the group (any value for a free slot: its output is then garbage that
       the caller ignores, never NaN).
-    group_slots_RxG: the slot of each member of each group; negative: none.
-    group_pages_RxA: prompt page ids of each group (first A columns).
+    group_slots_RxG: the slot of each live member of each group; negative:
+      none (a group without live members reads nothing).
+    group_pages_RxA: prompt page ids of each group.
     group_len_R: prompt tokens of each group (after the common prefix).
-    own_pages_SxB: own page ids of each slot (first B columns).
-    own_len_S: own tokens of each slot in the pool (incl. this step's).
+    own_pages_SxB: own page ids of each slot.
+    own_len_S: own tokens of each slot in the pool, incl. this step's (0:
+      a free slot, reads nothing).
+    num_prompt_chunks, num_own_chunks: static upper bounds of the prompt
+      pages of groups with live members and of the own pages of slots.
     common_k_CxNxK, common_v_CxNxK, common_len: optional common prefix.
     scale, logit_softcap: as the dense reference.
     q_pos_S, window: optional sliding window (Gemma 2's local layers): a
@@ -90,45 +134,55 @@ def paged_decode_attention_reference(
     out [S, H, K] in q's dtype (and lse [S, H] fp32).
   """
   S, H, K = q_SxHxK.shape
-  N = k_pages_PxTxNxK.shape[2]
+  T, N = k_pages_PxTxNxK.shape[1], k_pages_PxTxNxK.shape[2]
   R, G = group_slots_RxG.shape
   scale = K**-0.5 if scale is None else scale
   q = q_SxHxK.reshape(S, N, H // N, K)
   base = 0 if common_len is None else common_len  # Prompt's first position.
+  offset = jnp.arange(T)
 
-  # Prompt part: the live members of a group against its pages, one read.
+  # Prompt part: each live prompt page once, for all G members of its group.
   member_ok_RxG = group_slots_RxG >= 0
   member_slot = jnp.where(member_ok_RxG, group_slots_RxG, 0)
-  q_grp = q[member_slot]                                   # [R, G, N, Q, K]
-  pk = gather_pages(k_pages_PxTxNxK, group_pages_RxA)      # [R, A*T, N, K]
-  pv = gather_pages(v_pages_PxTxNxK, group_pages_RxA)
-  s_pre = jnp.einsum("rgnqk,rpnk->rgnqp", q_grp, pk,
-                     preferred_element_type=jnp.float32) * scale
-  s_pre = softcap(s_pre, logit_softcap)
-  key_idx = jnp.arange(pk.shape[1])
-  mask_pre = ((key_idx[None, None, :] < group_len_R[:, None, None])
-              & member_ok_RxG[:, :, None])                 # [R, G, A*T]
+  group_pages_R = jnp.where(member_ok_RxG.any(axis=1),
+                            -(-group_len_R // T), 0)
+  grp, col = live_chunks(group_pages_R, num_prompt_chunks)
+  grp_c = jnp.minimum(grp, R - 1)
+  page = group_pages_RxA[grp_c, jnp.minimum(col, group_pages_RxA.shape[1] - 1)]
+  q_c = q[member_slot[grp_c]]                                  # [X, G, N, Q, K]
+  length = jnp.where(grp < R, group_len_R[grp_c], 0)
+  qpos = None if q_pos_S is None else q_pos_S[member_slot[grp_c]]  # [X, G]
+  k = jnp.take(k_pages_PxTxNxK, page, axis=0, mode="clip")     # [X, T, N, K]
+  v = jnp.take(v_pages_PxTxNxK, page, axis=0, mode="clip")
+  s = jnp.einsum("xgnqk,xtnk->xgnqt", q_c, k,
+                 preferred_element_type=jnp.float32) * scale
+  s = softcap(s, logit_softcap)
+  idx = col[:, None] * T + offset[None]                        # [X, T]
+  mask = ((idx < length[:, None])[:, None, :]
+          & member_ok_RxG[grp_c][:, :, None])                  # [X, G, T]
   if window is not None:
-    q_pos_grp = q_pos_S[member_slot]
-    mask_pre &= q_pos_grp[:, :, None] - (base + key_idx)[None, None] < window
-  o_pre, l_pre = attention_part(s_pre, mask_pre[:, :, None, None, :], pv,
-                                "rgnqp,rpnk->rgnqk")
-  # Back to slots: each slot reads its (group, member) entry.
+    mask &= qpos[:, :, None] - (base + idx)[:, None, :] < window
+  o, lse = attention_part(s, mask[:, :, None, None, :], v,
+                          "xgnqt,xtnk->xgnqk")
+  o_pre, l_pre = segment_merge(o, lse, grp, R)                 # [R, G, ...]
   o_pre, l_pre = (x[slot_group_S, slot_member_S] for x in (o_pre, l_pre))
 
-  # Own part: each slot against its own pages only.
-  ok = gather_pages(k_pages_PxTxNxK, own_pages_SxB)        # [S, B*T, N, K]
-  ov = gather_pages(v_pages_PxTxNxK, own_pages_SxB)
-  s_own = jnp.einsum("snqk,smnk->snqm", q, ok,
-                     preferred_element_type=jnp.float32) * scale
-  s_own = softcap(s_own, logit_softcap)
-  own_idx = jnp.arange(ok.shape[1])
-  mask_own = own_idx[None, :] < own_len_S[:, None]         # [S, B*T]
+  # Own part: each live own page against its slot's query.
+  slot, col = live_chunks(-(-own_len_S // T), num_own_chunks)
+  slot_c = jnp.minimum(slot, S - 1)
+  page = own_pages_SxB[slot_c, jnp.minimum(col, own_pages_SxB.shape[1] - 1)]
+  k = jnp.take(k_pages_PxTxNxK, page, axis=0, mode="clip")
+  v = jnp.take(v_pages_PxTxNxK, page, axis=0, mode="clip")
+  s = jnp.einsum("xnqk,xtnk->xnqt", q[slot_c], k,
+                 preferred_element_type=jnp.float32) * scale
+  s = softcap(s, logit_softcap)
+  idx = col[:, None] * T + offset[None]
+  mask = idx < jnp.where(slot < S, own_len_S[slot_c], 0)[:, None]  # [X, T]
   if window is not None:
-    own_pos = (base + group_len_R[slot_group_S])[:, None] + own_idx[None]
-    mask_own &= q_pos_S[:, None] - own_pos < window
-  o_own, l_own = attention_part(s_own, mask_own[:, None, None, :], ov,
-                                "snqm,smnk->snqk")
+    own_pos = (base + group_len_R[slot_group_S[slot_c]])[:, None] + idx
+    mask &= q_pos_S[slot_c][:, None] - own_pos < window
+  o, lse = attention_part(s, mask[:, None, None, :], v, "xnqt,xtnk->xnqk")
+  o_own, l_own = segment_merge(o, lse, slot, S)
 
   parts = [(o_pre, l_pre), (o_own, l_own)]
   if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:

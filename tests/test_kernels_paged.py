@@ -14,7 +14,8 @@ import pytest
 from kernels_pallas import paged_decode_attention as pda
 
 _op = jax.jit(pda.paged_decode_attention_reference,
-              static_argnames=("scale", "logit_softcap", "return_lse"))
+              static_argnames=("scale", "logit_softcap", "return_lse",
+                               "num_prompt_chunks", "num_own_chunks"))
 
 
 def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
@@ -67,6 +68,10 @@ def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
     args.update(q_pos_S=q_pos, window=window)
   args = {k: jnp.asarray(v, jnp.float32 if np.asarray(v).dtype == np.float64
                          else jnp.int32) for k, v in args.items()}
+  # Exactly the live pages: prompt pages of groups with members, own pages.
+  live_groups = (group_slots >= 0).any(axis=1)
+  args["num_prompt_chunks"] = int(np.ceil(group_len[live_groups] / T).sum())
+  args["num_own_chunks"] = int(np.ceil(own_len / T).sum())
   return args, q, q_pos, dense
 
 
@@ -102,18 +107,43 @@ def test_paged_equals_dense_oracle(C, softcap):
 def test_paged_window_and_gqa(gqa):
   H, N = gqa
   args, q, q_pos, dense = _case(11, H=H, N=N, C=3, window=6)
-  out = jax.jit(pda.paged_decode_attention_reference)(**args)
+  out = _op(**args)
   want = _oracle(q, q_pos, dense, window=6)
   np.testing.assert_allclose(np.asarray(out)[:-1], want, atol=2e-5)
 
 
-def test_table_columns_past_length_are_ignored():
-  """Reading more columns (a larger bucket) gives the same result, whatever
-  page ids sit past a row's length."""
+def test_surplus_chunks_are_masked():
+  """A larger bound on the live pages (a bigger bucket) reads masked
+  surplus entries: same result, whatever page ids sit past a row's
+  length."""
   args, *_ = _case(5)
   out = _op(**args)
   wide = dict(args)
   junk = lambda t: jnp.concatenate([t, jnp.ones_like(t[:, :2]) * 3], axis=1)
   wide["group_pages_RxA"] = junk(args["group_pages_RxA"])
   wide["own_pages_SxB"] = junk(args["own_pages_SxB"])
+  wide["num_prompt_chunks"] += 9
+  wide["num_own_chunks"] += 17
   np.testing.assert_allclose(_op(**wide), out, atol=1e-6)
+
+
+def test_segment_merge_equals_one_softmax():
+  """Splitting a key set into pages and merging is one softmax (fp64
+  oracle), and a segment without parts is zeros / -inf."""
+  rng = np.random.default_rng(0)
+  s = rng.standard_normal((3, 8))  # 3 queries x 8 keys, 4 pages of 2.
+  v = rng.standard_normal((8, 5))
+  parts_o, parts_l, seg = [], [], []
+  for q in range(3):
+    for p in range(4):
+      o, l = pda.attention_part(jnp.asarray(s[q, 2 * p:2 * p + 2]),
+                                jnp.ones(2, bool), jnp.asarray(v[2 * p:2 * p + 2]),
+                                "t,tk->k")
+      parts_o.append(o), parts_l.append(l), seg.append(q)
+  out, lse = pda.segment_merge(jnp.stack(parts_o), jnp.stack(parts_l),
+                               jnp.asarray(seg), 4)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  np.testing.assert_allclose(out[:3], p @ v, atol=1e-5)
+  np.testing.assert_allclose(lse[:3], np.log(np.exp(s).sum(-1)), atol=1e-5)
+  assert (np.asarray(out[3]) == 0).all() and lse[3] == -np.inf

@@ -9,11 +9,11 @@ slot takes new work (a waiting sample of any group) while the rest of its
 group decodes. The common prefix of a batch is one dense copy for all
 groups (`EngineBase`). Sharing tree: common -> prompt -> sample.
 
-Work per step: decode attention reads the first A prompt pages of every
-group entry and the first B own pages of every slot, A and B the live
-maxima rounded up to a power of two (one compile per (A, B)): live pages,
-not the max-length reservation; a group's prompt pages are read once for
-all its live members (`kernels_pallas/paged_decode_attention.py`).
+Work per step: decode attention reads the live pages only (the prompt
+pages of groups with live samples, once per group for all of them, and
+each live sample's own pages up to its length), listed raggedly
+(`kernels_pallas/paged_decode_attention.py`); the list sizes are bounds
+rounded up to powers of two (one compile per pair).
 
 This class executes; `paged_driver.PagedDriver` decides (admission, page
 allocation, preemption). Device ops, each a pure jitted function of the
@@ -365,10 +365,11 @@ class PagedEngine(EngineBase):
           generated=state.generated.at[slot].add(count),
           active=state.active.at[slot].set(active))
 
-  def _generate_fn(self, params, state: PagedState, growth_Sx3, A: int,
-                   B: int):
+  def _generate_fn(self, params, state: PagedState, growth_Sx3,
+                   prompt_chunks: int, own_chunks: int):
     """One token per live slot. growth_Sx3 rows (slot, column, page) add
-    own pages first (slot S: none); A, B: prompt/own page columns read."""
+    own pages first (slot S: none); prompt_chunks / own_chunks: static
+    bounds of the live prompt / own pages read this step."""
     self.trace_counts["generate"] += 1
     with use_layout(self.layout):
       T, num_pages = self.page_size, state.k_pages.shape[1]
@@ -378,14 +379,20 @@ class PagedEngine(EngineBase):
       write_page = jnp.where(
           live, jnp.take_along_axis(own_pages, (state.own_len // T)[:, None],
                                     axis=1)[:, 0], num_pages)
-      group_slots = jnp.where(
-          live[jnp.maximum(state.group_slots, 0)], state.group_slots, -1)
+      # A member entry counts only while its slot still holds that sample
+      # (a freed slot may since have started a sample of another group).
+      gs = jnp.maximum(state.group_slots, 0)
+      R, G = gs.shape
+      member = ((state.group_slots >= 0) & live[gs]
+                & (state.slot_group[gs] == jnp.arange(R)[:, None])
+                & (state.slot_member[gs] == jnp.arange(G)[None, :]))
       index = dict(
           slot_group_S=state.slot_group, slot_member_S=state.slot_member,
-          group_slots_RxG=group_slots,
-          group_pages_RxA=state.group_pages[:, :A],
-          group_len_R=state.group_len, own_pages_SxB=own_pages[:, :B],
-          own_len_S=state.own_len + 1)
+          group_slots_RxG=jnp.where(member, state.group_slots, -1),
+          group_pages_RxA=state.group_pages, group_len_R=state.group_len,
+          own_pages_SxB=own_pages,
+          own_len_S=jnp.where(live, state.own_len + 1, 0),
+          num_prompt_chunks=prompt_chunks, num_own_chunks=own_chunks)
       logits, k_pages, v_pages = model_lib.paged_decode(
           self.graphdef, params, state.tokens, state.positions, state.k_pages,
           state.v_pages, write_page, state.own_len % T, index,
@@ -499,13 +506,20 @@ class PagedEngine(EngineBase):
 
   def generate(self, params, state: PagedState, growth=(), *,
                prompt_pages: int, own_pages: int):
-    """One decode step. `growth`: (slot, column, page) own pages added
-    first; `prompt_pages`/`own_pages`: live maxima of the columns read
-    (rounded up to a power of two here)."""
+    """One decode step.
+
+    Args:
+      params, state: weights and the decode state (donated).
+      growth: (slot, column, page) own pages added before the step.
+      prompt_pages: at least the prompt pages of the groups with live
+        samples; own_pages: at least the own pages the live samples hold
+        after this step's token. Rounded up to powers of two here (one
+        compile per pair); a smaller count would drop pages.
+    """
     g = np.full((self.num_slots, 3), 0, np.int32)
     g[:, 0] = self.num_slots
     for x, row in enumerate(growth):
       g[x] = row
-    A = _pow2_at_least(prompt_pages, self.max_prompt_pages)
-    B = _pow2_at_least(own_pages, self.max_own_pages)
-    return self._generate_jit(params, state, g, A, B)
+    X1 = _pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages)
+    X2 = _pow2_at_least(own_pages, self.num_slots * self.max_own_pages)
+    return self._generate_jit(params, state, g, X1, X2)

@@ -151,8 +151,10 @@ class PagedDriver(Driver):
     out = self._start_waiting()
     growth = self._grow()
     if self.live:
-      A = max(self.pool_pages_for(s.group.length) for s in self.live.values())
-      B = max(self.pool_pages_for(max(len(s.tokens), 1) + 2)
+      groups = {id(s.group): s.group for s in self.live.values()}
+      A = sum(self.pool_pages_for(g.length) for g in groups.values())
+      # Device own tokens + this step's <= tokens read + 2 (`_grow`).
+      B = sum(self.pool_pages_for(len(s.tokens) + 2)
               for s in self.live.values())
       self.state, result = eng.generate(self.params, self.state, growth,
                                         prompt_pages=A, own_pages=B)
