@@ -15,6 +15,8 @@ import pytest
 
 from rlhf_jax.engine.driver import Driver, Request
 from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import hf
 from rlhf_jax.models import hf_config
@@ -119,19 +121,25 @@ def test_logits_match_transformers(family, checkpoints, loaded):
 
 
 @needs_torch
+@pytest.mark.parametrize("engine_kind", ["rows", "paged"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_generation_matches_transformers(family, checkpoints, loaded,
-                                                mesh1):
+def test_greedy_generation_matches_transformers(family, engine_kind,
+                                                checkpoints, loaded, mesh1):
   model, _ = checkpoints[family]
   cfg, graphdef, params = loaded[family]
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, V, n).astype(np.int32) for n in (5, BUCKET)]
   layout = mesh_lib.rollout_layout(mesh1)
-  engine = Engine(cfg, graphdef, layout, num_rows=2, samples_per_row=1,
-                  prefill_buckets=(BUCKET,),
-                  sampling=SamplingParams(temperature=0.0,
-                                          max_new_tokens=NEW_TOKENS))
-  driver = Driver(engine, mesh_lib.to_layout(params, layout))
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+  if engine_kind == "rows":
+    engine = Engine(cfg, graphdef, layout, num_rows=2, samples_per_row=1,
+                    prefill_buckets=(BUCKET,), sampling=sampling)
+    driver = Driver(engine, mesh_lib.to_layout(params, layout))
+  else:  # Pages of 4: Gemma 2's window of 8 spans pages.
+    engine = PagedEngine(cfg, graphdef, layout, num_slots=2,
+                         samples_per_group=1, prefill_buckets=(BUCKET,),
+                         sampling=sampling, page_size=4, num_pages=32)
+    driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
   ours = {s.prompt_id: s.tokens for s in driver.run(
       [Request(i, p) for i, p in enumerate(prompts)])}
   model.generation_config.eos_token_id = None  # Always 32 tokens.

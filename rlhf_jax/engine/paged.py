@@ -170,7 +170,7 @@ class PagedEngine(EngineBase):
     self._extend_jit = jax.jit(self._extend_fn, out_shardings=st,
                                donate_argnums=1)
     self._generate_jit = jax.jit(
-        self._generate_fn, static_argnums=(3, 4),
+        self._generate_fn, static_argnums=(4, 5),
         out_shardings=(st, ResultTokens(rep)), donate_argnums=1)
 
   # ---------------------------------------------------------------- shapes
@@ -365,54 +365,73 @@ class PagedEngine(EngineBase):
           generated=state.generated.at[slot].add(count),
           active=state.active.at[slot].set(active))
 
-  def _generate_fn(self, params, state: PagedState, growth_Sx3,
+  def _generate_fn(self, params, state: PagedState, growth_Sx3, slots_X,
                    prompt_chunks: int, own_chunks: int):
-    """One token per live slot. growth_Sx3 rows (slot, column, page) add
-    own pages first (slot S: none); prompt_chunks / own_chunks: static
-    bounds of the live prompt / own pages read this step."""
+    """One token for each live slot of `slots_X` (padding: slot S).
+
+    Only the X listed slots run through the model (X is the live count
+    rounded up: a step of the tail costs what its few samples cost).
+    growth_Sx3 rows (slot, column, page) add own pages first (slot S:
+    none); prompt_chunks / own_chunks: static bounds of the live prompt /
+    own pages read this step.
+    """
     self.trace_counts["generate"] += 1
     with use_layout(self.layout):
       T, num_pages = self.page_size, state.k_pages.shape[1]
+      S = state.active.shape[0]
+      X = slots_X.shape[0]
       own_pages = state.own_pages.at[growth_Sx3[:, 0], growth_Sx3[:, 1]].set(
           growth_Sx3[:, 2], mode="drop")
-      live = state.active
+      sl = jnp.minimum(slots_X, S - 1)
+      live = state.active[sl] & (slots_X < S)                  # [X]
+      own_len = state.own_len[sl]
       write_page = jnp.where(
-          live, jnp.take_along_axis(own_pages, (state.own_len // T)[:, None],
+          live, jnp.take_along_axis(own_pages[sl], (own_len // T)[:, None],
                                     axis=1)[:, 0], num_pages)
-      # A member entry counts only while its slot still holds that sample
-      # (a freed slot may since have started a sample of another group).
+      # Group members as places in the slot list. A member entry counts
+      # only while its slot still holds that sample (a freed slot may have
+      # started a sample of another group since).
+      place = jnp.full(S, -1, jnp.int32).at[slots_X].set(
+          jnp.where(live, jnp.arange(X, dtype=jnp.int32), -1), mode="drop")
       gs = jnp.maximum(state.group_slots, 0)
       R, G = gs.shape
-      member = ((state.group_slots >= 0) & live[gs]
+      member = ((state.group_slots >= 0) & (place[gs] >= 0)
                 & (state.slot_group[gs] == jnp.arange(R)[:, None])
                 & (state.slot_member[gs] == jnp.arange(G)[None, :]))
       index = dict(
-          slot_group_S=state.slot_group, slot_member_S=state.slot_member,
-          group_slots_RxG=jnp.where(member, state.group_slots, -1),
+          slot_group_S=state.slot_group[sl],
+          slot_member_S=state.slot_member[sl],
+          group_slots_RxG=jnp.where(member, place[gs], -1),
           group_pages_RxA=state.group_pages, group_len_R=state.group_len,
-          own_pages_SxB=own_pages,
-          own_len_S=jnp.where(live, state.own_len + 1, 0),
+          own_pages_SxB=own_pages[sl],
+          own_len_S=jnp.where(live, own_len + 1, 0),
           num_prompt_chunks=prompt_chunks, num_own_chunks=own_chunks)
       logits, k_pages, v_pages = model_lib.paged_decode(
-          self.graphdef, params, state.tokens, state.positions, state.k_pages,
-          state.v_pages, write_page, state.own_len % T, index,
+          self.graphdef, params, state.tokens[sl], state.positions[sl],
+          state.k_pages, state.v_pages, write_page, own_len % T, index,
           common_k=state.common_k, common_v=state.common_v,
           common_len=state.common_len)
-      g = state.slot_group
+      g = state.slot_group[sl]
       keys = token_keys(state.group_seed[g], state.group_prompt_id[g],
-                        state.sample_idx, state.positions + 1)
+                        state.sample_idx[sl], state.positions[sl] + 1)
       tokens, logp, raw = sample(logits, keys, self.sampling)
       step = live.astype(jnp.int32)
-      generated = state.generated + step
-      done = live & (self._is_stop(tokens) | (generated >= state.budget))
+      generated = state.generated[sl] + step
+      done = live & (self._is_stop(tokens) | (generated >= state.budget[sl]))
+      put = lambda a, x: a.at[slots_X].set(x, mode="drop")
       new_state = state.replace(
           k_pages=k_pages, v_pages=v_pages, own_pages=own_pages,
-          own_len=state.own_len + step,
-          tokens=jnp.where(live, tokens, state.tokens),
-          positions=state.positions + step, generated=generated,
-          active=live & ~done)
-      return new_state, ResultTokens.pack(tokens, live, done, generated, logp,
-                                          raw)
+          own_len=put(state.own_len, own_len + step),
+          tokens=put(state.tokens, jnp.where(live, tokens, state.tokens[sl])),
+          positions=put(state.positions, state.positions[sl] + step),
+          generated=put(state.generated, generated),
+          active=put(state.active, live & ~done))
+      # Results in slot order ([S, 6]); unlisted slots are not valid.
+      per_slot = lambda x: jnp.zeros((S,), x.dtype).at[slots_X].set(
+          x, mode="drop")
+      return new_state, ResultTokens.pack(
+          per_slot(tokens), per_slot(live), per_slot(done),
+          per_slot(generated), per_slot(logp), per_slot(raw))
 
   # ------------------------------------------------------------ host API
   def prefill(self, params, prompts: Sequence[tuple[np.ndarray, int]],
@@ -504,22 +523,29 @@ class PagedEngine(EngineBase):
     arr[:len(slots)] = list(slots)
     return self._stop_jit(state, arr)
 
-  def generate(self, params, state: PagedState, growth=(), *,
+  def generate(self, params, state: PagedState, growth=(), *, slots,
                prompt_pages: int, own_pages: int):
     """One decode step.
 
     Args:
       params, state: weights and the decode state (donated).
       growth: (slot, column, page) own pages added before the step.
+      slots: the slots to step (every slot live on the device must be
+        listed; others may be).
       prompt_pages: at least the prompt pages of the groups with live
         samples; own_pages: at least the own pages the live samples hold
-        after this step's token. Rounded up to powers of two here (one
-        compile per pair); a smaller count would drop pages.
+        after this step's token. Rounded up to powers of two here, like
+        the slot count (one compile per triple); a smaller count would
+        drop pages.
     """
     g = np.full((self.num_slots, 3), 0, np.int32)
     g[:, 0] = self.num_slots
     for x, row in enumerate(growth):
       g[x] = row
+    slots = sorted(slots)
+    listed = np.full(_pow2_at_least(len(slots), self.num_slots),
+                     self.num_slots, np.int32)
+    listed[:len(slots)] = slots
     X1 = _pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages)
     X2 = _pow2_at_least(own_pages, self.num_slots * self.max_own_pages)
-    return self._generate_jit(params, state, g, X1, X2)
+    return self._generate_jit(params, state, g, listed, X1, X2)

@@ -34,7 +34,7 @@ from typing import Iterable
 import numpy as np
 
 from rlhf_jax.engine import common_prefix as common_lib
-from rlhf_jax.engine.driver import Driver, Request, Sample
+from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
 
@@ -76,8 +76,8 @@ class _Slot:
   logp_raw: list = dataclasses.field(default_factory=list)
 
   @property
-  def since_step(self):  # The name Driver._consume reads.
-    return self.started
+  def request(self) -> Request:
+    return self.group.request
 
 
 @dataclasses.dataclass
@@ -86,6 +86,7 @@ class PagedStats:
   recomputed_tokens: int = 0
   peak_pages: int = 0
   peak_live: int = 0
+  peak_kv_tokens: int = 0    # Tokens with KV in the pool (prompts once).
   steps_by_shape: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
 
@@ -157,12 +158,16 @@ class PagedDriver(Driver):
       B = sum(self.pool_pages_for(len(s.tokens) + 2)
               for s in self.live.values())
       self.state, result = eng.generate(self.params, self.state, growth,
+                                        slots=list(self.live),
                                         prompt_pages=A, own_pages=B)
       result.copy_to_host_async()
       self.stats.steps += 1
       self.paged.steps_by_shape[A, B] += 1
       self._events.append(("step", result, self.stats.steps))
     self.paged.peak_live = max(self.paged.peak_live, len(self.live))
+    kv_tokens = (sum(g.length for g in self.groups.values()) +
+                 sum(max(len(s.tokens) - 1, 0) for s in self.live.values()))
+    self.paged.peak_kv_tokens = max(self.paged.peak_kv_tokens, kv_tokens)
     self.paged.peak_pages = max(self.paged.peak_pages, self.pool.num_used)
     events = self._events
     while events and (len(events) > 1 or not self.live or
@@ -281,6 +286,25 @@ class PagedDriver(Driver):
     it.group.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
                                          it.tokens, it.logp, it.logp_raw))
     self.paged.preemptions += 1
+
+  def evict(self, row: int):
+    raise NotImplementedError(
+        "the paged driver has no rows to evict; hand samples over with "
+        "partials() (and pending)")
+
+  def partials(self) -> list[Partial]:
+    """Every admitted sample not finished: live ones with the tokens read
+    so far, and those waiting for a slot (new: no tokens; preempted). With
+    `pending`, what a preempted worker hands back
+    (`workers/continuation.py`)."""
+    out = [Partial(it.request, it.sample_idx, list(it.tokens), list(it.logp),
+                   list(it.logp_raw), it.budget, self.weight_version)
+           for it in self.live.values()]
+    for group in self.groups.values():
+      out += [Partial(group.request, w.sample_idx, list(w.tokens),
+                      list(w.logp), list(w.logp_raw), w.budget,
+                      self.weight_version) for w in group.waiting]
+    return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
 
   # ------------------------------------------------------------ results
   def _consume(self, event, live):

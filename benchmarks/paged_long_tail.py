@@ -1,0 +1,206 @@
+"""Long-tailed responses: the paged engine vs the static-row engine.
+
+  python -m benchmarks.paged_long_tail [--quick]
+
+Workload (the [engine2] case): 32 prompts x G=8 samples, prompts of 256
+tokens, response lengths lognormal (mean 256, sigma 1) capped at 2048 and
+forced by per-sample token budgets (no stop tokens), the same weights,
+seeds and budgets in both variants, so both produce the same samples (the
+run checks it token by token). Both variants get the same KV byte budget:
+  static: `Engine` + `Driver` (today's code, unchanged): R rows x G slots,
+    each row reserving its prompt bucket plus G x max_new_tokens (2048) of
+    suffix KV; a row frees when the last of its G samples ends. R comes
+    from the budget (--static_rows, default 4: 32 slots).
+  paged:  `PagedEngine` + `PagedDriver`: a pool of the same bytes in pages
+    of --page_size tokens, --paged_slots slots (default 128); a finished
+    sample frees its pages and slot at once, decode reads live pages only.
+Metric: wall time to finish all 256 samples, each variant run twice in the
+order static, paged, static, paged; the first run of each compiles (the
+paged engine compiles one decode step per pair of live-page buckets), the
+second is timed. `long_tail_speedup_vs_static` = static / paged seconds of
+the timed runs. `kv_reserved_over_live` = pool bytes / the peak bytes of
+KV actually held (each group's prompt once + each live sample's tokens),
+measured in the paged run; the static engine's is printed next to it.
+
+`--quick` runs the same workload once per variant after a short warm-up
+run of a few requests (compiles are then partly inside the timed run, which
+can only penalise the paged engine: it has more shapes to compile).
+
+Model: ModelConfig.tiny with 2 layers, embed 256, 8 query heads, 2 kv heads
+of dim 64, MLP 768, vocab 1024 (fp32), one CPU device.
+
+Prints a table, then one JSON line (last stdout line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+
+_QUICK = flags.DEFINE_bool("quick", False, "One timed run per variant.")
+_PROMPTS = flags.DEFINE_integer("prompts", 32, "Prompts.")
+_G = flags.DEFINE_integer("samples", 8, "Samples per prompt.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens.")
+_MEAN = flags.DEFINE_float("mean_len", 256, "Mean response length.")
+_SIGMA = flags.DEFINE_float("sigma", 1.0, "Lognormal sigma.")
+_CAP = flags.DEFINE_integer("max_new_tokens", 2048, "Length cap.")
+_STATIC_ROWS = flags.DEFINE_integer("static_rows", 4,
+                                    "Rows of the static engine (sets the "
+                                    "KV budget of both).")
+_PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 128, "Paged slots.")
+_PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+_LAYERS = flags.DEFINE_integer("num_layers", 2, "Model layers.")
+
+
+def _requests(rng, cfg):
+  n, G, cap = _PROMPTS.value, _G.value, _CAP.value
+  mu = math.log(_MEAN.value) - _SIGMA.value**2 / 2
+  lengths = np.clip(np.round(rng.lognormal(mu, _SIGMA.value, (n, G))), 1,
+                    cap).astype(int)
+  prompts = rng.integers(0, cfg.vocab_size, (n, _PROMPT_LEN.value))
+  return [Request(i, prompts[i].astype(np.int32), G, seed=7,
+                  max_new_tokens_per_sample=tuple(int(x) for x in lengths[i]))
+          for i in range(n)], lengths
+
+
+def _run(driver, requests):
+  t0 = time.perf_counter()
+  out = {s.key: s for s in driver.run(requests)}
+  return time.perf_counter() - t0, out
+
+
+def main(argv):
+  del argv
+  t_start = time.perf_counter()
+  cfg = ModelConfig.tiny(num_layers=_LAYERS.value, embed_dim=256,
+                         num_heads=8, num_kv_heads=2, head_dim=64,
+                         mlp_dim=768, vocab_size=1024)
+  mesh = mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])
+  layout = mesh_lib.rollout_layout(mesh)
+  graphdef, params = model_lib.init_params(cfg, 0, layout)
+  params = mesh_lib.to_layout(params, layout)
+  G, P, M = _G.value, _PROMPT_LEN.value, _CAP.value
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
+  requests, lengths = _requests(np.random.default_rng(0), cfg)
+  tokens = int(lengths.sum())
+
+  static = Engine(cfg, graphdef, layout, num_rows=_STATIC_ROWS.value,
+                  samples_per_row=G, prefill_buckets=(P,), sampling=sampling)
+  token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim *
+                 np.dtype(cfg.compute_jnp_dtype).itemsize)
+  budget = _STATIC_ROWS.value * (P + G * M) * token_bytes
+  paged = PagedEngine(cfg, graphdef, layout, num_slots=_PAGED_SLOTS.value,
+                      samples_per_group=G, prefill_buckets=(P,),
+                      sampling=sampling, page_size=_PAGE.value,
+                      kv_budget_bytes=budget)
+  print(f"model: {cfg.num_params() / 1e6:.2f}M params, L={cfg.num_layers}; "
+        f"{len(requests)} prompts x G={G}, prompt {P}, lengths lognormal "
+        f"mean {_MEAN.value:.0f} sigma {_SIGMA.value} cap {M}: {tokens} "
+        f"tokens (mean {lengths.mean():.0f}, max {lengths.max()}); KV budget "
+        f"{budget / 2**20:.0f} MiB = {_STATIC_ROWS.value} static rows = "
+        f"{paged.num_pages} pages of {_PAGE.value}; quick={_QUICK.value}",
+        flush=True)
+
+  warm = [r for r in requests[:2]]
+  runs = {"static": [], "paged": []}
+  outputs = {}
+  drivers = {"static": lambda: Driver(static, params),
+             "paged": lambda: PagedDriver(paged, params)}
+  if _QUICK.value:
+    for name in runs:  # Compile prefill / insert / the first shapes.
+      _run(drivers[name](), [dataclass_replace_budget(r, 64) for r in warm])
+  rounds = 1 if _QUICK.value else 2
+  paged_driver = None
+  for _ in range(rounds):
+    for name in ("static", "paged"):
+      driver = drivers[name]()
+      secs, outputs[name] = _run(driver, requests)
+      runs[name].append(secs)
+      if name == "paged":
+        paged_driver = driver
+      print(f"  {name}: {secs:.1f} s, {driver.stats.steps} decode steps "
+            f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+  a, b = outputs["static"], outputs["paged"]
+  if a.keys() != b.keys() or any(a[k].tokens != b[k].tokens for k in a):
+    raise AssertionError("static and paged runs sampled different tokens")
+  if paged_driver.pool.num_free != paged.num_pages:
+    raise AssertionError("pages not all returned to the pool")
+  pst = paged_driver.paged
+  speedup = runs["static"][-1] / runs["paged"][-1]
+  live_bytes = pst.peak_kv_tokens * token_bytes
+  reserved_over_live = paged.pool_bytes / live_bytes
+  static_live = max_static_live(requests, lengths, _STATIC_ROWS.value, G, P)
+  static_ratio = budget / (static_live * token_bytes)
+  print()
+  head = (f"{'variant':>7} | {'seconds':>7} | {'tok/s':>6} | {'steps':>6} | "
+          f"{'KV reserved MiB':>15} | {'peak live MiB':>13} | "
+          f"{'reserved/live':>13}")
+  print(head)
+  print("-" * len(head))
+  print(f"{'static':>7} | {runs['static'][-1]:>7.1f} | "
+        f"{tokens / runs['static'][-1]:>6.0f} | {'':>6} | "
+        f"{budget / 2**20:>15.1f} | {static_live * token_bytes / 2**20:>13.1f}"
+        f" | {static_ratio:>13.2f}")
+  print(f"{'paged':>7} | {runs['paged'][-1]:>7.1f} | "
+        f"{tokens / runs['paged'][-1]:>6.0f} | {paged_driver.stats.steps:>6} | "
+        f"{paged.pool_bytes / 2**20:>15.1f} | {live_bytes / 2**20:>13.1f} | "
+        f"{reserved_over_live:>13.2f}")
+  print(f"paged: peak {pst.peak_live} live samples, peak {pst.peak_pages} of "
+        f"{paged.num_pages} pages, {pst.preemptions} preemptions "
+        f"({pst.recomputed_tokens} tokens recomputed), "
+        f"{len(set(pst.steps_by_shape))} live-page shapes; all runs (s): "
+        f"{runs}. Static 'peak live' is the largest number of tokens its rows "
+        f"held at once in a replay of its row schedule.")
+  print(json.dumps(dict(
+      long_tail_speedup_vs_static=round(speedup, 3),
+      kv_reserved_over_live=round(reserved_over_live, 3),
+      static_kv_reserved_over_live=round(static_ratio, 3),
+      paged_seconds=round(runs["paged"][-1], 2),
+      static_seconds=round(runs["static"][-1], 2),
+      preemptions=pst.preemptions,
+      device=jax.devices()[0].device_kind, jax=jax.__version__)))
+
+
+def dataclass_replace_budget(req: Request, cap: int) -> Request:
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  return dataclasses.replace(req, max_new_tokens_per_sample=tuple(
+      min(cap, b) for b in req.max_new_tokens_per_sample))
+
+
+def max_static_live(requests, lengths, rows, G, P) -> int:
+  """Peak tokens the static engine holds live: replays its schedule (a row
+  takes the next prompt when its longest sample ends; live = prompt + the
+  tokens so far of each sample still running)."""
+  free_at = [0] * rows
+  spans = []  # (start step, per-sample lengths)
+  for i in range(len(requests)):
+    r = int(np.argmin(free_at))
+    start = free_at[r]
+    spans.append((start, lengths[i]))
+    free_at[r] = start + int(lengths[i].max())
+  peak = 0
+  for t in sorted({s for s, _ in spans} | {s + int(l.max()) - 1
+                                           for s, l in spans}):
+    live = sum(P + int(np.where(l > t - s, t - s + 1, 0).sum())
+               for s, l in spans if s <= t < s + int(l.max()))
+    peak = max(peak, live)
+  return peak
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,220 @@
+"""The paged engine and its driver against the row engine (the oracle).
+
+The row engine (`Engine` + `Driver`) is tested against transformers and
+against independent copies of each prompt (test_engine.py, test_hf.py);
+here the paged engine must sample exactly its tokens, on another layout,
+with pools small enough to force preemption, with sample-level slot reuse,
+common prefixes, appended tokens and worker continuations.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.workers import continuation
+
+CFG = ModelConfig.tiny(vocab_size=64)
+STOP = 5
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95,
+                         max_new_tokens=20, stop_tokens=(STOP,))
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+G = 4
+
+
+@pytest.fixture(scope="module")
+def model(mesh8):
+  return model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+
+
+@pytest.fixture(scope="module")
+def layouts(mesh8, mesh1):
+  return mesh_lib.rollout_layout(mesh1), mesh_lib.rollout_layout(mesh8,
+                                                                 tensor=2)
+
+
+def _requests(n=6, seed=0, common=()):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    own = rng.integers(6, CFG.vocab_size, rng.integers(3, 14))
+    budgets = tuple(int(b) for b in rng.integers(1, 21, G))
+    out.append(Request(i, np.concatenate([common, own]).astype(np.int32), G,
+                       seed=3, max_new_tokens_per_sample=budgets))
+  return out
+
+
+@pytest.fixture(scope="module")
+def oracle(model, layouts):
+  """Row-engine samples of `_requests()` on one device."""
+  graphdef, params = model
+  layout = layouts[0]
+  engine = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=G,
+                  prefill_buckets=(8, 16), sampling=SAMPLED)
+  driver = Driver(engine, mesh_lib.to_layout(params, layout))
+  return {s.key: s for s in driver.run(_requests())}
+
+
+def _paged(model, layout, *, pages, slots=8, sampling=SAMPLED, page_size=4,
+           buckets=(8, 16), **kw):
+  graphdef, params = model
+  engine = PagedEngine(CFG, graphdef, layout, num_slots=slots,
+                       samples_per_group=G, prefill_buckets=buckets,
+                       sampling=sampling, page_size=page_size,
+                       num_pages=pages, prefill_batch=2, **kw)
+  return PagedDriver(engine, mesh_lib.to_layout(params, layout))
+
+
+def _assert_same(a, b):
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].tokens == b[k].tokens, k
+    assert a[k].finish_reason == b[k].finish_reason, k
+    np.testing.assert_allclose(a[k].logp_raw, b[k].logp_raw, atol=1e-5)
+
+
+@pytest.mark.parametrize("pages", [200, 12], ids=["roomy", "tight"])
+def test_paged_equals_rows_engine(model, layouts, oracle, pages):
+  """Same samples as the row engine (other layout: 4 replicas x tensor 2);
+  a tight pool preempts and recomputes, and every page comes back."""
+  driver = _paged(model, layouts[1], pages=pages)
+  got = {s.key: s for s in driver.run(_requests())}
+  _assert_same(got, oracle)
+  assert driver.pool.num_free == pages
+  assert driver.paged.peak_pages <= pages
+  if pages == 12:  # The exhaustion policy really ran.
+    assert driver.paged.preemptions > 0
+    assert driver.paged.recomputed_tokens > 0
+  else:
+    assert driver.paged.preemptions == 0
+
+
+def test_exhaustion_policy_in_pool_and_driver(model, layouts):
+  """All-or-nothing allocation; a prompt whose sample can never fit the
+  pool is refused before any work; a pool that fits one sample at a time
+  still finishes everything, by preempting the newest sample."""
+  pool = PagePool(4, 2)
+  pages = pool.allocate(3)
+  with pytest.raises(PoolExhausted):
+    pool.allocate(2)
+  assert pool.num_free == 1  # Nothing was taken by the failed call.
+  pool.retain(pages[:1])
+  pool.release(pages)
+  assert pool.num_free == 3 and pool.refcount(pages[0]) == 1
+  pool.release(pages[:1])
+  assert pool.num_free == 4
+
+  small = _paged(model, layouts[0], pages=6)  # < prompt + 21 own tokens.
+  with pytest.raises(ValueError, match="pool has 6"):
+    list(small.run(_requests(2)))
+  assert small.stats.prefills == 0
+  # 4 pages for a 16-token prompt + 6 for one sample's 21 tokens: with
+  # two live samples growing, one must give way.
+  one_at_a_time = _paged(model, layouts[0], pages=10, slots=2)
+  reqs = [dataclasses.replace(r, max_new_tokens_per_sample=(20,) * G)
+          for r in _requests(2)]
+  got = {s.key: s for s in one_at_a_time.run(reqs)}
+  roomy = {s.key: s for s in _paged(model, layouts[0], pages=200,
+                                    slots=2).run(reqs)}
+  _assert_same(got, roomy)
+  assert one_at_a_time.paged.preemptions > 0
+  assert one_at_a_time.pool.num_free == 10
+
+
+def test_slot_takes_new_work_before_its_group_ends(model, layouts):
+  """Sample-level continuous batching: with 4 slots and groups whose
+  samples end at different times, a slot freed by a short sample starts a
+  sample of the next group at once. Row-level reuse would need
+  max(A) + max(B) = 40 steps; sample-level needs about 22."""
+  reqs = [Request(0, np.arange(6, 14, dtype=np.int32), G, seed=1,
+                  max_new_tokens_per_sample=(2, 2, 2, 20)),
+          Request(1, np.arange(20, 30, dtype=np.int32), G, seed=1,
+                  max_new_tokens_per_sample=(20, 2, 2, 2))]
+  driver = _paged(model, layouts[0], pages=100, slots=G, sampling=GREEDY)
+  got = list(driver.run(reqs))
+  assert len(got) == 2 * G
+  assert driver.stats.steps < 30, driver.stats.steps
+  assert driver.pool.num_free == 100
+
+
+def test_common_prefix(model, layouts, oracle):
+  """A common prefix stored once: same samples as whole prompts."""
+  common = np.arange(40, 52, dtype=np.int32)
+  reqs = _requests(common=common)
+  graphdef, params = model
+  rows = Engine(CFG, graphdef, layouts[0], num_rows=4, samples_per_row=G,
+                prefill_buckets=(8, 16, 32), sampling=SAMPLED)
+  want = {s.key: s for s in Driver(
+      rows, mesh_lib.to_layout(params, layouts[0])).run(reqs)}
+  driver = _paged(model, layouts[1], pages=60, max_common_length=16)
+  got = {s.key: s for s in driver.run(reqs, common_prefix=common)}
+  _assert_same(got, want)
+  assert driver.stats.common_prefix_length == common.size
+  del oracle
+
+
+def test_extend_appends_tokens_to_a_live_sample(model, layouts):
+  """Multi-turn: appending tokens to a live sample and decoding on gives
+  the greedy continuation of prompt + response + appended tokens (the row
+  engine run on that whole prompt is the oracle)."""
+  graphdef, params = model
+  layout = layouts[1]
+  p = mesh_lib.to_layout(params, layout)
+  eng = _paged(model, layout, pages=40, sampling=GREEDY).engine
+  prompt = np.arange(7, 18, dtype=np.int32)
+  state = eng.init_decode_state()
+  pre = eng.prefill(p, [(prompt, 0)], [0], [0], [[0]])
+  state = eng.insert(state, pre, [1], [[0, 1, 2]], [prompt.size], [0], [0])
+  state = eng.start(state, [(3, 1, 0, 0, 20, [3, 4, 5, 6, 7, 8])])
+  response = [int(pre.first_tokens[0, 0])]
+  for _ in range(4):
+    state, res = eng.generate(p, state, slots=[3], prompt_pages=3,
+                              own_pages=6)
+    response.append(int(res.convert_to_numpy().tokens[3]))
+  user = [30, 31, 32, 33, 34, 35]
+  state = eng.extend(p, state, 3, [3, 4, 5, 6, 7, 8], user)
+  after = []
+  for _ in range(5):
+    state, res = eng.generate(p, state, slots=[3], prompt_pages=3,
+                              own_pages=6)
+    after.append(int(res.convert_to_numpy().tokens[3]))
+  whole = np.concatenate([prompt, response, user]).astype(np.int32)
+  rows = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=1,
+                prefill_buckets=(32,), sampling=dataclasses.replace(
+                    GREEDY, max_new_tokens=5))
+  (want,) = Driver(rows, p).run([Request(0, whole)])
+  assert after == want.tokens
+
+
+def test_worker_continuation(model, layouts, oracle):
+  """A driver cut mid-run hands back partials (live and waiting samples)
+  and pending requests; continued on another driver as prompt + tokens so
+  far, they finish as an uninterrupted run."""
+  first = _paged(model, layouts[1], pages=40)
+  first.start(_requests())
+  done = []
+  for _ in range(6):
+    done += first.step()
+  partials, pending = first.partials(), list(first.pending)
+  assert partials and any(p.tokens for p in partials)
+  second = _paged(model, layouts[0], pages=60, slots=6, buckets=(16, 40))
+  tails = {s.key: s for s in second.run(
+      [continuation.continuation(p) for p in partials] + pending)}
+  got = {s.key: s for s in done}
+  for p in partials:
+    got[p.request.prompt_id, p.sample_idx] = continuation.merge(
+        p.request.tokens, p, tails[p.request.prompt_id, p.sample_idx])
+  for k, s in tails.items():
+    got.setdefault(k, s)
+  assert got.keys() == oracle.keys()
+  for k in got:
+    assert got[k].tokens == oracle[k].tokens, k
