@@ -26,8 +26,11 @@ OVERRIDES = {"train.steps": 6, "eval.every": 3}
 def _config(num_devices=0, **extra):
   c = tiny_grpo.get_config("runlocal")
   for key, value in {**OVERRIDES, **extra}.items():
-    section, name = key.split(".")
-    c[section][name] = value
+    *path, name = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[name] = value
   c.mesh.num_devices = num_devices
   return c
 
@@ -206,10 +209,22 @@ def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
     ("rl.pack_length", 10, "config.rl.pack_length=10 is shorter than one "
      "sequence"),
     ("rl.pack_length", -1, "pack_length=-1: must be an int >= 0"),
+    ("rollout.engine", "vllm", "config.rollout.engine='vllm'"),
+    ("rollout.kv_pages", -1, "config.rollout.kv_pages=-1"),
 ])
 def test_config_errors(key, value, message):
   c = _config(**{key: value})
   with pytest.raises(ConfigError, match=message):
+    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
+                        num_devices=8)
+
+
+def test_paged_engine_refuses_the_row_layers():
+  """The paged engine runs plain continuous batching: long-tail policies
+  and rollout workers are refused in one line naming the switch."""
+  c = _config(**{"rollout.engine": "paged", "rollout.long_tail.enabled":
+                 True})
+  with pytest.raises(ConfigError, match="engine='paged'"):
     checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
                         num_devices=8)
 

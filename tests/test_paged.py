@@ -218,3 +218,26 @@ def test_worker_continuation(model, layouts, oracle):
   assert got.keys() == oracle.keys()
   for k in got:
     assert got[k].tokens == oracle[k].tokens, k
+
+
+def test_rollout_section_selects_the_paged_engine(model, layouts):
+  """`rollout.engine='paged'`: the job's LocalRollout decodes on the paged
+  engine (same samples as the rows engine); config errors: test_grpo."""
+  from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.rollout import build  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.rollout.local import LocalRollout  # pylint: disable=g-import-not-at-top
+  graphdef, params = model
+  layout = layouts[1]
+  reqs = _requests(4)
+  out = {}
+  for kind in ("rows", "paged"):
+    ro = sections.Rollout(num_rows=4, samples_per_row=G,
+                          prefill_buckets=(16,), max_new_tokens=20,
+                          max_seq_len=36, engine=kind, page_size=4)
+    rollout = LocalRollout(build.engines(ro, CFG, graphdef, layout))
+    rollout.set_weights(mesh_lib.to_layout(params, layout), 0)
+    out[kind] = {s.key: s for s in rollout.run(reqs)}
+    if kind == "paged":
+      assert rollout.metrics()["rollout/preemptions"] >= 0
+      assert rollout.engines.paged_engine().num_slots == 2 * 4 * G
+  _assert_same(out["paged"], out["rows"])

@@ -186,6 +186,12 @@ def _check_rollout_layers(c: RLJob, num_devices) -> None:
     raise ConfigError(f"config.rollout.long_tail.replicas={lt.replicas} must "
                       f"be a power-of-two divisor of the {replicas} rollout "
                       "replicas")
+  if ro.engine == "paged" and (lt.enabled or w.num):
+    raise ConfigError(
+        "config.rollout.engine='paged' runs plain continuous batching on the "
+        "trainer's mesh; config.rollout.long_tail and config.rollout.workers "
+        "use the rows engine (set engine='rows', or long_tail.enabled=False "
+        "and workers.num=0)")
   if not w.num:
     return
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():

@@ -201,11 +201,26 @@ class Rollout:
   # > 0: a token prefix all prompts of a batch share (system prompt, chat
   # template) is prefilled and stored once, up to this length.
   max_common_length: int = 0
+  # "rows": R rows x G slots, KV reserved at max length (every rollout
+  # layer). "paged": KV in a page pool (engine/paged.py): a finished sample
+  # frees its pages and slot at once, decode reads live pages only; plain
+  # continuous batching on the trainer's mesh (no long_tail, no workers).
+  engine: str = "rows"
+  page_size: int = 16            # paged: tokens per page.
+  kv_pages: int = 0              # paged: pool pages; 0: the bytes per
+                                 # device the rows engine would reserve.
+  num_slots: int = 0             # paged: samples decoding at once; 0: 2 x
+                                 # num_rows x samples_per_row.
   long_tail: LongTail = dataclasses.field(default_factory=LongTail)
   workers: Workers = dataclasses.field(default_factory=Workers)
 
   def __post_init__(self):
-    _positive_ints(self, "num_rows", "samples_per_row", "max_new_tokens")
+    _positive_ints(self, "num_rows", "samples_per_row", "max_new_tokens",
+                   "page_size")
+    _one_of(self, "engine", ("rows", "paged"))
+    if self.kv_pages < 0 or self.num_slots < 0:
+      _fail(self, "kv_pages" if self.kv_pages < 0 else "num_slots",
+            "must be >= 0 (0: automatic)")
     if not self.prefill_buckets or min(self.prefill_buckets) < 1:
       _fail(self, "prefill_buckets", "must be positive lengths")
     _one_of(self, "attention_impl", ("auto", "xla", "pallas"))

@@ -34,6 +34,7 @@ from rlhf_jax.config.sections import LongTail
 from rlhf_jax.engine import migrate
 from rlhf_jax.engine.driver import Controller, Sample
 from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout
 from rlhf_jax.sched import tail as tail_rules
@@ -49,16 +50,44 @@ class EngineSet:
   """Engines of one model on prefix blocks of a rollout layout's replicas."""
 
   def __init__(self, cfg, graphdef, layout: Layout, *, rows_per_replica: int,
-               **engine_args):
+               paged: dict | None = None, **engine_args):
     """`engine_args`: the `Engine` arguments other than layout and rows
     (samples_per_row, prefill_buckets, sampling, attention_impl,
-    max_common_length)."""
+    max_common_length). `paged`: the `PagedEngine` arguments of its own
+    (page_size, num_pages, num_slots): the rollout then decodes on one
+    paged engine over the whole layout."""
     self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
     self.replicas = layout.mesh.shape["data"]
     self.rows_per_replica = rows_per_replica
     self.sizes = tail_rules.block_sizes(self.replicas)
     self._engine_args = engine_args
     self._engines: dict[int, Engine] = {}
+    self._paged_args = paged
+    self._paged: PagedEngine | None = None
+
+  @property
+  def is_paged(self) -> bool:
+    return self._paged_args is not None
+
+  def paged_engine(self) -> PagedEngine:
+    """The paged engine on the whole layout (built on first use)."""
+    if self._paged is None:
+      a, pa = self._engine_args, dict(self._paged_args)
+      rows = self.rows_per_replica * self.replicas
+      if not pa.get("num_pages"):
+        # The bytes per device the rows engine reserves (its rows split
+        # over the replicas; the page pool is whole on every replica).
+        pa.pop("num_pages", None)
+        pa["kv_budget_bytes"] = (self.engine(self.replicas).decode_state_bytes()
+                                 // self.replicas)
+      self._paged = PagedEngine(
+          self.cfg, self.graphdef, self.layout,
+          num_slots=pa.pop("num_slots") or 2 * rows * a["samples_per_row"],
+          samples_per_group=a["samples_per_row"],
+          prefill_buckets=a["prefill_buckets"], sampling=a["sampling"],
+          attention_impl=a.get("attention_impl", "auto"),
+          max_common_length=a.get("max_common_length", 0), **pa)
+    return self._paged
 
   @property
   def sampling(self):

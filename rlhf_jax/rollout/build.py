@@ -39,7 +39,10 @@ def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
                    prefill_buckets=tuple(ro.prefill_buckets),
                    sampling=sampling_params(ro, stop_tokens),
                    attention_impl=ro.attention_impl,
-                   max_common_length=ro.max_common_length)
+                   max_common_length=ro.max_common_length,
+                   paged=(dict(page_size=ro.page_size, num_pages=ro.kv_pages,
+                               num_slots=ro.num_slots)
+                          if ro.engine == "paged" else None))
 
 
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,

@@ -27,6 +27,7 @@ from rlhf_jax.config.sections import LongTail
 from rlhf_jax.data.batching import PromptBatch
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.driver import Driver, Request, Sample
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.long_tail import EngineSet, Scorer, TailController
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import assignment, continuous
@@ -110,8 +111,10 @@ class LocalRollout(Rollout):
     common = self.common_prefix(requests)
     t0 = time.perf_counter()
     if not t.enabled:
-      driver = Driver(eng.engine(eng.replicas), self.params,
-                      weight_version=self.version)
+      driver = (PagedDriver(eng.paged_engine(), self.params,
+                            weight_version=self.version) if eng.is_paged
+                else Driver(eng.engine(eng.replicas), self.params,
+                            weight_version=self.version))
       yield from driver.run(requests, common_prefix=common)
       self.scores = {}
       self._metrics = self._driver_metrics(driver)
@@ -192,6 +195,11 @@ class LocalRollout(Rollout):
   @staticmethod
   def _driver_metrics(driver: Driver) -> dict:
     st = driver.stats
-    return {"rollout/steps": st.steps,
-            "rollout/prefill_tokens": st.prefill_tokens,
-            "rollout/common_prefix_len": st.common_prefix_length}
+    out = {"rollout/steps": st.steps,
+           "rollout/prefill_tokens": st.prefill_tokens,
+           "rollout/common_prefix_len": st.common_prefix_length}
+    if isinstance(driver, PagedDriver):
+      out.update({"rollout/preemptions": driver.paged.preemptions,
+                  "rollout/peak_kv_pages": driver.paged.peak_pages,
+                  "rollout/peak_live_samples": driver.paged.peak_live})
+    return out
