@@ -27,14 +27,22 @@ them up to powers of two, one compile per pair); surplus entries are
 masked. A bound below the live count would drop pages: the engine derives
 its bounds from lengths that are never below the device's.
 
-This file is the jnp reference, used on every backend; a Pallas kernel
-that reads the pages in place (no gather copy) is the follow-up.
+`paged_decode_attention_reference` is the jnp version (CPU, TPU, and the
+oracle); `paged_decode_attention` dispatches to the Pallas GPU kernel
+(`paged_decode_attention_gpu.py`), which walks each group's / slot's page
+table in place instead of listing pages. There is no TPU (Mosaic) paged
+kernel yet.
 """
 
 from __future__ import annotations
 
+import functools
+
+from absl import logging
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas import paged_decode_attention_gpu as gpu
 
 from kernels_pallas.attention_parts import (
     NEG_INF, attention_part, common_prefix_part, merge_parts, softcap)
@@ -191,6 +199,99 @@ def paged_decode_attention_reference(
         logit_softcap=logit_softcap,
         q_pos_RxG=None if q_pos_S is None else q_pos_S[:, None],
         window=window)
+    parts.append((o_c[:, 0], l_c[:, 0]))
+  out, lse = merge_parts(parts)
+  out = out.reshape(S, H, K).astype(q_SxHxK.dtype)
+  if return_lse:
+    return out, lse.reshape(S, H)
+  return out
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+  logging.warning(message)
+
+
+def paged_decode_attention(q_SxHxK, k_pages_PxTxNxK, v_pages_PxTxNxK,
+                           slot_group_S, slot_member_S, group_slots_RxG,
+                           group_pages_RxA, group_len_R, own_pages_SxB,
+                           own_len_S, *, impl: str = "auto",
+                           interpret: bool | None = None, **kwargs):
+  """Dispatch: "xla" (the jnp reference), "pallas" (the GPU kernel of
+  `paged_decode_attention_gpu.py` for the prompt and own parts; the common
+  prefix part is jnp), "auto" (the kernel on GPU, the reference elsewhere:
+  there is no TPU paged kernel yet, said once).
+
+  Args and returns as `paged_decode_attention_reference`; `interpret`
+  runs the kernel in interpret mode (default: off GPU). The kernel has no
+  sliding window: windowed layers take the reference (said once).
+  """
+  args = (q_SxHxK, k_pages_PxTxNxK, v_pages_PxTxNxK, slot_group_S,
+          slot_member_S, group_slots_RxG, group_pages_RxA, group_len_R,
+          own_pages_SxB, own_len_S)
+  backend = jax.default_backend()
+  if impl == "auto":
+    impl = "pallas" if backend == "gpu" else "xla"
+    if backend == "tpu":
+      _say_once("paged_decode_attention: no TPU paged kernel yet; decode "
+                "runs the jnp path (XLA)")
+  if impl == "pallas" and kwargs.get("window") is not None:
+    _say_once("paged_decode_attention: the Pallas kernel has no sliding "
+              "window; windowed models decode with the jnp reference")
+    impl = "xla"
+  if impl == "xla":
+    return paged_decode_attention_reference(*args, **kwargs)
+  if impl != "pallas":
+    raise ValueError(
+        f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+  if interpret is None:
+    interpret = backend != "gpu"
+  return _pallas_parts(*args, interpret=interpret, **kwargs)
+
+
+def _pallas_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
+                  group_slots_RxG, group_pages_RxA, group_len_R,
+                  own_pages_SxB, own_len_S, *, interpret,
+                  num_prompt_chunks=None, num_own_chunks=None,
+                  common_k_CxNxK=None, common_v_CxNxK=None, common_len=None,
+                  scale=None, logit_softcap=None, q_pos_S=None, window=None,
+                  return_lse=False):
+  """The prompt and own parts by the kernel (each reads its segment's
+  pages up to its length: no chunk bounds needed), merged with the common
+  part as the reference does."""
+  del num_prompt_chunks, num_own_chunks, window
+  S, H, K = q_SxHxK.shape
+  N = k_pages.shape[2]
+  Q = H // N
+  R, G = group_slots_RxG.shape
+  scale = K**-0.5 if scale is None else scale
+  part = functools.partial(gpu.paged_part, scale=scale,
+                           logit_softcap=logit_softcap, interpret=interpret)
+  q = q_SxHxK.reshape(S, N, Q, K)
+
+  # Prompt: a group's G*Q query rows per kv head against its pages.
+  member_ok_RxG = group_slots_RxG >= 0
+  q_grp = q[jnp.where(member_ok_RxG, group_slots_RxG, 0)]   # [R, G, N, Q, K]
+  rows = G * Q
+  q_grp = jnp.transpose(q_grp, (0, 2, 1, 3, 4)).reshape(R, N, rows, K)
+  q_grp = jnp.pad(q_grp, ((0, 0), (0, 0), (0, gpu.rows_for_dot(rows) - rows),
+                          (0, 0)))
+  o, lse = part(q_grp, k_pages, v_pages, group_pages_RxA,
+                jnp.where(member_ok_RxG.any(axis=1), group_len_R, 0))
+  o = jnp.transpose(o[:, :, :rows].reshape(R, N, G, Q, K), (0, 2, 1, 3, 4))
+  lse = jnp.transpose(lse[:, :, :rows].reshape(R, N, G, Q), (0, 2, 1, 3))
+  o_pre, l_pre = o[slot_group_S, slot_member_S], lse[slot_group_S,
+                                                     slot_member_S]
+
+  # Own: a slot's Q query rows per kv head against its pages.
+  q_own = jnp.pad(q, ((0, 0), (0, 0), (0, gpu.rows_for_dot(Q) - Q), (0, 0)))
+  o, lse = part(q_own, k_pages, v_pages, own_pages_SxB, own_len_S)
+  parts = [(o_pre, l_pre), (o[:, :, :Q], lse[:, :, :Q])]
+  if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:
+    o_c, l_c = common_prefix_part(
+        q[:, None], common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
+        logit_softcap=logit_softcap,
+        q_pos_RxG=None if q_pos_S is None else q_pos_S[:, None])
     parts.append((o_c[:, 0], l_c[:, 0]))
   out, lse = merge_parts(parts)
   out = out.reshape(S, H, K).astype(q_SxHxK.dtype)

@@ -6,6 +6,8 @@ computed in numpy; the op reads the same KV scattered over shuffled pages of
 a pool, with groups of ragged size, free slots and empty groups.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,39 @@ def test_segment_merge_equals_one_softmax():
   np.testing.assert_allclose(out[:3], p @ v, atol=1e-5)
   np.testing.assert_allclose(lse[:3], np.log(np.exp(s).sum(-1)), atol=1e-5)
   assert (np.asarray(out[3]) == 0).all() and lse[3] == -np.inf
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("C", [0, 5])
+def test_gpu_kernel_interpreted_equals_oracle(C, softcap):
+  """The Pallas GPU kernel (interpret mode here) against the fp64 oracle:
+  ragged lengths, an empty group, a free slot, GQA, soft-cap, common
+  prefix."""
+  args, q, q_pos, dense = _case(C + 7, C=C)
+  for k in ("num_prompt_chunks", "num_own_chunks"):
+    args.pop(k)
+  out = jax.jit(functools.partial(
+      pda.paged_decode_attention, impl="pallas", interpret=True,
+      logit_softcap=softcap))(**args)
+  want = _oracle(q, q_pos, dense, softcap=softcap)
+  np.testing.assert_allclose(np.asarray(out)[:-1], want, atol=2e-5)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_gpu_kernel_lowers_for_cuda():
+  """The GPU kernel lowers for CUDA on this CPU machine (Triton custom call
+  in the exported module) at Qwen2.5-1.5B-like decode shapes in bf16: 64
+  slots, 16 groups of 8, 16 query / 2 kv heads of 128, pages of 16."""
+  S, H, N, K, P, T, R, G, A, B = 64, 16, 2, 128, 512, 16, 16, 8, 32, 128
+  sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+  args = (sd((S, H, K), bf16), sd((P, T, N, K), bf16), sd((P, T, N, K), bf16),
+          sd((S,), i32), sd((S,), i32), sd((R, G), i32), sd((R, A), i32),
+          sd((R,), i32), sd((S, B), i32), sd((S,), i32))
+  f = jax.jit(functools.partial(pda.paged_decode_attention, impl="pallas",
+                                interpret=False))
+  triton = "__gpu$xla.gpu.triton"
+  exported = jax.export.export(
+      f, platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(
+          *args)
+  assert exported.mlir_module().count(triton) == 2  # Prompt and own parts.

@@ -118,8 +118,8 @@ class PagedEngine(EngineBase):
       num_groups: R group entries (prompts with samples alive or waiting);
         default 2 S / G, at least 2.
       prefill_batch: prompts per prefill call.
-      attention_impl: kept for the API; the paged op is the jnp reference
-        on every backend (a Pallas paged kernel is not written yet).
+      attention_impl: "auto" (the Pallas kernel on GPU, jnp elsewhere),
+        "xla" or "pallas" (`kernels_pallas/paged_decode_attention.py`).
       max_common_length: capacity of the common prefix (0: none).
     """
     super().__init__(cfg, graphdef, layout, prefill_buckets=prefill_buckets,
@@ -409,7 +409,7 @@ class PagedEngine(EngineBase):
       logits, k_pages, v_pages = model_lib.paged_decode(
           self.graphdef, params, state.tokens[sl], state.positions[sl],
           state.k_pages, state.v_pages, write_page, own_len % T, index,
-          common_k=state.common_k, common_v=state.common_v,
+          attention_impl=self.attention_impl, common_k=state.common_k, common_v=state.common_v,
           common_len=state.common_len)
       g = state.slot_group[sl]
       keys = token_keys(state.group_seed[g], state.group_prompt_id[g],

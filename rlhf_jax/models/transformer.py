@@ -25,8 +25,7 @@ from flax import nnx
 
 from kernels_pallas import flash_attention as fa
 from kernels_pallas.attention_parts import merge_parts
-from kernels_pallas.paged_decode_attention import (
-    paged_decode_attention_reference)
+from kernels_pallas.paged_decode_attention import paged_decode_attention
 from kernels_pallas.prefix_decode_attention import prefix_decode_attention
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import (
@@ -342,8 +341,9 @@ class Decoder(nnx.Module):
     return self._logits(x), suffix_k, suffix_v
 
   def paged_decode(self, tokens_S, positions_S, k_pages, v_pages,
-                   write_page_S, write_offset_S, index, *, common_k=None,
-                   common_v=None, common_len=None):
+                   write_page_S, write_offset_S, index, *,
+                   attention_impl="auto", common_k=None, common_v=None,
+                   common_len=None):
     """One decode step for S slots against paged, prefix-shared KV.
 
     Args:
@@ -353,9 +353,10 @@ class Decoder(nnx.Module):
       write_page_S, write_offset_S: where each slot's new KV goes (a page
         id out of range: nowhere, a free slot).
       index: dict of the page tables and lengths
-        (`paged_decode_attention_reference`: slot_group_S, slot_member_S,
+        (`paged_decode_attention`: slot_group_S, slot_member_S,
         group_slots_RxG, group_pages_RxA, group_len_R, own_pages_SxB,
-        own_len_S counting the new token).
+        own_len_S counting the new token, and the chunk bounds).
+      attention_impl: "auto" | "xla" | "pallas" (the GPU kernel).
       common_k, common_v, common_len: optional common prefix [L, C, N, K].
 
     Returns:
@@ -372,8 +373,8 @@ class Decoder(nnx.Module):
           v[:, 0].astype(v_pages.dtype), mode="drop")
       windowed = (dict(q_pos_S=positions_S, window=layer_window(self.cfg, i))
                   if self.cfg.sliding_window is not None else {})
-      o = paged_decode_attention_reference(
-          q[:, 0], k_pages[i], v_pages[i], **index,
+      o = paged_decode_attention(
+          q[:, 0], k_pages[i], v_pages[i], **index, impl=attention_impl,
           scale=self.cfg.scores_scale,
           logit_softcap=self.cfg.attn_logit_softcap, **windowed,
           **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
