@@ -241,3 +241,26 @@ def test_rollout_section_selects_the_paged_engine(model, layouts):
       assert rollout.metrics()["rollout/preemptions"] >= 0
       assert rollout.engines.paged_engine().num_slots == 2 * 4 * G
   _assert_same(out["paged"], out["rows"])
+
+
+def test_chunked_prefill_of_long_prompts(model, layouts):
+  """Prompts longer than the largest bucket (16) are prefilled in chunks
+  of 16 that attend to the prompt so far: same samples as the rows engine
+  prefilling them whole (bucket 48), beside short prompts."""
+  graphdef, params = model
+  rng = np.random.default_rng(4)
+  reqs = [Request(i, rng.integers(6, CFG.vocab_size, n).astype(np.int32), G,
+                  seed=5, max_new_tokens_per_sample=(12, 3, 20, 7))
+          for i, n in enumerate((41, 9, 33, 16))]
+  rows = Engine(CFG, graphdef, layouts[0], num_rows=4, samples_per_row=G,
+                prefill_buckets=(16, 48), sampling=SAMPLED)
+  want = {s.key: s for s in Driver(
+      rows, mesh_lib.to_layout(params, layouts[0])).run(reqs)}
+  driver = _paged(model, layouts[1], pages=80, max_prompt_length=48)
+  got = {s.key: s for s in driver.run(reqs)}
+  _assert_same(got, want)
+  assert driver.engine.trace_counts["prompt_chunk"] >= 1
+  assert driver.pool.num_free == 80
+  with pytest.raises(ValueError, match="max_prompt_length=48"):
+    list(_paged(model, layouts[0], pages=80, max_prompt_length=48).run(
+        [Request(9, np.full(49, 7, np.int32), G)]))

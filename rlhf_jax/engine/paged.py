@@ -103,6 +103,7 @@ class PagedEngine(EngineBase):
                page_size: int = 16, num_pages: int | None = None,
                kv_budget_bytes: int | None = None,
                num_groups: int | None = None, prefill_batch: int = 4,
+               max_prompt_length: int | None = None,
                attention_impl: str = "auto", max_common_length: int = 0):
     """Builds the jitted functions; nothing is compiled until first use.
 
@@ -118,6 +119,9 @@ class PagedEngine(EngineBase):
       num_groups: R group entries (prompts with samples alive or waiting);
         default 2 S / G, at least 2.
       prefill_batch: prompts per prefill call.
+      max_prompt_length: the longest prompt (after a common prefix); one
+        longer than the largest bucket is prefilled in chunks of that
+        bucket (`prefill_chunk`). Default: the largest bucket.
       attention_impl: "auto" (the Pallas kernel on GPU, jnp elsewhere),
         "xla" or "pallas" (`kernels_pallas/paged_decode_attention.py`).
       max_common_length: capacity of the common prefix (0: none).
@@ -143,6 +147,10 @@ class PagedEngine(EngineBase):
     self.num_pages = int(num_pages)
     self.num_groups = int(num_groups or max(2, 2 * num_slots // G))
     self.prefill_batch = int(prefill_batch)
+    self.max_prompt_length = int(max_prompt_length or self.buckets[-1])
+    if self.max_prompt_length < self.buckets[-1]:
+      raise ValueError(f"max_prompt_length={self.max_prompt_length} is "
+                       f"shorter than the largest bucket {self.buckets[-1]}")
     T = self.page_size
     self.max_prompt_pages = math.ceil(self.max_prefill_length / T)
     # Own tokens in the pool reach max_new_tokens - 1; the driver keeps two
@@ -169,6 +177,9 @@ class PagedEngine(EngineBase):
                              donate_argnums=0)
     self._extend_jit = jax.jit(self._extend_fn, out_shardings=st,
                                donate_argnums=1)
+    self._prompt_chunk_jit = jax.jit(
+        self._prompt_chunk_fn, out_shardings=(st, (rep,) * 3),
+        donate_argnums=1)
     self._generate_jit = jax.jit(
         self._generate_fn, static_argnums=(4, 5),
         out_shardings=(st, ResultTokens(rep)), donate_argnums=1)
@@ -189,6 +200,29 @@ class PagedEngine(EngineBase):
   @property
   def max_concurrent_decodes(self) -> int:
     return self.num_slots
+
+  @property
+  def max_prefill_length(self) -> int:
+    """The longest prompt accepted (chunked past the largest bucket)."""
+    return self.max_prompt_length
+
+  @property
+  def chunk_length(self) -> int:
+    """Tokens per prefill call: the largest bucket."""
+    return self.buckets[-1]
+
+  def pad_prompt(self, tokens, prompt_id=None):
+    """Validates a prompt; pads it to its bucket, or, past the largest
+    bucket (chunked prefill), returns it as it is."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if tokens.size <= self.chunk_length:
+      return super().pad_prompt(tokens, prompt_id)
+    if tokens.size > self.max_prompt_length:
+      raise ValueError(f"prompt {prompt_id} has {tokens.size} tokens, longer "
+                       f"than max_prompt_length={self.max_prompt_length}")
+    for start in range(0, tokens.size, self.chunk_length):  # Token ids.
+      super().pad_prompt(tokens[start:start + self.chunk_length], prompt_id)
+    return tokens, tokens.size
 
   def _fields(self):
     """name -> (logical axes, shape, dtype) of every PagedState field."""
@@ -315,6 +349,47 @@ class PagedEngine(EngineBase):
     return state.replace(active=state.active.at[slots_X].set(False,
                                                              mode="drop"))
 
+  def _attend_after(self, params, state: PagedState, feed_E, pos0, count,
+                    pieces):
+    """Runs feed_E[:count] at positions pos0.. after a context: the common
+    prefix, then each (page ids, length) piece in order, densely laid out at
+    their true positions (each piece written after the previous one's valid
+    tokens). Returns the logits of the last fed token [V] and the fed
+    tokens' KV [L, E, N, K]."""
+    L, _, T, N, K = state.k_pages.shape
+    size = state.common_k.shape[1] + sum(ids.shape[0] * T for ids, _ in pieces)
+
+    def context(common, pages):
+      ctx = jnp.zeros((L, size, N, K), pages.dtype)
+      ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
+      at = state.common_len
+      for ids, length in pieces:
+        ctx = jax.lax.dynamic_update_slice(
+            ctx, pages[:, ids].reshape(L, -1, N, K), (0, at, 0, 0))
+        at = at + length
+      return ctx, at
+
+    ck, total = context(state.common_k, state.k_pages)
+    cv, _ = context(state.common_v, state.v_pages)
+    index = jnp.arange(feed_E.shape[0], dtype=jnp.int32)
+    logits, (k, v) = model_lib.prefill(
+        self.graphdef, params, feed_E[None], (pos0 + index)[None],
+        (index < count)[None], (count - 1)[None], context=(ck, cv, total))
+    return logits[0], k[:, 0], v[:, 0]
+
+  def _write(self, state: PagedState, ids, start, count, k, v):
+    """KV [L, E, N, K] of tokens start.. (the first `count`) into the pages
+    `ids` of one sequence."""
+    T, num_pages = self.page_size, state.k_pages.shape[1]
+    index = jnp.arange(k.shape[1], dtype=jnp.int32)
+    pos = start + index
+    page = jnp.where(index < count, ids[jnp.minimum(pos // T, ids.shape[0] - 1)],
+                     num_pages)
+    put = lambda pages, x: pages.at[:, page, pos % T].set(
+        x.astype(pages.dtype), mode="drop")
+    return state.replace(k_pages=put(state.k_pages, k),
+                         v_pages=put(state.v_pages, v))
+
   def _extend_fn(self, params, state: PagedState, slot, own_row_B,
                  tokens_E, count, active) -> PagedState:
     """Appends `count` tokens to a sample: the token it feeds now and
@@ -322,48 +397,43 @@ class PagedEngine(EngineBase):
     its prompt and its own tokens); tokens_E[count-1] is fed next."""
     self.trace_counts["extend"] += 1
     with use_layout(self.layout):
-      E = tokens_E.shape[0]
-      T = self.page_size
       g = state.slot_group[slot]
-      c_len, g_len, o_len = (state.common_len, state.group_len[g],
-                             state.own_len[slot])
-      own_pages = state.own_pages.at[slot].set(own_row_B)
-      # Dense context [common ; prompt ; own] at their true positions: each
-      # piece is written after the previous one's valid tokens.
-      L, _, _, N, K = state.k_pages.shape
-      flat = lambda pages, ids: pages[:, ids].reshape(L, -1, N, K)
-      size = (state.common_k.shape[1] + state.group_pages.shape[1] * T +
-              own_pages.shape[1] * T)
-
-      def context(common, pages):
-        ctx = jnp.zeros((L, size, N, K), pages.dtype)
-        ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
-        ctx = jax.lax.dynamic_update_slice(
-            ctx, flat(pages, state.group_pages[g]), (0, c_len, 0, 0))
-        return jax.lax.dynamic_update_slice(
-            ctx, flat(pages, own_pages[slot]), (0, c_len + g_len, 0, 0))
-
+      o_len = state.own_len[slot]
       feed = jnp.concatenate([state.tokens[slot][None], tokens_E[:-1]])
-      index = jnp.arange(E, dtype=jnp.int32)
-      _, (k, v) = model_lib.prefill(
-          self.graphdef, params, feed[None], (state.positions[slot] + index
-                                              )[None],
-          (index < count)[None], jnp.zeros((1,), jnp.int32),
-          context=(context(state.common_k, state.k_pages),
-                   context(state.common_v, state.v_pages),
-                   c_len + g_len + o_len))
-      own_pos = o_len + index
-      page = jnp.where(index < count, own_pages[slot, own_pos // T],
-                       state.k_pages.shape[1])
-      put = lambda pages, x: pages.at[:, page, own_pos % T].set(
-          x[:, 0].astype(pages.dtype), mode="drop")
+      _, k, v = self._attend_after(
+          params, state, feed, state.positions[slot], count,
+          [(state.group_pages[g], state.group_len[g]), (own_row_B, o_len)])
+      state = self._write(state, own_row_B, o_len, count, k, v)
       return state.replace(
-          k_pages=put(state.k_pages, k), v_pages=put(state.v_pages, v),
-          own_pages=own_pages, own_len=state.own_len.at[slot].add(count),
+          own_pages=state.own_pages.at[slot].set(own_row_B),
+          own_len=state.own_len.at[slot].add(count),
           tokens=state.tokens.at[slot].set(tokens_E[count - 1]),
           positions=state.positions.at[slot].add(count),
           generated=state.generated.at[slot].add(count),
           active=state.active.at[slot].set(active))
+
+  def _prompt_chunk_fn(self, params, state: PagedState, entry, prompt_row_A,
+                       tokens_E, start, count, sample_idx_G):
+    """Chunked prefill: tokens start..start+count of group `entry`'s prompt
+    (its first `start` already in its pages `prompt_row_A`) attend to the
+    common prefix and the prompt so far; their KV goes to its pages, and G
+    first tokens are drawn after them (the last chunk's are the group's)."""
+    self.trace_counts["prompt_chunk"] += 1
+    with use_layout(self.layout):
+      c_len = state.common_len
+      logits, k, v = self._attend_after(
+          params, state, tokens_E, c_len + start, count,
+          [(prompt_row_A, start)])
+      state = self._write(state, prompt_row_A, start, count, k, v)
+      G = sample_idx_G.shape[0]
+      keys = token_keys(state.group_seed[entry], state.group_prompt_id[entry],
+                        sample_idx_G, c_len + start + count)
+      first = sample(jnp.broadcast_to(logits, (G,) + logits.shape), keys,
+                     self.sampling)
+      return state.replace(
+          group_pages=state.group_pages.at[entry].set(prompt_row_A),
+          group_len=state.group_len.at[entry].set(start + count),
+          group_first=state.group_first.at[entry].set(first[0])), first
 
   def _generate_fn(self, params, state: PagedState, growth_Sx3, slots_X,
                    prompt_chunks: int, own_chunks: int):
@@ -516,6 +586,22 @@ class PagedEngine(EngineBase):
     row[:len(own_row)] = own_row
     return self._extend_jit(params, state, np.int32(slot), row, padded,
                             np.int32(tokens.size), np.bool_(active))
+
+  def prefill_chunk(self, params, state: PagedState, entry: int, pages,
+                    tokens, start: int, sample_indices):
+    """Prefills tokens start.. of group `entry`'s prompt (after its first
+    `start` tokens, already in its pages) into `pages` (the group's whole
+    page list); returns (state, (first tokens, logp, raw) [G]) drawn after
+    them. Chunks are one bucket long at most (one compile per bucket)."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    padded = np.zeros(self.bucket_for(tokens.size), np.int32)
+    padded[:tokens.size] = tokens
+    row = np.zeros(self.max_prompt_pages, np.int32)
+    row[:len(pages)] = pages
+    idx = np.zeros(self.samples_per_group, np.int32)
+    idx[:len(sample_indices)] = sample_indices
+    return self._prompt_chunk_jit(params, state, np.int32(entry), row, padded,
+                                  np.int32(start), np.int32(tokens.size), idx)
 
   def stop(self, state: PagedState, slots) -> PagedState:
     """Deactivates `slots` (their pages may be reused after this call)."""

@@ -36,7 +36,7 @@ import numpy as np
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
-from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged import PagedEngine, PagedPrefill
 
 
 @dataclasses.dataclass
@@ -204,6 +204,17 @@ class PagedDriver(Driver):
       waiting += req.num_samples
     if not batch:
       return
+    chunk = eng.chunk_length
+    short = [(g, own) for g, own in batch if own.size <= chunk]
+    if short:
+      self._prefill_batch(short)
+    for group, own in batch:
+      if own.size > chunk:
+        self._prefill_chunked(group, own)
+
+  def _prefill_batch(self, batch) -> None:
+    """Prompts of at most one bucket: one prefill call for all."""
+    eng: PagedEngine = self.engine
     reqs = [g.request for g, _ in batch]
     pre = eng.prefill(
         self.params, [(own, g.request.prompt_id) for g, own in batch],
@@ -218,6 +229,31 @@ class PagedDriver(Driver):
     self._events.append(("insert", [g for g, _ in batch], pre))
     self.stats.prefills += 1
     self.stats.prefill_tokens += pre.k.shape[1] * pre.k.shape[2]
+
+  def _prefill_chunked(self, group: _Group, own: np.ndarray) -> None:
+    """A prompt past the largest bucket: its first bucket like any prompt,
+    then bucket-long chunks that attend to the prompt so far; the G first
+    tokens are drawn after the last chunk."""
+    eng: PagedEngine = self.engine
+    req, chunk = group.request, eng.chunk_length
+    idx = [w.sample_idx for w in group.waiting]
+    pre = eng.prefill(self.params, [(own[:chunk], req.prompt_id)],
+                      [req.prompt_id], [req.seed], [idx])
+    self.state = eng.insert(self.state, pre, [group.entry],
+                            [group.pages[:self.pool_pages_for(chunk)]],
+                            [chunk], [req.prompt_id], [req.seed])
+    for start in range(chunk, own.size, chunk):
+      part = own[start:start + chunk]
+      self.state, first = eng.prefill_chunk(self.params, self.state,
+                                            group.entry, group.pages, part,
+                                            start, idx)
+      self.stats.prefill_tokens += eng.bucket_for(part.size)
+    for x in first:
+      x.copy_to_host_async()
+    self._events.append(("insert", [group], PagedPrefill(
+        None, None, first[0][None], first[1][None], first[2][None])))
+    self.stats.prefills += 1 + (own.size - 1) // chunk
+    self.stats.prefill_tokens += chunk
 
   def _start_waiting(self) -> list[Sample]:
     """Free slots take waiting samples, oldest group first; returns the
