@@ -54,24 +54,39 @@ def _requests(n=6, seed=0, common=()):
 
 
 @pytest.fixture(scope="module")
-def oracle(model, layouts):
-  """Row-engine samples of `_requests()` on one device."""
+def rows_run(model, layouts):
+  """Row-engine samples of some requests, on one device (one engine for
+  the module: compiles are most of these tests' time)."""
   graphdef, params = model
-  layout = layouts[0]
-  engine = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=G,
-                  prefill_buckets=(8, 16), sampling=SAMPLED)
-  driver = Driver(engine, mesh_lib.to_layout(params, layout))
-  return {s.key: s for s in driver.run(_requests())}
+  engine = Engine(CFG, graphdef, layouts[0], num_rows=4, samples_per_row=G,
+                  prefill_buckets=(8, 16, 32, 48), sampling=SAMPLED)
+  p = mesh_lib.to_layout(params, layouts[0])
+  return lambda reqs: {s.key: s for s in Driver(engine, p).run(reqs)}
+
+
+@pytest.fixture(scope="module")
+def oracle(rows_run):
+  return rows_run(_requests())
+
+
+_ENGINES = {}
+# The sampled engine most tests share: 4 replicas x tensor 2, a roomy pool,
+# a common prefix of up to 16 tokens, prompts of up to 48 (chunked).
+MAIN = dict(pages=200, max_common_length=16, max_prompt_length=48)
 
 
 def _paged(model, layout, *, pages, slots=8, sampling=SAMPLED, page_size=4,
            buckets=(8, 16), **kw):
+  """A driver on a paged engine, the engine shared by equal arguments."""
   graphdef, params = model
-  engine = PagedEngine(CFG, graphdef, layout, num_slots=slots,
-                       samples_per_group=G, prefill_buckets=buckets,
-                       sampling=sampling, page_size=page_size,
-                       num_pages=pages, prefill_batch=2, **kw)
-  return PagedDriver(engine, mesh_lib.to_layout(params, layout))
+  key = (id(layout), pages, slots, sampling, page_size, buckets,
+         tuple(sorted(kw.items())))
+  if key not in _ENGINES:
+    _ENGINES[key] = PagedEngine(CFG, graphdef, layout, num_slots=slots,
+                                samples_per_group=G, prefill_buckets=buckets,
+                                sampling=sampling, page_size=page_size,
+                                num_pages=pages, prefill_batch=2, **kw)
+  return PagedDriver(_ENGINES[key], mesh_lib.to_layout(params, layout))
 
 
 def _assert_same(a, b):
@@ -86,7 +101,8 @@ def _assert_same(a, b):
 def test_paged_equals_rows_engine(model, layouts, oracle, pages):
   """Same samples as the row engine (other layout: 4 replicas x tensor 2);
   a tight pool preempts and recomputes, and every page comes back."""
-  driver = _paged(model, layouts[1], pages=pages)
+  driver = (_paged(model, layouts[1], **MAIN) if pages == 200 else
+            _paged(model, layouts[1], pages=pages))
   got = {s.key: s for s in driver.run(_requests())}
   _assert_same(got, oracle)
   assert driver.pool.num_free == pages
@@ -123,8 +139,7 @@ def test_exhaustion_policy_in_pool_and_driver(model, layouts):
   reqs = [dataclasses.replace(r, max_new_tokens_per_sample=(20,) * G)
           for r in _requests(2)]
   got = {s.key: s for s in one_at_a_time.run(reqs)}
-  roomy = {s.key: s for s in _paged(model, layouts[0], pages=200,
-                                    slots=2).run(reqs)}
+  roomy = {s.key: s for s in _paged(model, layouts[1], **MAIN).run(reqs)}
   _assert_same(got, roomy)
   assert one_at_a_time.paged.preemptions > 0
   assert one_at_a_time.pool.num_free == 10
@@ -146,20 +161,14 @@ def test_slot_takes_new_work_before_its_group_ends(model, layouts):
   assert driver.pool.num_free == 100
 
 
-def test_common_prefix(model, layouts, oracle):
+def test_common_prefix(model, layouts, rows_run):
   """A common prefix stored once: same samples as whole prompts."""
   common = np.arange(40, 52, dtype=np.int32)
   reqs = _requests(common=common)
-  graphdef, params = model
-  rows = Engine(CFG, graphdef, layouts[0], num_rows=4, samples_per_row=G,
-                prefill_buckets=(8, 16, 32), sampling=SAMPLED)
-  want = {s.key: s for s in Driver(
-      rows, mesh_lib.to_layout(params, layouts[0])).run(reqs)}
-  driver = _paged(model, layouts[1], pages=60, max_common_length=16)
+  driver = _paged(model, layouts[1], **MAIN)
   got = {s.key: s for s in driver.run(reqs, common_prefix=common)}
-  _assert_same(got, want)
+  _assert_same(got, rows_run(reqs))
   assert driver.stats.common_prefix_length == common.size
-  del oracle
 
 
 def test_extend_appends_tokens_to_a_live_sample(model, layouts):
@@ -167,9 +176,9 @@ def test_extend_appends_tokens_to_a_live_sample(model, layouts):
   the greedy continuation of prompt + response + appended tokens (the row
   engine run on that whole prompt is the oracle)."""
   graphdef, params = model
-  layout = layouts[1]
+  layout = layouts[0]
   p = mesh_lib.to_layout(params, layout)
-  eng = _paged(model, layout, pages=40, sampling=GREEDY).engine
+  eng = _paged(model, layout, pages=100, slots=G, sampling=GREEDY).engine
   prompt = np.arange(7, 18, dtype=np.int32)
   state = eng.init_decode_state()
   pre = eng.prefill(p, [(prompt, 0)], [0], [0], [[0]])
@@ -199,7 +208,7 @@ def test_worker_continuation(model, layouts, oracle):
   """A driver cut mid-run hands back partials (live and waiting samples)
   and pending requests; continued on another driver as prompt + tokens so
   far, they finish as an uninterrupted run."""
-  first = _paged(model, layouts[1], pages=40)
+  first = _paged(model, layouts[1], **MAIN)
   first.start(_requests())
   done = []
   for _ in range(6):
@@ -243,24 +252,19 @@ def test_rollout_section_selects_the_paged_engine(model, layouts):
   _assert_same(out["paged"], out["rows"])
 
 
-def test_chunked_prefill_of_long_prompts(model, layouts):
+def test_chunked_prefill_of_long_prompts(model, layouts, rows_run):
   """Prompts longer than the largest bucket (16) are prefilled in chunks
   of 16 that attend to the prompt so far: same samples as the rows engine
   prefilling them whole (bucket 48), beside short prompts."""
-  graphdef, params = model
   rng = np.random.default_rng(4)
   reqs = [Request(i, rng.integers(6, CFG.vocab_size, n).astype(np.int32), G,
                   seed=5, max_new_tokens_per_sample=(12, 3, 20, 7))
           for i, n in enumerate((41, 9, 33, 16))]
-  rows = Engine(CFG, graphdef, layouts[0], num_rows=4, samples_per_row=G,
-                prefill_buckets=(16, 48), sampling=SAMPLED)
-  want = {s.key: s for s in Driver(
-      rows, mesh_lib.to_layout(params, layouts[0])).run(reqs)}
-  driver = _paged(model, layouts[1], pages=80, max_prompt_length=48)
+  driver = _paged(model, layouts[1], **MAIN)
   got = {s.key: s for s in driver.run(reqs)}
-  _assert_same(got, want)
+  _assert_same(got, rows_run(reqs))
   assert driver.engine.trace_counts["prompt_chunk"] >= 1
-  assert driver.pool.num_free == 80
+  assert driver.pool.num_free == MAIN["pages"]
   with pytest.raises(ValueError, match="max_prompt_length=48"):
-    list(_paged(model, layouts[0], pages=80, max_prompt_length=48).run(
+    list(_paged(model, layouts[1], **MAIN).run(
         [Request(9, np.full(49, 7, np.int32), G)]))

@@ -90,8 +90,14 @@ class PagedPrefill:
   first_logp_raw: jax.Array  # [B, G]
 
 
-def _pow2_at_least(n: int, cap: int) -> int:
-  return min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+def _pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
+  """The bucket of n: a power of two >= max(n, floor), at most cap."""
+  return min(cap, 1 << max(0, math.ceil(math.log2(max(n, floor, 1)))))
+
+
+# Smallest buckets of a decode step (slots, prompt pages, own pages): tiny
+# batches share one compile instead of one per power of two.
+_FLOORS = (8, 16, 32)
 
 
 class PagedEngine(EngineBase):
@@ -205,6 +211,14 @@ class PagedEngine(EngineBase):
   def max_prefill_length(self) -> int:
     """The longest prompt accepted (chunked past the largest bucket)."""
     return self.max_prompt_length
+
+  @property
+  def _walks_tables(self) -> bool:
+    """Whether decode attention is the GPU kernel (no page-list bounds)."""
+    impl = self.attention_impl
+    if impl == "auto":
+      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl == "pallas" and self.cfg.sliding_window is None
 
   @property
   def chunk_length(self) -> int:
@@ -629,9 +643,14 @@ class PagedEngine(EngineBase):
     for x, row in enumerate(growth):
       g[x] = row
     slots = sorted(slots)
-    listed = np.full(_pow2_at_least(len(slots), self.num_slots),
+    listed = np.full(_pow2_at_least(len(slots), self.num_slots, _FLOORS[0]),
                      self.num_slots, np.int32)
     listed[:len(slots)] = slots
-    X1 = _pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages)
-    X2 = _pow2_at_least(own_pages, self.num_slots * self.max_own_pages)
+    if self._walks_tables:  # The kernel reads each table up to its length.
+      X1 = X2 = 0
+    else:
+      X1 = _pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages,
+                          _FLOORS[1])
+      X2 = _pow2_at_least(own_pages, self.num_slots * self.max_own_pages,
+                          _FLOORS[2])
     return self._generate_jit(params, state, g, listed, X1, X2)
