@@ -192,18 +192,29 @@ def paged_decode_attention_reference(
   o, lse = attention_part(s, mask[:, None, None, :], v, "xnqt,xtnk->xnqk")
   o_own, l_own = segment_merge(o, lse, slot, S)
 
-  parts = [(o_pre, l_pre), (o_own, l_own)]
+  return _merge_with_common(
+      [(o_pre, l_pre), (o_own, l_own)], q, q_SxHxK.dtype, common_k_CxNxK,
+      common_v_CxNxK, common_len, scale=scale, logit_softcap=logit_softcap,
+      q_pos_S=q_pos_S, window=window, return_lse=return_lse)
+
+
+def _merge_with_common(parts, q_SxNxQxK, dtype, common_k_CxNxK,
+                       common_v_CxNxK, common_len, *, scale, logit_softcap,
+                       q_pos_S, window, return_lse):
+  """The prompt and own parts merged with the optional common-prefix part
+  (jnp, one copy for every slot): out [S, H, K] (and lse [S, H])."""
+  S, N, Q, K = q_SxNxQxK.shape
   if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:
     o_c, l_c = common_prefix_part(
-        q[:, None], common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
-        logit_softcap=logit_softcap,
+        q_SxNxQxK[:, None], common_k_CxNxK, common_v_CxNxK, common_len,
+        scale=scale, logit_softcap=logit_softcap,
         q_pos_RxG=None if q_pos_S is None else q_pos_S[:, None],
         window=window)
-    parts.append((o_c[:, 0], l_c[:, 0]))
+    parts = parts + [(o_c[:, 0], l_c[:, 0])]
   out, lse = merge_parts(parts)
-  out = out.reshape(S, H, K).astype(q_SxHxK.dtype)
+  out = out.reshape(S, N * Q, K).astype(dtype)
   if return_lse:
-    return out, lse.reshape(S, H)
+    return out, lse.reshape(S, N * Q)
   return out
 
 
@@ -286,15 +297,8 @@ def _pallas_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
   # Own: a slot's Q query rows per kv head against its pages.
   q_own = jnp.pad(q, ((0, 0), (0, 0), (0, gpu.rows_for_dot(Q) - Q), (0, 0)))
   o, lse = part(q_own, k_pages, v_pages, own_pages_SxB, own_len_S)
-  parts = [(o_pre, l_pre), (o[:, :, :Q], lse[:, :, :Q])]
-  if common_k_CxNxK is not None and common_k_CxNxK.shape[0]:
-    o_c, l_c = common_prefix_part(
-        q[:, None], common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
-        logit_softcap=logit_softcap,
-        q_pos_RxG=None if q_pos_S is None else q_pos_S[:, None])
-    parts.append((o_c[:, 0], l_c[:, 0]))
-  out, lse = merge_parts(parts)
-  out = out.reshape(S, H, K).astype(q_SxHxK.dtype)
-  if return_lse:
-    return out, lse.reshape(S, H)
-  return out
+  return _merge_with_common(
+      [(o_pre, l_pre), (o[:, :, :Q], lse[:, :, :Q])], q, q_SxHxK.dtype,
+      common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
+      logit_softcap=logit_softcap, q_pos_S=q_pos_S, window=None,
+      return_lse=return_lse)

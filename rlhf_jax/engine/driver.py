@@ -174,11 +174,23 @@ class Driver:
     if admission not in ("continuous", "static"):
       raise ValueError(f"admission must be 'continuous' or 'static', got "
                        f"{admission!r}")
+    pending, common = self._open(requests, common_prefix, min_common_length)
+    self.live: dict[int, _Live] = {}
+    self.pending = pending
+    self._common, self._admission = common, admission
+    self._controller = controller
+    self._events = collections.deque()  # ("insert", slots, prefix) |
+                                        # ("step", res, n)
+
+  def _open(self, requests, common_prefix, min_common_length):
+    """Validates every request (bad input fails before any work), sets the
+    run's common prefix on the engine and a fresh decode state; returns
+    (the pending requests, the common tokens)."""
     eng = self.engine
     pending = collections.deque(requests)
     common = self._resolve_common_prefix(pending, common_prefix,
                                          min_common_length)
-    for req in pending:  # Reject bad input before any work starts.
+    for req in pending:
       self._validate(req, common)
     if common.size:
       eng.set_common_prefix(self.params, common)
@@ -187,12 +199,7 @@ class Driver:
       eng.clear_common_prefix()
     self.stats.common_prefix_length = int(common.size)
     self.state = eng.init_decode_state()
-    self.live: dict[int, _Live] = {}
-    self.pending = pending
-    self._common, self._admission = common, admission
-    self._controller = controller
-    self._events = collections.deque()  # ("insert", slots, prefix) |
-                                        # ("step", res, n)
+    return pending, common
 
   def add(self, requests: Iterable[Request]) -> None:
     """Queues more requests into a started run (a worker fed over time)."""

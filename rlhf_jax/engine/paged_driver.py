@@ -106,18 +106,8 @@ class PagedDriver(Driver):
       raise ValueError("the paged driver does continuous admission without "
                        "a controller")
     eng: PagedEngine = self.engine
-    pending = collections.deque(requests)
-    common = self._resolve_common_prefix(pending, common_prefix,
-                                         min_common_length)
-    for req in pending:
-      self._validate(req, common)
-    if common.size:
-      eng.set_common_prefix(self.params, common)
-      self.stats.prefill_tokens += eng.max_common_length
-    else:
-      eng.clear_common_prefix()
-    self.stats.common_prefix_length = int(common.size)
-    self.state = eng.init_decode_state()
+    self.pool = PagePool(eng.num_pages, eng.page_size)  # _validate reads it.
+    pending, common = self._open(requests, common_prefix, min_common_length)
     self.pool = PagePool(eng.num_pages, eng.page_size)
     self.pending = pending
     self.live: dict[int, _Slot] = {}
