@@ -28,7 +28,7 @@ def test_unknown_key_names_the_full_path_and_the_closest_keys():
   assert cli.unknown_key(c, "rollout.num_rows") is None
   assert cli.unknown_key(c, "rollout.num_row") == (
       "unknown config key config.rollout.num_row; did you mean "
-      "config.rollout.num_rows?")
+      "config.rollout.num_rows or config.rollout.num_slots?")
   # A key of another section: where it lives.
   assert cli.unknown_key(c, "max_new_tokens") == (
       "unknown config key config.max_new_tokens; did you mean "
