@@ -33,72 +33,21 @@ or on being preempted and recomputed.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from rlhf_jax.engine.engine import EngineBase
+from rlhf_jax.engine.paged_state import (
+    STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields)
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.engine.state import CommonPrefix, ResultTokens
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel.layout import Layout, use_layout
-
-_PAGES = ("layers", None, None, "kv_heads", "head_dim")
-_SLOTS, _GROUPS = ("batch",), ("batch",)
-
-
-@struct.dataclass
-class PagedState:
-  """Everything `generate` reads and writes (S slots, R group entries)."""
-  k_pages: jax.Array       # [L, num_pages, T, N, K]
-  v_pages: jax.Array
-  group_pages: jax.Array   # [R, A_max] prompt page ids
-  group_len: jax.Array     # [R] prompt tokens (after the common prefix)
-  group_slots: jax.Array   # [R, G] slot of each member (-1: none)
-  group_first: jax.Array   # [R, G] each member's first token (from prefill)
-  group_prompt_id: jax.Array  # [R]
-  group_seed: jax.Array    # [R] uint32
-  slot_group: jax.Array    # [S] group entry of the slot's sample
-  slot_member: jax.Array   # [S] its member index in the group
-  own_pages: jax.Array     # [S, B_max] own page ids
-  own_len: jax.Array       # [S] own tokens whose KV is in the pool
-  tokens: jax.Array        # [S] last sampled token, fed next step
-  positions: jax.Array     # [S] its position
-  generated: jax.Array     # [S] tokens of the response so far
-  budget: jax.Array        # [S] the sample's token budget
-  active: jax.Array        # [S] bool
-  sample_idx: jax.Array    # [S]
-  common_k: jax.Array      # [L, C, N, K]
-  common_v: jax.Array
-  common_len: jax.Array    # []
-
-
-@struct.dataclass
-class PagedPrefill:
-  """B prompts prefilled in one call: KV and each one's G first tokens."""
-  k: jax.Array             # [L, B, Pb, N, K]
-  v: jax.Array
-  first_tokens: jax.Array  # [B, G]
-  first_logp: jax.Array    # [B, G]
-  first_logp_raw: jax.Array  # [B, G]
-
-
-def _pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
-  """The bucket of n: a power of two >= max(n, floor), at most cap."""
-  return min(cap, 1 << max(0, math.ceil(math.log2(max(n, floor, 1)))))
-
-
-# Smallest buckets of a decode step (slots, prompt pages, own pages): tiny
-# batches share one compile instead of one per power of two.
-_FLOORS = (8, 16, 32)
-
 
 class PagedEngine(EngineBase):
   """Paged prefill / insert / start / generate over S slots."""
@@ -240,30 +189,12 @@ class PagedEngine(EngineBase):
 
   def _fields(self):
     """name -> (logical axes, shape, dtype) of every PagedState field."""
-    c = self.cfg
-    L, N, K = c.num_layers, c.num_kv_heads, c.head_dim
-    S, R, G = self.num_slots, self.num_groups, self.samples_per_group
-    cdt = c.compute_jnp_dtype
-    i32 = jnp.int32
-    pool = (L, self.num_pages, self.page_size, N, K)
-    common = (L, self.max_common_length, N, K)
-    slot = lambda dt=i32: (_SLOTS, (S,), dt)
-    group = lambda dt=i32: (_GROUPS, (R,), dt)
-    return {
-        "k_pages": (_PAGES, pool, cdt), "v_pages": (_PAGES, pool, cdt),
-        "group_pages": (_GROUPS + (None,), (R, self.max_prompt_pages), i32),
-        "group_len": group(), "group_slots": (_GROUPS + (None,), (R, G), i32),
-        "group_first": (_GROUPS + (None,), (R, G), i32),
-        "group_prompt_id": group(), "group_seed": group(jnp.uint32),
-        "slot_group": slot(), "slot_member": slot(),
-        "own_pages": (_SLOTS + (None,), (S, self.max_own_pages), i32),
-        "own_len": slot(), "tokens": slot(), "positions": slot(),
-        "generated": slot(), "budget": slot(), "active": slot(jnp.bool_),
-        "sample_idx": slot(),
-        "common_k": (("layers", None, "kv_heads", "head_dim"), common, cdt),
-        "common_v": (("layers", None, "kv_heads", "head_dim"), common, cdt),
-        "common_len": ((), (), i32),
-    }
+    return state_fields(
+        self.cfg, num_slots=self.num_slots, num_groups=self.num_groups,
+        samples_per_group=self.samples_per_group, num_pages=self.num_pages,
+        page_size=self.page_size, max_prompt_pages=self.max_prompt_pages,
+        max_own_pages=self.max_own_pages,
+        max_common_length=self.max_common_length)
 
   def _zero_state(self, common: CommonPrefix) -> PagedState:
     fields = {name: jnp.zeros(shape, dtype)
@@ -593,7 +524,7 @@ class PagedEngine(EngineBase):
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if not tokens.size:
       raise ValueError("extend needs at least one token")
-    E = _pow2_at_least(tokens.size, 1 << 30)
+    E = pow2_at_least(tokens.size, 1 << 30)
     padded = np.zeros(E, np.int32)
     padded[:tokens.size] = tokens
     row = np.zeros(self.max_own_pages, np.int32)
@@ -643,14 +574,14 @@ class PagedEngine(EngineBase):
     for x, row in enumerate(growth):
       g[x] = row
     slots = sorted(slots)
-    listed = np.full(_pow2_at_least(len(slots), self.num_slots, _FLOORS[0]),
+    listed = np.full(pow2_at_least(len(slots), self.num_slots, STEP_FLOORS[0]),
                      self.num_slots, np.int32)
     listed[:len(slots)] = slots
     if self._walks_tables:  # The kernel reads each table up to its length.
       X1 = X2 = 0
     else:
-      X1 = _pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages,
-                          _FLOORS[1])
-      X2 = _pow2_at_least(own_pages, self.num_slots * self.max_own_pages,
-                          _FLOORS[2])
+      X1 = pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages,
+                          STEP_FLOORS[1])
+      X2 = pow2_at_least(own_pages, self.num_slots * self.max_own_pages,
+                          STEP_FLOORS[2])
     return self._generate_jit(params, state, g, listed, X1, X2)

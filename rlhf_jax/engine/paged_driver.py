@@ -33,10 +33,10 @@ from typing import Iterable
 
 import numpy as np
 
-from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
-from rlhf_jax.engine.paged import PagedEngine, PagedPrefill
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_state import PagedPrefill
 
 
 @dataclasses.dataclass

@@ -1,0 +1,96 @@
+"""The paged engine's data: its decode state, batched prefill results, the
+logical axes and shapes of every state field, and the bucket rule of a
+decode step (`paged.PagedEngine` executes on them).
+
+Dimension letters: L layers, S slots, R group entries, G samples per
+group, T page size, N kv heads, K head dim, A / B most prompt / own pages
+of one group / sample, C common-prefix capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from rlhf_jax.models.config import ModelConfig
+
+_PAGES = ("layers", None, None, "kv_heads", "head_dim")
+_SLOTS, _GROUPS = ("batch",), ("batch",)
+
+
+@struct.dataclass
+class PagedState:
+  """Everything `generate` reads and writes (S slots, R group entries)."""
+  k_pages: jax.Array       # [L, num_pages, T, N, K]
+  v_pages: jax.Array
+  group_pages: jax.Array   # [R, A_max] prompt page ids
+  group_len: jax.Array     # [R] prompt tokens (after the common prefix)
+  group_slots: jax.Array   # [R, G] slot of each member (-1: none)
+  group_first: jax.Array   # [R, G] each member's first token (from prefill)
+  group_prompt_id: jax.Array  # [R]
+  group_seed: jax.Array    # [R] uint32
+  slot_group: jax.Array    # [S] group entry of the slot's sample
+  slot_member: jax.Array   # [S] its member index in the group
+  own_pages: jax.Array     # [S, B_max] own page ids
+  own_len: jax.Array       # [S] own tokens whose KV is in the pool
+  tokens: jax.Array        # [S] last sampled token, fed next step
+  positions: jax.Array     # [S] its position
+  generated: jax.Array     # [S] tokens of the response so far
+  budget: jax.Array        # [S] the sample's token budget
+  active: jax.Array        # [S] bool
+  sample_idx: jax.Array    # [S]
+  common_k: jax.Array      # [L, C, N, K]
+  common_v: jax.Array
+  common_len: jax.Array    # []
+
+
+@struct.dataclass
+class PagedPrefill:
+  """B prompts prefilled in one call: KV and each one's G first tokens."""
+  k: jax.Array             # [L, B, Pb, N, K]
+  v: jax.Array
+  first_tokens: jax.Array  # [B, G]
+  first_logp: jax.Array    # [B, G]
+  first_logp_raw: jax.Array  # [B, G]
+
+
+def pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
+  """The bucket of n: a power of two >= max(n, floor), at most cap."""
+  return min(cap, 1 << max(0, math.ceil(math.log2(max(n, floor, 1)))))
+
+
+# Smallest buckets of a decode step (slots, prompt pages, own pages): tiny
+# batches share one compile instead of one per power of two.
+STEP_FLOORS = (8, 16, 32)
+
+
+def state_fields(cfg: ModelConfig, *, num_slots, num_groups,
+                 samples_per_group, num_pages, page_size, max_prompt_pages,
+                 max_own_pages, max_common_length):
+  """name -> (logical axes, shape, dtype) of every PagedState field."""
+  L, N, K = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  S, R, G = num_slots, num_groups, samples_per_group
+  cdt = cfg.compute_jnp_dtype
+  i32 = jnp.int32
+  pool = (L, num_pages, page_size, N, K)
+  common = (L, max_common_length, N, K)
+  slot = lambda dt=i32: (_SLOTS, (S,), dt)
+  group = lambda dt=i32: (_GROUPS, (R,), dt)
+  return {
+      "k_pages": (_PAGES, pool, cdt), "v_pages": (_PAGES, pool, cdt),
+      "group_pages": (_GROUPS + (None,), (R, max_prompt_pages), i32),
+      "group_len": group(), "group_slots": (_GROUPS + (None,), (R, G), i32),
+      "group_first": (_GROUPS + (None,), (R, G), i32),
+      "group_prompt_id": group(), "group_seed": group(jnp.uint32),
+      "slot_group": slot(), "slot_member": slot(),
+      "own_pages": (_SLOTS + (None,), (S, max_own_pages), i32),
+      "own_len": slot(), "tokens": slot(), "positions": slot(),
+      "generated": slot(), "budget": slot(), "active": slot(jnp.bool_),
+      "sample_idx": slot(),
+      "common_k": (("layers", None, "kv_heads", "head_dim"), common, cdt),
+      "common_v": (("layers", None, "kv_heads", "head_dim"), common, cdt),
+      "common_len": ((), (), i32),
+  }
