@@ -87,8 +87,6 @@ class PagedStats:
   peak_pages: int = 0
   peak_live: int = 0
   peak_kv_tokens: int = 0    # Tokens with KV in the pool (prompts once).
-  steps_by_shape: collections.Counter = dataclasses.field(
-      default_factory=collections.Counter)
 
 
 class PagedDriver(Driver):
@@ -152,7 +150,6 @@ class PagedDriver(Driver):
                                         prompt_pages=A, own_pages=B)
       result.copy_to_host_async()
       self.stats.steps += 1
-      self.paged.steps_by_shape[A, B] += 1
       self._events.append(("step", result, self.stats.steps))
     self.paged.peak_live = max(self.paged.peak_live, len(self.live))
     kv_tokens = (sum(g.length for g in self.groups.values()) +
