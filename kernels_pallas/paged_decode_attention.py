@@ -4,8 +4,9 @@ Dimension letters: S decode slots (one sample each), R group entries (one
 prompt each), G members per group, H query heads, N kv heads (Q = H / N per
 kv head), K head dim, T page size, X page chunks read in a step.
 
-KV lives in a pool of fixed-size pages [num_pages, T, N, K] (one pool per
-layer). A group's prompt KV is in the pages of its row of `group_pages_RxA`
+KV lives in a pool of fixed-size pages [N, num_pages, T, K] (one pool per
+layer; head-major, so that a page of one kv head is a contiguous [T, K]
+tile that the TPU and GPU kernels read as it is). A group's prompt KV is in the pages of its row of `group_pages_RxA`
 (shared by its G samples); a sample's own tokens are in the pages of its
 row of `own_pages_SxB`. The op is ragged: it lists the live pages of the
 step (a group's prompt pages if any member is live; a live slot's pages up
@@ -27,22 +28,23 @@ them up to powers of two, one compile per pair); surplus entries are
 masked. A bound below the live count would drop pages: the engine derives
 its bounds from lengths that are never below the device's.
 
-`paged_decode_attention_reference` is the jnp version (CPU, TPU, and the
-oracle); `paged_decode_attention` dispatches to the Pallas GPU kernel
-(`paged_decode_attention_gpu.py`), which walks each group's / slot's page
-table in place instead of listing pages. There is no TPU (Mosaic) paged
-kernel yet.
+`paged_decode_attention_reference` is the jnp version (CPU and the
+oracle); `paged_decode_attention` dispatches to a Pallas kernel on TPU
+(`paged_decode_attention_tpu.py`, Mosaic) and GPU
+(`paged_decode_attention_gpu.py`, Triton). The kernels walk each group's /
+slot's page table in place instead of listing pages, and run under
+`shard_map` over the tensor axis.
 """
 
 from __future__ import annotations
 
 import functools
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import paged_decode_attention_gpu as gpu
+from kernels_pallas import paged_decode_attention_tpu as tpu
 
 from kernels_pallas.attention_parts import (
     NEG_INF, attention_part, common_prefix_part, merge_parts, softcap)
@@ -92,8 +94,8 @@ def live_chunks(num_pages_X, num_chunks):
 
 def paged_decode_attention_reference(
     q_SxHxK,
-    k_pages_PxTxNxK,
-    v_pages_PxTxNxK,
+    k_pages_NxPxTxK,
+    v_pages_NxPxTxK,
     slot_group_S,
     slot_member_S,
     group_slots_RxG,
@@ -117,7 +119,7 @@ def paged_decode_attention_reference(
 
   Args:
     q_SxHxK: one query per slot.
-    k_pages_PxTxNxK, v_pages_PxTxNxK: the layer's page pool.
+    k_pages_NxPxTxK, v_pages_NxPxTxK: the layer's page pool.
     slot_group_S, slot_member_S: each slot's group entry and its place in
       the group (any value for a free slot: its output is then garbage that
       the caller ignores, never NaN).
@@ -142,7 +144,7 @@ def paged_decode_attention_reference(
     out [S, H, K] in q's dtype (and lse [S, H] fp32).
   """
   S, H, K = q_SxHxK.shape
-  T, N = k_pages_PxTxNxK.shape[1], k_pages_PxTxNxK.shape[2]
+  N, _, T, _ = k_pages_NxPxTxK.shape
   R, G = group_slots_RxG.shape
   scale = K**-0.5 if scale is None else scale
   q = q_SxHxK.reshape(S, N, H // N, K)
@@ -160,9 +162,9 @@ def paged_decode_attention_reference(
   q_c = q[member_slot[grp_c]]                                  # [X, G, N, Q, K]
   length = jnp.where(grp < R, group_len_R[grp_c], 0)
   qpos = None if q_pos_S is None else q_pos_S[member_slot[grp_c]]  # [X, G]
-  k = jnp.take(k_pages_PxTxNxK, page, axis=0, mode="clip")     # [X, T, N, K]
-  v = jnp.take(v_pages_PxTxNxK, page, axis=0, mode="clip")
-  s = jnp.einsum("xgnqk,xtnk->xgnqt", q_c, k,
+  k = jnp.take(k_pages_NxPxTxK, page, axis=1, mode="clip")     # [N, X, T, K]
+  v = jnp.take(v_pages_NxPxTxK, page, axis=1, mode="clip")
+  s = jnp.einsum("xgnqk,nxtk->xgnqt", q_c, k,
                  preferred_element_type=jnp.float32) * scale
   s = softcap(s, logit_softcap)
   idx = col[:, None] * T + offset[None]                        # [X, T]
@@ -171,7 +173,7 @@ def paged_decode_attention_reference(
   if window is not None:
     mask &= qpos[:, :, None] - (base + idx)[:, None, :] < window
   o, lse = attention_part(s, mask[:, :, None, None, :], v,
-                          "xgnqt,xtnk->xgnqk")
+                          "xgnqt,nxtk->xgnqk")
   o_pre, l_pre = segment_merge(o, lse, grp, R)                 # [R, G, ...]
   o_pre, l_pre = (x[slot_group_S, slot_member_S] for x in (o_pre, l_pre))
 
@@ -179,9 +181,9 @@ def paged_decode_attention_reference(
   slot, col = live_chunks(-(-own_len_S // T), num_own_chunks)
   slot_c = jnp.minimum(slot, S - 1)
   page = own_pages_SxB[slot_c, jnp.minimum(col, own_pages_SxB.shape[1] - 1)]
-  k = jnp.take(k_pages_PxTxNxK, page, axis=0, mode="clip")
-  v = jnp.take(v_pages_PxTxNxK, page, axis=0, mode="clip")
-  s = jnp.einsum("xnqk,xtnk->xnqt", q[slot_c], k,
+  k = jnp.take(k_pages_NxPxTxK, page, axis=1, mode="clip")
+  v = jnp.take(v_pages_NxPxTxK, page, axis=1, mode="clip")
+  s = jnp.einsum("xnqk,nxtk->xnqt", q[slot_c], k,
                  preferred_element_type=jnp.float32) * scale
   s = softcap(s, logit_softcap)
   idx = col[:, None] * T + offset[None]
@@ -189,7 +191,7 @@ def paged_decode_attention_reference(
   if window is not None:
     own_pos = (base + group_len_R[slot_group_S[slot_c]])[:, None] + idx
     mask &= q_pos_S[slot_c][:, None] - own_pos < window
-  o, lse = attention_part(s, mask[:, None, None, :], v, "xnqt,xtnk->xnqk")
+  o, lse = attention_part(s, mask[:, None, None, :], v, "xnqt,nxtk->xnqk")
   o_own, l_own = segment_merge(o, lse, slot, S)
 
   return _merge_with_common(
@@ -218,87 +220,174 @@ def _merge_with_common(parts, q_SxNxQxK, dtype, common_k_CxNxK,
   return out
 
 
-@functools.cache
-def _say_once(message: str) -> None:
-  logging.warning(message)
-
-
-def paged_decode_attention(q_SxHxK, k_pages_PxTxNxK, v_pages_PxTxNxK,
+def paged_decode_attention(q_SxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK,
                            slot_group_S, slot_member_S, group_slots_RxG,
                            group_pages_RxA, group_len_R, own_pages_SxB,
                            own_len_S, *, impl: str = "auto",
+                           kernel: str | None = None,
                            interpret: bool | None = None, **kwargs):
-  """Dispatch: "xla" (the jnp reference), "pallas" (the GPU kernel of
-  `paged_decode_attention_gpu.py` for the prompt and own parts; the common
-  prefix part is jnp), "auto" (the kernel on GPU, the reference elsewhere:
-  there is no TPU paged kernel yet, said once).
+  """Dispatch: "xla" (the jnp reference), "pallas" (a Pallas kernel for
+  the prompt and own parts; the common-prefix part is jnp), "auto" (the
+  kernel on TPU and GPU, the reference elsewhere).
 
-  Args and returns as `paged_decode_attention_reference`; `interpret`
-  runs the kernel in interpret mode (default: off GPU). The kernel has no
-  sliding window: windowed layers take the reference (said once).
+  Args and returns as `paged_decode_attention_reference`, plus:
+    impl: "auto" | "xla" | "pallas".
+    kernel: which Pallas kernel, "tpu" (Mosaic,
+      `paged_decode_attention_tpu.py`) or "gpu" (Triton,
+      `paged_decode_attention_gpu.py`); None: the backend's (the TPU one
+      off GPU).
+    interpret: run the kernel in interpret mode; None: when the backend is
+      not the kernel's (CPU tests). False off its backend lowers it (e.g.
+      for `jax.export`).
+  With an active rollout layout the kernel runs under `shard_map` over the
+  tensor axis (`_sharded`).
   """
-  args = (q_SxHxK, k_pages_PxTxNxK, v_pages_PxTxNxK, slot_group_S,
+  args = (q_SxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, slot_group_S,
           slot_member_S, group_slots_RxG, group_pages_RxA, group_len_R,
           own_pages_SxB, own_len_S)
   backend = jax.default_backend()
-  if impl == "auto":
-    impl = "pallas" if backend == "gpu" else "xla"
-    if backend == "tpu":
-      _say_once("paged_decode_attention: no TPU paged kernel yet; decode "
-                "runs the jnp path (XLA)")
-  if impl == "pallas" and kwargs.get("window") is not None:
-    _say_once("paged_decode_attention: the Pallas kernel has no sliding "
-              "window; windowed models decode with the jnp reference")
-    impl = "xla"
-  if impl == "xla":
+  if resolve_impl(impl) == "xla":
     return paged_decode_attention_reference(*args, **kwargs)
-  if impl != "pallas":
+  kernel = kernel or ("gpu" if backend == "gpu" else "tpu")
+  if kernel not in _KERNELS:
+    raise ValueError(f"kernel must be 'tpu' or 'gpu', got {kernel!r}")
+  if interpret is None:
+    interpret = backend != kernel
+  return _sharded(functools.partial(_kernel_parts, kernel=kernel,
+                                    interpret=interpret), *args, **kwargs)
+
+
+def resolve_impl(impl: str) -> str:
+  """"xla" or "pallas": what `impl` runs on this backend ("auto": the
+  kernel on TPU and GPU, the jnp reference elsewhere)."""
+  if impl == "auto":
+    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+  if impl not in ("xla", "pallas"):
     raise ValueError(
         f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
-  if interpret is None:
-    interpret = backend != "gpu"
-  return _pallas_parts(*args, interpret=interpret, **kwargs)
+  return impl
 
 
-def _pallas_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
+# A kernel's part function and the query rows it wants per segment.
+_KERNELS = {
+    "gpu": (gpu.paged_part, gpu.rows_for_dot),
+    "tpu": (tpu.paged_part, lambda m: m),
+}
+
+
+def _row_lo(q_pos_XxM, key_start_X, window):
+  """First key index (within a segment) each query row sees: keys less
+  than `window` positions behind the query; 0 without a window. Written so
+  that NO_WINDOW (int32 max) cannot overflow."""
+  ahead = jnp.maximum(q_pos_XxM - key_start_X[:, None] + 1, 0)
+  return jnp.maximum(ahead - window, 0)
+
+
+def _kernel_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
                   group_slots_RxG, group_pages_RxA, group_len_R,
-                  own_pages_SxB, own_len_S, *, interpret,
+                  own_pages_SxB, own_len_S, *, kernel, interpret,
                   num_prompt_chunks=None, num_own_chunks=None,
                   common_k_CxNxK=None, common_v_CxNxK=None, common_len=None,
                   scale=None, logit_softcap=None, q_pos_S=None, window=None,
                   return_lse=False):
-  """The prompt and own parts by the kernel (each reads its segment's
-  pages up to its length: no chunk bounds needed), merged with the common
+  """The prompt and own parts by a kernel (each walks its segment's page
+  table up to its length: no chunk bounds needed), merged with the common
   part as the reference does."""
-  del num_prompt_chunks, num_own_chunks, window
+  del num_prompt_chunks, num_own_chunks
+  part_fn, rows_for = _KERNELS[kernel]
   S, H, K = q_SxHxK.shape
-  N = k_pages.shape[2]
+  N = k_pages.shape[0]
   Q = H // N
   R, G = group_slots_RxG.shape
   scale = K**-0.5 if scale is None else scale
-  part = functools.partial(gpu.paged_part, scale=scale,
-                           logit_softcap=logit_softcap, interpret=interpret)
+  part = functools.partial(part_fn, scale=scale, logit_softcap=logit_softcap,
+                           interpret=interpret)
   q = q_SxHxK.reshape(S, N, Q, K)
+  base = jnp.zeros((), jnp.int32) if common_len is None else common_len
+  windowed = window is not None
+
+  def padded(x_XxNxMxK, row_lo_XxM):
+    """Query rows padded for the kernel (padding rows: the segment's
+    first row's window, never an earlier first key)."""
+    M = x_XxNxMxK.shape[2]
+    extra = rows_for(M) - M
+    x = jnp.pad(x_XxNxMxK, ((0, 0), (0, 0), (0, extra), (0, 0)))
+    if row_lo_XxM is not None:
+      row_lo_XxM = jnp.pad(row_lo_XxM, ((0, 0), (0, extra)), mode="edge")
+    return x, row_lo_XxM
 
   # Prompt: a group's G*Q query rows per kv head against its pages.
   member_ok_RxG = group_slots_RxG >= 0
-  q_grp = q[jnp.where(member_ok_RxG, group_slots_RxG, 0)]   # [R, G, N, Q, K]
+  member_slot = jnp.where(member_ok_RxG, group_slots_RxG, 0)
+  q_grp = q[member_slot]                                     # [R, G, N, Q, K]
   rows = G * Q
   q_grp = jnp.transpose(q_grp, (0, 2, 1, 3, 4)).reshape(R, N, rows, K)
-  q_grp = jnp.pad(q_grp, ((0, 0), (0, 0), (0, gpu.rows_for_dot(rows) - rows),
-                          (0, 0)))
+  row_lo = None
+  if windowed:
+    row_lo = jnp.repeat(_row_lo(q_pos_S[member_slot], jnp.broadcast_to(
+        base, (R,)), window), Q, axis=1)                     # [R, G*Q]
+  q_grp, row_lo = padded(q_grp, row_lo)
   o, lse = part(q_grp, k_pages, v_pages, group_pages_RxA,
-                jnp.where(member_ok_RxG.any(axis=1), group_len_R, 0))
+                jnp.where(member_ok_RxG.any(axis=1), group_len_R, 0), row_lo)
   o = jnp.transpose(o[:, :, :rows].reshape(R, N, G, Q, K), (0, 2, 1, 3, 4))
   lse = jnp.transpose(lse[:, :, :rows].reshape(R, N, G, Q), (0, 2, 1, 3))
-  o_pre, l_pre = o[slot_group_S, slot_member_S], lse[slot_group_S,
-                                                     slot_member_S]
+  o_pre = o[slot_group_S, slot_member_S]
+  l_pre = lse[slot_group_S, slot_member_S]
 
   # Own: a slot's Q query rows per kv head against its pages.
-  q_own = jnp.pad(q, ((0, 0), (0, 0), (0, gpu.rows_for_dot(Q) - Q), (0, 0)))
-  o, lse = part(q_own, k_pages, v_pages, own_pages_SxB, own_len_S)
+  row_lo = None
+  if windowed:
+    own_start = base + group_len_R[slot_group_S]
+    row_lo = jnp.repeat(_row_lo(q_pos_S[:, None], own_start, window), Q,
+                        axis=1)                              # [S, Q]
+  q_own, row_lo = padded(q, row_lo)
+  o, lse = part(q_own, k_pages, v_pages, own_pages_SxB, own_len_S, row_lo)
   return _merge_with_common(
       [(o_pre, l_pre), (o[:, :, :Q], lse[:, :, :Q])], q, q_SxHxK.dtype,
       common_k_CxNxK, common_v_CxNxK, common_len, scale=scale,
-      logit_softcap=logit_softcap, q_pos_S=q_pos_S, window=None,
+      logit_softcap=logit_softcap, q_pos_S=q_pos_S, window=window,
       return_lse=return_lse)
+
+
+def _sharded(parts_fn, q_SxHxK, k_pages, v_pages, *index, common_k_CxNxK=None,
+             common_v_CxNxK=None, return_lse=False, **kwargs):
+  """`parts_fn` under `shard_map` over the active layout's tensor axis (a
+  Pallas call does not partition by itself): each device runs the kernel on
+  its query and kv heads, with the whole page tables; no communication (kv
+  heads are independent). Slots and groups are not split over replicas:
+  the page pool is whole on every replica, and a slot may belong to any
+  group. Without an active layout, `parts_fn` as it is."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.parallel.layout import active_layout  # pylint: disable=g-import-not-at-top
+
+  common = common_k_CxNxK is not None
+  layout = active_layout()
+  if layout is None or layout.mesh.size == 1:
+    return parts_fn(q_SxHxK, k_pages, v_pages, *index,
+                    common_k_CxNxK=common_k_CxNxK,
+                    common_v_CxNxK=common_v_CxNxK, return_lse=return_lse,
+                    **kwargs)
+  H, N = q_SxHxK.shape[1], k_pages.shape[0]
+  heads = layout.spec(("heads",), (H,))[0]
+  kv = layout.spec(("kv_heads",), (N,))[0]
+  if (heads is None) != (kv is None):  # GQA groups must stay whole.
+    heads = kv = None
+  # Traced scalars (common_len, q positions, window) travel as arguments.
+  traced = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+  run = functools.partial(parts_fn, return_lse=return_lse,
+                          **{k: v for k, v in kwargs.items()
+                             if k not in traced})
+
+  def local(q, kp, vp, index, common_kv, traced):
+    ck, cv = common_kv if common else (None, None)
+    return run(q, kp, vp, *index, common_k_CxNxK=ck, common_v_CxNxK=cv,
+               **traced)
+
+  out = P(None, heads)
+  common_spec = (P(None, kv), P(None, kv)) if common else ()
+  return jax.shard_map(
+      local, mesh=layout.mesh,
+      in_specs=(P(None, heads), P(kv), P(kv), P(), common_spec, P()),
+      out_specs=(out, out) if return_lse else out, check_vma=False)(
+          q_SxHxK, k_pages, v_pages, index,
+          (common_k_CxNxK, common_v_CxNxK) if common else (), traced)

@@ -121,8 +121,11 @@ def test_logits_match_transformers(family, checkpoints, loaded):
 
 
 @needs_torch
-@pytest.mark.parametrize("engine_kind", ["rows", "paged"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family,engine_kind", [
+    (f, kind) for f in sorted(FAMILIES) for kind in ("rows", "paged")] + [
+        # The Mosaic paged kernel (interpreted): Gemma 2's window and
+        # soft-cap, and Llama's 4:1 GQA.
+        ("gemma2", "paged_kernel"), ("llama", "paged_kernel")])
 def test_greedy_generation_matches_transformers(family, engine_kind,
                                                 checkpoints, loaded, mesh1):
   model, _ = checkpoints[family]
@@ -136,9 +139,11 @@ def test_greedy_generation_matches_transformers(family, engine_kind,
                     prefill_buckets=(BUCKET,), sampling=sampling)
     driver = Driver(engine, mesh_lib.to_layout(params, layout))
   else:  # Pages of 4: Gemma 2's window of 8 spans pages.
-    engine = PagedEngine(cfg, graphdef, layout, num_slots=2,
-                         samples_per_group=1, prefill_buckets=(BUCKET,),
-                         sampling=sampling, page_size=4, num_pages=32)
+    engine = PagedEngine(
+        cfg, graphdef, layout, num_slots=2, samples_per_group=1,
+        prefill_buckets=(BUCKET,), sampling=sampling, page_size=4,
+        num_pages=32, attention_impl=("pallas" if engine_kind ==
+                                      "paged_kernel" else "auto"))
     driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
   ours = {s.prompt_id: s.tokens for s in driver.run(
       [Request(i, p) for i, p in enumerate(prompts)])}

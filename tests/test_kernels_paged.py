@@ -59,7 +59,8 @@ def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
     dense.append((np.concatenate([common_k[:common_len], pk, ok]),
                   np.concatenate([common_v[:common_len], pv, ov])))
   args = dict(
-      q_SxHxK=q, k_pages_PxTxNxK=pool_k, v_pages_PxTxNxK=pool_v,
+      q_SxHxK=q, k_pages_NxPxTxK=pool_k.transpose(2, 0, 1, 3),
+      v_pages_NxPxTxK=pool_v.transpose(2, 0, 1, 3),
       slot_group_S=slot_group, slot_member_S=slot_member,
       group_slots_RxG=group_slots, group_pages_RxA=group_pages,
       group_len_R=group_len, own_pages_SxB=own_pages, own_len_S=own_len)
@@ -151,37 +152,140 @@ def test_segment_merge_equals_one_softmax():
   assert (np.asarray(out[3]) == 0).all() and lse[3] == -np.inf
 
 
-@pytest.mark.parametrize("softcap", [None, 3.0])
-@pytest.mark.parametrize("C", [0, 5])
-def test_gpu_kernel_interpreted_equals_oracle(C, softcap):
-  """The Pallas GPU kernel (interpret mode here) against the fp64 oracle:
-  ragged lengths, an empty group, a free slot, GQA, soft-cap, common
-  prefix."""
-  args, q, q_pos, dense = _case(C + 7, C=C)
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("case", [
+    dict(seed=7, C=0), dict(seed=12, C=5, softcap=3.0),
+    dict(seed=3, C=3, H=4, N=1, window=6),
+    dict(seed=4, C=0, H=8, N=2, T=8, window=5),
+    dict(seed=5, C=2, A=6, B=9, window=13)])  # Several page blocks.
+def test_kernel_interpreted_equals_oracle(kernel, case):
+  """The Pallas GPU (Triton) and TPU (Mosaic) kernels, in interpret mode
+  here, against the fp64 oracle: ragged lengths, an empty group, a free
+  slot, GQA, soft-cap, common prefix, sliding windows that start inside
+  and before the prompt."""
+  case = dict(case)
+  softcap = case.pop("softcap", None)
+  args, q, q_pos, dense = _case(case.pop("seed"), **case)
   for k in ("num_prompt_chunks", "num_own_chunks"):
     args.pop(k)
   out = jax.jit(functools.partial(
-      pda.paged_decode_attention, impl="pallas", interpret=True,
-      logit_softcap=softcap))(**args)
-  want = _oracle(q, q_pos, dense, softcap=softcap)
+      pda.paged_decode_attention, impl="pallas", kernel=kernel,
+      interpret=True, logit_softcap=softcap))(**args)
+  want = _oracle(q, q_pos, dense, softcap=softcap, window=case.get("window"))
   np.testing.assert_allclose(np.asarray(out)[:-1], want, atol=2e-5)
   assert np.isfinite(np.asarray(out)).all()
+
+
+def _decode_shapes():
+  """Qwen2.5-1.5B-like decode in bf16: 64 slots, 16 groups of 8, 16 query
+  / 2 kv heads of 128, a pool of 512 pages of 16 tokens."""
+  S, H, N, K, P, T, R, G, A, B = 64, 16, 2, 128, 512, 16, 16, 8, 32, 128
+  sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+  return (sd((S, H, K), bf16), sd((N, P, T, K), bf16), sd((N, P, T, K), bf16),
+          sd((S,), i32), sd((S,), i32), sd((R, G), i32), sd((R, A), i32),
+          sd((R,), i32), sd((S, B), i32), sd((S,), i32))
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_paged_kernel_lowers_for_tpu(windowed):
+  """The TPU kernel lowers for TPU on this CPU machine: the exported module
+  holds its two Mosaic custom calls (prompt and own parts), with and
+  without a sliding window (a traced one, as in a scanned Gemma 2)."""
+  args = _decode_shapes()
+  extra = ((jax.ShapeDtypeStruct((64,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32)) if windowed else ())
+
+  def f(*a):
+    kw = dict(q_pos_S=a[10], window=a[11]) if windowed else {}
+    return pda.paged_decode_attention(*a[:10], impl="pallas", kernel="tpu",
+                                      interpret=False, **kw)
+
+  exported = jax.export.export(jax.jit(f), platforms=("tpu",))(*args, *extra)
+  assert exported.mlir_module().count("tpu_custom_call") == 2
 
 
 def test_gpu_kernel_lowers_for_cuda():
   """The GPU kernel lowers for CUDA on this CPU machine (Triton custom call
   in the exported module) at Qwen2.5-1.5B-like decode shapes in bf16: 64
   slots, 16 groups of 8, 16 query / 2 kv heads of 128, pages of 16."""
-  S, H, N, K, P, T, R, G, A, B = 64, 16, 2, 128, 512, 16, 16, 8, 32, 128
-  sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
-  args = (sd((S, H, K), bf16), sd((P, T, N, K), bf16), sd((P, T, N, K), bf16),
-          sd((S,), i32), sd((S,), i32), sd((R, G), i32), sd((R, A), i32),
-          sd((R,), i32), sd((S, B), i32), sd((S,), i32))
+  args = _decode_shapes()
   f = jax.jit(functools.partial(pda.paged_decode_attention, impl="pallas",
-                                interpret=False))
+                                kernel="gpu", interpret=False))
   triton = "__gpu$xla.gpu.triton"
   exported = jax.export.export(
       f, platforms=("cuda",),
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(
           *args)
   assert exported.mlir_module().count(triton) == 2  # Prompt and own parts.
+
+
+def _rollout_layout(tensor):
+  from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  return mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=8), tensor)
+
+
+def _sharded_op(layout, **kw):
+  """The dispatcher inside a jit with the rollout layout active, the pool
+  and queries placed as the paged engine places them (heads over tensor)."""
+  from rlhf_jax.parallel.layout import use_layout  # pylint: disable=g-import-not-at-top
+
+  def f(args):
+    with use_layout(layout):
+      return pda.paged_decode_attention(**args, **kw)
+  return jax.jit(f)
+
+
+def _place(layout, args):
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  axes = {"q_SxHxK": ("batch", "heads", None),
+          "k_pages_NxPxTxK": ("kv_heads", None, None, None),
+          "v_pages_NxPxTxK": ("kv_heads", None, None, None),
+          "common_k_CxNxK": (None, "kv_heads", None),
+          "common_v_CxNxK": (None, "kv_heads", None)}
+  placed = {}
+  for name, x in args.items():
+    if isinstance(x, jax.Array) or hasattr(x, "shape"):
+      spec = layout.spec(axes.get(name, (None,) * x.ndim), x.shape)
+      placed[name] = (jax.device_put(x, NamedSharding(layout.mesh, spec))
+                      if isinstance(x, jax.Array) else
+                      jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                           sharding=NamedSharding(
+                                               layout.mesh, spec)))
+    else:
+      placed[name] = x
+  return placed
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_sharded_kernel_equals_oracle_on_8_devices(kernel):
+  """Each kernel under shard_map over 4 replicas x tensor 2 (interpreted):
+  each device runs its kv heads, with a common prefix and a traced window;
+  the fp64 oracle's numbers."""
+  layout = _rollout_layout(2)
+  args, q, q_pos, dense = _case(21, S=8, H=4, N=2, C=4, window=7)
+  args.pop("num_prompt_chunks"), args.pop("num_own_chunks")
+  args["window"] = jnp.asarray(7, jnp.int32)
+  out = _sharded_op(layout, impl="pallas", kernel=kernel, interpret=True)(
+      _place(layout, args))
+  np.testing.assert_allclose(np.asarray(out)[:-1],
+                             _oracle(q, q_pos, dense, window=7), atol=2e-5)
+
+
+def test_sharded_paged_kernel_lowers_for_tpu():
+  """What the paged engine runs on a TPU slice (4 replicas x tensor 2),
+  exported for TPU from this CPU: both Mosaic kernels inside one shard_map,
+  each on its device's kv head (one of 2) and query heads (8 of 16)."""
+  import re  # pylint: disable=g-import-not-at-top
+  layout = _rollout_layout(2)
+  names = ("q_SxHxK", "k_pages_NxPxTxK", "v_pages_NxPxTxK", "slot_group_S",
+           "slot_member_S", "group_slots_RxG", "group_pages_RxA",
+           "group_len_R", "own_pages_SxB", "own_len_S")
+  specs = _place(layout, dict(zip(names, _decode_shapes())))
+  text = jax.export.export(
+      _sharded_op(layout, impl="pallas", kernel="tpu", interpret=False),
+      platforms=("tpu",))(specs).mlir_module()
+  assert text.count("tpu_custom_call") == 2
+  assert "manual_computation" in text or "SPMDFullToShardShape" in text
+  dims = [[int(d) for d in m.split("x")[:-1]]
+          for m in re.findall(r"tensor<((?:\d+x)+)", text)]
+  assert [1, 512, 16, 128] in dims, "the per-device pool: one kv head"

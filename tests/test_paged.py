@@ -114,6 +114,16 @@ def test_paged_equals_rows_engine(model, layouts, oracle, pages):
     assert driver.paged.preemptions == 0
 
 
+def test_tpu_kernel_in_the_engine(model, layouts, oracle):
+  """The engine with attention_impl="pallas" decodes with the Mosaic
+  paged kernel (interpret mode here) under shard_map over tensor 2: the
+  row engine's samples, and every page back."""
+  driver = _paged(model, layouts[1], pages=40, attention_impl="pallas")
+  got = {s.key: s for s in driver.run(_requests(3))}
+  _assert_same(got, {k: v for k, v in oracle.items() if k in got})
+  assert len(got) == 3 * G and driver.pool.num_free == 40
+
+
 def test_exhaustion_policy_in_pool_and_driver(model, layouts):
   """All-or-nothing allocation; a prompt whose sample can never fit the
   pool is refused before any work; a pool that fits one sample at a time

@@ -1,6 +1,6 @@
 """A paged decode engine: KV in a page pool, prompt pages read once per group.
 
-Memory: KV lives in fixed-size pages of one pool ([L, num_pages, T, N, K]),
+Memory: KV lives in fixed-size pages of one pool ([L, N, num_pages, T, K]),
 sized from a byte or page budget, not from slots x max_new_tokens. A
 group (one prompt, up to G samples) holds the pages of its prompt; each
 sample holds pages for its own tokens, one more page whenever it crosses a
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import paged_decode_attention as pda
 from rlhf_jax.engine.engine import EngineBase
 from rlhf_jax.engine.paged_state import (
     STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields)
@@ -77,8 +78,9 @@ class PagedEngine(EngineBase):
       max_prompt_length: the longest prompt (after a common prefix); one
         longer than the largest bucket is prefilled in chunks of that
         bucket (`prefill_chunk`). Default: the largest bucket.
-      attention_impl: "auto" (the Pallas kernel on GPU, jnp elsewhere),
-        "xla" or "pallas" (`kernels_pallas/paged_decode_attention.py`).
+      attention_impl: "auto" (the Pallas kernel on TPU and GPU, jnp
+        elsewhere), "xla" or "pallas" (the backend's kernel, interpreted
+        on CPU; `kernels_pallas/paged_decode_attention.py`).
       max_common_length: capacity of the common prefix (0: none).
     """
     super().__init__(cfg, graphdef, layout, prefill_buckets=prefill_buckets,
@@ -163,11 +165,9 @@ class PagedEngine(EngineBase):
 
   @property
   def _walks_tables(self) -> bool:
-    """Whether decode attention is the GPU kernel (no page-list bounds)."""
-    impl = self.attention_impl
-    if impl == "auto":
-      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl == "pallas" and self.cfg.sliding_window is None
+    """Whether decode attention is a kernel (it walks the page tables: no
+    page-list bounds needed)."""
+    return pda.resolve_impl(self.attention_impl) == "pallas"
 
   @property
   def chunk_length(self) -> int:
@@ -243,9 +243,10 @@ class PagedEngine(EngineBase):
     T, A = self.page_size, pages_BxA.shape[1]
     pad = A * T - P
 
-    def to_pages(x):  # [L, B, P, N, K] -> [L, B, A, T, N, K]
+    def to_pages(x):  # [L, B, P, N, K] -> [L, N, B, A, T, K]
       x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
-      return x.reshape(L, B, A, T, N, K).astype(state.k_pages.dtype)
+      x = x.reshape(L, B, A, T, N, K).transpose(0, 4, 1, 2, 3, 5)
+      return x.astype(state.k_pages.dtype)
 
     drop = dict(mode="drop")
     G = state.group_slots.shape[1]
@@ -253,10 +254,12 @@ class PagedEngine(EngineBase):
     # drops them (id num_pages).
     table = jnp.zeros((B, state.group_pages.shape[1]), jnp.int32)
     table = table.at[:, :A].set(
-        jnp.where(pages_BxA < state.k_pages.shape[1], pages_BxA, 0))
+        jnp.where(pages_BxA < state.k_pages.shape[2], pages_BxA, 0))
     return state.replace(
-        k_pages=state.k_pages.at[:, pages_BxA].set(to_pages(pre.k), **drop),
-        v_pages=state.v_pages.at[:, pages_BxA].set(to_pages(pre.v), **drop),
+        k_pages=state.k_pages.at[:, :, pages_BxA].set(to_pages(pre.k),
+                                                      **drop),
+        v_pages=state.v_pages.at[:, :, pages_BxA].set(to_pages(pre.v),
+                                                      **drop),
         group_pages=state.group_pages.at[entries_B].set(table, **drop),
         group_len=state.group_len.at[entries_B].set(lengths_B, **drop),
         group_slots=state.group_slots.at[entries_B].set(
@@ -301,7 +304,7 @@ class PagedEngine(EngineBase):
     their true positions (each piece written after the previous one's valid
     tokens). Returns the logits of the last fed token [V] and the fed
     tokens' KV [L, E, N, K]."""
-    L, _, T, N, K = state.k_pages.shape
+    L, N, _, T, K = state.k_pages.shape
     size = state.common_k.shape[1] + sum(ids.shape[0] * T for ids, _ in pieces)
 
     def context(common, pages):
@@ -309,8 +312,9 @@ class PagedEngine(EngineBase):
       ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
       at = state.common_len
       for ids, length in pieces:
+        dense = jnp.moveaxis(pages[:, :, ids], 1, 3)  # [L, n, T, N, K]
         ctx = jax.lax.dynamic_update_slice(
-            ctx, pages[:, ids].reshape(L, -1, N, K), (0, at, 0, 0))
+            ctx, dense.reshape(L, -1, N, K), (0, at, 0, 0))
         at = at + length
       return ctx, at
 
@@ -325,13 +329,13 @@ class PagedEngine(EngineBase):
   def _write(self, state: PagedState, ids, start, count, k, v):
     """KV [L, E, N, K] of tokens start.. (the first `count`) into the pages
     `ids` of one sequence."""
-    T, num_pages = self.page_size, state.k_pages.shape[1]
+    T, num_pages = self.page_size, state.k_pages.shape[2]
     index = jnp.arange(k.shape[1], dtype=jnp.int32)
     pos = start + index
     page = jnp.where(index < count, ids[jnp.minimum(pos // T, ids.shape[0] - 1)],
                      num_pages)
-    put = lambda pages, x: pages.at[:, page, pos % T].set(
-        x.astype(pages.dtype), mode="drop")
+    put = lambda pages, x: pages.at[:, :, page, pos % T].set(
+        x.transpose(0, 2, 1, 3).astype(pages.dtype), mode="drop")
     return state.replace(k_pages=put(state.k_pages, k),
                          v_pages=put(state.v_pages, v))
 
@@ -392,7 +396,7 @@ class PagedEngine(EngineBase):
     """
     self.trace_counts["generate"] += 1
     with use_layout(self.layout):
-      T, num_pages = self.page_size, state.k_pages.shape[1]
+      T, num_pages = self.page_size, state.k_pages.shape[2]
       S = state.active.shape[0]
       X = slots_X.shape[0]
       own_pages = state.own_pages.at[growth_Sx3[:, 0], growth_Sx3[:, 1]].set(

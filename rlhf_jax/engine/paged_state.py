@@ -17,14 +17,14 @@ from flax import struct
 
 from rlhf_jax.models.config import ModelConfig
 
-_PAGES = ("layers", None, None, "kv_heads", "head_dim")
+_PAGES = ("layers", "kv_heads", None, None, "head_dim")
 _SLOTS, _GROUPS = ("batch",), ("batch",)
 
 
 @struct.dataclass
 class PagedState:
   """Everything `generate` reads and writes (S slots, R group entries)."""
-  k_pages: jax.Array       # [L, num_pages, T, N, K]
+  k_pages: jax.Array       # [L, N, num_pages, T, K] (head-major)
   v_pages: jax.Array
   group_pages: jax.Array   # [R, A_max] prompt page ids
   group_len: jax.Array     # [R] prompt tokens (after the common prefix)
@@ -75,7 +75,7 @@ def state_fields(cfg: ModelConfig, *, num_slots, num_groups,
   S, R, G = num_slots, num_groups, samples_per_group
   cdt = cfg.compute_jnp_dtype
   i32 = jnp.int32
-  pool = (L, num_pages, page_size, N, K)
+  pool = (L, N, num_pages, page_size, K)
   common = (L, max_common_length, N, K)
   slot = lambda dt=i32: (_SLOTS, (S,), dt)
   group = lambda dt=i32: (_GROUPS, (R,), dt)

@@ -349,7 +349,7 @@ class Decoder(nnx.Module):
     Args:
       tokens_S: the token each slot feeds now (not yet in any page).
       positions_S: its position.
-      k_pages, v_pages: [L, num_pages, T, N, K] the page pool.
+      k_pages, v_pages: [L, N, num_pages, T, K] the page pool.
       write_page_S, write_offset_S: where each slot's new KV goes (a page
         id out of range: nowhere, a free slot).
       index: dict of the page tables and lengths
@@ -367,9 +367,10 @@ class Decoder(nnx.Module):
     def layer(block, i, carry, _):
       x, k_pages, v_pages = carry
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_S[:, None])
-      k_pages = k_pages.at[i, write_page_S, write_offset_S].set(
+      # Advanced indices split by the head slice: the update is [S, N, K].
+      k_pages = k_pages.at[i, :, write_page_S, write_offset_S].set(
           k[:, 0].astype(k_pages.dtype), mode="drop")
-      v_pages = v_pages.at[i, write_page_S, write_offset_S].set(
+      v_pages = v_pages.at[i, :, write_page_S, write_offset_S].set(
           v[:, 0].astype(v_pages.dtype), mode="drop")
       windowed = (dict(q_pos_S=positions_S, window=layer_window(self.cfg, i))
                   if self.cfg.sliding_window is not None else {})
