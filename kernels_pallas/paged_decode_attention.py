@@ -4,9 +4,12 @@ Dimension letters: S decode slots (one sample each), R group entries (one
 prompt each), G members per group, H query heads, N kv heads (Q = H / N per
 kv head), K head dim, T page size, X page chunks read in a step.
 
-KV lives in a pool of fixed-size pages [N, num_pages, T, K] (one pool per
-layer; head-major, so that a page of one kv head is a contiguous [T, K]
-tile that the TPU and GPU kernels read as it is). A group's prompt KV is in the pages of its row of `group_pages_RxA`
+KV lives in a pool of fixed-size pages [L, N, num_pages, T, K] (head-major,
+so that a page of one kv head is a contiguous [T, K] tile that the TPU and
+GPU kernels read as it is). The op reads layer `layer` of it: the kernels
+take the whole pool and index the layer themselves, because a layer sliced
+out of the pool (a scan carry) before a kernel call would be copied, a
+whole-pool read every step. A group's prompt KV is in the pages of its row of `group_pages_RxA`
 (shared by its G samples); a sample's own tokens are in the pages of its
 row of `own_pages_SxB`. The op is ragged: it lists the live pages of the
 step (a group's prompt pages if any member is live; a live slot's pages up
@@ -94,8 +97,8 @@ def live_chunks(num_pages_X, num_chunks):
 
 def paged_decode_attention_reference(
     q_SxHxK,
-    k_pages_NxPxTxK,
-    v_pages_NxPxTxK,
+    k_pages_LxNxPxTxK,
+    v_pages_LxNxPxTxK,
     slot_group_S,
     slot_member_S,
     group_slots_RxG,
@@ -106,6 +109,7 @@ def paged_decode_attention_reference(
     *,
     num_prompt_chunks,
     num_own_chunks,
+    layer=0,
     common_k_CxNxK=None,
     common_v_CxNxK=None,
     common_len=None,
@@ -119,7 +123,7 @@ def paged_decode_attention_reference(
 
   Args:
     q_SxHxK: one query per slot.
-    k_pages_NxPxTxK, v_pages_NxPxTxK: the layer's page pool.
+    k_pages_LxNxPxTxK, v_pages_LxNxPxTxK: the page pool of all layers.
     slot_group_S, slot_member_S: each slot's group entry and its place in
       the group (any value for a free slot: its output is then garbage that
       the caller ignores, never NaN).
@@ -132,6 +136,7 @@ def paged_decode_attention_reference(
       a free slot, reads nothing).
     num_prompt_chunks, num_own_chunks: static upper bounds of the prompt
       pages of groups with live members and of the own pages of slots.
+    layer: the pool's layer to read (may be traced).
     common_k_CxNxK, common_v_CxNxK, common_len: optional common prefix.
     scale, logit_softcap: as the dense reference.
     q_pos_S, window: optional sliding window (Gemma 2's local layers): a
@@ -144,6 +149,10 @@ def paged_decode_attention_reference(
     out [S, H, K] in q's dtype (and lse [S, H] fp32).
   """
   S, H, K = q_SxHxK.shape
+  k_pages_NxPxTxK = jax.lax.dynamic_index_in_dim(k_pages_LxNxPxTxK, layer,
+                                                 keepdims=False)
+  v_pages_NxPxTxK = jax.lax.dynamic_index_in_dim(v_pages_LxNxPxTxK, layer,
+                                                 keepdims=False)
   N, _, T, _ = k_pages_NxPxTxK.shape
   R, G = group_slots_RxG.shape
   scale = K**-0.5 if scale is None else scale
@@ -220,7 +229,7 @@ def _merge_with_common(parts, q_SxNxQxK, dtype, common_k_CxNxK,
   return out
 
 
-def paged_decode_attention(q_SxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK,
+def paged_decode_attention(q_SxHxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK,
                            slot_group_S, slot_member_S, group_slots_RxG,
                            group_pages_RxA, group_len_R, own_pages_SxB,
                            own_len_S, *, impl: str = "auto",
@@ -242,7 +251,7 @@ def paged_decode_attention(q_SxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK,
   With an active rollout layout the kernel runs under `shard_map` over the
   tensor axis (`_sharded`).
   """
-  args = (q_SxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, slot_group_S,
+  args = (q_SxHxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, slot_group_S,
           slot_member_S, group_slots_RxG, group_pages_RxA, group_len_R,
           own_pages_SxB, own_len_S)
   backend = jax.default_backend()
@@ -285,7 +294,7 @@ def _row_lo(q_pos_XxM, key_start_X, window):
 
 def _kernel_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
                   group_slots_RxG, group_pages_RxA, group_len_R,
-                  own_pages_SxB, own_len_S, *, kernel, interpret,
+                  own_pages_SxB, own_len_S, *, kernel, interpret, layer=0,
                   num_prompt_chunks=None, num_own_chunks=None,
                   common_k_CxNxK=None, common_v_CxNxK=None, common_len=None,
                   scale=None, logit_softcap=None, q_pos_S=None, window=None,
@@ -296,12 +305,12 @@ def _kernel_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
   del num_prompt_chunks, num_own_chunks
   part_fn, rows_for = _KERNELS[kernel]
   S, H, K = q_SxHxK.shape
-  N = k_pages.shape[0]
+  N = k_pages.shape[1]
   Q = H // N
   R, G = group_slots_RxG.shape
   scale = K**-0.5 if scale is None else scale
-  part = functools.partial(part_fn, scale=scale, logit_softcap=logit_softcap,
-                           interpret=interpret)
+  part = functools.partial(part_fn, layer=layer, scale=scale,
+                           logit_softcap=logit_softcap, interpret=interpret)
   q = q_SxHxK.reshape(S, N, Q, K)
   base = jnp.zeros((), jnp.int32) if common_len is None else common_len
   windowed = window is not None
@@ -367,12 +376,13 @@ def _sharded(parts_fn, q_SxHxK, k_pages, v_pages, *index, common_k_CxNxK=None,
                     common_k_CxNxK=common_k_CxNxK,
                     common_v_CxNxK=common_v_CxNxK, return_lse=return_lse,
                     **kwargs)
-  H, N = q_SxHxK.shape[1], k_pages.shape[0]
+  H, N = q_SxHxK.shape[1], k_pages.shape[1]
   heads = layout.spec(("heads",), (H,))[0]
   kv = layout.spec(("kv_heads",), (N,))[0]
   if (heads is None) != (kv is None):  # GQA groups must stay whole.
     heads = kv = None
-  # Traced scalars (common_len, q positions, window) travel as arguments.
+  # Traced values (layer, common_len, q positions, window) travel as
+  # arguments.
   traced = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
   run = functools.partial(parts_fn, return_lse=return_lse,
                           **{k: v for k, v in kwargs.items()
@@ -387,7 +397,8 @@ def _sharded(parts_fn, q_SxHxK, k_pages, v_pages, *index, common_k_CxNxK=None,
   common_spec = (P(None, kv), P(None, kv)) if common else ()
   return jax.shard_map(
       local, mesh=layout.mesh,
-      in_specs=(P(None, heads), P(kv), P(kv), P(), common_spec, P()),
+      in_specs=(P(None, heads), P(None, kv), P(None, kv), P(), common_spec,
+                P()),
       out_specs=(out, out) if return_lse else out, check_vma=False)(
           q_SxHxK, k_pages, v_pages, index,
           (common_k_CxNxK, common_v_CxNxK) if common else (), traced)

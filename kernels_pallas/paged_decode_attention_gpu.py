@@ -31,21 +31,21 @@ NEG_INF = float("-inf")
 
 def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
             lse_ref, *, scale, softcap, pages_per_block):
-  """q_ref [M, K]; k_ref, v_ref [P, T, K] (one kv head of the pool);
-  table_ref [A]; bounds_ref [2] (length, first key any row sees); row_lo_ref
-  [M] (each row's first key); o_ref [M, K]; lse_ref [M]."""
+  """q_ref [M, K]; k_ref, v_ref [L, P, T, K] (one kv head of the pool);
+  table_ref [A]; bounds_ref [3] (length, first key any row sees, layer);
+  row_lo_ref [M] (each row's first key); o_ref [M, K]; lse_ref [M]."""
   M, K = q_ref.shape
-  T = k_ref.shape[1]
+  T = k_ref.shape[2]
   block = pages_per_block * T
-  length, first = bounds_ref[0], bounds_ref[1]
+  length, first, layer = bounds_ref[0], bounds_ref[1], bounds_ref[2]
   q = q_ref[...].astype(jnp.float32) * scale
   row_lo = row_lo_ref[...]
 
   def body(b, carry):
     acc, m_prev, l_prev = carry
     pages = table_ref[pl.ds(b * pages_per_block, pages_per_block)]
-    k = k_ref[pages].reshape(block, K).astype(jnp.float32)
-    v = v_ref[pages].reshape(block, K).astype(jnp.float32)
+    k = k_ref[layer, pages].reshape(block, K).astype(jnp.float32)
+    v = v_ref[layer, pages].reshape(block, K).astype(jnp.float32)
     s = plgpu.dot(q, k, trans_b=True)                             # [M, block]
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
@@ -70,19 +70,21 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
   lse_ref[...] = jnp.where(has_keys, m + jnp.log(l_safe), NEG_INF)
 
 
-def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
-               length_X, row_lo_XxM=None, *, scale, logit_softcap=None,
-               pages_per_block=4, interpret=False, num_warps=4):
+def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
+               length_X, row_lo_XxM=None, *, layer, scale,
+               logit_softcap=None, pages_per_block=4, interpret=False,
+               num_warps=4):
   """Attention of each segment's queries to its pages.
 
   Args:
     q_XxNxMxK: M query rows per segment and kv head.
-    k_pages_NxPxTxK, v_pages_NxPxTxK: one layer's page pool.
+    k_pages_LxNxPxTxK, v_pages_LxNxPxTxK: the page pool of all layers.
     table_XxA: page ids of each segment (entries past its length unread).
     length_X: keys of each segment (0: none).
     row_lo_XxM: optional first key index each query row sees (a sliding
       window; keys before it are masked, blocks before every row's are not
       read).
+    layer: the layer to read (may be traced).
     scale, logit_softcap: logit scale and optional soft-cap.
     pages_per_block: pages gathered per loop iteration.
     interpret: run the kernel in interpret mode (CPU).
@@ -92,13 +94,13 @@ def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
     out [X, N, M, K] fp32 (zeros for an empty segment), lse [X, N, M] fp32.
   """
   X, N, M, K = q_XxNxMxK.shape
-  P, T = k_pages_NxPxTxK.shape[1:3]
+  L, _, P, T, _ = k_pages_LxNxPxTxK.shape
   A = table_XxA.shape[1]
   if row_lo_XxM is None:
     row_lo_XxM = jnp.zeros((X, M), jnp.int32)
   row_lo_XxM = row_lo_XxM.astype(jnp.int32)
-  bounds = jnp.stack([length_X.astype(jnp.int32), row_lo_XxM.min(axis=1)],
-                     axis=1)
+  bounds = jnp.stack([length_X.astype(jnp.int32), row_lo_XxM.min(axis=1),
+                      jnp.full((X,), layer, jnp.int32)], axis=1)
   pad = -A % pages_per_block
   table = jnp.pad(table_XxA.astype(jnp.int32), ((0, 0), (0, pad)))
   table = jnp.clip(table, 0, P - 1)
@@ -111,11 +113,11 @@ def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
       grid=(X, N),
       in_specs=[
           pl.BlockSpec((None, A + pad), lambda x, n: (x, 0)),
-          pl.BlockSpec((None, 2), lambda x, n: (x, 0)),
+          pl.BlockSpec((None, 3), lambda x, n: (x, 0)),
           pl.BlockSpec((None, None, M, K), lambda x, n: (x, n, 0, 0)),
           pl.BlockSpec((None, M), lambda x, n: (x, 0)),
-          pl.BlockSpec((None, P, T, K), lambda x, n: (n, 0, 0, 0)),
-          pl.BlockSpec((None, P, T, K), lambda x, n: (n, 0, 0, 0)),
+          pl.BlockSpec((L, None, P, T, K), lambda x, n: (0, n, 0, 0, 0)),
+          pl.BlockSpec((L, None, P, T, K), lambda x, n: (0, n, 0, 0, 0)),
       ],
       out_specs=[
           pl.BlockSpec((None, None, M, K), lambda x, n: (x, n, 0, 0)),
@@ -126,7 +128,8 @@ def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
       interpret=interpret,
       compiler_params=params,
       name="paged_decode_part",
-  )(table, bounds, q_XxNxMxK, row_lo_XxM, k_pages_NxPxTxK, v_pages_NxPxTxK)
+  )(table, bounds, q_XxNxMxK, row_lo_XxM, k_pages_LxNxPxTxK,
+    v_pages_LxNxPxTxK)
 
 
 def rows_for_dot(m: int) -> int:

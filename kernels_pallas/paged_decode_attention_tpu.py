@@ -9,9 +9,9 @@ caller merges the prompt, own and common parts exactly
 (`paged_decode_attention.py`).
 
 Grid (segment, kv-head block, page block). A page block is
-`pages_per_block` pages, each its own BlockSpec on the head-major pool
-[N, P, T, K] whose index_map reads the page id from the segment's page
-table (scalar prefetch): the pipeline gathers the pages straight from the
+`pages_per_block` pages, each its own BlockSpec on the head-major pool of
+all layers [L, N, P, T, K] whose index_map reads the layer and the page id
+from scalar-prefetched operands: the pipeline gathers the pages straight from the
 pool, double-buffered, with no copy of the pool and no manual DMA. Each
 page is one [M, K] x [K, T] matmul per kv head in an fp32 online softmax
 (running max / sum / accumulator in VMEM scratch across the page blocks).
@@ -41,12 +41,13 @@ _LANES = 128
 _NT_DIMS = (((1,), (1,)), ((), ()))  # [rows, K] x [T, K]^T.
 
 
-def _kernel(table_ref, length_ref, first_ref, q_ref, row_lo_ref, *refs,
+def _kernel(table_ref, length_ref, first_ref, layer_ref, q_ref, row_lo_ref,
+            *refs,
             pages_per_block, scale, logit_softcap):
   """q_ref [bn, M, K]; row_lo_ref [M, LANES]; refs: pages_per_block k
   pages [bn, T, K], as many v pages, then o_ref [bn, M, K], lse_ref
   [bn, M, LANES] and the m / l / acc scratch."""
-  del table_ref  # Read by the index_maps only.
+  del table_ref, layer_ref  # Read by the index_maps only.
   ppb = pages_per_block
   k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
   o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[2 * ppb:]
@@ -105,30 +106,32 @@ def _page_map(i, *, ppb, pages_per_row, page_size):
   """index_map of the i-th page of a block: the table's page id, clamped
   to the segment's needed pages (a skipped step re-uses a block: no DMA)."""
 
-  def index(x, n, j, table_ref, length_ref, first_ref):
+  def index(x, n, j, table_ref, length_ref, first_ref, layer_ref):
     last = jnp.maximum(pl.cdiv(length_ref[x], page_size) - 1, 0)
     # lax.div (non-negative operands): `//` lowers through sign, which
     # asks for the TPU generation at lowering time.
     lo = jnp.minimum(jax.lax.div(first_ref[x], page_size), last)
     col = jnp.clip(j * ppb + i, lo, last)
-    return n, table_ref[x * pages_per_row + col], 0, 0
+    return layer_ref[0], n, table_ref[x * pages_per_row + col], 0, 0
 
   return index
 
 
-def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
-               length_X, row_lo_XxM=None, *, scale, logit_softcap=None,
-               pages_per_block=4, block_heads=8, interpret=False):
+def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
+               length_X, row_lo_XxM=None, *, layer, scale,
+               logit_softcap=None, pages_per_block=4, block_heads=8,
+               interpret=False):
   """Attention of each segment's queries to its pages (TPU kernel).
 
   Args:
     q_XxNxMxK: M query rows per segment and kv head.
-    k_pages_NxPxTxK, v_pages_NxPxTxK: one layer's page pool.
+    k_pages_LxNxPxTxK, v_pages_LxNxPxTxK: the page pool of all layers.
     table_XxA: page ids of each segment (entries past its length unread).
     length_X: keys of each segment (0: none).
     row_lo_XxM: optional first key index each query row sees (a sliding
       window; keys before it are masked, pages before every row's are not
       read).
+    layer: the layer to read (may be traced).
     scale, logit_softcap: logit scale and optional soft-cap.
     pages_per_block: pages gathered per grid step.
     block_heads: kv heads per grid step (the largest divisor of N up to it).
@@ -138,7 +141,7 @@ def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
     out [X, N, M, K] fp32 (zeros for an empty segment), lse [X, N, M] fp32.
   """
   X, N, M, K = q_XxNxMxK.shape
-  P, T = k_pages_NxPxTxK.shape[1:3]
+  P, T = k_pages_LxNxPxTxK.shape[2:4]
   A = table_XxA.shape[1]
   ppb = min(pages_per_block, A)
   pad = -A % ppb
@@ -156,14 +159,14 @@ def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
   kernel = functools.partial(
       _kernel, pages_per_block=ppb, scale=scale, logit_softcap=logit_softcap)
   page = lambda i: pl.BlockSpec(
-      (bn, None, T, K), _page_map(i, ppb=ppb, pages_per_row=Ap, page_size=T))
+      (None, bn, None, T, K), _page_map(i, ppb=ppb, pages_per_row=Ap, page_size=T))
   rows = lambda *tail: pl.BlockSpec(
       (None, bn) + tail, lambda x, n, j, *_: (x, n) + (0,) * len(tail))
-  kv_bytes = 2 * X * N * A * T * K * k_pages_NxPxTxK.dtype.itemsize
+  kv_bytes = 2 * X * N * A * T * K * k_pages_LxNxPxTxK.dtype.itemsize
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,
+          num_scalar_prefetch=4,
           grid=(X, N // bn, Ap // ppb),
           in_specs=[rows(M, K),
                     pl.BlockSpec((None, M, _LANES),
@@ -183,6 +186,7 @@ def paged_part(q_XxNxMxK, k_pages_NxPxTxK, v_pages_NxPxTxK, table_XxA,
           bytes_accessed=kv_bytes),
       interpret=interpret,
       name="paged_decode_part_tpu",
-  )(table.reshape(-1), length_X, first_X, q_XxNxMxK, row_lo,
-    *([k_pages_NxPxTxK] * ppb + [v_pages_NxPxTxK] * ppb))
+  )(table.reshape(-1), length_X, first_X,
+    jnp.asarray(layer, jnp.int32).reshape(1), q_XxNxMxK, row_lo,
+    *([k_pages_LxNxPxTxK] * ppb + [v_pages_LxNxPxTxK] * ppb))
   return out, lse[..., 0]

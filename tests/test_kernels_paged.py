@@ -18,6 +18,7 @@ from kernels_pallas import paged_decode_attention as pda
 _op = jax.jit(pda.paged_decode_attention_reference,
               static_argnames=("scale", "logit_softcap", "return_lse",
                                "num_prompt_chunks", "num_own_chunks"))
+L = 2  # Pools of the kernel-shape tests have two layers.
 
 
 def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
@@ -58,9 +59,13 @@ def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
     ov = pool_v[own_pages[s]].reshape(-1, N, K)[:own_len[s]]
     dense.append((np.concatenate([common_k[:common_len], pk, ok]),
                   np.concatenate([common_v[:common_len], pv, ov])))
+  # Layer 1 of a 2-layer pool (layer 0: other numbers, never to be read).
+  other = rng.standard_normal((1, N, num_pages, T, K))
   args = dict(
-      q_SxHxK=q, k_pages_NxPxTxK=pool_k.transpose(2, 0, 1, 3),
-      v_pages_NxPxTxK=pool_v.transpose(2, 0, 1, 3),
+      q_SxHxK=q,
+      k_pages_LxNxPxTxK=np.concatenate([other, pool_k.transpose(2, 0, 1, 3)[None]]),
+      v_pages_LxNxPxTxK=np.concatenate([other, pool_v.transpose(2, 0, 1, 3)[None]]),
+      layer=1,
       slot_group_S=slot_group, slot_member_S=slot_member,
       group_slots_RxG=group_slots, group_pages_RxA=group_pages,
       group_len_R=group_len, own_pages_SxB=own_pages, own_len_S=own_len)
@@ -69,8 +74,9 @@ def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
                 common_len=common_len)
   if window is not None:
     args.update(q_pos_S=q_pos, window=window)
-  args = {k: jnp.asarray(v, jnp.float32 if np.asarray(v).dtype == np.float64
-                         else jnp.int32) for k, v in args.items()}
+  args = {k: v if k == "layer" else jnp.asarray(
+      v, jnp.float32 if np.asarray(v).dtype == np.float64 else jnp.int32)
+          for k, v in args.items()}
   # Exactly the live pages: prompt pages of groups with members, own pages.
   live_groups = (group_slots >= 0).any(axis=1)
   args["num_prompt_chunks"] = int(np.ceil(group_len[live_groups] / T).sum())
@@ -181,7 +187,8 @@ def _decode_shapes():
   / 2 kv heads of 128, a pool of 512 pages of 16 tokens."""
   S, H, N, K, P, T, R, G, A, B = 64, 16, 2, 128, 512, 16, 16, 8, 32, 128
   sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
-  return (sd((S, H, K), bf16), sd((N, P, T, K), bf16), sd((N, P, T, K), bf16),
+  return (sd((S, H, K), bf16), sd((L, N, P, T, K), bf16),
+          sd((L, N, P, T, K), bf16),
           sd((S,), i32), sd((S,), i32), sd((R, G), i32), sd((R, A), i32),
           sd((R,), i32), sd((S, B), i32), sd((S,), i32))
 
@@ -190,13 +197,15 @@ def _decode_shapes():
 def test_paged_kernel_lowers_for_tpu(windowed):
   """The TPU kernel lowers for TPU on this CPU machine: the exported module
   holds its two Mosaic custom calls (prompt and own parts), with and
-  without a sliding window (a traced one, as in a scanned Gemma 2)."""
+  without a sliding window (a traced one and a traced layer, as in a
+  scanned Gemma 2)."""
   args = _decode_shapes()
-  extra = ((jax.ShapeDtypeStruct((64,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32)) if windowed else ())
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
+  extra = ((jax.ShapeDtypeStruct((64,), jnp.int32), i32, i32) if windowed
+           else ())
 
   def f(*a):
-    kw = dict(q_pos_S=a[10], window=a[11]) if windowed else {}
+    kw = dict(q_pos_S=a[10], window=a[11], layer=a[12]) if windowed else {}
     return pda.paged_decode_attention(*a[:10], impl="pallas", kernel="tpu",
                                       interpret=False, **kw)
 
@@ -238,8 +247,8 @@ def _sharded_op(layout, **kw):
 def _place(layout, args):
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   axes = {"q_SxHxK": ("batch", "heads", None),
-          "k_pages_NxPxTxK": ("kv_heads", None, None, None),
-          "v_pages_NxPxTxK": ("kv_heads", None, None, None),
+          "k_pages_LxNxPxTxK": (None, "kv_heads", None, None, None),
+          "v_pages_LxNxPxTxK": (None, "kv_heads", None, None, None),
           "common_k_CxNxK": (None, "kv_heads", None),
           "common_v_CxNxK": (None, "kv_heads", None)}
   placed = {}
@@ -265,6 +274,7 @@ def test_sharded_kernel_equals_oracle_on_8_devices(kernel):
   args, q, q_pos, dense = _case(21, S=8, H=4, N=2, C=4, window=7)
   args.pop("num_prompt_chunks"), args.pop("num_own_chunks")
   args["window"] = jnp.asarray(7, jnp.int32)
+  args["layer"] = jnp.asarray(1, jnp.int32)
   out = _sharded_op(layout, impl="pallas", kernel=kernel, interpret=True)(
       _place(layout, args))
   np.testing.assert_allclose(np.asarray(out)[:-1],
@@ -277,7 +287,7 @@ def test_sharded_paged_kernel_lowers_for_tpu():
   each on its device's kv head (one of 2) and query heads (8 of 16)."""
   import re  # pylint: disable=g-import-not-at-top
   layout = _rollout_layout(2)
-  names = ("q_SxHxK", "k_pages_NxPxTxK", "v_pages_NxPxTxK", "slot_group_S",
+  names = ("q_SxHxK", "k_pages_LxNxPxTxK", "v_pages_LxNxPxTxK", "slot_group_S",
            "slot_member_S", "group_slots_RxG", "group_pages_RxA",
            "group_len_R", "own_pages_SxB", "own_len_S")
   specs = _place(layout, dict(zip(names, _decode_shapes())))
@@ -288,4 +298,4 @@ def test_sharded_paged_kernel_lowers_for_tpu():
   assert "manual_computation" in text or "SPMDFullToShardShape" in text
   dims = [[int(d) for d in m.split("x")[:-1]]
           for m in re.findall(r"tensor<((?:\d+x)+)", text)]
-  assert [1, 512, 16, 128] in dims, "the per-device pool: one kv head"
+  assert [L, 1, 512, 16, 128] in dims, "the per-device pool: one kv head"

@@ -374,8 +374,10 @@ class Decoder(nnx.Module):
           v[:, 0].astype(v_pages.dtype), mode="drop")
       windowed = (dict(q_pos_S=positions_S, window=layer_window(self.cfg, i))
                   if self.cfg.sliding_window is not None else {})
+      # The whole pool and the layer index: a kernel reads its pages in
+      # place (k_pages[i] would copy the layer's pool every step).
       o = paged_decode_attention(
-          q[:, 0], k_pages[i], v_pages[i], **index, impl=attention_impl,
+          q[:, 0], k_pages, v_pages, **index, layer=i, impl=attention_impl,
           scale=self.cfg.scores_scale,
           logit_softcap=self.cfg.attn_logit_softcap, **windowed,
           **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
