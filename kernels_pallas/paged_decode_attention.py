@@ -35,8 +35,9 @@ its bounds from lengths that are never below the device's.
 oracle); `paged_decode_attention` dispatches to a Pallas kernel on TPU
 (`paged_decode_attention_tpu.py`, Mosaic) and GPU
 (`paged_decode_attention_gpu.py`, Triton). The kernels walk each group's /
-slot's page table in place instead of listing pages, and run under
-`shard_map` over the tensor axis.
+slot's page table in place instead of listing pages. Under a layout, the op
+runs in `shard_map` over the data replicas (each its own block of slots,
+groups and pages) and the tensor axis (`_sharded`).
 """
 
 from __future__ import annotations
@@ -248,15 +249,16 @@ def paged_decode_attention(q_SxHxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK,
     interpret: run the kernel in interpret mode; None: when the backend is
       not the kernel's (CPU tests). False off its backend lowers it (e.g.
       for `jax.export`).
-  With an active rollout layout the kernel runs under `shard_map` over the
-  tensor axis (`_sharded`).
+  With an active rollout layout both run under `shard_map` over the data
+  replicas and the tensor axis (`_sharded`); the chunk bounds are then per
+  replica.
   """
   args = (q_SxHxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, slot_group_S,
           slot_member_S, group_slots_RxG, group_pages_RxA, group_len_R,
           own_pages_SxB, own_len_S)
   backend = jax.default_backend()
   if resolve_impl(impl) == "xla":
-    return paged_decode_attention_reference(*args, **kwargs)
+    return _sharded(paged_decode_attention_reference, *args, **kwargs)
   kernel = kernel or ("gpu" if backend == "gpu" else "tpu")
   if kernel not in _KERNELS:
     raise ValueError(f"kernel must be 'tpu' or 'gpu', got {kernel!r}")
@@ -360,12 +362,13 @@ def _kernel_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
 
 def _sharded(parts_fn, q_SxHxK, k_pages, v_pages, *index, common_k_CxNxK=None,
              common_v_CxNxK=None, return_lse=False, **kwargs):
-  """`parts_fn` under `shard_map` over the active layout's tensor axis (a
-  Pallas call does not partition by itself): each device runs the kernel on
-  its query and kv heads, with the whole page tables; no communication (kv
-  heads are independent). Slots and groups are not split over replicas:
-  the page pool is whole on every replica, and a slot may belong to any
-  group. Without an active layout, `parts_fn` as it is."""
+  """`parts_fn` under `shard_map` over the active layout's data replicas
+  and tensor axis (a Pallas call does not partition by itself, and the jnp
+  op would gather pages across replicas): each device runs on its kv heads
+  and on its replica's block of slots, groups and pages, with the ids made
+  local. The paged engine keeps a group's samples and pages on one replica
+  and lists each replica's slots in its block, so no communication is
+  needed. Without an active layout, `parts_fn` as it is."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from rlhf_jax.parallel.layout import active_layout  # pylint: disable=g-import-not-at-top
 
@@ -376,11 +379,15 @@ def _sharded(parts_fn, q_SxHxK, k_pages, v_pages, *index, common_k_CxNxK=None,
                     common_k_CxNxK=common_k_CxNxK,
                     common_v_CxNxK=common_v_CxNxK, return_lse=return_lse,
                     **kwargs)
-  H, N = q_SxHxK.shape[1], k_pages.shape[1]
+  (S, H), (N, num_pages), R = (q_SxHxK.shape[:2], k_pages.shape[1:3],
+                               index[4].shape[0])
   heads = layout.spec(("heads",), (H,))[0]
   kv = layout.spec(("kv_heads",), (N,))[0]
   if (heads is None) != (kv is None):  # GQA groups must stay whole.
     heads = kv = None
+  rows = layout.spec(("batch",), (S,))[0]
+  if any(layout.spec(("batch",), (n,))[0] != rows for n in (R, num_pages)):
+    rows = None  # Not split alike: every device sees every replica.
   # Traced values (layer, common_len, q positions, window) travel as
   # arguments.
   traced = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
@@ -389,16 +396,25 @@ def _sharded(parts_fn, q_SxHxK, k_pages, v_pages, *index, common_k_CxNxK=None,
                              if k not in traced})
 
   def local(q, kp, vp, index, common_kv, traced):
+    sg, sm, gs, gp, gl, op, ol = index
+    if rows is not None:  # Replica r's ids start at r x its block size.
+      r = jax.lax.axis_index(rows)
+      S_loc, R_loc, P_loc = q.shape[0], gl.shape[0], kp.shape[2]
+      sg = jnp.clip(sg - r * R_loc, 0, R_loc - 1)
+      gs = jnp.where(gs >= 0, gs - r * S_loc, -1)
+      gp = jnp.clip(gp - r * P_loc, 0, P_loc - 1)
+      op = jnp.clip(op - r * P_loc, 0, P_loc - 1)
     ck, cv = common_kv if common else (None, None)
-    return run(q, kp, vp, *index, common_k_CxNxK=ck, common_v_CxNxK=cv,
-               **traced)
+    return run(q, kp, vp, sg, sm, gs, gp, gl, op, ol, common_k_CxNxK=ck,
+               common_v_CxNxK=cv, **traced)
 
-  out = P(None, heads)
+  out = P(rows, heads)
   common_spec = (P(None, kv), P(None, kv)) if common else ()
+  traced_spec = {k: P(rows) if k == "q_pos_S" else P() for k in traced}
   return jax.shard_map(
       local, mesh=layout.mesh,
-      in_specs=(P(None, heads), P(None, kv), P(None, kv), P(), common_spec,
-                P()),
+      in_specs=(P(rows, heads), P(None, kv, rows), P(None, kv, rows),
+                P(rows), common_spec, traced_spec),
       out_specs=(out, out) if return_lse else out, check_vma=False)(
           q_SxHxK, k_pages, v_pages, index,
           (common_k_CxNxK, common_v_CxNxK) if common else (), traced)

@@ -247,8 +247,8 @@ def _sharded_op(layout, **kw):
 def _place(layout, args):
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   axes = {"q_SxHxK": ("batch", "heads", None),
-          "k_pages_LxNxPxTxK": (None, "kv_heads", None, None, None),
-          "v_pages_LxNxPxTxK": (None, "kv_heads", None, None, None),
+          "k_pages_LxNxPxTxK": (None, "kv_heads", "batch", None, None),
+          "v_pages_LxNxPxTxK": (None, "kv_heads", "batch", None, None),
           "common_k_CxNxK": (None, "kv_heads", None),
           "common_v_CxNxK": (None, "kv_heads", None)}
   placed = {}
@@ -284,7 +284,8 @@ def test_sharded_kernel_equals_oracle_on_8_devices(kernel):
 def test_sharded_paged_kernel_lowers_for_tpu():
   """What the paged engine runs on a TPU slice (4 replicas x tensor 2),
   exported for TPU from this CPU: both Mosaic kernels inside one shard_map,
-  each on its device's kv head (one of 2) and query heads (8 of 16)."""
+  each device on its replica's slots (16 of 64) and pages (128 of 512),
+  its kv head (one of 2) and query heads (8 of 16)."""
   import re  # pylint: disable=g-import-not-at-top
   layout = _rollout_layout(2)
   names = ("q_SxHxK", "k_pages_LxNxPxTxK", "v_pages_LxNxPxTxK", "slot_group_S",
@@ -298,4 +299,5 @@ def test_sharded_paged_kernel_lowers_for_tpu():
   assert "manual_computation" in text or "SPMDFullToShardShape" in text
   dims = [[int(d) for d in m.split("x")[:-1]]
           for m in re.findall(r"tensor<((?:\d+x)+)", text)]
-  assert [L, 1, 512, 16, 128] in dims, "the per-device pool: one kv head"
+  assert [L, 1, 128, 16, 128] in dims, "the per-device pool"
+  assert [16, 8, 128] in dims, "the per-device queries"

@@ -97,17 +97,22 @@ def _assert_same(a, b):
     np.testing.assert_allclose(a[k].logp_raw, b[k].logp_raw, atol=1e-5)
 
 
-@pytest.mark.parametrize("pages", [200, 12], ids=["roomy", "tight"])
+@pytest.mark.parametrize("pages", [200, 48], ids=["roomy", "tight"])
 def test_paged_equals_rows_engine(model, layouts, oracle, pages):
-  """Same samples as the row engine (other layout: 4 replicas x tensor 2);
-  a tight pool preempts and recomputes, and every page comes back."""
+  """Same samples as the row engine (other layout: 4 replicas x tensor 2,
+  each replica its own pool, a quarter of the pages); a tight pool (12
+  pages a replica) preempts and recomputes, and every page comes back."""
   driver = (_paged(model, layouts[1], **MAIN) if pages == 200 else
             _paged(model, layouts[1], pages=pages))
   got = {s.key: s for s in driver.run(_requests())}
   _assert_same(got, oracle)
   assert driver.pool.num_free == pages
   assert driver.paged.peak_pages <= pages
-  if pages == 12:  # The exhaustion policy really ran.
+  # Groups went to every replica (each within its own block of pages).
+  assert driver.pool.per_replica == pages // 4
+  assert len(driver.paged.groups_by_replica) == 4
+  assert min(driver.paged.groups_by_replica) > 0
+  if pages == 48:  # The exhaustion policy really ran.
     assert driver.paged.preemptions > 0
     assert driver.paged.recomputed_tokens > 0
   else:

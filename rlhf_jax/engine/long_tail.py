@@ -75,11 +75,9 @@ class EngineSet:
       a, pa = self._engine_args, dict(self._paged_args)
       rows = self.rows_per_replica * self.replicas
       if not pa.get("num_pages"):
-        # The bytes per device the rows engine reserves (its rows split
-        # over the replicas; the page pool is whole on every replica).
+        # The bytes the rows engine reserves (both split over the replicas).
         pa.pop("num_pages", None)
-        pa["kv_budget_bytes"] = (self.engine(self.replicas).decode_state_bytes()
-                                 // self.replicas)
+        pa["kv_budget_bytes"] = self.engine(self.replicas).decode_state_bytes()
       self._paged = PagedEngine(
           self.cfg, self.graphdef, self.layout,
           num_slots=pa.pop("num_slots") or 2 * rows * a["samples_per_row"],

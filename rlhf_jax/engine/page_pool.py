@@ -1,7 +1,10 @@
 """Host-side bookkeeping of the KV page pool: free list and reference counts.
 
-The device holds the pages ([L, num_pages, T, N, K], `paged.PagedState`);
-this object decides which page ids are free. The sharing tree of a batch is
+The device holds the pages ([L, N, num_pages, T, K], `paged.PagedState`);
+this object decides which page ids are free. With data replicas the pool
+is split into one equal block of ids per replica (replica r owns ids
+[r * per_replica, (r + 1) * per_replica), the block its devices hold), and
+every allocation names the replica it is for. The sharing tree of a batch is
 common prefix -> prompt (group) -> sample: the common prefix is one dense
 copy for every group (`PagedEngine`), a group's prompt pages are referenced
 once by the group and read by all its samples, and a sample's own pages by
@@ -22,36 +25,47 @@ class PoolExhausted(Exception):
 
 
 class PagePool:
-  """Free list + reference counts over page ids [0, num_pages)."""
+  """Free lists (one per replica) + reference counts over page ids
+  [0, num_pages)."""
 
-  def __init__(self, num_pages: int, page_size: int):
-    if num_pages < 1 or page_size < 1:
-      raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1, "
-                       f"got {num_pages} and {page_size}")
+  def __init__(self, num_pages: int, page_size: int, replicas: int = 1):
+    if num_pages < 1 or page_size < 1 or replicas < 1 or num_pages % replicas:
+      raise ValueError(
+          f"a page pool needs num_pages >= 1, page_size >= 1 and num_pages a "
+          f"multiple of replicas, got {num_pages}, {page_size}, {replicas}")
     self.num_pages, self.page_size = int(num_pages), int(page_size)
+    self.per_replica = self.num_pages // replicas
     self._refs = np.zeros(self.num_pages, np.int32)
     # Lowest ids first (deterministic placement, easier to read in tests).
-    self._free = list(range(self.num_pages - 1, -1, -1))
+    self._free = [list(range((r + 1) * self.per_replica - 1,
+                             r * self.per_replica - 1, -1))
+                  for r in range(replicas)]
     self.peak_used = 0
 
   @property
   def num_free(self) -> int:
-    return len(self._free)
+    return sum(map(len, self._free))
 
   @property
   def num_used(self) -> int:
-    return self.num_pages - len(self._free)
+    return self.num_pages - self.num_free
+
+  def free_in(self, replica: int) -> int:
+    """Free pages of one replica."""
+    return len(self._free[replica])
 
   def pages_for(self, tokens: int) -> int:
     """Pages that hold `tokens` tokens."""
     return math.ceil(max(int(tokens), 0) / self.page_size)
 
-  def allocate(self, n: int) -> list[int]:
-    """`n` fresh pages (reference count 1), or `PoolExhausted`."""
-    if n > len(self._free):
-      raise PoolExhausted(f"{n} pages asked, {len(self._free)} free of "
-                          f"{self.num_pages}")
-    pages = [self._free.pop() for _ in range(n)]
+  def allocate(self, n: int, replica: int = 0) -> list[int]:
+    """`n` fresh pages of `replica` (reference count 1), or
+    `PoolExhausted`."""
+    free = self._free[replica]
+    if n > len(free):
+      raise PoolExhausted(f"{n} pages asked, {len(free)} free of "
+                          f"{self.per_replica} (replica {replica})")
+    pages = [free.pop() for _ in range(n)]
     self._refs[pages] = 1
     self.peak_used = max(self.peak_used, self.num_used)
     return pages
@@ -71,8 +85,9 @@ class PagePool:
     np.add.at(self._refs, pages, -1)
     # Freed pages go to the front of the reuse order (LIFO keeps the live
     # set compact in low ids).
-    self._free.extend(p for p in dict.fromkeys(reversed(pages))
-                      if self._refs[p] == 0)
+    for p in dict.fromkeys(reversed(pages)):
+      if self._refs[p] == 0:
+        self._free[p // self.per_replica].append(p)
 
   def refcount(self, page: int) -> int:
     return int(self._refs[page])

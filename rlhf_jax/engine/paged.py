@@ -70,8 +70,9 @@ class PagedEngine(EngineBase):
       prefill_buckets: padded prompt lengths (after a common prefix).
       sampling: how tokens are drawn; `max_new_tokens` caps every sample.
       page_size: T tokens per page.
-      num_pages / kv_budget_bytes: the pool size, in pages or in bytes of
-        K+V over all layers (exactly one of them).
+      num_pages / kv_budget_bytes: the pool size over all data replicas,
+        in pages or in bytes of K+V over all layers (exactly one of them).
+        Each replica holds its own equal share (`PagePool`).
       num_groups: R group entries (prompts with samples alive or waiting);
         default 2 S / G, at least 2.
       prefill_batch: prompts per prefill call.
@@ -90,19 +91,28 @@ class PagedEngine(EngineBase):
       raise ValueError("give the page pool as exactly one of num_pages or "
                        "kv_budget_bytes")
     self.page_size = int(page_size)
+    # Data replicas: each holds its share of slots, groups and pages, and a
+    # group's samples and pages stay on its replica (the driver's rule), so
+    # decode attention runs on each replica's own share (`shard_map`).
+    D = self.replicas = layout.shards("batch")
     if num_pages is None:
-      num_pages = int(kv_budget_bytes) // self.page_bytes
-    if num_pages < 2:
-      raise ValueError(f"a page pool of {num_pages} pages is too small "
-                       f"(one page is {self.page_bytes} bytes)")
+      num_pages = int(kv_budget_bytes) // self.page_bytes // D * D
     G = int(samples_per_group)
     if num_slots < 1 or G < 1:
       raise ValueError(f"num_slots and samples_per_group must be >= 1, got "
                        f"{num_slots} and {G}")
+    num_groups = int(num_groups or max(2, 2 * num_slots // G))
+    num_groups += -num_groups % D
+    for name, n in (("num_slots", num_slots), ("num_pages", num_pages)):
+      if n % D:
+        raise ValueError(f"{name}={n} must be a multiple of the layout's "
+                         f"{D} data replicas")
+    if num_pages // D < 2:
+      raise ValueError(f"a page pool of {num_pages} pages over {D} replicas "
+                       f"is too small (one page is {self.page_bytes} bytes)")
     self.num_slots, self.samples_per_group = int(num_slots), G
     self.samples_per_row = G  # The Driver's name for the same limit.
-    self.num_pages = int(num_pages)
-    self.num_groups = int(num_groups or max(2, 2 * num_slots // G))
+    self.num_pages, self.num_groups = int(num_pages), num_groups
     self.prefill_batch = int(prefill_batch)
     self.max_prompt_length = int(max_prompt_length or self.buckets[-1])
     if self.max_prompt_length < self.buckets[-1]:
@@ -558,6 +568,11 @@ class PagedEngine(EngineBase):
     arr[:len(slots)] = list(slots)
     return self._stop_jit(state, arr)
 
+  def replica_of(self, slot: int) -> int:
+    """The data replica a slot lives on (slot ids are split into equal
+    contiguous blocks, as are group entries and page ids)."""
+    return slot // (self.num_slots // self.replicas)
+
   def generate(self, params, state: PagedState, growth=(), *, slots,
                prompt_pages: int, own_pages: int):
     """One decode step.
@@ -567,25 +582,32 @@ class PagedEngine(EngineBase):
       growth: (slot, column, page) own pages added before the step.
       slots: the slots to step (every slot live on the device must be
         listed; others may be).
-      prompt_pages: at least the prompt pages of the groups with live
-        samples; own_pages: at least the own pages the live samples hold
-        after this step's token. Rounded up to powers of two here, like
-        the slot count (one compile per triple); a smaller count would
-        drop pages.
+      prompt_pages: at least the prompt pages of one replica's groups with
+        live samples; own_pages: at least the own pages one replica's live
+        samples hold after this step's token. Rounded up to powers of two
+        here, like the slot count per replica (one compile per triple); a
+        smaller count would drop pages.
     """
+    D = self.replicas
+    S_loc = self.num_slots // D
     g = np.full((self.num_slots, 3), 0, np.int32)
     g[:, 0] = self.num_slots
     for x, row in enumerate(growth):
       g[x] = row
-    slots = sorted(slots)
-    listed = np.full(pow2_at_least(len(slots), self.num_slots, STEP_FLOORS[0]),
-                     self.num_slots, np.int32)
-    listed[:len(slots)] = slots
+    # Replica r's slots in block r of the list (decode attention reads the
+    # list per replica).
+    per_replica = [[] for _ in range(D)]
+    for slot in sorted(slots):
+      per_replica[self.replica_of(slot)].append(slot)
+    X_loc = pow2_at_least(max(map(len, per_replica)), S_loc, STEP_FLOORS[0])
+    listed = np.full((D, X_loc), self.num_slots, np.int32)
+    for r, own in enumerate(per_replica):
+      listed[r, :len(own)] = own
     if self._walks_tables:  # The kernel reads each table up to its length.
       X1 = X2 = 0
     else:
-      X1 = pow2_at_least(prompt_pages, self.num_groups * self.max_prompt_pages,
-                          STEP_FLOORS[1])
-      X2 = pow2_at_least(own_pages, self.num_slots * self.max_own_pages,
-                          STEP_FLOORS[2])
-    return self._generate_jit(params, state, g, listed, X1, X2)
+      X1 = pow2_at_least(prompt_pages, self.num_groups // D *
+                         self.max_prompt_pages, STEP_FLOORS[1])
+      X2 = pow2_at_least(own_pages, S_loc * self.max_own_pages,
+                         STEP_FLOORS[2])
+    return self._generate_jit(params, state, g, listed.reshape(-1), X1, X2)

@@ -7,14 +7,17 @@ with the decisions a page pool needs, all taken here on the host:
 - Admission: pending prompts are prefilled `prefill_batch` at a time into
   free group entries when the pool has their prompt pages and there are
   free slots no waiting sample will take. Their samples wait in the group
-  until a slot frees.
+  until a slot frees. With data replicas, a group lives on one replica
+  (its entry, its samples' slots and all its pages): the one with the most
+  free pages among those with room.
 - Slots: a slot whose sample finished takes the next waiting sample at once
-  (oldest group first), whatever group it belongs to; the rest of the old
-  group keeps reading its prompt pages once per step.
+  (oldest group first of its replica), whatever group it belongs to; the
+  rest of the old group keeps reading its prompt pages once per step.
 - Pages: before each step every live sample is given pages for its known
   length + 2 tokens (the step in flight and the one dispatched now).
 - Exhaustion policy (stated and tested): when a live sample needs a page and
-  none is free, the most recently started live sample is preempted: it is
+  none is free on its replica, the most recently started live sample of
+  that replica is preempted: it is
   stopped on the device, its own pages are freed, and it goes back to the
   front of its group's waiting samples with the tokens read so far. When it
   gets a slot again, `PagedEngine.extend` recomputes its KV and it
@@ -57,6 +60,7 @@ class _Group:
   length: int                      # prompt tokens after the common prefix
   pages: list[int]
   waiting: collections.deque
+  replica: int = 0
   order: int = 0                   # admission order
   live: int = 0
   first: tuple | None = None       # host copies of (tokens, logp, raw) [G]
@@ -87,6 +91,7 @@ class PagedStats:
   peak_pages: int = 0
   peak_live: int = 0
   peak_kv_tokens: int = 0    # Tokens with KV in the pool (prompts once).
+  groups_by_replica: list = dataclasses.field(default_factory=list)
 
 
 class PagedDriver(Driver):
@@ -94,7 +99,7 @@ class PagedDriver(Driver):
 
   def __init__(self, engine: PagedEngine, params, *, weight_version: int = 0):
     super().__init__(engine, params, weight_version=weight_version)
-    self.paged = PagedStats()
+    self.paged = PagedStats(groups_by_replica=[0] * engine.replicas)
 
   # ------------------------------------------------------------ the run
   def start(self, requests: Iterable[Request] = (), *, common_prefix=None,
@@ -104,14 +109,17 @@ class PagedDriver(Driver):
       raise ValueError("the paged driver does continuous admission without "
                        "a controller")
     eng: PagedEngine = self.engine
-    self.pool = PagePool(eng.num_pages, eng.page_size)  # _validate reads it.
     pending, common = self._open(requests, common_prefix, min_common_length)
-    self.pool = PagePool(eng.num_pages, eng.page_size)
+    D = eng.replicas
+    self.pool = PagePool(eng.num_pages, eng.page_size, D)
     self.pending = pending
     self.live: dict[int, _Slot] = {}
     self.groups: dict[int, _Group] = {}        # entry -> group
-    self._free_entries = list(range(eng.num_groups - 1, -1, -1))
-    self._free_slots = list(range(eng.num_slots - 1, -1, -1))
+    # Per replica, lowest ids first.
+    blocks = lambda n: [list(range((r + 1) * n // D - 1, r * n // D - 1, -1))
+                        for r in range(D)]
+    self._free_entries = blocks(eng.num_groups)
+    self._free_slots = blocks(eng.num_slots)
     self._common, self._admission, self._controller = common, admission, None
     self._events = collections.deque()
     self._order = 0
@@ -125,11 +133,12 @@ class PagedDriver(Driver):
     eng = self.engine
     own = len(req.tokens) - common.size
     need = self.pool_pages_for(own) + eng.max_own_pages
-    if need > eng.num_pages:
+    per_replica = eng.num_pages // eng.replicas
+    if need > per_replica:
       raise ValueError(
           f"prompt {req.prompt_id}: one sample needs up to {need} pages "
           f"(prompt + max_new_tokens={eng.sampling.max_new_tokens}), the "
-          f"pool has {eng.num_pages}; give the engine more pages")
+          f"pool has {per_replica} per replica; give the engine more pages")
 
   def pool_pages_for(self, tokens: int) -> int:
     return math.ceil(tokens / self.engine.page_size)
@@ -140,14 +149,17 @@ class PagedDriver(Driver):
     out = self._start_waiting()
     growth = self._grow()
     if self.live:
-      groups = {id(s.group): s.group for s in self.live.values()}
-      A = sum(self.pool_pages_for(g.length) for g in groups.values())
-      # Device own tokens + this step's <= tokens read + 2 (`_grow`).
-      B = sum(self.pool_pages_for(len(s.tokens) + 2)
-              for s in self.live.values())
+      # Page-list bounds of the busiest replica.
+      A, B = np.zeros((2, eng.replicas), np.int64)
+      for g in {id(s.group): s.group for s in self.live.values()}.values():
+        A[g.replica] += self.pool_pages_for(g.length)
+      for s in self.live.values():
+        # Device own tokens + this step's <= tokens read + 2 (`_grow`).
+        B[s.group.replica] += self.pool_pages_for(len(s.tokens) + 2)
       self.state, result = eng.generate(self.params, self.state, growth,
                                         slots=list(self.live),
-                                        prompt_pages=A, own_pages=B)
+                                        prompt_pages=int(A.max()),
+                                        own_pages=int(B.max()))
       result.copy_to_host_async()
       self.stats.steps += 1
       self._events.append(("step", result, self.stats.steps))
@@ -167,28 +179,36 @@ class PagedDriver(Driver):
     """Prefills pending prompts into free entries, `prefill_batch` a call,
     while pages and unclaimed slots allow."""
     eng: PagedEngine = self.engine
-    waiting = sum(len(g.waiting) for g in self.groups.values())
+    waiting = [0] * eng.replicas
+    for g in self.groups.values():
+      waiting[g.replica] += len(g.waiting)
     batch = []
-    while (self.pending and self._free_entries and len(batch) <
-           eng.prefill_batch and len(self._free_slots) > waiting):
+    while self.pending and len(batch) < eng.prefill_batch:
       req = self.pending[0]
       own = np.asarray(req.tokens, np.int32)[self._common.size:]
       need = self.pool_pages_for(own.size)
-      # Prompt pages never take the last sample's worth of the pool: with
-      # nothing live, any waiting sample can start and run to its end.
-      if self.pool.num_free - need < eng.max_own_pages:
+      # Prompt pages never take the last sample's worth of a replica's
+      # pool: with nothing live there, any waiting sample can start and
+      # run to its end.
+      room = [r for r in range(eng.replicas)
+              if self._free_entries[r]
+              and len(self._free_slots[r]) > waiting[r]
+              and self.pool.free_in(r) - need >= eng.max_own_pages]
+      if not room:
         break
-      pages = self.pool.allocate(need)
+      r = max(room, key=lambda r: (self.pool.free_in(r), -r))
+      pages = self.pool.allocate(need, r)
+      self.paged.groups_by_replica[r] += 1
       self.pending.popleft()
       self._order += 1
-      group = _Group(req, self._free_entries.pop(), int(own.size), pages,
+      group = _Group(req, self._free_entries[r].pop(), int(own.size), pages,
                      collections.deque(
                          _Waiting(j, req.first_sample_index + j,
                                   req.budget(j, eng.sampling.max_new_tokens))
-                         for j in range(req.num_samples)), self._order)
+                         for j in range(req.num_samples)), r, self._order)
       self.groups[group.entry] = group
       batch.append((group, own))
-      waiting += req.num_samples
+      waiting[r] += req.num_samples
     if not batch:
       return
     chunk = eng.chunk_length
@@ -248,14 +268,16 @@ class PagedDriver(Driver):
     eng: PagedEngine = self.engine
     started = []
     for group in sorted(self.groups.values(), key=lambda g: g.order):
-      while group.waiting and self._free_slots:
+      free_slots = self._free_slots[group.replica]
+      while group.waiting and free_slots:
         w = group.waiting[0]
         try:
-          pages = self.pool.allocate(self.pool_pages_for(len(w.tokens) + 2))
+          pages = self.pool.allocate(self.pool_pages_for(len(w.tokens) + 2),
+                                     group.replica)
         except PoolExhausted:
           break
         group.waiting.popleft()
-        slot = self._free_slots.pop()
+        slot = free_slots.pop()
         self._order += 1
         item = _Slot(group, w.member, w.sample_idx, w.budget, pages,
                      self.stats.steps, self._order, w.tokens, w.logp,
@@ -286,11 +308,13 @@ class PagedDriver(Driver):
       if it is None:  # Preempted by an earlier sample of this loop.
         continue
       need = self.pool_pages_for(max(len(it.tokens), 1) + 2)
+      r = it.group.replica
       while len(it.pages) < min(need, self.engine.max_own_pages):
         try:
-          (page,) = self.pool.allocate(1)
+          (page,) = self.pool.allocate(1, r)
         except PoolExhausted:
-          victim = max(self.live, key=lambda s: self.live[s].order)
+          victim = max((s for s in self.live if self.live[s].group.replica
+                        == r), key=lambda s: self.live[s].order)
           self._preempt(victim)
           growth = [g for g in growth if g[0] != victim]
           if victim == slot:
@@ -304,7 +328,7 @@ class PagedDriver(Driver):
     it = self.live.pop(slot)
     self.state = self.engine.stop(self.state, [slot])
     self.pool.release(it.pages)
-    self._free_slots.append(slot)
+    self._free_slots[it.group.replica].append(slot)
     it.group.live -= 1
     it.group.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
                                          it.tokens, it.logp, it.logp_raw))
@@ -366,13 +390,13 @@ class PagedDriver(Driver):
     if stop or len(it.tokens) >= it.budget:
       del live[slot]
       self.pool.release(it.pages)
-      self._free_slots.append(slot)
       group = it.group
+      self._free_slots[group.replica].append(slot)
       group.live -= 1
       if not group.live and not group.waiting:
         self.pool.release(group.pages)
         del self.groups[group.entry]
-        self._free_entries.append(group.entry)
+        self._free_entries[group.replica].append(group.entry)
       yield Sample(group.request.prompt_id, it.sample_idx,
                    np.asarray(group.request.tokens, np.int32), it.tokens,
                    it.logp, it.logp_raw, "stop" if stop else "length",

@@ -17,7 +17,8 @@ from flax import struct
 
 from rlhf_jax.models.config import ModelConfig
 
-_PAGES = ("layers", "kv_heads", None, None, "head_dim")
+# The page axis is split over the data replicas: each holds its own pool.
+_PAGES = ("layers", "kv_heads", "batch", None, "head_dim")
 _SLOTS, _GROUPS = ("batch",), ("batch",)
 
 
