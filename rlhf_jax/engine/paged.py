@@ -7,7 +7,10 @@ sample holds pages for its own tokens, one more page whenever it crosses a
 page boundary. A finished sample frees its pages and its slot at once; the
 slot takes new work (a waiting sample of any group) while the rest of its
 group decodes. The common prefix of a batch is one dense copy for all
-groups (`EngineBase`). Sharing tree: common -> prompt -> sample.
+groups (`EngineBase`). Sharing tree: common -> prompt -> sample. With data
+replicas, slots, group entries and pages are split into one equal block
+per replica, and a group with its samples and pages lives on one replica:
+decode attention runs per replica (`shard_map`), with no communication.
 
 Work per step: decode attention reads the live pages only (the prompt
 pages of groups with live samples, once per group for all of them, and
