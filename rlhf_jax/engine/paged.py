@@ -46,7 +46,8 @@ import numpy as np
 from kernels_pallas import paged_decode_attention as pda
 from rlhf_jax.engine.engine import EngineBase
 from rlhf_jax.engine.paged_state import (
-    STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields)
+    STEP_FLOORS, PagedPrefill, PagedState, dense_context, pow2_at_least,
+    state_fields, write_tokens)
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.engine.state import CommonPrefix, ResultTokens
 from rlhf_jax.models import model as model_lib
@@ -312,45 +313,16 @@ class PagedEngine(EngineBase):
 
   def _attend_after(self, params, state: PagedState, feed_E, pos0, count,
                     pieces):
-    """Runs feed_E[:count] at positions pos0.. after a context: the common
-    prefix, then each (page ids, length) piece in order, densely laid out at
-    their true positions (each piece written after the previous one's valid
-    tokens). Returns the logits of the last fed token [V] and the fed
-    tokens' KV [L, E, N, K]."""
-    L, N, _, T, K = state.k_pages.shape
-    size = state.common_k.shape[1] + sum(ids.shape[0] * T for ids, _ in pieces)
-
-    def context(common, pages):
-      ctx = jnp.zeros((L, size, N, K), pages.dtype)
-      ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
-      at = state.common_len
-      for ids, length in pieces:
-        dense = jnp.moveaxis(pages[:, :, ids], 1, 3)  # [L, n, T, N, K]
-        ctx = jax.lax.dynamic_update_slice(
-            ctx, dense.reshape(L, -1, N, K), (0, at, 0, 0))
-        at = at + length
-      return ctx, at
-
-    ck, total = context(state.common_k, state.k_pages)
-    cv, _ = context(state.common_v, state.v_pages)
+    """Runs feed_E[:count] at positions pos0.. after a context (the common
+    prefix, then each (page ids, length) piece: `dense_context`). Returns
+    the logits of the last fed token [V] and the fed tokens' KV
+    [L, E, N, K]."""
+    ck, cv, total = dense_context(state, pieces)
     index = jnp.arange(feed_E.shape[0], dtype=jnp.int32)
     logits, (k, v) = model_lib.prefill(
         self.graphdef, params, feed_E[None], (pos0 + index)[None],
         (index < count)[None], (count - 1)[None], context=(ck, cv, total))
     return logits[0], k[:, 0], v[:, 0]
-
-  def _write(self, state: PagedState, ids, start, count, k, v):
-    """KV [L, E, N, K] of tokens start.. (the first `count`) into the pages
-    `ids` of one sequence."""
-    T, num_pages = self.page_size, state.k_pages.shape[2]
-    index = jnp.arange(k.shape[1], dtype=jnp.int32)
-    pos = start + index
-    page = jnp.where(index < count, ids[jnp.minimum(pos // T, ids.shape[0] - 1)],
-                     num_pages)
-    put = lambda pages, x: pages.at[:, :, page, pos % T].set(
-        x.transpose(0, 2, 1, 3).astype(pages.dtype), mode="drop")
-    return state.replace(k_pages=put(state.k_pages, k),
-                         v_pages=put(state.v_pages, v))
 
   def _extend_fn(self, params, state: PagedState, slot, own_row_B,
                  tokens_E, count, active) -> PagedState:
@@ -365,7 +337,7 @@ class PagedEngine(EngineBase):
       _, k, v = self._attend_after(
           params, state, feed, state.positions[slot], count,
           [(state.group_pages[g], state.group_len[g]), (own_row_B, o_len)])
-      state = self._write(state, own_row_B, o_len, count, k, v)
+      state = write_tokens(state, own_row_B, o_len, count, k, v)
       return state.replace(
           own_pages=state.own_pages.at[slot].set(own_row_B),
           own_len=state.own_len.at[slot].add(count),
@@ -386,7 +358,7 @@ class PagedEngine(EngineBase):
       logits, k, v = self._attend_after(
           params, state, tokens_E, c_len + start, count,
           [(prompt_row_A, start)])
-      state = self._write(state, prompt_row_A, start, count, k, v)
+      state = write_tokens(state, prompt_row_A, start, count, k, v)
       G = sample_idx_G.shape[0]
       keys = token_keys(state.group_seed[entry], state.group_prompt_id[entry],
                         sample_idx_G, c_len + start + count)

@@ -1,6 +1,8 @@
 """The paged engine's data: its decode state, batched prefill results, the
-logical axes and shapes of every state field, and the bucket rule of a
-decode step (`paged.PagedEngine` executes on them).
+logical axes and shapes of every state field, the bucket rule of a decode
+step, and the two page moves of appended tokens (a dense copy of a
+sequence's context, its new KV into its pages); `paged.PagedEngine`
+executes on them.
 
 Dimension letters: L layers, S slots, R group entries, G samples per
 group, T page size, N kv heads, K head dim, A / B most prompt / own pages
@@ -95,3 +97,40 @@ def state_fields(cfg: ModelConfig, *, num_slots, num_groups,
       "common_v": (("layers", None, "kv_heads", "head_dim"), common, cdt),
       "common_len": ((), (), i32),
   }
+
+
+def dense_context(state: PagedState, pieces):
+  """The common prefix, then each (page ids, valid length) piece in order,
+  laid out densely at their true positions (each piece after the previous
+  one's valid tokens): (k [L, C', N, K], v, total valid length)."""
+  L, N, _, T, K = state.k_pages.shape
+  size = state.common_k.shape[1] + sum(ids.shape[0] * T for ids, _ in pieces)
+
+  def context(common, pages):
+    ctx = jnp.zeros((L, size, N, K), pages.dtype)
+    ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
+    at = state.common_len
+    for ids, length in pieces:
+      dense = jnp.moveaxis(pages[:, :, ids], 1, 3)  # [L, n, T, N, K]
+      ctx = jax.lax.dynamic_update_slice(
+          ctx, dense.reshape(L, -1, N, K), (0, at, 0, 0))
+      at = at + length
+    return ctx, at
+
+  k, total = context(state.common_k, state.k_pages)
+  v, _ = context(state.common_v, state.v_pages)
+  return k, v, total
+
+
+def write_tokens(state: PagedState, ids, start, count, k_LxExNxK, v_LxExNxK):
+  """KV of tokens start.. (the first `count`) of one sequence into its
+  pages `ids`."""
+  _, _, num_pages, T, _ = state.k_pages.shape
+  index = jnp.arange(k_LxExNxK.shape[1], dtype=jnp.int32)
+  pos = start + index
+  page = jnp.where(index < count, ids[jnp.minimum(pos // T, ids.shape[0] - 1)],
+                   num_pages)
+  put = lambda pages, x: pages.at[:, :, page, pos % T].set(
+      x.transpose(0, 2, 1, 3).astype(pages.dtype), mode="drop")
+  return state.replace(k_pages=put(state.k_pages, k_LxExNxK),
+                       v_pages=put(state.v_pages, v_LxExNxK))
