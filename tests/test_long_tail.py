@@ -82,23 +82,23 @@ def setup(mesh8):
   return graphdef, layout, params, plain
 
 
-def _rollout(setup, history=None, **tail) -> LocalRollout:
+def _rollout(setup, history=None, paged=None, **tail) -> LocalRollout:
   graphdef, layout, params, _ = setup
   engines = EngineSet(CFG, graphdef, layout, rows_per_replica=RPR,
                       samples_per_row=G, prefill_buckets=BUCKETS,
-                      sampling=SAMPLING)
+                      sampling=SAMPLING, paged=paged)
   lt = LocalRollout(engines, tail=LongTail(enabled=True, **tail),
                     history=history)
   lt.set_weights(params, 0)
   return lt
 
 
-def _run(setup, **tail):
+def _run(setup, paged=None, **tail):
   """(samples, device scores, metrics) of the long-tail rollout."""
   history = LengthHistory(0.5)
   for r in _requests():  # Pretend an earlier epoch: predictions exist.
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
-  lt = _rollout(setup, history, **tail)
+  lt = _rollout(setup, history, paged, **tail)
   samples = list(lt.run(_requests(), scorer=_Scorer(setup[0], setup[2])))
   return samples, lt.scores, lt.metrics()
 
@@ -111,6 +111,23 @@ def _assert_same(samples, scores, plain):
     assert s.tokens == want.tokens, s.key
     np.testing.assert_allclose(s.logp_raw, want.logp_raw, atol=1e-5)
   assert set(scores) == set(plain)
+
+
+@pytest.mark.parametrize("assignment", ["fifo", "length"])
+def test_paged_consolidation_keeps_tokens(setup, assignment):
+  """The paged engine's long tail on 8 replicas (pools of 8 pages each):
+  groups on the dropped replicas are admitted again on the kept ones and
+  their samples recomputed; the plain row engine's tokens, every sample
+  once, scores for all, and every page back (the driver checks)."""
+  samples, scores, st = _run(
+      setup, paged=dict(page_size=4, num_pages=64, num_slots=16),
+      consolidate_below=0.5, migration="reprefill", score_chunk=4,
+      assignment=assignment)
+  assert st["rollout/consolidated_replicas"] < 8
+  assert st["rollout/consolidations"] >= 1
+  assert st["rollout/tail_moves"] > 0
+  assert st["rollout/reprefilled"] == st["rollout/tail_moves"]
+  _assert_same(samples, scores, setup[3])
 
 
 def test_budgets_force_the_lengths(setup):
@@ -229,3 +246,4 @@ def test_long_tail_config_errors_name_the_key(key, value, match):
   c.rollout.long_tail.update(enabled=True, **{key: value})
   with pytest.raises(ConfigError, match=f"config.rollout.long_tail.{match}="):
     RLJob.from_config(c)
+

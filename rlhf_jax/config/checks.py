@@ -186,12 +186,19 @@ def _check_rollout_layers(c: RLJob, num_devices) -> None:
     raise ConfigError(f"config.rollout.long_tail.replicas={lt.replicas} must "
                       f"be a power-of-two divisor of the {replicas} rollout "
                       "replicas")
-  if ro.engine == "paged" and (lt.enabled or w.num):
+  if ro.engine == "paged" and w.num:
     raise ConfigError(
-        "config.rollout.engine='paged' runs plain continuous batching on the "
-        "trainer's mesh; config.rollout.long_tail and config.rollout.workers "
-        "use the rows engine (set engine='rows', or long_tail.enabled=False "
-        "and workers.num=0)")
+        "config.rollout.engine='paged' decodes on the trainer's mesh only; "
+        "config.rollout.workers use the rows engine (set engine='rows', or "
+        "workers.num=0)")
+  if ro.engine == "paged" and lt.enabled and (
+      lt.migration != "reprefill" or lt.admission != "continuous"):
+    raise ConfigError(
+        "config.rollout.engine='paged' with long_tail moves tail samples by "
+        "recompute and admits continuously: set "
+        "config.rollout.long_tail.migration='reprefill' (got "
+        f"{lt.migration!r}) and admission='continuous' (got "
+        f"{lt.admission!r})")
   if not w.num:
     return
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():

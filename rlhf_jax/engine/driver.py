@@ -107,6 +107,13 @@ class Controller:
     del driver, request
     return free_rows[0]
 
+  def choose_replica(self, driver, replicas: list[int],
+                     request: Request) -> int:
+    """The data replica of the paged engine `request`'s group goes to,
+    among those with room (default: the one with the most free pages)."""
+    del request
+    return max(replicas, key=lambda r: (driver.pool.free_in(r), -r))
+
   def after_step(self, driver: "Driver") -> None:
     """Called after each decode step is dispatched."""
 

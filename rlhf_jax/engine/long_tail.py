@@ -63,29 +63,39 @@ class EngineSet:
     self._engine_args = engine_args
     self._engines: dict[int, Engine] = {}
     self._paged_args = paged
-    self._paged: PagedEngine | None = None
+    self._paged: dict[int, PagedEngine] = {}
 
   @property
   def is_paged(self) -> bool:
     return self._paged_args is not None
 
-  def paged_engine(self) -> PagedEngine:
-    """The paged engine on the whole layout (built on first use)."""
-    if self._paged is None:
+  def paged_engine(self, m: int | None = None) -> PagedEngine:
+    """The paged engine on replicas [0, m) (default: all; built on first
+    use). Every block's engine has the same slots, group entries and pages
+    per replica, so a block's decode state is the first replicas' part of
+    the whole one (`PagedEngine.adopt_state`)."""
+    m = self.replicas if m is None else m
+    if m not in self._paged:
       a, pa = self._engine_args, dict(self._paged_args)
       rows = self.rows_per_replica * self.replicas
       if not pa.get("num_pages"):
         # The bytes the rows engine reserves (both split over the replicas).
         pa.pop("num_pages", None)
         pa["kv_budget_bytes"] = self.engine(self.replicas).decode_state_bytes()
-      self._paged = PagedEngine(
-          self.cfg, self.graphdef, self.layout,
+      if m != self.replicas:
+        full = self.paged_engine()
+        pa = dict(page_size=full.page_size,
+                  num_pages=full.num_pages // self.replicas * m,
+                  num_slots=full.num_slots // self.replicas * m,
+                  num_groups=full.num_groups // self.replicas * m)
+      self._paged[m] = PagedEngine(
+          self.cfg, self.graphdef, self.parts(m)[0],
           num_slots=pa.pop("num_slots") or 2 * rows * a["samples_per_row"],
           samples_per_group=a["samples_per_row"],
           prefill_buckets=a["prefill_buckets"], sampling=a["sampling"],
           attention_impl=a.get("attention_impl", "auto"),
           max_common_length=a.get("max_common_length", 0), **pa)
-    return self._paged
+    return self._paged[m]
 
   @property
   def sampling(self):
@@ -113,16 +123,7 @@ class EngineSet:
     """
     if m == self.replicas:
       return params
-    shardings = self.engine(m).param_shardings
-
-    def view(x, sharding):
-      by_device = {s.device: s.data for s in x.addressable_shards}
-      return jax.make_array_from_single_device_arrays(
-          x.shape, sharding,
-          [by_device[d] for d in sharding.addressable_devices_indices_map(
-              x.shape)])
-
-    return jax.tree.map(view, params, shardings)
+    return jax.tree.map(submesh.view, params, self.engine(m).param_shardings)
 
 
 class TailController(Controller):
@@ -188,11 +189,14 @@ class TailController(Controller):
     if self._last is not None:
       self.step_times.setdefault(self.m, []).append(now - self._last)
     self._last = now
-    rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
-    busy = {s // G // rpr for s in driver.live}
+    busy = self._busy_replicas(driver)
     for r in range(self.m):
       self._set_phase(r, "rollout" if r in busy else "idle", now)
     self._poll_scores(now)
+
+  def _busy_replicas(self, driver) -> set[int]:
+    rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
+    return {s // G // rpr for s in driver.live}
 
   def close_spans(self):
     now = self.timeline.now()
@@ -256,18 +260,23 @@ class TailController(Controller):
     self.moves += moved + len(redo_samples)
     self.reprefilled += len(redo_samples)
     self.moved_bytes += migrate.row_bytes(src) * len(off)
+    self._switched(now, state, m, f"{len(live_rows)} live rows",
+                   moved + len(redo_samples), len(redo_samples))
+
+  def _switched(self, now, state, m, what, moved, reprefilled):
+    """Accounting of a consolidation that started at `now`."""
     jax.block_until_ready(state)
     end = self.timeline.now()
     self.move_s += end - now
     self.consolidations += 1
-    for r in range(o.replicas):
+    for r in range(self.o.replicas):
       self._set_phase(r, "repartition", now)
-    for r in range(o.replicas):
+    for r in range(self.o.replicas):
       self._set_phase(r, "idle", end)
     logging.info(
-        "long-tail consolidation: %d live rows, %d -> %d replicas, %d samples "
-        "moved (%d re-prefilled), %.3fs", len(live_rows), self.m, m,
-        moved + len(redo_samples), len(redo_samples), end - now)
+        "long-tail consolidation: %s, %d -> %d replicas, %d samples moved "
+        "(%d re-prefilled), %.3fs", what, self.m, m, moved, reprefilled,
+        end - now)
     self.m = m
     self._last = None
 
@@ -329,3 +338,66 @@ class TailController(Controller):
       self.buffer = []
       self._poll_scores(self.timeline.now(), block=True)
     return self.scores
+
+
+class PagedTailController(TailController):
+  """`TailController` for the paged engine (`PagedDriver`): the same spans,
+  fused scoring and R_t trigger, at group level.
+
+    * assignment: a prompt's group goes to the replica with the least
+      predicted work admitted (RLHFless), among those with room;
+    * consolidation: onto the smallest block whose replicas hold the
+      unfinished groups, their samples and pages
+      (`sched.tail.paged_consolidation_block`); `PagedDriver.consolidate`
+      keeps the block's replicas as they are and admits the other groups
+      again there (prompt re-prefilled, samples recomputed: the paged
+      engine moves by recompute, `migration="reprefill"`).
+  """
+
+  def __init__(self, engines: EngineSet, tail: LongTail, predict, **kw):
+    super().__init__(engines, tail, predict, **kw)
+    self._no_gain = engines.paged_engine().num_groups + 1
+
+  def choose_replica(self, driver, replicas, request):
+    if self.tail.assignment == "length":
+      r = min(replicas, key=lambda r: (self.load[r], -driver.pool.free_in(r),
+                                       r))
+    else:
+      r = super().choose_replica(driver, replicas, request)
+    self.load[r] += self.predict(request) * request.num_samples
+    self.admitted += request.num_samples
+    return r
+
+  def _busy_replicas(self, driver) -> set[int]:
+    return {driver.engine.replica_of(s) for s in driver.live}
+
+  @staticmethod
+  def _unfinished(driver) -> int:
+    return len(driver.live) + sum(len(g.waiting)
+                                  for g in driver.groups.values())
+
+  def wants_switch(self, driver):
+    return tail_rules.consolidation_due(
+        self._unfinished(driver), self.admitted, self.tail.consolidate_below,
+        pending=bool(driver.pending), replicas=self.m,
+        live_rows=len(driver.groups), no_gain=self._no_gain)
+
+  def switch(self, driver):
+    eng, o = driver.engine, self.o
+    D = eng.replicas
+    m = tail_rules.paged_consolidation_block(
+        len(driver.groups), self._unfinished(driver),
+        driver.pool.num_used + eng.max_own_pages,
+        (eng.num_groups // D, eng.num_slots // D, eng.num_pages // D),
+        o.sizes, self.m)
+    if m >= self.m:  # Nothing to gain yet: ask again with fewer groups.
+      self._no_gain = len(driver.groups)
+      return
+    now = self.timeline.now()
+    groups = len(driver.groups)
+    moved = driver.consolidate(o.paged_engine(m),
+                               o.params_for(self.full_params, m))
+    self.moves += moved
+    self.reprefilled += moved
+    self._switched(now, driver.state, m, f"{groups} unfinished groups",
+                   moved, moved)

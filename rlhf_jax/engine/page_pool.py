@@ -50,6 +50,15 @@ class PagePool:
   def num_used(self) -> int:
     return self.num_pages - self.num_free
 
+  def first(self, replicas: int) -> "PagePool":
+    """The pool of the first `replicas` replicas (same ids and counts):
+    what remains when the rest are given up."""
+    out = PagePool(replicas * self.per_replica, self.page_size, replicas)
+    out._refs = self._refs[:out.num_pages].copy()
+    out._free = [list(f) for f in self._free[:replicas]]
+    out.peak_used = out.num_used
+    return out
+
   def free_in(self, replica: int) -> int:
     """Free pages of one replica."""
     return len(self._free[replica])

@@ -52,6 +52,7 @@ from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.engine.state import CommonPrefix, ResultTokens
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
 
 class PagedEngine(EngineBase):
@@ -217,6 +218,19 @@ class PagedEngine(EngineBase):
     fields.update(common_k=common.k, common_v=common.v,
                   common_len=common.length)
     return PagedState(**fields)
+
+  def adopt_state(self, src: "PagedEngine", state: PagedState) -> PagedState:
+    """`src`'s decode state (an engine on more replicas: this one's first,
+    the same blocks per replica) seen on this engine's replicas without a
+    copy: their slots, groups and pages as they are; the other replicas'
+    are dropped. Takes `src`'s common prefix too."""
+    self.copy_common_prefix(src)
+    self._state_common_version = self._common_version
+    fields = self._fields()
+    return PagedState(**{
+        name: submesh.view(getattr(state, name),
+                           getattr(self.state_shardings, name),
+                           fields[name][1]) for name in fields})
 
   def init_decode_state(self) -> PagedState:
     """An empty state (no groups, no samples, every page free) holding the

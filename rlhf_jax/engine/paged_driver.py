@@ -25,6 +25,11 @@ with the decisions a page pool needs, all taken here on the host:
   slot). Admission and restarts never preempt: they wait for pages. A
   sample whose own tokens alone cannot fit the pool is a configuration
   error said at construction (`check_fits`), never a silent truncation.
+- Consolidation (`consolidate`, called by a long-tail controller): the run
+  continues on an engine over the first replicas only. Their slots, groups
+  and pages stay as they are (the state is viewed there, no copy); a group
+  on a dropped replica is admitted again: its prompt prefilled anew and its
+  live samples recomputed (`extend`), with the same tokens.
 """
 
 from __future__ import annotations
@@ -36,10 +41,19 @@ from typing import Iterable
 
 import numpy as np
 
-from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
+from rlhf_jax.engine.driver import (Controller, Driver, Partial, Request,
+                                   Sample)
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_state import PagedPrefill
+
+
+def _member_samples(req: Request) -> list[int]:
+  """Sample index of each member of a request's group: first tokens are
+  drawn and kept per member (also for a group admitted again, whose
+  waiting samples are a reordered subset)."""
+  return list(range(req.first_sample_index,
+                    req.first_sample_index + req.num_samples))
 
 
 @dataclasses.dataclass
@@ -92,6 +106,7 @@ class PagedStats:
   peak_live: int = 0
   peak_kv_tokens: int = 0    # Tokens with KV in the pool (prompts once).
   groups_by_replica: list = dataclasses.field(default_factory=list)
+  moved_samples: int = 0     # Left a dropped replica (`consolidate`).
 
 
 class PagedDriver(Driver):
@@ -104,10 +119,10 @@ class PagedDriver(Driver):
   # ------------------------------------------------------------ the run
   def start(self, requests: Iterable[Request] = (), *, common_prefix=None,
             min_common_length: int = 16, admission: str = "continuous",
-            controller=None) -> None:
-    if admission != "continuous" or controller is not None:
-      raise ValueError("the paged driver does continuous admission without "
-                       "a controller")
+            controller: Controller | None = None) -> None:
+    if admission != "continuous":
+      raise ValueError("the paged driver admits continuously (sample-level "
+                       f"batching), got admission={admission!r}")
     eng: PagedEngine = self.engine
     pending, common = self._open(requests, common_prefix, min_common_length)
     D = eng.replicas
@@ -120,13 +135,16 @@ class PagedDriver(Driver):
                         for r in range(D)]
     self._free_entries = blocks(eng.num_groups)
     self._free_slots = blocks(eng.num_slots)
-    self._common, self._admission, self._controller = common, admission, None
+    self._common, self._admission = common, admission
+    self._controller = controller or Controller()
+    self._readmit: collections.deque[_Group] = collections.deque()
     self._events = collections.deque()
     self._order = 0
 
   @property
   def busy(self) -> bool:
-    return bool(self.pending or self.live or self._events or self.groups)
+    return bool(self.pending or self.live or self._events or self.groups
+                or self._readmit)
 
   def _validate(self, req: Request, common: np.ndarray) -> None:
     super()._validate(req, common)
@@ -163,6 +181,7 @@ class PagedDriver(Driver):
       result.copy_to_host_async()
       self.stats.steps += 1
       self._events.append(("step", result, self.stats.steps))
+      self._controller.after_step(self)
     self.paged.peak_live = max(self.paged.peak_live, len(self.live))
     kv_tokens = (sum(g.length for g in self.groups.values()) +
                  sum(max(len(s.tokens) - 1, 0) for s in self.live.values()))
@@ -172,19 +191,29 @@ class PagedDriver(Driver):
     while events and (len(events) > 1 or not self.live or
                       events[0][0] == "insert"):
       out.extend(self._consume(events.popleft(), self.live))
+    if self.live and self._controller.wants_switch(self):
+      while events:  # The switch needs every sample's host state current.
+        out.extend(self._consume(events.popleft(), self.live))
+      if self.live:
+        self._controller.switch(self)
+    if not self.busy and self.pool.num_used:  # An invariant, checked.
+      raise RuntimeError(f"{self.pool.num_used} pages still held after the "
+                         "run")
     return out
 
   # ---------------------------------------------------------- decisions
   def _admit(self) -> None:
     """Prefills pending prompts into free entries, `prefill_batch` a call,
-    while pages and unclaimed slots allow."""
+    while pages and unclaimed slots allow; groups to admit again (from a
+    consolidation) go first."""
     eng: PagedEngine = self.engine
     waiting = [0] * eng.replicas
     for g in self.groups.values():
       waiting[g.replica] += len(g.waiting)
     batch = []
-    while self.pending and len(batch) < eng.prefill_batch:
-      req = self.pending[0]
+    while (self._readmit or self.pending) and len(batch) < eng.prefill_batch:
+      again = self._readmit[0] if self._readmit else None
+      req = again.request if again else self.pending[0]
       own = np.asarray(req.tokens, np.int32)[self._common.size:]
       need = self.pool_pages_for(own.size)
       # Prompt pages never take the last sample's worth of a replica's
@@ -196,19 +225,25 @@ class PagedDriver(Driver):
               and self.pool.free_in(r) - need >= eng.max_own_pages]
       if not room:
         break
-      r = max(room, key=lambda r: (self.pool.free_in(r), -r))
+      r = (Controller.choose_replica(self._controller, self, room, req)
+           if again else self._controller.choose_replica(self, room, req))
       pages = self.pool.allocate(need, r)
       self.paged.groups_by_replica[r] += 1
-      self.pending.popleft()
-      self._order += 1
-      group = _Group(req, self._free_entries[r].pop(), int(own.size), pages,
-                     collections.deque(
-                         _Waiting(j, req.first_sample_index + j,
-                                  req.budget(j, eng.sampling.max_new_tokens))
-                         for j in range(req.num_samples)), r, self._order)
+      if again:
+        group = self._readmit.popleft()
+        group.entry, group.pages, group.replica = (
+            self._free_entries[r].pop(), pages, r)
+      else:
+        self.pending.popleft()
+        self._order += 1
+        group = _Group(req, self._free_entries[r].pop(), int(own.size), pages,
+                       collections.deque(
+                           _Waiting(j, req.first_sample_index + j,
+                                    req.budget(j, eng.sampling.max_new_tokens))
+                           for j in range(req.num_samples)), r, self._order)
       self.groups[group.entry] = group
       batch.append((group, own))
-      waiting[r] += req.num_samples
+      waiting[r] += len(group.waiting)
     if not batch:
       return
     chunk = eng.chunk_length
@@ -226,7 +261,7 @@ class PagedDriver(Driver):
     pre = eng.prefill(
         self.params, [(own, g.request.prompt_id) for g, own in batch],
         [r.prompt_id for r in reqs], [r.seed for r in reqs],
-        [[w.sample_idx for w in g.waiting] for g, _ in batch])
+        [_member_samples(g.request) for g, _ in batch])
     self.state = eng.insert(
         self.state, pre, [g.entry for g, _ in batch],
         [g.pages for g, _ in batch], [g.length for g, _ in batch],
@@ -243,7 +278,7 @@ class PagedDriver(Driver):
     tokens are drawn after the last chunk."""
     eng: PagedEngine = self.engine
     req, chunk = group.request, eng.chunk_length
-    idx = [w.sample_idx for w in group.waiting]
+    idx = _member_samples(req)
     pre = eng.prefill(self.params, [(own[:chunk], req.prompt_id)],
                       [req.prompt_id], [req.seed], [idx])
     self.state = eng.insert(self.state, pre, [group.entry],
@@ -333,6 +368,36 @@ class PagedDriver(Driver):
     it.group.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
                                          it.tokens, it.logp, it.logp_raw))
     self.paged.preemptions += 1
+
+  def consolidate(self, engine: PagedEngine, params) -> int:
+    """Continues the run on `engine`, an engine on this one's first
+    replicas (`EngineSet.paged_engine`), with `params` there. Call with
+    every result read. Returns the samples that left a dropped replica:
+    they wait in their group, admitted again (prompt prefill on a kept
+    replica) and recomputed from their tokens."""
+    m = engine.replicas
+    moved = 0
+    for slot, it in sorted(self.live.items(), key=lambda x: -x[1].order):
+      if it.group.replica >= m:
+        del self.live[slot]
+        it.group.live -= 1
+        it.group.waiting.appendleft(_Waiting(
+            it.member, it.sample_idx, it.budget, it.tokens, it.logp,
+            it.logp_raw))
+        moved += 1
+    gone = sorted((g for g in self.groups.values() if g.replica >= m),
+                  key=lambda g: g.order)
+    for g in gone:
+      del self.groups[g.entry]
+      g.pages = []  # Their pages go with the dropped replicas' pool.
+    self._readmit.extend(gone)
+    self.state = engine.adopt_state(self.engine, self.state)
+    self.engine, self.params = engine, params
+    self.pool = self.pool.first(m)
+    self._free_slots = self._free_slots[:m]
+    self._free_entries = self._free_entries[:m]
+    self.paged.moved_samples += moved
+    return moved
 
   def evict(self, row: int):
     raise NotImplementedError(

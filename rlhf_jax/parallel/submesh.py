@@ -87,3 +87,16 @@ def move(tree: Any, shardings: Any, *, donate: bool = True) -> Any:
   if donate:
     repartition.free_unshared(tree, out)
   return out
+
+
+def view(x: jax.Array, sharding, shape: Sequence[int] | None = None):
+  """`x` on `sharding` without a copy: the array of `shape` (default x's)
+  built from the shards x already has on `sharding`'s devices. Right when
+  each of those devices holds the same block in both (a replicated array
+  on a sub-block of its devices; a replica-split array on its first
+  replicas, `shape` then the first replicas' part)."""
+  shape = x.shape if shape is None else tuple(shape)
+  by_device = {s.device: s.data for s in x.addressable_shards}
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding,
+      [by_device[d] for d in sharding.addressable_devices_indices_map(shape)])

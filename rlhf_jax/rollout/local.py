@@ -28,7 +28,8 @@ from rlhf_jax.data.batching import PromptBatch
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.driver import Driver, Request, Sample
 from rlhf_jax.engine.paged_driver import PagedDriver
-from rlhf_jax.engine.long_tail import EngineSet, Scorer, TailController
+from rlhf_jax.engine.long_tail import (EngineSet, PagedTailController, Scorer,
+                                      TailController)
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import assignment, continuous
 from rlhf_jax.sched.length_history import LengthHistory
@@ -172,11 +173,13 @@ class LocalRollout(Rollout):
   # ------------------------------------------------------------ helpers
   def _tail_driver(self, m: int, step: int, scorer):
     eng = self.engines
-    ctl = TailController(eng, self.tail, self.predicted,
-                         full_params=self.params, m=m,
-                         timeline=self.timeline, step=step, scorer=scorer)
-    driver = Driver(eng.engine(m), eng.params_for(self.params, m),
-                    weight_version=self.version)
+    kind, driver_cls, engine = (
+        (PagedTailController, PagedDriver, eng.paged_engine(m))
+        if eng.is_paged else (TailController, Driver, eng.engine(m)))
+    ctl = kind(eng, self.tail, self.predicted, full_params=self.params, m=m,
+               timeline=self.timeline, step=step, scorer=scorer)
+    driver = driver_cls(engine, eng.params_for(self.params, m),
+                        weight_version=self.version)
     return driver, ctl
 
   def _learn_lengths(self, requests, samples) -> float:

@@ -83,6 +83,19 @@ def consolidation_block(rows_needed: int, rows_per_replica: int,
   return min(fits) if fits else current
 
 
+def paged_consolidation_block(groups: int, samples: int, pages: int,
+                              per_replica: tuple[int, int, int],
+                              sizes: Sequence[int], current: int) -> int:
+  """The paged engine's `consolidation_block`: the smallest block whose
+  replicas hold the unfinished groups, their samples (live and waiting)
+  and `pages` pages; `per_replica` is (group entries, slots, pages) of one
+  replica. Else `current`: nothing to gain."""
+  R, S, P = per_replica
+  fits = [m for m in sizes
+          if m * R >= groups and m * S >= samples and m * P >= pages]
+  return min(fits) if fits else current
+
+
 def remap_rows(live_rows: Sequence[int], cap: int,
                extra: int = 0) -> tuple[dict[int, int], list[int]]:
   """Where the live rows go on a block of `cap` rows, and `extra` free rows.
