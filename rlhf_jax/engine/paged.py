@@ -149,6 +149,8 @@ class PagedEngine(EngineBase):
                              donate_argnums=0)
     self._extend_jit = jax.jit(self._extend_fn, out_shardings=st,
                                donate_argnums=1)
+    self._recompute_jit = jax.jit(self._recompute_fn, out_shardings=st,
+                                  donate_argnums=1)
     self._prompt_chunk_jit = jax.jit(
         self._prompt_chunk_fn, out_shardings=(st, (rep,) * 3),
         donate_argnums=1)
@@ -360,6 +362,42 @@ class PagedEngine(EngineBase):
           generated=state.generated.at[slot].add(count),
           active=state.active.at[slot].set(active))
 
+  def _recompute_fn(self, params, state: PagedState, entry, slots_X,
+                    own_rows_XxB, feed_XxE, counts_X, next_X) -> PagedState:
+    """Several just-started samples of group `entry` get back the KV of
+    their tokens so far in one call: row x feeds feed_XxE[x, :counts_X[x]]
+    (its first token onwards) after the common prefix and the group's
+    prompt (shared by the rows), writes their KV into its own pages, and
+    feeds next_X[x] next. Padding rows: slot S."""
+    self.trace_counts["recompute"] += 1
+    with use_layout(self.layout):
+      S = state.active.shape[0]
+      sl = jnp.minimum(slots_X, S - 1)
+      X, E = feed_XxE.shape
+      ck, cv, total = dense_context(
+          state, [(state.group_pages[entry], state.group_len[entry])])
+      index = jnp.arange(E, dtype=jnp.int32)
+      pos = state.positions[sl][:, None] + index[None]
+      _, (k, v) = model_lib.prefill(
+          self.graphdef, params, feed_XxE, pos, index[None] < counts_X[:, None],
+          jnp.maximum(counts_X - 1, 0), context=(ck, cv, total))
+      T, num_pages = self.page_size, state.k_pages.shape[2]
+      page = jnp.take_along_axis(
+          own_rows_XxB, jnp.minimum(index[None] // T, own_rows_XxB.shape[1] - 1)
+          .repeat(X, axis=0), axis=1)
+      page = jnp.where((index[None] < counts_X[:, None]) & (slots_X < S)[:, None],
+                       page, num_pages)                          # [X, E]
+      put = lambda pages, x: pages.at[:, :, page, index % T].set(
+          x.transpose(0, 3, 1, 2, 4).astype(pages.dtype), mode="drop")
+      at = lambda a, x: a.at[slots_X].set(x, mode="drop")
+      return state.replace(
+          k_pages=put(state.k_pages, k), v_pages=put(state.v_pages, v),
+          own_pages=at(state.own_pages, own_rows_XxB),
+          own_len=at(state.own_len, state.own_len[sl] + counts_X),
+          tokens=at(state.tokens, next_X),
+          positions=at(state.positions, state.positions[sl] + counts_X),
+          generated=at(state.generated, state.generated[sl] + counts_X))
+
   def _prompt_chunk_fn(self, params, state: PagedState, entry, prompt_row_A,
                        tokens_E, start, count, sample_idx_G):
     """Chunked prefill: tokens start..start+count of group `entry`'s prompt
@@ -534,6 +572,26 @@ class PagedEngine(EngineBase):
     row[:len(own_row)] = own_row
     return self._extend_jit(params, state, np.int32(slot), row, padded,
                             np.int32(tokens.size), np.bool_(active))
+
+  def recompute(self, params, state: PagedState, entry: int,
+                samples) -> PagedState:
+    """Recomputes the KV of samples of group `entry` just started again
+    (`start`, after a preemption or a consolidation) in one call:
+    `samples` are (slot, own page ids covering its tokens, its tokens so
+    far: 2 or more). Each continues after its last token, as if it had
+    never stopped."""
+    X = pow2_at_least(len(samples), self.num_slots)
+    E = pow2_at_least(max(len(t) for _, _, t in samples) - 1, 1 << 30)
+    slots = np.full(X, self.num_slots, np.int32)
+    rows = np.zeros((X, self.max_own_pages), np.int32)
+    feed = np.zeros((X, E), np.int32)
+    counts, nxt = np.zeros(X, np.int32), np.zeros(X, np.int32)
+    for x, (slot, pages, tokens) in enumerate(samples):
+      slots[x], counts[x], nxt[x] = slot, len(tokens) - 1, tokens[-1]
+      rows[x, :len(pages)] = pages
+      feed[x, :len(tokens) - 1] = tokens[:-1]
+    return self._recompute_jit(params, state, np.int32(entry), slots, rows,
+                               feed, counts, nxt)
 
   def prefill_chunk(self, params, state: PagedState, entry: int, pages,
                     tokens, start: int, sample_indices):

@@ -20,16 +20,17 @@ with the decisions a page pool needs, all taken here on the host:
   that replica is preempted: it is
   stopped on the device, its own pages are freed, and it goes back to the
   front of its group's waiting samples with the tokens read so far. When it
-  gets a slot again, `PagedEngine.extend` recomputes its KV and it
-  continues with the same tokens (sampling keys do not depend on the
-  slot). Admission and restarts never preempt: they wait for pages. A
+  gets a slot again, `PagedEngine.recompute` recomputes its KV (one call
+  for the samples of a group started together) and it continues with the
+  same tokens (sampling keys do not depend on the slot). Admission and
+  restarts never preempt: they wait for pages. A
   sample whose own tokens alone cannot fit the pool is a configuration
   error said at construction (`check_fits`), never a silent truncation.
 - Consolidation (`consolidate`, called by a long-tail controller): the run
   continues on an engine over the first replicas only. Their slots, groups
   and pages stay as they are (the state is viewed there, no copy); a group
   on a dropped replica is admitted again: its prompt prefilled anew and its
-  live samples recomputed (`extend`), with the same tokens.
+  live samples recomputed, with the same tokens.
 """
 
 from __future__ import annotations
@@ -326,13 +327,15 @@ class PagedDriver(Driver):
         (slot, it.group.entry, it.member, it.sample_idx, it.budget, it.pages)
         for slot, it in started])
     out = []
+    redo = collections.defaultdict(list)  # Group entry -> samples.
     for slot, it in started:
-      if len(it.tokens) > 1:  # Preempted: recompute the KV it had.
-        self.state = eng.extend(self.params, self.state, slot, it.pages,
-                                it.tokens[1:])
+      if len(it.tokens) > 1:  # Preempted or moved: recompute its KV.
+        redo[it.group.entry].append((slot, it.pages, it.tokens))
         self.paged.recomputed_tokens += len(it.tokens) - 1
       elif not it.tokens and it.group.first is not None:
         out.extend(self._take_first(slot, it))
+    for entry, samples in redo.items():  # One call per group.
+      self.state = eng.recompute(self.params, self.state, entry, samples)
     return out
 
   def _grow(self) -> list[tuple[int, int, int]]:
