@@ -113,20 +113,27 @@ def _assert_same(samples, scores, plain):
   assert set(scores) == set(plain)
 
 
-@pytest.mark.parametrize("assignment", ["fifo", "length"])
-def test_paged_consolidation_keeps_tokens(setup, assignment):
+@pytest.mark.parametrize("migration,assignment",
+                         [("kv", "fifo"), ("reprefill", "length")])
+def test_paged_consolidation_keeps_tokens(setup, migration, assignment):
   """The paged engine's long tail on 8 replicas (pools of 8 pages each):
-  groups on the dropped replicas are admitted again on the kept ones and
-  their samples recomputed; the plain row engine's tokens, every sample
-  once, scores for all, and every page back (the driver checks)."""
+  groups on the dropped replicas move onto the kept ones, their pages
+  ("kv") or a re-prefill and recompute; the plain row engine's tokens,
+  every sample once, scores for all, and every page back (the driver
+  checks)."""
   samples, scores, st = _run(
       setup, paged=dict(page_size=4, num_pages=64, num_slots=16),
-      consolidate_below=0.5, migration="reprefill", score_chunk=4,
+      consolidate_below=0.5, migration=migration, score_chunk=4,
       assignment=assignment)
   assert st["rollout/consolidated_replicas"] < 8
   assert st["rollout/consolidations"] >= 1
   assert st["rollout/tail_moves"] > 0
-  assert st["rollout/reprefilled"] == st["rollout/tail_moves"]
+  if migration == "kv":
+    assert st["rollout/moved_bytes"] > 0
+    assert st["rollout/reprefilled"] < st["rollout/tail_moves"]
+  else:
+    assert st["rollout/reprefilled"] == st["rollout/tail_moves"]
+    assert st["rollout/moved_bytes"] == 0
   _assert_same(samples, scores, setup[3])
 
 

@@ -191,13 +191,10 @@ def _check_rollout_layers(c: RLJob, num_devices) -> None:
         "config.rollout.engine='paged' decodes on the trainer's mesh only; "
         "config.rollout.workers use the rows engine (set engine='rows', or "
         "workers.num=0)")
-  if ro.engine == "paged" and lt.enabled and (
-      lt.migration != "reprefill" or lt.admission != "continuous"):
+  if ro.engine == "paged" and lt.enabled and lt.admission != "continuous":
     raise ConfigError(
-        "config.rollout.engine='paged' with long_tail moves tail samples by "
-        "recompute and admits continuously: set "
-        "config.rollout.long_tail.migration='reprefill' (got "
-        f"{lt.migration!r}) and admission='continuous' (got "
+        "config.rollout.engine='paged' admits samples continuously: set "
+        "config.rollout.long_tail.admission='continuous' (got "
         f"{lt.admission!r})")
   if not w.num:
     return

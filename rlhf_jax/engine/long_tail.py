@@ -349,9 +349,10 @@ class PagedTailController(TailController):
     * consolidation: onto the smallest block whose replicas hold the
       unfinished groups, their samples and pages
       (`sched.tail.paged_consolidation_block`); `PagedDriver.consolidate`
-      keeps the block's replicas as they are and admits the other groups
-      again there (prompt re-prefilled, samples recomputed: the paged
-      engine moves by recompute, `migration="reprefill"`).
+      keeps the block's replicas as they are and moves the other groups
+      there: their pages (`migration="kv"`), or a re-prefill of the prompt
+      and a recompute of the samples ("reprefill"; "auto": groups whose
+      samples hold at most `reprefill_max_tokens` tokens).
   """
 
   def __init__(self, engines: EngineSet, tail: LongTail, predict, **kw):
@@ -395,9 +396,19 @@ class PagedTailController(TailController):
       return
     now = self.timeline.now()
     groups = len(driver.groups)
-    moved = driver.consolidate(o.paged_engine(m),
-                               o.params_for(self.full_params, m))
-    self.moves += moved
-    self.reprefilled += moved
+
+    def kv_groups(gone):  # `migration`: which groups move their pages.
+      tokens = {g.order: sum(len(it.tokens) for it in driver.live.values()
+                             if it.group is g) for g in gone}
+      redo = set(tail_rules.reprefill_choice(tokens, t.migration,
+                                             t.reprefill_max_tokens))
+      return [g for g in gone if g.order not in redo]
+
+    t = self.tail
+    moved, redo, nbytes = driver.consolidate(
+        o.paged_engine(m), o.params_for(self.full_params, m), kv_groups)
+    self.moves += moved + redo
+    self.reprefilled += redo
+    self.moved_bytes += nbytes
     self._switched(now, driver.state, m, f"{groups} unfinished groups",
-                   moved, moved)
+                   moved + redo, redo)

@@ -24,12 +24,10 @@ donated `PagedState`:
   prefill(params, prompts)                 batched: several prompts a call
   insert(state, prefill, entries, pages)   prompt KV into pages, group rows
   start(state, starts)                     samples into free slots
-  extend(params, state, slot, tokens, ...) KV of tokens appended to a live
-                                           sample (a preempted sample's
-                                           recompute; multi-turn input)
   generate(params, state, growth, A, B)    one token for every live slot
   stop(state, slots)                       deactivate slots (preemption)
-Sampling keys are (seed, prompt id, sample index, position) as in `Engine`:
+and the KV appends and moves of `paged_moves.PagedMoves` (extend,
+prefill_chunk, recompute, gather_kv, place, adopt_state). Sampling keys are (seed, prompt id, sample index, position) as in `Engine`:
 a sample's tokens do not depend on its slot, its page ids, its neighbours
 or on being preempted and recomputed.
 """
@@ -45,17 +43,16 @@ import numpy as np
 
 from kernels_pallas import paged_decode_attention as pda
 from rlhf_jax.engine.engine import EngineBase
+from rlhf_jax.engine.paged_moves import PagedMoves
 from rlhf_jax.engine.paged_state import (
-    STEP_FLOORS, PagedPrefill, PagedState, dense_context, pow2_at_least,
-    state_fields, write_tokens)
+    STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields)
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.engine.state import CommonPrefix, ResultTokens
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
-from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
 
-class PagedEngine(EngineBase):
+class PagedEngine(PagedMoves, EngineBase):
   """Paged prefill / insert / start / generate over S slots."""
 
   def __init__(self, cfg: ModelConfig, graphdef, layout: Layout, *,
@@ -151,6 +148,9 @@ class PagedEngine(EngineBase):
                                donate_argnums=1)
     self._recompute_jit = jax.jit(self._recompute_fn, out_shardings=st,
                                   donate_argnums=1)
+    self._place_jit = jax.jit(self._place_fn, out_shardings=st,
+                              donate_argnums=0)
+    self._gather_jit = jax.jit(self._gather_fn, out_shardings=(rep, rep))
     self._prompt_chunk_jit = jax.jit(
         self._prompt_chunk_fn, out_shardings=(st, (rep,) * 3),
         donate_argnums=1)
@@ -220,19 +220,6 @@ class PagedEngine(EngineBase):
     fields.update(common_k=common.k, common_v=common.v,
                   common_len=common.length)
     return PagedState(**fields)
-
-  def adopt_state(self, src: "PagedEngine", state: PagedState) -> PagedState:
-    """`src`'s decode state (an engine on more replicas: this one's first,
-    the same blocks per replica) seen on this engine's replicas without a
-    copy: their slots, groups and pages as they are; the other replicas'
-    are dropped. Takes `src`'s common prefix too."""
-    self.copy_common_prefix(src)
-    self._state_common_version = self._common_version
-    fields = self._fields()
-    return PagedState(**{
-        name: submesh.view(getattr(state, name),
-                           getattr(self.state_shardings, name),
-                           fields[name][1]) for name in fields})
 
   def init_decode_state(self) -> PagedState:
     """An empty state (no groups, no samples, every page free) holding the
@@ -326,100 +313,6 @@ class PagedEngine(EngineBase):
     self.trace_counts["stop"] += 1
     return state.replace(active=state.active.at[slots_X].set(False,
                                                              mode="drop"))
-
-  def _attend_after(self, params, state: PagedState, feed_E, pos0, count,
-                    pieces):
-    """Runs feed_E[:count] at positions pos0.. after a context (the common
-    prefix, then each (page ids, length) piece: `dense_context`). Returns
-    the logits of the last fed token [V] and the fed tokens' KV
-    [L, E, N, K]."""
-    ck, cv, total = dense_context(state, pieces)
-    index = jnp.arange(feed_E.shape[0], dtype=jnp.int32)
-    logits, (k, v) = model_lib.prefill(
-        self.graphdef, params, feed_E[None], (pos0 + index)[None],
-        (index < count)[None], (count - 1)[None], context=(ck, cv, total))
-    return logits[0], k[:, 0], v[:, 0]
-
-  def _extend_fn(self, params, state: PagedState, slot, own_row_B,
-                 tokens_E, count, active) -> PagedState:
-    """Appends `count` tokens to a sample: the token it feeds now and
-    tokens_E[:count-1] get KV in its pages (attending to the common prefix,
-    its prompt and its own tokens); tokens_E[count-1] is fed next."""
-    self.trace_counts["extend"] += 1
-    with use_layout(self.layout):
-      g = state.slot_group[slot]
-      o_len = state.own_len[slot]
-      feed = jnp.concatenate([state.tokens[slot][None], tokens_E[:-1]])
-      _, k, v = self._attend_after(
-          params, state, feed, state.positions[slot], count,
-          [(state.group_pages[g], state.group_len[g]), (own_row_B, o_len)])
-      state = write_tokens(state, own_row_B, o_len, count, k, v)
-      return state.replace(
-          own_pages=state.own_pages.at[slot].set(own_row_B),
-          own_len=state.own_len.at[slot].add(count),
-          tokens=state.tokens.at[slot].set(tokens_E[count - 1]),
-          positions=state.positions.at[slot].add(count),
-          generated=state.generated.at[slot].add(count),
-          active=state.active.at[slot].set(active))
-
-  def _recompute_fn(self, params, state: PagedState, entry, slots_X,
-                    own_rows_XxB, feed_XxE, counts_X, next_X) -> PagedState:
-    """Several just-started samples of group `entry` get back the KV of
-    their tokens so far in one call: row x feeds feed_XxE[x, :counts_X[x]]
-    (its first token onwards) after the common prefix and the group's
-    prompt (shared by the rows), writes their KV into its own pages, and
-    feeds next_X[x] next. Padding rows: slot S."""
-    self.trace_counts["recompute"] += 1
-    with use_layout(self.layout):
-      S = state.active.shape[0]
-      sl = jnp.minimum(slots_X, S - 1)
-      X, E = feed_XxE.shape
-      ck, cv, total = dense_context(
-          state, [(state.group_pages[entry], state.group_len[entry])])
-      index = jnp.arange(E, dtype=jnp.int32)
-      pos = state.positions[sl][:, None] + index[None]
-      _, (k, v) = model_lib.prefill(
-          self.graphdef, params, feed_XxE, pos, index[None] < counts_X[:, None],
-          jnp.maximum(counts_X - 1, 0), context=(ck, cv, total))
-      T, num_pages = self.page_size, state.k_pages.shape[2]
-      page = jnp.take_along_axis(
-          own_rows_XxB, jnp.minimum(index[None] // T, own_rows_XxB.shape[1] - 1)
-          .repeat(X, axis=0), axis=1)
-      page = jnp.where((index[None] < counts_X[:, None]) & (slots_X < S)[:, None],
-                       page, num_pages)                          # [X, E]
-      put = lambda pages, x: pages.at[:, :, page, index % T].set(
-          x.transpose(0, 3, 1, 2, 4).astype(pages.dtype), mode="drop")
-      at = lambda a, x: a.at[slots_X].set(x, mode="drop")
-      return state.replace(
-          k_pages=put(state.k_pages, k), v_pages=put(state.v_pages, v),
-          own_pages=at(state.own_pages, own_rows_XxB),
-          own_len=at(state.own_len, state.own_len[sl] + counts_X),
-          tokens=at(state.tokens, next_X),
-          positions=at(state.positions, state.positions[sl] + counts_X),
-          generated=at(state.generated, state.generated[sl] + counts_X))
-
-  def _prompt_chunk_fn(self, params, state: PagedState, entry, prompt_row_A,
-                       tokens_E, start, count, sample_idx_G):
-    """Chunked prefill: tokens start..start+count of group `entry`'s prompt
-    (its first `start` already in its pages `prompt_row_A`) attend to the
-    common prefix and the prompt so far; their KV goes to its pages, and G
-    first tokens are drawn after them (the last chunk's are the group's)."""
-    self.trace_counts["prompt_chunk"] += 1
-    with use_layout(self.layout):
-      c_len = state.common_len
-      logits, k, v = self._attend_after(
-          params, state, tokens_E, c_len + start, count,
-          [(prompt_row_A, start)])
-      state = write_tokens(state, prompt_row_A, start, count, k, v)
-      G = sample_idx_G.shape[0]
-      keys = token_keys(state.group_seed[entry], state.group_prompt_id[entry],
-                        sample_idx_G, c_len + start + count)
-      first = sample(jnp.broadcast_to(logits, (G,) + logits.shape), keys,
-                     self.sampling)
-      return state.replace(
-          group_pages=state.group_pages.at[entry].set(prompt_row_A),
-          group_len=state.group_len.at[entry].set(start + count),
-          group_first=state.group_first.at[entry].set(first[0])), first
 
   def _generate_fn(self, params, state: PagedState, growth_Sx3, slots_X,
                    prompt_chunks: int, own_chunks: int):
@@ -556,58 +449,6 @@ class PagedEngine(EngineBase):
       cols[:, x] = slot, entry, member, idx, budget
       rows[x, :len(pages)] = pages
     return self._start_jit(state, *cols, rows)
-
-  def extend(self, params, state: PagedState, slot: int, own_row,
-             tokens, *, active: bool = True) -> PagedState:
-    """Appends `tokens` to the live sample in `slot`: the token it feeds
-    now and tokens[:-1] get KV (own pages `own_row`, covering the new
-    length); tokens[-1] is fed by the next step."""
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if not tokens.size:
-      raise ValueError("extend needs at least one token")
-    E = pow2_at_least(tokens.size, 1 << 30)
-    padded = np.zeros(E, np.int32)
-    padded[:tokens.size] = tokens
-    row = np.zeros(self.max_own_pages, np.int32)
-    row[:len(own_row)] = own_row
-    return self._extend_jit(params, state, np.int32(slot), row, padded,
-                            np.int32(tokens.size), np.bool_(active))
-
-  def recompute(self, params, state: PagedState, entry: int,
-                samples) -> PagedState:
-    """Recomputes the KV of samples of group `entry` just started again
-    (`start`, after a preemption or a consolidation) in one call:
-    `samples` are (slot, own page ids covering its tokens, its tokens so
-    far: 2 or more). Each continues after its last token, as if it had
-    never stopped."""
-    X = pow2_at_least(len(samples), self.num_slots)
-    E = pow2_at_least(max(len(t) for _, _, t in samples) - 1, 1 << 30)
-    slots = np.full(X, self.num_slots, np.int32)
-    rows = np.zeros((X, self.max_own_pages), np.int32)
-    feed = np.zeros((X, E), np.int32)
-    counts, nxt = np.zeros(X, np.int32), np.zeros(X, np.int32)
-    for x, (slot, pages, tokens) in enumerate(samples):
-      slots[x], counts[x], nxt[x] = slot, len(tokens) - 1, tokens[-1]
-      rows[x, :len(pages)] = pages
-      feed[x, :len(tokens) - 1] = tokens[:-1]
-    return self._recompute_jit(params, state, np.int32(entry), slots, rows,
-                               feed, counts, nxt)
-
-  def prefill_chunk(self, params, state: PagedState, entry: int, pages,
-                    tokens, start: int, sample_indices):
-    """Prefills tokens start.. of group `entry`'s prompt (after its first
-    `start` tokens, already in its pages) into `pages` (the group's whole
-    page list); returns (state, (first tokens, logp, raw) [G]) drawn after
-    them. Chunks are one bucket long at most (one compile per bucket)."""
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    padded = np.zeros(self.bucket_for(tokens.size), np.int32)
-    padded[:tokens.size] = tokens
-    row = np.zeros(self.max_prompt_pages, np.int32)
-    row[:len(pages)] = pages
-    idx = np.zeros(self.samples_per_group, np.int32)
-    idx[:len(sample_indices)] = sample_indices
-    return self._prompt_chunk_jit(params, state, np.int32(entry), row, padded,
-                                  np.int32(start), np.int32(tokens.size), idx)
 
   def stop(self, state: PagedState, slots) -> PagedState:
     """Deactivates `slots` (their pages may be reused after this call)."""

@@ -372,35 +372,94 @@ class PagedDriver(Driver):
                                          it.tokens, it.logp, it.logp_raw))
     self.paged.preemptions += 1
 
-  def consolidate(self, engine: PagedEngine, params) -> int:
+  def consolidate(self, engine: PagedEngine, params,
+                  kv_groups=lambda groups: groups) -> tuple[int, int, int]:
     """Continues the run on `engine`, an engine on this one's first
     replicas (`EngineSet.paged_engine`), with `params` there. Call with
-    every result read. Returns the samples that left a dropped replica:
-    they wait in their group, admitted again (prompt prefill on a kept
-    replica) and recomputed from their tokens."""
-    m = engine.replicas
-    moved = 0
-    for slot, it in sorted(self.live.items(), key=lambda x: -x[1].order):
-      if it.group.replica >= m:
-        del self.live[slot]
-        it.group.live -= 1
-        it.group.waiting.appendleft(_Waiting(
-            it.member, it.sample_idx, it.budget, it.tokens, it.logp,
-            it.logp_raw))
-        moved += 1
+    every result read. Groups on the dropped replicas move: those that
+    `kv_groups` (a filter of the moving groups) keeps and that fit a kept
+    replica move their pages there (prompt and each live sample's own
+    KV, `gather_kv` / `insert` / `place`); the others are admitted again
+    (prompt re-prefilled) and their live samples recomputed.
+
+    Returns:
+      (samples whose KV moved, samples to recompute, bytes of pages moved).
+    """
+    src, m = self.engine, engine.replicas
     gone = sorted((g for g in self.groups.values() if g.replica >= m),
                   key=lambda g: g.order)
+    lives = {id(g): [] for g in gone}
+    for slot, it in sorted(self.live.items()):
+      if it.group.replica >= m:
+        lives[id(it.group)].append((slot, it))
+    pool = self.pool.first(m)
+    free_slots, free_entries = self._free_slots[:m], self._free_entries[:m]
+    plans = []  # (group, replica, entry, prompt pages, [(it, slot, pages)])
+    for g in kv_groups(gone):
+      live = lives[id(g)]
+      need = len(g.pages) + sum(len(it.pages) for _, it in live)
+      room = [r for r in range(m) if free_entries[r]
+              and len(free_slots[r]) >= len(live)
+              and pool.free_in(r) - need >= engine.max_own_pages]
+      if not room or g.first is None or any(not it.tokens for _, it in live):
+        continue
+      r = max(room, key=lambda r: (pool.free_in(r), -r))
+      plans.append((g, r, free_entries[r].pop(), pool.allocate(len(g.pages), r),
+                    [(it, free_slots[r].pop(), pool.allocate(len(it.pages), r))
+                     for _, it in live]))
+    # Read the moving pages before the adopted state's first donation.
+    if plans:
+      kv_prompt = src.gather_kv(self.state, [p[0].pages for p in plans])
+      kv_own = src.gather_kv(self.state, [it.pages for p in plans
+                                          for it, _, _ in p[4]])
+    moving = {id(p[0]) for p in plans}
+    redo = 0
     for g in gone:
       del self.groups[g.entry]
+      for slot, it in lives[id(g)]:
+        del self.live[slot]
+      if id(g) in moving:
+        continue
+      for _, it in sorted(lives[id(g)], key=lambda x: -x[1].order):
+        g.live -= 1
+        g.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
+                                      it.tokens, it.logp, it.logp_raw))
+        redo += 1
       g.pages = []  # Their pages go with the dropped replicas' pool.
-    self._readmit.extend(gone)
-    self.state = engine.adopt_state(self.engine, self.state)
-    self.engine, self.params = engine, params
-    self.pool = self.pool.first(m)
-    self._free_slots = self._free_slots[:m]
-    self._free_entries = self._free_entries[:m]
-    self.paged.moved_samples += moved
-    return moved
+      self._readmit.append(g)
+    self.state = engine.adopt_state(src, self.state)
+    self.engine, self.params, self.pool = engine, params, pool
+    self._free_slots, self._free_entries = free_slots, free_entries
+    moved = 0
+    if plans:
+      self._place_moved(plans, kv_prompt, kv_own)
+      moved = sum(len(p[4]) for p in plans)
+    pages = sum(len(p[3]) + sum(len(x[2]) for x in p[4]) for p in plans)
+    self.paged.moved_samples += moved + redo
+    return moved, redo, pages * engine.page_bytes
+
+  def _place_moved(self, plans, kv_prompt, kv_own) -> None:
+    """The moved groups' prompt KV and meta (`insert`), their samples into
+    slots (`start`) with their own KV (`place`), on the new engine."""
+    eng: PagedEngine = self.engine
+    tok, logp, raw = (np.stack([np.asarray(p[0].first[i]) for p in plans])
+                      for i in range(3))
+    self.state = eng.insert(
+        self.state, PagedPrefill(kv_prompt[0], kv_prompt[1], tok, logp, raw),
+        [p[2] for p in plans], [p[3] for p in plans],
+        [p[0].length for p in plans], [p[0].request.prompt_id for p in plans],
+        [p[0].request.seed for p in plans])
+    starts, samples = [], []
+    for g, r, entry, pages, moved in plans:
+      g.entry, g.replica, g.pages = entry, r, pages
+      self.groups[entry] = g
+      for it, slot, own in moved:
+        it.pages, it.started = own, self.stats.steps
+        self.live[slot] = it
+        starts.append((slot, entry, it.member, it.sample_idx, it.budget, own))
+        samples.append((slot, own, it.tokens))
+    self.state = eng.start(self.state, starts)
+    self.state = eng.place(self.state, samples, *kv_own)
 
   def evict(self, row: int):
     raise NotImplementedError(
