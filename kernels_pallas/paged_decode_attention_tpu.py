@@ -35,10 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-# Lane width of the m / l / lse / row_lo buffers: lane-dense, as in
-# `prefix_decode_attention_tpu.py`.
-_LANES = 128
-_NT_DIMS = (((1,), (1,)), ((), ()))  # [rows, K] x [T, K]^T.
+from kernels_pallas import online_softmax_tpu as osm
+
 
 
 def _kernel(table_ref, length_ref, first_ref, layer_ref, q_ref, row_lo_ref,
@@ -58,9 +56,7 @@ def _kernel(table_ref, length_ref, first_ref, layer_ref, q_ref, row_lo_ref,
 
   @pl.when(j == 0)
   def _init():
-    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    osm.init(m_scr, l_scr, acc_scr)
 
   row_lo = row_lo_ref[:, :1]                                  # [M, 1]
   for i in range(ppb):
@@ -73,33 +69,18 @@ def _kernel(table_ref, length_ref, first_ref, layer_ref, q_ref, row_lo_ref,
       v_live = start + jax.lax.broadcasted_iota(
           jnp.int32, k_refs[i].shape[1:], 0) < length
       for h in range(q_ref.shape[0]):  # Static unroll: 2-D MXU work each.
-        s = jax.lax.dot_general(q_ref[h], k_refs[i][h], _NT_DIMS,
+        s = jax.lax.dot_general(q_ref[h], k_refs[i][h], osm.NT_DIMS,
                                 preferred_element_type=jnp.float32) * scale
         if logit_softcap is not None:
           s = logit_softcap * jnp.tanh(s / logit_softcap)
         s = jnp.where(live, s, -jnp.inf)
-        m_prev = m_scr[h]                          # [M, LANES], replicated.
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        # A row may have no visible key yet (its window starts later):
-        # shift by 0 then, so exp(-inf - shift) = 0 and never NaN.
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe[:, :1])
-        l_scr[h] = alpha * l_scr[h] + jnp.sum(p, axis=1, keepdims=True)
-        m_scr[h] = m_next
-        # Zero V past the length: 0 * NaN from a stale page tail would
-        # still poison the product.
+        # V past the length: whatever the page's tail holds.
         v = jnp.where(v_live, v_refs[i][h].astype(jnp.float32), 0.0)
-        acc_scr[h] = alpha[:, :1] * acc_scr[h] + jnp.dot(
-            p, v, preferred_element_type=jnp.float32)
+        osm.update(h, s, v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _finalize():
-    l = l_scr[...]
-    nonempty = l > 0.0  # False for an empty part: output 0, lse -inf.
-    l_safe = jnp.where(nonempty, l, 1.0)
-    o_ref[...] = (acc_scr[...] / l_safe[..., :1]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(nonempty, m_scr[...] + jnp.log(l_safe), -jnp.inf)
+    osm.finalize(m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def _page_map(i, *, ppb, pages_per_row, page_size):
@@ -154,7 +135,7 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
     row_lo_XxM = jnp.zeros((X, M), jnp.int32)
   row_lo_XxM = row_lo_XxM.astype(jnp.int32)
   first_X = jnp.maximum(row_lo_XxM.min(axis=1), 0)
-  row_lo = jnp.broadcast_to(row_lo_XxM[..., None], (X, M, _LANES))
+  row_lo = jnp.broadcast_to(row_lo_XxM[..., None], (X, M, osm.LANES))
 
   kernel = functools.partial(
       _kernel, pages_per_block=ppb, scale=scale, logit_softcap=logit_softcap)
@@ -169,15 +150,13 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
           num_scalar_prefetch=4,
           grid=(X, N // bn, Ap // ppb),
           in_specs=[rows(M, K),
-                    pl.BlockSpec((None, M, _LANES),
+                    pl.BlockSpec((None, M, osm.LANES),
                                  lambda x, n, j, *_: (x, 0, 0))]
           + [page(i) for i in range(ppb)] * 2,
-          out_specs=[rows(M, K), rows(M, _LANES)],
-          scratch_shapes=[pltpu.VMEM((bn, M, _LANES), jnp.float32),
-                          pltpu.VMEM((bn, M, _LANES), jnp.float32),
-                          pltpu.VMEM((bn, M, K), jnp.float32)]),
+          out_specs=[rows(M, K), rows(M, osm.LANES)],
+          scratch_shapes=osm.scratch(bn, M, K)),
       out_shape=[jax.ShapeDtypeStruct((X, N, M, K), jnp.float32),
-                 jax.ShapeDtypeStruct((X, N, M, _LANES), jnp.float32)],
+                 jax.ShapeDtypeStruct((X, N, M, osm.LANES), jnp.float32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL,
                                pltpu.ARBITRARY)),

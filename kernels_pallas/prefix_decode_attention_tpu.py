@@ -51,13 +51,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from kernels_pallas import online_softmax_tpu as osm
 from kernels_pallas.attention_parts import common_prefix_part, merge_parts
 
-# Lane width of the m / l / lse buffers: lane-dense like the flash attention
-# kernels in jax.experimental.pallas.ops.tpu, avoiding 1-lane masked stores.
-_LANES = 128
 _SUBLANES = 8
-_NT_DIMS = (((1,), (1,)), ((), ()))  # [rows, K] x [kv, K]^T.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +95,8 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr,
 
   @pl.when(j == 0)
   def _init():
-    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    osm.init(m_scr, l_scr, acc_scr)
 
-  # All query rows of a block share one length, so a block that runs has at
-  # least one valid key per row: the running max below is finite and
-  # exp(-inf - m) = 0 for masked keys (no -inf - -inf NaN).
   @pl.when(start < length)
   def _step():
     block_shape = (q_ref.shape[1], k_ref.shape[1])  # [rows, block_kv]
@@ -115,47 +107,24 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr,
     # Static unroll over the head block: each head is 2-D MXU work.
     for h in range(q_ref.shape[0]):
       s = jax.lax.dot_general(
-          q_ref[h], k_ref[h], _NT_DIMS,
+          q_ref[h], k_ref[h], osm.NT_DIMS,
           preferred_element_type=jnp.float32) * scale
       if logit_softcap is not None:
         s = logit_softcap * jnp.tanh(s / logit_softcap)
       s = jnp.where(kv_live, s, -jnp.inf)
-
-      m_prev = m_scr[h]  # [rows, LANES], lanes replicated.
-      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      alpha = jnp.exp(m_prev - m_next)  # 0 on the first block.
-      p = jnp.exp(s - m_next[:, :1])
-      l_scr[h] = alpha * l_scr[h] + jnp.sum(p, axis=1, keepdims=True)
-      m_scr[h] = m_next
-
-      # Zero V past the length: the padded tail may hold NaN/Inf, and
-      # 0 * NaN would still poison the product.
+      # V past the length is the padded tail: unspecified on TPU.
       v = jnp.where(v_live, v_ref[h].astype(jnp.float32), 0.0)
-      # fp32 P @ V: decode is bandwidth bound; keeps parity with the
-      # reference and the merge exact.
-      acc_scr[h] = alpha[:, :1] * acc_scr[h] + jnp.dot(
-          p, v, preferred_element_type=jnp.float32)
+      osm.update(h, s, v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(kv_axis) - 1)
   def _finalize():
-    l = l_scr[...]
-    nonempty = l > 0.0  # False for an empty part: output 0, lse -inf.
-    l_safe = jnp.where(nonempty, l, 1.0)
-    o_ref[...] = (acc_scr[...] / l_safe[..., :1]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(nonempty, m_scr[...] + jnp.log(l_safe), -jnp.inf)
+    osm.finalize(m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def _kv_block_index(j, length, block_kv):
   """KV block for grid step j, clamped so skipped steps re-use (no DMA)."""
   last = jnp.maximum(pl.cdiv(length, block_kv) - 1, 0)
   return jnp.minimum(j, last)
-
-
-def _scratch(heads, rows, K):
-  """Running max, running sum (lane-replicated) and fp32 accumulator."""
-  return [pltpu.VMEM((heads, rows, _LANES), jnp.float32),
-          pltpu.VMEM((heads, rows, _LANES), jnp.float32),
-          pltpu.VMEM((heads, rows, K), jnp.float32)]
 
 
 def _prefix_part(q_RxNxSxK, k_RxNxPxK, v_RxNxPxK, len_R, *, block_p,
@@ -186,12 +155,12 @@ def _prefix_part(q_RxNxSxK, k_RxNxPxK, v_RxNxPxK, len_R, *, block_p,
           ],
           out_specs=[
               pl.BlockSpec((None, bn, S, K), row_map),
-              pl.BlockSpec((None, bn, S, _LANES), row_map),
+              pl.BlockSpec((None, bn, S, osm.LANES), row_map),
           ],
-          scratch_shapes=_scratch(bn, S, K)),
+          scratch_shapes=osm.scratch(bn, S, K)),
       out_shape=[
           jax.ShapeDtypeStruct((R, N, S, K), jnp.float32),
-          jax.ShapeDtypeStruct((R, N, S, _LANES), jnp.float32),
+          jax.ShapeDtypeStruct((R, N, S, osm.LANES), jnp.float32),
       ],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL,
@@ -232,12 +201,12 @@ def _suffix_part(q_RxNxGxQxK, k_RxGxNxMxK, v_RxGxNxMxK, len_RG, *, block_m,
           ],
           out_specs=[
               pl.BlockSpec((None, bn, None, Q, K), row_map),
-              pl.BlockSpec((None, bn, None, Q, _LANES), row_map),
+              pl.BlockSpec((None, bn, None, Q, osm.LANES), row_map),
           ],
-          scratch_shapes=_scratch(bn, Q, K)),
+          scratch_shapes=osm.scratch(bn, Q, K)),
       out_shape=[
           jax.ShapeDtypeStruct((R, N, G, Q, K), jnp.float32),
-          jax.ShapeDtypeStruct((R, N, G, Q, _LANES), jnp.float32),
+          jax.ShapeDtypeStruct((R, N, G, Q, osm.LANES), jnp.float32),
       ],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.PARALLEL,
