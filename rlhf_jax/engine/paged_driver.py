@@ -408,10 +408,10 @@ class PagedDriver(Driver):
                     [(it, free_slots[r].pop(), pool.allocate(len(it.pages), r))
                      for _, it in live]))
     # Read the moving pages before the adopted state's first donation.
-    if plans:
-      kv_prompt = src.gather_kv(self.state, [p[0].pages for p in plans])
-      kv_own = src.gather_kv(self.state, [it.pages for p in plans
-                                          for it, _, _ in p[4]])
+    own_pages = [it.pages for p in plans for it, _, _ in p[4]]
+    kv_prompt = (src.gather_kv(self.state, [p[0].pages for p in plans])
+                 if plans else None)
+    kv_own = src.gather_kv(self.state, own_pages) if own_pages else None
     moving = {id(p[0]) for p in plans}
     redo = 0
     for g in gone:
@@ -458,8 +458,9 @@ class PagedDriver(Driver):
         self.live[slot] = it
         starts.append((slot, entry, it.member, it.sample_idx, it.budget, own))
         samples.append((slot, own, it.tokens))
-    self.state = eng.start(self.state, starts)
-    self.state = eng.place(self.state, samples, *kv_own)
+    if samples:  # A group may move with only waiting samples.
+      self.state = eng.start(self.state, starts)
+      self.state = eng.place(self.state, samples, *kv_own)
 
   def evict(self, row: int):
     raise NotImplementedError(
