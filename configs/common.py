@@ -71,6 +71,7 @@ def rl_sections(c: ml_collections.ConfigDict, *, rollout: dict, rl: dict,
   c.train = sections.config_dict(sections.Train, **train)
   c.eval = sections.config_dict(sections.Eval, **eval)
   c.sft = sections.config_dict(sections.SFT, **sft)
+  c.lora = sections.config_dict(sections.Lora)  # rank 0: full fine-tuning.
 
 
 def shrink_addition_rl(c: ml_collections.ConfigDict) -> None:

@@ -11,7 +11,9 @@ checkpoint the run started from; its tokenizer, chat template and
 generation config are copied too) or, for a random-init job, from the
 preset and overrides with the built-in character tokenizer's vocabulary;
 that tokenizer has no HF form, so only weights and config.json are written.
-The output opens with transformers' `from_pretrained` (and vLLM).
+A LoRA policy (`config.lora.rank > 0`) is written merged, W + (alpha/r) A B
+(`models/lora.py`). The output opens with transformers' `from_pretrained`
+(and vLLM).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from rlhf_jax import cli
 from rlhf_jax.config import sections
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.errors import CheckpointError, ConfigError, MissingInputError
-from rlhf_jax.models import hf, hf_config
+from rlhf_jax.models import hf, hf_config, lora
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 
@@ -223,8 +225,16 @@ def export(workdir: str, out: str, *, step: int | None = None,
     hf_config.family(source.cfg)
   except ValueError as e:
     raise ConfigError(f"config.model has no Hugging Face form: {e}") from None
-  step, params = restore_params(os.path.join(workdir, "checkpoints"),
-                                POLICY_KEYS[job], source.cfg, step)
+  try:
+    spec = sections.from_saved(sections.Lora, saved.get("lora", {}),
+                               "lora").spec()
+  except sections.ConfigError as e:
+    raise ConfigError(f"the saved config.json: {e}") from None
+  step, params = restore_params(
+      os.path.join(workdir, "checkpoints"), POLICY_KEYS[job],
+      source.cfg.replace(lora=spec), step)
+  if spec is not None:
+    params = lora.merged(params, spec)
   dtype = dtype or source.cfg.param_dtype
   hf.save(out, source.cfg, params, tokenizer_dir=source.tokenizer_dir,
           dtype=dtype, config_overrides=source.carried)

@@ -82,6 +82,34 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lora:
+  """LoRA policy training (`models/lora.py`): only adapters on the named
+  projections train; the reference is the frozen base; rollout merges.
+  rank 0: every weight trains (no adapters)."""
+  PATH: ClassVar[str] = "lora"
+  rank: int = 0
+  alpha: float = 16.0
+  targets: tuple = ("q", "k", "v", "o")  # Of q k v o gate up down.
+
+  def __post_init__(self):
+    if not isinstance(self.rank, int) or self.rank < 0:
+      _fail(self, "rank", "must be an int >= 0 (0: no adapters)")
+    if self.alpha <= 0:
+      _fail(self, "alpha", "must be > 0")
+    self.spec()
+
+  def spec(self):
+    """The model's `LoraSpec`, None when off."""
+    from rlhf_jax.models.config import LoraSpec
+    if not self.rank:
+      return None
+    try:
+      return LoraSpec(self.rank, self.alpha, tuple(self.targets))
+    except ValueError as e:
+      raise ConfigError(f"config.lora: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class Mesh:
   """Training mesh axes (one may be -1) and the rollout layout."""
   PATH: ClassVar[str] = "mesh"
@@ -203,14 +231,18 @@ class Rollout:
   max_common_length: int = 0
   # "rows": R rows x G slots, KV reserved at max length (every rollout
   # layer). "paged": KV in a page pool (engine/paged.py): a finished sample
-  # frees its pages and slot at once, decode reads live pages only; plain
-  # continuous batching on the trainer's mesh (no long_tail, no workers).
+  # frees its pages and slot at once, decode reads live pages only; on the
+  # trainer's mesh, with or without long_tail (no elastic workers).
   engine: str = "rows"
   page_size: int = 16            # paged: tokens per page.
   kv_pages: int = 0              # paged: pool pages; 0: the bytes per
                                  # device the rows engine would reserve.
   num_slots: int = 0             # paged: samples decoding at once; 0: 2 x
                                  # num_rows x samples_per_row.
+  # Weight-only quantized rollout copy of the block projections: "int8",
+  # "fp8" (per-channel scales; models/rollout_copy.py); "none": the
+  # compute dtype.
+  quantize: str = "none"
   long_tail: LongTail = dataclasses.field(default_factory=LongTail)
   workers: Workers = dataclasses.field(default_factory=Workers)
 
@@ -218,6 +250,7 @@ class Rollout:
     _positive_ints(self, "num_rows", "samples_per_row", "max_new_tokens",
                    "page_size")
     _one_of(self, "engine", ("rows", "paged"))
+    _one_of(self, "quantize", ("none", "int8", "fp8"))
     if self.kv_pages < 0 or self.num_slots < 0:
       _fail(self, "kv_pages" if self.kv_pages < 0 else "num_slots",
             "must be >= 0 (0: automatic)")
@@ -411,6 +444,7 @@ class RLJob:
   sft: SFT
   critic: Critic | None = None             # PPO only.
   reward_model: RewardModel | None = None  # PPO only.
+  lora: Lora = Lora()                      # Off where the config has none.
 
   @classmethod
   def from_config(cls, config) -> "RLJob":
@@ -428,7 +462,7 @@ class RLJob:
 
 _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
              "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,
-             "critic": Critic, "reward_model": RewardModel}
+             "critic": Critic, "reward_model": RewardModel, "lora": Lora}
 
 
 # --------------------------------------------------------- dict <-> object

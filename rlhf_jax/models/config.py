@@ -26,6 +26,31 @@ class RopeScaling:
   original_max_position: int = 8192
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """LoRA adapters on the named block projections (`models/lora.py`): each
+  weight W acts as W + (alpha / rank) * A @ B, A [in..., rank] random,
+  B [rank, out...] born zero."""
+  rank: int
+  alpha: float
+  targets: tuple[str, ...] = ("q", "k", "v", "o")
+
+  def __post_init__(self):
+    if self.rank < 1:
+      raise ValueError(f"lora rank must be >= 1, got {self.rank}")
+    unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+    if unknown or not self.targets:
+      raise ValueError(f"lora targets must be a non-empty subset of "
+                       f"{LORA_TARGETS}, got {tuple(self.targets)}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shapes and family switches of a decoder-only transformer."""
@@ -65,6 +90,11 @@ class ModelConfig:
   # Log-probs from hidden states in [rows, vocab] blocks of logits
   # (`rl/logprobs.head_logprobs`); (0, 0): one block, the whole [B*T, V].
   logprob_chunks: tuple[int, int] = (1024, 8192)
+  # Trainable LoRA adapters next to the (then frozen) weights; None: none.
+  lora: LoraSpec | None = None
+  # Block projections stored "int8" / "fp8" with per-channel scales (a
+  # rollout copy, `models/rollout_copy.py`); "none": in param_dtype.
+  weight_quant: str = "none"
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -78,6 +108,9 @@ class ModelConfig:
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, "
                          f"got {getattr(self, name)!r}")
+    if self.weight_quant not in ("none", "int8", "fp8"):
+      raise ValueError(f"weight_quant must be 'none', 'int8' or 'fp8', got "
+                       f"{self.weight_quant!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {REMAT_POLICIES}, got "
                        f"{self.remat!r}")

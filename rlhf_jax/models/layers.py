@@ -17,11 +17,85 @@ from rlhf_jax.models.config import ModelConfig, RopeScaling
 from rlhf_jax.parallel.layout import constrain
 
 
-def _param(rngs, shape, axes, dtype, fan_in=None, value=None):
+def _param(rngs, shape, axes, dtype, fan_in=None, value=None, kind=nnx.Param):
   if value is None:
     std = 1.0 / math.sqrt(fan_in)
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), logical_axes=axes)
+  return kind(value.astype(dtype), logical_axes=axes)
+
+
+# The block projections: weight name -> how many leading axes it contracts
+# (its inputs; the rest are its outputs).
+PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+# Weight-only quantized storage: dtype and its largest finite value.
+QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
+
+def add_quant(module: nnx.Module, cfg: ModelConfig, names) -> None:
+  """With `cfg.weight_quant`, the module's `names` weights are stored in
+  that dtype with an fp32 scale per output channel, `<name>_scale`
+  [out...] (the rollout copy; `models/rollout_copy.quantize` fills them)."""
+  if cfg.weight_quant == "none":
+    return
+  dtype = QUANT_DTYPES[cfg.weight_quant][0]
+  for name in names:
+    w, n_in = getattr(module, name), PROJECTIONS[name]
+    axes = w.get_metadata()["logical_axes"]
+    setattr(module, name, nnx.Param(jnp.zeros(w.shape, dtype),
+                                    logical_axes=axes))
+    setattr(module, name + "_scale", nnx.Param(
+        jnp.ones(w.shape[n_in:], jnp.float32), logical_axes=axes[n_in:]))
+
+
+def add_lora(module: nnx.Module, cfg: ModelConfig, rngs, names) -> None:
+  """LoRA pairs for the module's `names` weights that `cfg.lora.targets`
+  lists: A [in..., r] random, B [r, out...] zero, fp32 (trainable
+  masters), as nnx.LoRAParam leaves `<name>_lora_a`, `<name>_lora_b`."""
+  if cfg.lora is None:
+    return
+  r = cfg.lora.rank
+  for name in names:
+    if name not in cfg.lora.targets:
+      continue
+    w, n_in = getattr(module, name), PROJECTIONS[name]
+    shape, axes = w.shape, w.get_metadata()["logical_axes"]
+    setattr(module, name + "_lora_a", _param(
+        rngs, shape[:n_in] + (r,), axes[:n_in] + (None,), jnp.float32,
+        math.prod(shape[:n_in]), kind=nnx.LoRAParam))
+    setattr(module, name + "_lora_b", _param(
+        None, (r,) + shape[n_in:], (None,) + axes[n_in:], jnp.float32,
+        value=jnp.zeros((r,) + shape[n_in:]), kind=nnx.LoRAParam))
+
+
+def lora_specs(spec: str) -> tuple[str, str]:
+  """The einsums of a weight's LoRA path: "btd,dhk->bthk" ->
+  ("btd,dr->btr", "btr,rhk->bthk") (the weight's axes: inputs, then
+  outputs)."""
+  ins, out = spec.split("->")
+  x, w = ins.split(",")
+  contracted = "".join(c for c in w if c in x)
+  produced = "".join(c for c in w if c not in x)
+  rest = "".join(c for c in x if c not in contracted)
+  return (f"{x},{contracted}r->{rest}r", f"{rest}r,r{produced}->{out}")
+
+
+def project(module: nnx.Module, spec: str, x, name: str):
+  """`x` times the module's weight `name` (einsum `spec`) in the compute
+  dtype (a quantized weight: times its per-channel scale after the
+  matmul), plus its LoRA path scale * (x A) B when it has adapters (the
+  base weight is never rebuilt, so it gets no gradient work)."""
+  cfg = module.cfg
+  cdt = cfg.compute_jnp_dtype
+  y = jnp.einsum(spec, x, getattr(module, name)[...].astype(cdt))
+  if hasattr(module, name + "_scale"):
+    y = y * getattr(module, name + "_scale")[...].astype(cdt)
+  if not hasattr(module, name + "_lora_a"):
+    return y
+  spec_a, spec_b = lora_specs(spec)
+  a = getattr(module, name + "_lora_a")[...].astype(cdt)
+  b = getattr(module, name + "_lora_b")[...].astype(cdt)
+  delta = jnp.einsum(spec_b, jnp.einsum(spec_a, x, a), b)
+  return y + (cfg.lora.scale * delta).astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -91,14 +165,16 @@ class AttentionProjections(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(k, cfg, rngs=rngs)
       self.k_norm = RMSNorm(k, cfg, rngs=rngs)
+    add_lora(self, cfg, rngs, ("q", "k", "v", "o"))
+    add_quant(self, cfg, ("q", "k", "v", "o"))
 
   def qkv(self, x_BxTxD, positions_BxT):
     """Returns q [B,T,H,K], k and v [B,T,N,K], RoPE applied to q and k."""
     cdt = self.cfg.compute_jnp_dtype
     x = x_BxTxD.astype(cdt)
-    q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(cdt))
-    k = jnp.einsum("btd,dnk->btnk", x, self.k[...].astype(cdt))
-    v = jnp.einsum("btd,dnk->btnk", x, self.v[...].astype(cdt))
+    q = project(self, "btd,dhk->bthk", x, "q")
+    k = project(self, "btd,dnk->btnk", x, "k")
+    v = project(self, "btd,dnk->btnk", x, "v")
     if self.cfg.qkv_bias:
       q = q + self.q_bias[...].astype(cdt)
       k = k + self.k_bias[...].astype(cdt)
@@ -115,9 +191,8 @@ class AttentionProjections(nnx.Module):
     return q, k, v
 
   def out(self, o_BxTxHxK):
-    cdt = self.cfg.compute_jnp_dtype
-    y = jnp.einsum("bthk,hkd->btd", o_BxTxHxK.astype(cdt),
-                   self.o[...].astype(cdt))
+    y = project(self, "bthk,hkd->btd",
+                o_BxTxHxK.astype(self.cfg.compute_jnp_dtype), "o")
     return constrain(y, ("batch", "length", "embed_act"))
 
 
@@ -130,14 +205,16 @@ class GatedMLP(nnx.Module):
     self.gate = _param(rngs, (d, f), ("embed", "mlp"), dt, d)
     self.up = _param(rngs, (d, f), ("embed", "mlp"), dt, d)
     self.down = _param(rngs, (f, d), ("mlp", "embed"), dt, f)
+    add_lora(self, cfg, rngs, ("gate", "up", "down"))
+    add_quant(self, cfg, ("gate", "up", "down"))
 
   def __call__(self, x_BxTxD):
     cdt = self.cfg.compute_jnp_dtype
     x = x_BxTxD.astype(cdt)
-    gate = jnp.einsum("btd,df->btf", x, self.gate[...].astype(cdt))
-    up = jnp.einsum("btd,df->btf", x, self.up[...].astype(cdt))
+    gate = project(self, "btd,df->btf", x, "gate")
+    up = project(self, "btd,df->btf", x, "up")
     act = (jax.nn.silu(gate) if self.cfg.mlp_activation == "silu"
            else jax.nn.gelu(gate, approximate=True))
     h = constrain(act * up, ("batch", "length", "mlp"))
-    y = jnp.einsum("btf,fd->btd", h, self.down[...].astype(cdt))
+    y = project(self, "btf,fd->btd", h, "down")
     return constrain(y, ("batch", "length", "embed_act"))

@@ -8,7 +8,9 @@ records every phase on a `Timeline`. With a `rollout_dtype` narrower than
 the params (bf16 compute on fp32 master weights), the rollout copy is cast
 on the way and the master weights wait in host memory like the optimizer
 state: the decode reads half the bytes, and the values are those the
-compute dtype would have used anyway. The RL jobs (GRPO, PPO) call:
+compute dtype would have used anyway. A LoRA policy's rollout copy is
+derived the same way (`rollout_weights`: adapters merged into the base,
+projections quantized), its master (base + adapters) parked. The RL jobs (GRPO, PPO) call:
 
   rollout_params = co.to_rollout(params)   # donates params; version += 1
   ... decode, stamping samples with co.version ...
@@ -71,7 +73,8 @@ class Colocation:
                params_like: Any, *, offload: bool = True,
                layers_per_group: int = 1, max_in_flight: int = 2,
                version: int = 0, on_stale: str = "raise",
-               timeline: Timeline | None = None, rollout_dtype=None):
+               timeline: Timeline | None = None, rollout_dtype=None,
+               rollout_weights=None):
     """Builds the two target sharding trees once.
 
     Args:
@@ -88,6 +91,10 @@ class Colocation:
       rollout_dtype: dtype of the rollout copy's floating params (the
         model's compute dtype); None or the params' own: no cast, the
         params themselves switch layouts.
+      rollout_weights: params -> the rollout copy's weights, cast
+        included, maybe in another structure (`models/rollout_copy.py`:
+        LoRA merged, quantized), jitted into the copy; None: the params
+        themselves (cast to `rollout_dtype`).
     """
     fresh_mask([], 0, on_stale)  # Validates the policy early.
     if (set(train_layout.mesh.devices.flat)
@@ -95,7 +102,9 @@ class Colocation:
       raise ValueError("training and rollout layouts must share devices")
     self.train_layout, self.rollout_layout = train_layout, rollout_layout
     self.train_shardings = train_layout.param_shardings(params_like)
-    self.rollout_shardings = rollout_layout.param_shardings(params_like)
+    rollout_like = (params_like if rollout_weights is None
+                    else jax.eval_shape(rollout_weights, params_like))
+    self.rollout_shardings = rollout_layout.param_shardings(rollout_like)
     self.groups = rp.layer_groups(params_like, layers_per_group)
     self.max_in_flight = max_in_flight
     self.host_kind = rp.host_memory_kind() if offload else None
@@ -104,22 +113,24 @@ class Colocation:
     self.timeline = timeline if timeline is not None else Timeline(None)
     self.group = device_group("all", train_layout.mesh.devices.flat)
     self._train_back = None
-    floats = {x.dtype for x in jax.tree.leaves(params_like)
+    floats = {x.dtype for x in jax.tree.leaves(rollout_like)
               if jnp.issubdtype(x.dtype, jnp.floating)}
     self.rollout_dtype = (None if rollout_dtype is None
                           or floats <= {jnp.dtype(rollout_dtype)}
                           else jnp.dtype(rollout_dtype))
-    self._master = None  # The master weights during a cast rollout.
+    self._derived = None if rollout_weights is None else jax.jit(
+        rollout_weights, out_shardings=self.rollout_shardings)
+    self._master = None  # The master weights during a cast/derived rollout.
 
   @classmethod
   def from_section(cls, mesh, train_layout: Layout, rollout_layout: Layout,
                    params_like, timeline: Timeline | None = None,
-                   rollout_dtype=None):
+                   rollout_dtype=None, rollout_weights=None):
     """The switch a `config.sections.Mesh` asks for."""
     return cls(train_layout, rollout_layout, params_like,
                offload=mesh.offload, layers_per_group=mesh.layers_per_group,
                on_stale=mesh.stale_samples, timeline=timeline,
-               rollout_dtype=rollout_dtype)
+               rollout_dtype=rollout_dtype, rollout_weights=rollout_weights)
 
   # --------------------------------------------------------- repartition
   def to_rollout(self, params) -> Any:
@@ -131,7 +142,7 @@ class Colocation:
     # outputs may shard small leaves differently from the layout rules, and
     # feeding it anything else would compile it again.
     self._train_back = jax.tree.map(lambda x: x.sharding, params)
-    if self.rollout_dtype is None:
+    if self.rollout_dtype is None and self._derived is None:
       out = rp.repartition(params, self.rollout_shardings, groups=self.groups,
                            max_in_flight=self.max_in_flight)
     else:  # A cast copy; the master weights wait (in host memory).
@@ -155,8 +166,11 @@ class Colocation:
         params, dst, groups=self.groups, max_in_flight=self.max_in_flight))
 
   def rollout_copy(self, params) -> Any:
-    """A rollout-layout copy (in `rollout_dtype`) that keeps `params`
-    (evaluation, a cast rollout); no version."""
+    """A rollout-layout copy (in `rollout_dtype`, derived by
+    `rollout_weights`) that keeps `params` (evaluation, a cast rollout); no
+    version."""
+    if self._derived is not None:
+      return self._derived(params)
     return rp.repartition(params, self.rollout_shardings, groups=self.groups,
                           donate=False, max_in_flight=self.max_in_flight,
                           dtype=self.rollout_dtype)

@@ -195,6 +195,14 @@ def _group_fn(dst: tuple[NamedSharding, ...], donate: bool,
                  donate_argnums=tuple(range(len(dst))) if donate else ())
 
 
+def cast_floats(tree: PyTree, dtype) -> PyTree:
+  """Floating leaves cast to `dtype` (None: unchanged)."""
+  if dtype is None:
+    return tree
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(
+      x.dtype, jnp.floating) else x, tree)
+
+
 def repartition(tree: PyTree, dst_shardings: PyTree, *,
                 groups: Sequence[Sequence[int]] | None = None,
                 donate: bool = True, max_in_flight: int = 1,

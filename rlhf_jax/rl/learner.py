@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
+from flax import nnx, struct
 
 from rlhf_jax import distributed
 from rlhf_jax.parallel.layout import Layout, constrain, use_layout
@@ -96,11 +96,19 @@ def split_micro(batch: Batch, num_micro: int) -> Batch:
 
 
 class Learner:
-  """Owns the jitted train step and forward-only log-prob pass for one model."""
+  """Owns the jitted train step and forward-only log-prob pass for one model.
+
+  With `trainable` (an nnx filter, e.g. `lora.ADAPTERS`) only the params it
+  matches train: gradients, their sums and the optimizer state cover those
+  alone; the rest of `TrainState.params` passes through every update
+  unchanged (a LoRA policy's frozen base).
+  """
 
   def __init__(self, graphdef, layout: Layout, optimizer, *,
-               terms_fn: TermsFn, weight_fn: WeightFn, micro_batches: int):
+               terms_fn: TermsFn, weight_fn: WeightFn, micro_batches: int,
+               trainable=None):
     self.graphdef, self.layout, self.optimizer = graphdef, layout, optimizer
+    self.trainable = trainable
     self.terms_fn, self.weight_fn = terms_fn, weight_fn
     self.micro_batches = micro_batches
     self.trace_counts = {"train": 0, "logprobs": 0}
@@ -131,14 +139,37 @@ class Learner:
     out = self._rows_jit(batch, idx)
     return jax.device_put(out, self.batch_shardings(out))
 
+  def split(self, params):
+    """(trained, frozen) parts of the params; frozen is None without a
+    `trainable` filter."""
+    if self.trainable is None:
+      return params, None
+    return nnx.split_state(params, self.trainable, ...)
+
+  @staticmethod
+  def join(trained, frozen):
+    return trained if frozen is None else nnx.merge_state(trained, frozen)
+
   def init_state(self, params) -> TrainState:
-    """Optimizer state born with the shardings of the params it mirrors."""
-    opt_shape = jax.eval_shape(self.optimizer.init, params)
+    """Optimizer state (of the trained params) born with the shardings of
+    the params it mirrors."""
+    trained, _ = self.split(params)
+    opt_shape = jax.eval_shape(self.optimizer.init, trained)
     opt_state = jax.jit(self.optimizer.init,
-                        out_shardings=self.opt_shardings(params, opt_shape))(
-                            params)
+                        out_shardings=self.opt_shardings(trained, opt_shape))(
+                            trained)
     step = jax.device_put(jnp.zeros((), jnp.int32), self.layout.replicated())
     return TrainState(params=params, opt_state=opt_state, step=step)
+
+  def state_bytes(self, state: TrainState) -> dict[str, float]:
+    """Bytes of the trained params, the frozen ones and the optimizer state
+    (global, from shapes)."""
+    nbytes = lambda tree: float(sum(x.size * x.dtype.itemsize  # noqa: E731
+                                    for x in jax.tree.leaves(tree)))
+    trained, frozen = self.split(state.params)
+    return {"memory/trained_param_bytes": nbytes(trained),
+            "memory/frozen_param_bytes": nbytes(frozen),
+            "memory/opt_state_bytes": nbytes(state.opt_state)}
 
   def opt_shardings(self, params, opt_state):
     """Each optimizer leaf whose path ends with a param's path (Adam moments)
@@ -188,12 +219,14 @@ class Learner:
     return out
 
   def _grads(self, params, batch: Batch, weight):
-    """Sums over micro-batches of grad(numerator / weight), the loss and aux."""
+    """Sums over micro-batches of grad(numerator / weight) (of the trained
+    params), the loss and aux."""
     micro = split_micro(batch, self.micro_batches)
+    params, frozen = self.split(params)
 
     def loss(params, mb):
       mb = {k: constrain(v, batch_axes(v)) for k, v in mb.items()}
-      num, aux = self.terms_fn(self.graphdef, params, mb)
+      num, aux = self.terms_fn(self.graphdef, self.join(params, frozen), mb)
       return num / weight, aux
 
     grad_fn = jax.value_and_grad(loss, has_aux=True)
@@ -215,9 +248,10 @@ class Learner:
     return grads, loss_value, aux
 
   def _update(self, state: TrainState, grads, loss_value, aux, num_micro):
+    trained, frozen = self.split(state.params)
     updates, opt_state = self.optimizer.update(grads, state.opt_state,
-                                               state.params)
-    params = optax.apply_updates(state.params, updates)
+                                               trained)
+    params = self.join(optax.apply_updates(trained, updates), frozen)
     metrics = {k: v / num_micro for k, v in aux.items()}
     metrics.update(loss=loss_value, grad_norm=optax.tree.norm(grads))
     return TrainState(params, opt_state, state.step + 1), metrics

@@ -140,10 +140,12 @@ def value_terms(clip_range: float | None):
 
 
 def policy_learner(graphdef, layout, c: PolicyLossConfig, optimizer, *,
-                   micro_batches: int):
-  """The policy's `Learner` (GRPO's, PPO's actor): `policy_terms(c)`."""
+                   micro_batches: int, trainable=None):
+  """The policy's `Learner` (GRPO's, PPO's actor): `policy_terms(c)`;
+  `trainable`: a filter of the params that train (LoRA), None: all."""
   from rlhf_jax.rl.learner import Learner  # pylint: disable=g-import-not-at-top
   terms, weight = policy_terms(c)
   return Learner(graphdef, layout, optimizer, terms_fn=terms,
-                 weight_fn=weight, micro_batches=micro_batches)
+                 weight_fn=weight, micro_batches=micro_batches,
+                 trainable=trainable)
 

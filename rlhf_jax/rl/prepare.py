@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from rlhf_jax.models import lora
 from rlhf_jax.parallel.layout import constrain, use_layout
 from rlhf_jax.rl import critic, grouped, losses, registry
 from rlhf_jax.rl.aggregation import masked_mean
@@ -95,6 +96,8 @@ class Preparer:
       model_batch = {k: v for k, v in batch.items() if k not in _INPUTS}
       old_logp = batch_logprobs(lr.graphdef, params, model_batch,
                                 lr.micro_batches)
+      if ref_params is None:  # A LoRA policy's reference: its own base.
+        ref_params = lora.without_adapters(params)
       ref_logp = batch_logprobs(lr.graphdef, ref_params, model_batch,
                                 lr.micro_batches)
       mask = batch["loss_mask"]

@@ -27,6 +27,9 @@ from rlhf_jax.config.sections import RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.models import build as model_build
+from rlhf_jax.models import lora
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models import rollout_copy
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.scoring import RewardScorer
@@ -57,7 +60,28 @@ class Job:
   rollout: Rollout
   eval_rollout: Any         # Greedy `LocalRollout` for held-out prompts.
   colocation: colocate.Colocation
-  cfg: Any = None           # The policy's ModelConfig.
+  cfg: Any = None           # The policy's ModelConfig (no adapters).
+
+  def trainable(self, params):
+    """The policy the learner trains, from the (post-SFT) `params`: with
+    `config.lora`, fresh adapters on them as the frozen base (which is then
+    also the reference); else the params themselves."""
+    spec = self.c.lora.spec()
+    if spec is None:
+      return params
+    return lora.attach(self.cfg, params, spec, seed=self.c.seed,
+                       layout=self.train_layout)[2]
+
+  def fresh_states(self, params, *, copy: bool = True) -> dict:
+    """The job's checkpointed states from the post-SFT `params`: the
+    policy's train state and, without LoRA, the reference (a frozen copy
+    unless `copy=False`, a restore target: the policy's buffers are
+    donated)."""
+    policy = self.learner.init_state(self.trainable(params))
+    if self.c.lora.rank:
+      return {"policy": policy}
+    return {"policy": policy, "ref": jax.tree.map(
+        lambda x: jnp.array(x, copy=True), params) if copy else params}
 
   @property
   def tokenizer(self):
@@ -119,7 +143,8 @@ def grpo_step(job: Job, step: int, state: TrainState, ref_params, prompts):
         num_minibatches=rl.num_minibatches, seed=step_seed(job.c.seed, step))
   return state, rl_step_metrics(
       jax.device_get(info), {"train": trained}, co.end_step(step),
-      sampled.metrics, version=co.version, stale=int(np.sum(~keep)))
+      sampled.metrics, job.learner.state_bytes(state), version=co.version,
+      stale=int(np.sum(~keep)))
 
 
 def streamed_step(job: Job, step: int, state: TrainState, ref_params,
@@ -170,7 +195,8 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
   info = streaming.merge_infos(updates.infos)
   return state, rl_step_metrics(
       info, {"train": trained}, co.end_step(step), job.rollout.metrics(),
-      job.scorer.metrics(), updates.counts(), version=co.version,
+      job.scorer.metrics(), updates.counts(), job.learner.state_bytes(state),
+      version=co.version,
       stale=int(np.sum(~info["keep"])))
 
 
@@ -228,15 +254,25 @@ def build(config, timeline: Timeline | None = None) -> Job:
   cfg, graphdef, params = model_build.build(
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
+  # With LoRA the learner trains base + adapters (its own graphdef); the
+  # rollout runs them merged (and maybe quantized) in its own model.
+  spec = c.lora.spec()
+  train_graphdef, train_like = graphdef, params
+  if spec is not None:
+    _, train_graphdef, train_like = lora.attach(
+        cfg, model_lib.abstract_params(cfg)[1], spec, seed=c.seed)
   learner = objectives.policy_learner(
-      graphdef, train_layout, c.rl.policy_loss_config(
+      train_graphdef, train_layout, c.rl.policy_loss_config(
           max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
-      micro_batches=c.rl.micro_batches)
-  co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
-                                        params, timeline=timeline,
-                                        rollout_dtype=cfg.compute_jnp_dtype)
+      micro_batches=c.rl.micro_batches,
+      trainable=None if spec is None else lora.ADAPTERS)
+  rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
+      cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize)
+  co = colocate.Colocation.from_section(
+      c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
+      rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
   rollout, eval_rollout = rollout_build.for_job(
-      c, cfg, graphdef, rollout_layout, source.stop_ids, co)
+      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co)
   rl = c.rl
   return Job(
       c=c, source=source, graphdef=graphdef, params=params,
@@ -255,18 +291,15 @@ def run(config, workdir: str):
   """Runs (or resumes) the job in `workdir`; returns the final train state."""
   config = sources.prepare(config, workdir)
   job = build(config)
-  learner = job.learner
 
   def fresh(writer, verbose, sft_dir, stop):
     params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,
                      job.source.sft_arrays, writer, verbose=verbose,
                      checkpoint_dir=sft_dir, stop=stop)
-    # The reference is a frozen copy: the policy's buffers are donated.
-    ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-    return {"policy": learner.init_state(params), "ref": ref_params}
+    return job.fresh_states(params)
 
   def step(s, states):
-    state, metrics = job.step(s, states["policy"], states["ref"])
+    state, metrics = job.step(s, states["policy"], states.get("ref"))
     return {**states, "policy": state}, metrics
 
   try:
@@ -274,8 +307,7 @@ def run(config, workdir: str):
         config, workdir, train=job.c.train, eval_every=job.c.eval.every,
         iterator=job.iterator, colocation=job.colocation,
         fresh=fresh, step=step, history=job.rollout.length_history,
-        like=lambda: {"policy": learner.init_state(job.params),
-                      "ref": job.params},
+        like=lambda: job.fresh_states(job.params, copy=False),
         evaluate=lambda states: evaluate(job, states["policy"].params))
   finally:
     job.rollout.close()  # Held workers stop (and stop billing).

@@ -8,7 +8,8 @@ checkpointing every `train.checkpoint_every` and on SIGTERM/SIGINT. All
 randomness derives from (seed, step), so a killed run restarted with the
 same command writes the metrics an uninterrupted run would have. The
 checkpoint is one dict of states; its "ref" entry (the frozen reference
-policy) waits in host memory between uses.
+policy; none for a LoRA policy, whose reference is its own base) waits in
+host memory between uses.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       logging.info("resumed from step %d", start)
     # Weight version v = the weights of step v.
     co.version = start
-    states["ref"] = co.park(states["ref"])
+    if "ref" in states:
+      states["ref"] = co.park(states["ref"])
 
     total = train.steps
     progress = Progress(total, start, name="rl", enabled=main_process)

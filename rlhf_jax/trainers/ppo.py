@@ -36,6 +36,7 @@ from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.models import build as model_build
+from rlhf_jax.models import rollout_copy
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.model_score import ScalarHead
@@ -190,11 +191,13 @@ def build(config, timeline: Timeline | None = None) -> Job:
           max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
       micro_batches=rl.micro_batches)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
-  co = colocate.Colocation.from_section(c.mesh, train_layout, rollout_layout,
-                                        params, timeline=timeline,
-                                        rollout_dtype=cfg.compute_jnp_dtype)
+  rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
+      cfg, graphdef, quant=c.rollout.quantize)
+  co = colocate.Colocation.from_section(
+      c.mesh, train_layout, rollout_layout, params, timeline=timeline,
+      rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
   rollout, eval_rollout = rollout_build.for_job(
-      c, cfg, graphdef, rollout_layout, source.stop_ids, co)
+      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co)
   return Job(
       c=c, source=source, graphdef=graphdef, params=params,
       train_layout=train_layout, actor=actor,
