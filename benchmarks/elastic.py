@@ -42,6 +42,16 @@ counts per worker and re-prefill tokens equal the live run's, so its error
 is the unit costs' alone. `--quick` (24 prompts, 5 repeats) takes about
 20-30 s on a shared 2-core CPU, the full run (64 prompts, 7) about 30 s.
 
+`--lora_rank=8`: the policy is a LoRA policy (rank 8 on the attention
+projections, B non-zero): the workers get the frozen base once and each
+version's adapters, and merge them themselves; the trainer-only engine runs
+the same merged weights (merged on one device as a worker does, so the
+reference tokens are the same). Each repeat publishes the weights as a new
+version (the same values: the reference tokens stay valid), so every
+joining worker pulls, the base with its first version (a joiner is a new
+instance to the manager, though these warm ones already hold it). The JSON's `lora` reports the bytes pulled per pull
+and their fraction of the full weights (the rollout copy).
+
 Last stdout line: JSON with `tokens_lost`, `reprefill_tokens`,
 `pull_latency_s`, `throughput_vs_trainer_only`, `sim_rel_error`, ...
 """
@@ -63,6 +73,7 @@ _PROMPTS = flags.DEFINE_integer("prompts", 0, "0: 24 (--quick) or 64.")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 5 (--quick) or 7.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Length cap M.")
 _RPR = flags.DEFINE_integer("rows_per_replica", 2, "Rows per device.")
+_LORA = flags.DEFINE_integer("lora_rank", 0, "> 0: a LoRA policy (q k v o).")
 
 PROMPT_LEN = 16
 THETA, POLL_STEPS = 2, 4
@@ -130,6 +141,7 @@ def _drain(w):
 def main(argv):
   del argv
   import jax
+  from flax import nnx
   jax.config.update("jax_num_cpu_devices", 8)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Driver, Request
@@ -154,6 +166,19 @@ def main(argv):
   mesh = mesh_lib.make_mesh(fsdp=8)
   layout = mesh_lib.rollout_layout(mesh, 1)
   graphdef, params = model_lib.init_params(cfg, 0, mesh_lib.train_layout(mesh))
+  lora_spec = None
+  if _LORA.value:  # Workers get adapters; everyone runs the merged weights.
+    from rlhf_jax.models import lora, rollout_copy
+    from rlhf_jax.models.config import LoraSpec
+    lora_spec = LoraSpec(_LORA.value, 2.0 * _LORA.value, ("q", "k", "v", "o"))
+    _, _, master = lora.attach(cfg, params, lora_spec, seed=1)
+    adapters, base = lora.split(master)
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    adapters = jax.tree.map(  # Non-zero B: the adapters change the model.
+        lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), adapters)
+    merge = rollout_copy.rollout_model(cfg, None, lora_spec=lora_spec)[2]
+    params = jax.jit(merge)(jax.device_put(
+        nnx.merge_state(adapters, base), jax.devices()[0]))
   trace = long_tailed_lengths(n, G, M, 10.0, 0)
   rng = np.random.default_rng(1)
   requests = [Request(p, rng.integers(3, 256, int(rng.integers(4, PROMPT_LEN))),
@@ -181,17 +206,26 @@ def main(argv):
   events = [SpotEvent(f * T, iid, kind) for f, iid, kind in EVENTS]
 
   spec = EngineSpec(cfg, num_rows=rpr, samples_per_row=G,
-                    prefill_buckets=buckets, sampling=sampling)
+                    prefill_buckets=buckets, sampling=sampling,
+                    lora=lora_spec)
   devices = jax.devices()
   store = LocalWeightStore()
-  store.publish(0, params)
+
+  def publish(version):
+    if lora_spec is None:
+      store.publish(version, params)
+    else:
+      store.publish(version, adapters)
+  if lora_spec is not None:
+    store.publish_base(base)
+  publish(0)
   # Instances that join are warm (their startup is not measured here):
   # each worker is built and its prefill buckets and decode step compiled
   # before the trace starts.
   ready = []
   for i in range(5):
     w = RolloutWorker(f"pool{i}", spec, devices=[devices[i]])
-    w.load(*store.pull())
+    w.pull(store)
     long_prompt = np.arange(3, 3 + PROMPT_LEN + 4) % 250 + 3
     w.submit([requests[0], Request(10**6, long_prompt, num_samples=1,
                                    seed=5)])
@@ -247,7 +281,8 @@ def main(argv):
         worker_rows.WorkerCosts(step_s, prefill_s, sample_s, pull_s=pull_s),
         **sim_kw)
     mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=THETA,
-                                     poll_steps=POLL_STEPS)
+                                     poll_steps=POLL_STEPS,
+                                     spec_lora=lora_spec)
     for w in ready[:3]:
       mgr.add(manager_lib.LocalHandle(w))
     t0 = time.perf_counter()
@@ -260,6 +295,7 @@ def main(argv):
 
   def elastic():
     """One live elastic run on the trace; the workers are reset after."""
+    publish(store.latest() + 1)  # The step's weights: every joiner pulls.
     pool, spawned = list(ready), {}
 
     def spawn(iid):
@@ -270,7 +306,8 @@ def main(argv):
 
     replay = AvailabilityReplayer(events, spawn)
     mgr = manager_lib.RolloutManager(store, max_new_tokens=M, theta=THETA,
-                                     poll_steps=POLL_STEPS)
+                                     poll_steps=POLL_STEPS,
+                                     spec_lora=lora_spec)
     rounds = []  # The live poll round of each applied event.
 
     def on_poll(m):
@@ -400,6 +437,19 @@ def main(argv):
   def r3(x):
     return round(float(x), 3)
 
+  full_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  per_pull = st.pull_bytes / max(1, st.pulls)
+  print(f"weights: {st.pulls} pulls of {per_pull:,.0f} bytes each = "
+        f"{per_pull / full_bytes:.4f} of the full {full_bytes:,} bytes"
+        + (f"; LoRA bases sent {st.base_bytes:,} bytes" if lora_spec else ""))
+  lora_report = None if lora_spec is None else dict(
+      rank=lora_spec.rank, targets=list(lora_spec.targets),
+      adapter_bytes=sum(x.size * x.dtype.itemsize
+                        for x in jax.tree.leaves(adapters)),
+      full_bytes=full_bytes, pulls=st.pulls,
+      pull_bytes_per_pull=round(per_pull), pull_fraction=round(
+          per_pull / full_bytes, 5), base_bytes=st.base_bytes)
+
   print(json.dumps(dict(
       tokens_lost=sum(r["lost"] for r in runs),
       reprefill_tokens=st.reprefill_tokens, kept_tokens=st.kept_tokens,
@@ -430,7 +480,8 @@ def main(argv):
                       prefill_s={b: round(v, 6) for b, v in prefill_s.items()},
                       trainer_prefill_s=round(trainer_prefill_s, 6),
                       poll_s=round(poll_s, 6), pull_s=round(pull_s, 6)),
-      repeats=repeats, quick=_QUICK.value, bench_wall_s=round(wall, 1))))
+      lora=lora_report, repeats=repeats, quick=_QUICK.value,
+      bench_wall_s=round(wall, 1))))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import resume
 from configs import tiny_grpo_lora
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
+from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.metrics import MetricWriter
 from rlhf_jax.models import lora
 from rlhf_jax.models import model as model_lib
@@ -21,6 +22,7 @@ from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.trainers import grpo
 
 CFG = ModelConfig.tiny(vocab_size=64, scan_layers=True)
+CFG_VOCAB = CharTokenizer().vocab_size  # The addition task's tokenizer.
 ALL = LoraSpec(rank=4, alpha=8.0, targets=LORA_TARGETS)
 # Weight name -> how many leading axes (after "layers") it contracts.
 IN_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
@@ -277,3 +279,31 @@ def test_export_writes_the_merged_policy(lora_run, tmp_path):
   ours = np.asarray(run(lora_graphdef, trained, tokens, positions, mask))
   # The unmerged policy the run trained, run by the LoRA model.
   np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_elastic_workers_pull_only_the_adapters(tmp_path):
+  """The elastic job (in-process workers) with rank-8 adapters on q k v o:
+  a worker gets the base once, then each version's adapters; the merged
+  weights it builds sample what the trainer scores."""
+  from configs import tiny_grpo_elastic
+  c = tiny_grpo_elastic.get_config("runlocal")
+  c.rollout.workers.kind = "local"
+  c.lora.update(rank=8, alpha=16.0, targets=("q", "k", "v", "o"))
+  c.train.update(steps=3, checkpoint_every=10)
+  c.eval.every = 10
+  grpo.run(c, str(tmp_path))
+  records = _rl_records(str(tmp_path))
+  job = RLJob.from_config(c)
+  cfg = job.model.model_config(vocab_size=CFG_VOCAB)
+  adapters, full = _adapter_bytes(cfg, job.lora.spec()), 4 * cfg.num_params()
+  workers = job.rollout.workers.num
+  for step in (1, 2, 3):
+    r = records[step]
+    assert r["workers/pulls"] >= 1, step
+    assert r["workers/pull_bytes"] == r["workers/pulls"] * adapters, step
+    assert r["workers/pull_fraction"] == pytest.approx(adapters / full)
+    # The base goes once to each worker, with its first version.
+    assert r["workers/base_bytes"] == (workers * full if step == 1 else 0)
+    assert r["rollout/logprob_gap"] < 1e-4, step
+  assert adapters / full < 0.05

@@ -165,6 +165,12 @@ class Colocation:
     return jax.block_until_ready(rp.repartition(
         params, dst, groups=self.groups, max_in_flight=self.max_in_flight))
 
+  @property
+  def master(self) -> Any:
+    """The training params a cast or derived rollout copy came from
+    (parked while it decodes), else None."""
+    return self._master
+
   def rollout_copy(self, params) -> Any:
     """A rollout-layout copy (in `rollout_dtype`, derived by
     `rollout_weights`) that keeps `params` (evaluation, a cast rollout); no

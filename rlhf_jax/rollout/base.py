@@ -87,9 +87,11 @@ class Rollout(abc.ABC):
   version: int = -1
 
   @abc.abstractmethod
-  def set_weights(self, params, version: int) -> None:
+  def set_weights(self, params, version: int, master=None) -> None:
     """The policy the next streams sample from (rollout layout), stamped
-    on every sample as its weight version."""
+    on every sample as its weight version. `master`: the training params
+    it was derived from (a LoRA policy's base + adapters), for rollouts
+    that ship less than the rollout copy (elastic workers: the adapters)."""
 
   @abc.abstractmethod
   def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,

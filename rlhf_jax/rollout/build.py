@@ -60,7 +60,8 @@ def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
 def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
           stop_tokens, *, rollout_tensor: int = 1,
           timeline: Timeline | None = None,
-          train_time: Callable[[int], float | None] | None = None) -> Rollout:
+          train_time: Callable[[int], float | None] | None = None,
+          lora_spec=None) -> Rollout:
   """The job's rollout (see the module doc).
 
   Args:
@@ -71,6 +72,7 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
     rollout_tensor: the rollout layout's tensor size.
     timeline: where the long-tail policies' per-replica spans go.
     train_time: step -> the trainer's train seconds (seed window cap).
+    lora_spec: a LoRA policy's adapters: elastic workers pull only those.
   """
   local = LocalRollout(engines(ro, cfg, graphdef, layout, stop_tokens),
                        tail=ro.long_tail, timeline=timeline)
@@ -79,7 +81,8 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
   return elastic.build(
       ro, cfg, stop_tokens, rollout_tensor=rollout_tensor,
       local=local if ro.workers.seed else None, train_time=train_time,
-      common_prefix=local.common_prefix if ro.max_common_length else None)
+      common_prefix=local.common_prefix if ro.max_common_length else None,
+      lora_spec=lora_spec)
 
 
 def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
@@ -90,14 +93,14 @@ def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
 
 
 def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, stop_tokens,
-            colocation) -> tuple[Rollout, LocalRollout]:
+            colocation, lora_spec=None) -> tuple[Rollout, LocalRollout]:
   """(the job's rollout, its greedy eval rollout) from the sections `c`
   (`config.sections.RLJob`); per-replica spans and the seed window's
   train time come from the job's `colocation`."""
   return (build(c.rollout, cfg, graphdef, layout, stop_tokens,
                 rollout_tensor=c.mesh.rollout_tensor,
                 timeline=colocation.timeline,
-                train_time=colocation.phase_seconds),
+                train_time=colocation.phase_seconds, lora_spec=lora_spec),
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
                        stop_tokens))
 

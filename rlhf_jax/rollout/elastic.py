@@ -31,6 +31,7 @@ from absl import logging
 
 from rlhf_jax.config.sections import Rollout as RolloutSection
 from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.models import lora
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import manager as manager_lib
@@ -61,6 +62,10 @@ class ElasticRollout(Rollout):
     self._common_prefix = common_prefix
     self._train_time = train_time or (lambda step: None)
     self.params = None
+    # A LoRA policy: versions carry adapters, the base goes once.
+    self.adapters_only = manager.spec_lora is not None
+    self._base_published = False
+    self._full_bytes = 0  # Of the rollout copy: what a full pull ships.
     self._free = False
     self._metrics: dict = {}
 
@@ -73,17 +78,27 @@ class ElasticRollout(Rollout):
     s = self.scaler
     return s.history if s is not None and s.scale == "cost" else None
 
-  def set_weights(self, params, version: int) -> None:
+  def set_weights(self, params, version: int, master=None) -> None:
     """Publishes `params` as `version` (once; dynamic sampling reruns a
-    step's rollout on the same version)."""
+    step's rollout on the same version). A LoRA policy's workers merge
+    for themselves: a version is its adapters (of `master`), and the
+    frozen base is published once."""
     store = self.manager.store
     try:
       published = store.latest()
     except LookupError:
       published = None
     if published != version:
-      store.publish(version, params)
+      if self.adapters_only:
+        adapters, base = lora.split(master)
+        if not self._base_published:
+          store.publish_base(base)
+          self._base_published = True
+        store.publish(version, adapters)
+      else:
+        store.publish(version, params)
     self.params, self.version = params, version
+    self._full_bytes = weights_lib.payload_bytes(jax.tree.leaves(params))
 
   def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,
              step: int = 0, trainer_busy=None) -> Iterator[Group]:
@@ -128,6 +143,14 @@ class ElasticRollout(Rollout):
                "workers/migrated_samples": float(st.migrated_samples),
                "workers/stale_resampled": float(st.stale_resampled),
                "workers/pull_s": st.pull_s,
+               # Bytes workers pulled, and per pull as a fraction of the
+               # rollout copy (a LoRA policy's adapters: well below 1).
+               "workers/pulls": float(st.pulls),
+               "workers/pull_bytes": float(st.pull_bytes),
+               "workers/base_bytes": float(st.base_bytes),
+               "workers/pull_fraction": float(
+                   st.pull_bytes / (st.pulls * self._full_bytes)
+                   if st.pulls and self._full_bytes else 0.0),
                "workers/tokens": float(sum(st.tokens[w] for w in remote)),
                "workers/trainer_tokens": float(st.tokens[TRAINER_ID]),
                "rollout/common_prefix_len": float(len(common))}
@@ -149,7 +172,8 @@ def _rounds(mgr) -> Iterator[list]:
 
 
 def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
-          local=None, train_time=None, common_prefix=None) -> ElasticRollout:
+          local=None, train_time=None, common_prefix=None,
+          lora_spec=None) -> ElasticRollout:
   """The elastic rollout of `rollout.workers` (num > 0).
 
   Args:
@@ -160,6 +184,7 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
     local: the job's `LocalRollout`, which seeds with `workers.seed`.
     train_time: step -> train seconds (the seed window's worker cap).
     common_prefix: requests -> the batch's shared prefix, or None.
+    lora_spec: a LoRA policy's adapters (workers pull those and merge).
   """
   from rlhf_jax.rollout.build import sampling_params
 
@@ -173,11 +198,12 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
                     prefill_buckets=tuple(sorted(set(ro.prefill_buckets) | {
                         max(ro.prefill_buckets) + ro.max_new_tokens})),
                     sampling=sampling_params(ro, stop_tokens),
-                    max_common_length=ro.max_common_length)
+                    max_common_length=ro.max_common_length, lora=lora_spec)
   store, spawn = (_ray_workers(w, spec) if w.kind == "ray"
                   else _local_workers(w, spec))
   mgr = manager_lib.RolloutManager(store, max_new_tokens=ro.max_new_tokens,
-                                   theta=w.theta, poll_steps=w.poll_steps)
+                                   theta=w.theta, poll_steps=w.poll_steps,
+                                   spec_lora=lora_spec)
   pool = WorkerPool(mgr)
   # Every poll round the pool admits workers that finished starting and
   # replaces dead ones; with none alive the manager waits for one as long

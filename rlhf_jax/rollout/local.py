@@ -66,7 +66,8 @@ class LocalRollout(Rollout):
   def length_history(self):
     return self.history if self.tail.enabled else None
 
-  def set_weights(self, params, version: int) -> None:
+  def set_weights(self, params, version: int, master=None) -> None:
+    del master  # The trainer's own devices hold the rollout copy.
     self.params, self.version = params, version
 
   def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,

@@ -125,7 +125,7 @@ def grpo_step(job: Job, step: int, state: TrainState, ref_params, prompts):
   with co.span("repartition"):
     rollout_params = co.to_rollout(state.params)
     opt_state = co.park(state.opt_state)
-  job.rollout.set_weights(rollout_params, co.version)
+  job.rollout.set_weights(rollout_params, co.version, master=co.master)
   with co.span("rollout"):  # Rewards are scored as groups finish.
     sampled = job.sample(prompts, step)
   with co.span("repartition"):
@@ -159,7 +159,7 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
   with co.span("repartition"):
     rollout_params = co.to_rollout(state.params)
     opt_state = co.park(state.opt_state)
-  job.rollout.set_weights(rollout_params, co.version)
+  job.rollout.set_weights(rollout_params, co.version, master=co.master)
   job.scorer.reset()
   updates = streaming.StreamedUpdates(
       job.learner, functools.partial(_part_batch, job),
@@ -272,7 +272,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
       c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
       rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
   rollout, eval_rollout = rollout_build.for_job(
-      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co)
+      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co,
+      lora_spec=spec)
   rl = c.rl
   return Job(
       c=c, source=source, graphdef=graphdef, params=params,

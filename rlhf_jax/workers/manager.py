@@ -34,6 +34,7 @@ import numpy as np
 from rlhf_jax.engine.driver import Request, Sample
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import continuation
+from rlhf_jax.workers import weights as weights_lib
 
 
 class WorkerDied(RuntimeError):
@@ -126,6 +127,8 @@ class ManagerStats:
   stale_resampled: int = 0
   pulls: int = 0
   pull_s: float = 0.0
+  pull_bytes: int = 0         # versions shipped to workers
+  base_bytes: int = 0         # LoRA bases shipped (once per joining worker)
   # Tokens each worker generated (of samples it finished; a continued
   # sample's earlier tokens count for the worker that made them).
   tokens: collections.Counter = dataclasses.field(
@@ -136,8 +139,13 @@ class RolloutManager:
   """Runs batches of requests over a changing set of workers."""
 
   def __init__(self, store, *, max_new_tokens: int, theta: int = 4,
-               poll_steps: int = 8, plateau: int | None = None):
+               poll_steps: int = 8, plateau: int | None = None,
+               spec_lora=None):
     self.store, self.max_new_tokens = store, max_new_tokens
+    # A LoRA policy (its `LoraSpec`): versions are adapters; a worker gets
+    # the store's base with its first version.
+    self.spec_lora = spec_lora
+    self._has_base: set[str] = set()
     self.theta, self.poll_steps = theta, poll_steps
     # Batching plateau B in samples: running samples above it move to an
     # idle worker. None: running samples never move (queued ones still do).
@@ -166,6 +174,7 @@ class RolloutManager:
     self.versions[handle.worker_id] = version
     self._sent.pop(handle.worker_id, None)
     self._prefix_of.pop(handle.worker_id, None)
+    self._has_base.discard(handle.worker_id)
 
   def _refresh(self) -> int:
     """Stale live workers pull the newest version; returns it."""
@@ -178,12 +187,24 @@ class RolloutManager:
     if stale:
       t0 = time.perf_counter()
       version, payload = self.store.pull(latest)
-      futures = {w: self.handles[w].call_async("load", version, payload)
-                 for w in stale}
+      size = weights_lib.payload_bytes(payload)
+      base = base_size = None
+      if self.spec_lora is not None and set(stale) - self._has_base:
+        base = self.store.base()
+        base_size = weights_lib.payload_bytes(base)
+      futures = {}
+      for w in stale:
+        extra = () if base is None or w in self._has_base else (base,)
+        futures[w] = self.handles[w].call_async("load", version, payload,
+                                                *extra)
+        self.stats.pull_bytes += size
+        self.stats.base_bytes += base_size if extra else 0
       for w, f in futures.items():
         try:
           self.versions[w] = self.handles[w].result(f)
           self._sent[w] = version
+          if base is not None:
+            self._has_base.add(w)
         except WorkerDied:
           self._lost.append(w)
       self.stats.pulls += len(stale)

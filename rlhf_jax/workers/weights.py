@@ -26,10 +26,18 @@ def to_payload(params) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(params))]
 
 
+def payload_bytes(leaves) -> int:
+  return sum(x.size * x.dtype.itemsize for x in leaves)
+
+
 class WeightStore(Protocol):
+  """Versions of the policy; with a LoRA policy each version is its
+  adapters and `publish_base` holds the frozen base they apply to."""
   def publish(self, version: int, params) -> None: ...
   def latest(self) -> int: ...
   def pull(self, version: int | None = None) -> tuple[int, list]: ...
+  def publish_base(self, params) -> None: ...
+  def base(self) -> list | None: ...
 
 
 class LocalWeightStore:
@@ -38,7 +46,14 @@ class LocalWeightStore:
   def __init__(self, keep: int = 2):
     self.keep = keep
     self._versions: dict[int, list] = {}
+    self._base = None
     self._lock = threading.Lock()
+
+  def publish_base(self, params) -> None:
+    self._base = to_payload(params)
+
+  def base(self) -> list | None:
+    return self._base
 
   def publish(self, version: int, params) -> None:
     payload = to_payload(params)
@@ -84,6 +99,12 @@ class RayWeightStore:
       def latest(self):
         return max(self.refs) if self.refs else None
 
+      def set_base(self, ref_list):
+        self.base = ref_list[0]
+
+      def get_base(self):
+        return [getattr(self, "base", None)]
+
       def get(self, version):
         version = max(self.refs) if version is None else version
         return version, [self.refs.get(version)]
@@ -95,6 +116,14 @@ class RayWeightStore:
     ref = self._ray.put(to_payload(params))
     # A list keeps Ray from resolving the ref when passing it to the actor.
     self._ray.get(self._registry.add.remote(version, [ref]))
+
+  def publish_base(self, params) -> None:
+    ref = self._ray.put(to_payload(params))
+    self._ray.get(self._registry.set_base.remote([ref]))
+
+  def base(self) -> list | None:
+    (ref,) = self._ray.get(self._registry.get_base.remote())
+    return None if ref is None else self._ray.get(ref)
 
   def latest(self) -> int:
     v = self._ray.get(self._registry.latest.remote())

@@ -17,12 +17,15 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import lora
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.models import rollout_copy
+from rlhf_jax.models.config import LoraSpec, ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.sched import offload
 
@@ -36,6 +39,9 @@ class EngineSpec:
   prefill_buckets: tuple[int, ...]
   sampling: SamplingParams
   max_common_length: int = 0   # > 0: a batch's common prefix stored once.
+  # A LoRA policy's adapters: versions arrive as adapters, which the worker
+  # merges onto the base it got once (`models/rollout_copy.py`).
+  lora: LoraSpec | None = None
 
 
 @dataclasses.dataclass
@@ -70,6 +76,8 @@ class RolloutWorker:
                       prefill_buckets=spec.prefill_buckets,
                       sampling=spec.sampling,
                       max_common_length=spec.max_common_length)
+      if spec.lora is not None:
+        self._adapters_to_rollout(spec, layout, engine.param_shardings)
     self.engine = engine
     self._start_driver = start_driver or self._plain_driver
     # The batch's common prefix (empty: none); a driver starts with it.
@@ -84,10 +92,36 @@ class RolloutWorker:
     self.plateau_step_s: dict[int, float] = {}  # measure_plateau's timings
 
   # ---------------------------------------------------------------- weights
-  def load(self, version: int, leaves: Sequence) -> int:
-    """Installs weights `version` (flat host leaves); returns the version."""
-    params = jax.tree.unflatten(self._treedef, list(leaves))
-    params = jax.device_put(params, self.engine.param_shardings)
+  def _adapters_to_rollout(self, spec: EngineSpec, layout,
+                           rollout_shardings) -> None:
+    """The LoRA structures and the jitted merge of a version's adapters
+    onto the base (cast and quantized as the trainer's rollout copy)."""
+    plain = spec.model.replace(weight_quant="none")
+    _, train_like = model_lib.abstract_params(plain.replace(lora=spec.lora))
+    adapters_like, base_like = lora.split(train_like)
+    self._adapter_treedef = jax.tree.structure(adapters_like)
+    self._base_treedef = jax.tree.structure(base_like)
+    self._base_shardings = layout.param_shardings(base_like)
+    _, _, to_rollout = rollout_copy.rollout_model(
+        plain, None, lora_spec=spec.lora, quant=spec.model.weight_quant)
+    self._merge = jax.jit(
+        lambda adapters, base: to_rollout(nnx.merge_state(adapters, base)),
+        out_shardings=rollout_shardings)
+    self._base = None
+
+  def load(self, version: int, leaves: Sequence, base=None) -> int:
+    """Installs weights `version` (flat host leaves; a LoRA policy's: its
+    adapters, merged onto `base`, the frozen base's leaves, sent with a
+    worker's first version); returns the version."""
+    if self.spec is not None and self.spec.lora is not None:
+      if base is not None:
+        self._base = jax.device_put(jax.tree.unflatten(
+            self._base_treedef, list(base)), self._base_shardings)
+      params = self._merge(jax.tree.unflatten(self._adapter_treedef,
+                                              list(leaves)), self._base)
+    else:
+      params = jax.tree.unflatten(self._treedef, list(leaves))
+      params = jax.device_put(params, self.engine.param_shardings)
     d = self.driver
     if d is not None:  # Requests not started yet start on the new weights.
       self._queued = list(d.pending) + self._queued
@@ -104,7 +138,9 @@ class RolloutWorker:
     """Pulls the newest version from `store` if this worker is behind."""
     latest = store.latest()
     if latest != self.version:
-      self.load(*store.pull(latest))
+      lora_base = (self.spec is not None and self.spec.lora is not None
+                   and self._base is None)
+      self.load(*store.pull(latest), *((store.base(),) if lora_base else ()))
     return self.version
 
   def install(self, version: int, params) -> None:
