@@ -12,7 +12,9 @@ generation config are copied too) or, for a random-init job, from the
 preset and overrides with the built-in character tokenizer's vocabulary;
 that tokenizer has no HF form, so only weights and config.json are written.
 A LoRA policy (`config.lora.rank > 0`) is written merged, W + (alpha/r) A B
-(`models/lora.py`). The output opens with transformers' `from_pretrained`
+(`models/lora.py`), or with `--adapters` as `OUT/base` (the frozen base, an
+HF checkpoint) and `OUT/adapter` (the adapters in the PEFT format,
+`models/hf_adapters.py`; `config.lora.init_from` starts a run from them). The output opens with transformers' `from_pretrained`
 (and vLLM).
 """
 
@@ -32,7 +34,7 @@ from rlhf_jax import cli
 from rlhf_jax.config import sections
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.errors import CheckpointError, ConfigError, MissingInputError
-from rlhf_jax.models import hf, hf_config, lora
+from rlhf_jax.models import hf, hf_adapters, hf_config, lora
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 
@@ -190,7 +192,7 @@ def _restore(manager, directory: str, key: str, cfg: ModelConfig,
 
 
 def export(workdir: str, out: str, *, step: int | None = None,
-           dtype: str | None = None) -> Exported:
+           dtype: str | None = None, adapters: bool = False) -> Exported:
   """Writes the policy of `workdir`'s checkpoint as an HF checkpoint.
 
   Args:
@@ -198,6 +200,8 @@ def export(workdir: str, out: str, *, step: int | None = None,
     out: a new or empty output directory.
     step: the checkpointed step; None is the latest.
     dtype: "bfloat16" or "float32"; None keeps the checkpoint's dtype.
+    adapters: a LoRA policy as `out/base` + `out/adapter` (PEFT), not
+      merged.
 
   Returns:
     What was written (`Exported`).
@@ -233,10 +237,20 @@ def export(workdir: str, out: str, *, step: int | None = None,
   step, params = restore_params(
       os.path.join(workdir, "checkpoints"), POLICY_KEYS[job],
       source.cfg.replace(lora=spec), step)
-  if spec is not None:
-    params = lora.merged(params, spec)
   dtype = dtype or source.cfg.param_dtype
-  hf.save(out, source.cfg, params, tokenizer_dir=source.tokenizer_dir,
+  if adapters:
+    if spec is None:
+      raise ConfigError(f"--adapters: {workdir!r} trained every weight "
+                        "(config.lora.rank=0); export it without --adapters")
+    hf_adapters.save(os.path.join(out, "adapter"),
+                     source.cfg.replace(lora=spec), params,
+                     base_model=os.path.join(out, "base"))
+    out_model, params = os.path.join(out, "base"), lora.split(params)[1]
+  else:
+    out_model = out
+    if spec is not None:
+      params = lora.merged(params, spec)
+  hf.save(out_model, source.cfg, params, tokenizer_dir=source.tokenizer_dir,
           dtype=dtype, config_overrides=source.carried)
   return Exported(out, step, job, dtype, source.tokenizer_dir)
 
@@ -249,7 +263,8 @@ def main(argv) -> None:
   # Everything runs on the host: leave a training job's accelerators alone.
   jax.config.update("jax_platforms", "cpu")
   with cli.user_errors(f.verbose):
-    done = export(f.workdir, f.out, step=f.step, dtype=f.dtype)
+    done = export(f.workdir, f.out, step=f.step, dtype=f.dtype,
+                  adapters=f.adapters)
   print(f"exported step {done.step} of {f.workdir} ({done.job} policy, "
         f"{done.dtype}) to {done.out}")
   if done.tokenizer_dir is None:
@@ -264,6 +279,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("step", None, "Checkpointed step (default: latest).")
   flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"],
                     "Weight dtype to write (default: the checkpoint's).")
+  flags.DEFINE_bool("adapters", False, "A LoRA policy as base/ + adapter/ "
+                    "(PEFT) instead of merged.")
   flags.DEFINE_bool("verbose", False, "Tracebacks and third-party logs.")
   flags.mark_flags_as_required(["workdir", "out"])
 

@@ -23,6 +23,20 @@ def records(workdir) -> dict:
           for r in MetricWriter(workdir, enabled=False).read()}
 
 
+def rl_records(workdir) -> dict:
+  """{step: the RL step's whole record} of a workdir."""
+  return {r["step"]: r for r in MetricWriter(workdir, enabled=False).read()
+          if r["phase"] == "rl"}
+
+
+def override(config, **extra):
+  """`config` with "section.key" overrides; returns it."""
+  for key, value in extra.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+
+
 def assert_same_records(resumed: dict, reference: dict) -> None:
   assert sorted(resumed) == sorted(reference)
   for key, record in reference.items():

@@ -12,7 +12,6 @@ from configs import tiny_grpo_lora
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.metrics import MetricWriter
 from rlhf_jax.models import lora
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import rollout_copy
@@ -130,17 +129,11 @@ def test_lora_config_errors(overrides, message):
 
 
 def _lora_config(**extra):
-  c = tiny_grpo_lora.get_config("runlocal")
-  c.train.steps, c.eval.every = 4, 2
-  for key, value in extra.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  return c
+  return resume.override(tiny_grpo_lora.get_config("runlocal"), **{
+      "train.steps": 4, "eval.every": 2, **extra})
 
 
-def _rl_records(workdir):
-  return {r["step"]: r for r in MetricWriter(workdir, enabled=False).read()
-          if r["phase"] == "rl"}
+_rl_records = resume.rl_records
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +300,44 @@ def test_elastic_workers_pull_only_the_adapters(tmp_path):
     assert r["workers/base_bytes"] == (workers * full if step == 1 else 0)
     assert r["rollout/logprob_gap"] < 1e-4, step
   assert adapters / full < 0.05
+
+
+@pytest.mark.slow
+def test_adapters_export_as_peft_and_start_a_run(lora_run, tmp_path):
+  """Oracle: PEFT's W + (lora_alpha / r) B A on the exported base's torch
+  tensors equals the merged export; the adapters load back unchanged."""
+  from safetensors.numpy import load_file
+  from rlhf_jax import export as export_lib
+  from rlhf_jax.errors import CheckpointError
+  from rlhf_jax.models import hf_adapters
+  workdir, state = lora_run
+  out = str(tmp_path / "split")
+  export_lib.export(workdir, out, adapters=True)
+  merged = export_lib.export(workdir, str(tmp_path / "merged")).out
+  base = load_file(f"{out}/base/model.safetensors")
+  pairs = load_file(f"{out}/adapter/adapter_model.safetensors")
+  want = load_file(f"{merged}/model.safetensors")
+  with open(f"{out}/adapter/adapter_config.json") as f:
+    import json
+    config = json.load(f)
+  scale = config["lora_alpha"] / config["r"]
+  assert len(pairs) == 2 * 7 * 2  # Two layers, seven projections, A and B.
+  for name, w in base.items():
+    stem = "base_model.model." + name[:-len(".weight")]
+    if stem + ".lora_A.weight" in pairs:
+      w = w + scale * (pairs[stem + ".lora_B.weight"]
+                       @ pairs[stem + ".lora_A.weight"])
+    np.testing.assert_allclose(w, want[name], rtol=0, atol=2e-6,
+                               err_msg=name)
+  # Loaded back: the trained adapters, bit for bit.
+  trained, _ = lora.split(jax.device_get(state.params))
+  c = _lora_config(**{"lora.init_from": f"{out}/adapter"})
+  job = grpo.build(c)
+  started, _ = lora.split(job.trainable(job.params))
+  for x, y in zip(jax.tree.leaves(trained), jax.tree.leaves(started)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # Adapters of another shape: one line at build, before any work.
+  c = _lora_config(**{"lora.init_from": f"{out}/adapter", "lora.rank": 8})
+  with pytest.raises(CheckpointError, match="are rank 16, alpha 32.0"):
+    grpo.build(c)
+  assert hf_adapters.read_spec(f"{out}/adapter").rank == 16

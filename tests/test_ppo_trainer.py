@@ -5,7 +5,6 @@ import pytest
 
 import resume
 from configs import tiny_ppo, tiny_rm
-from rlhf_jax.metrics import MetricWriter
 from rlhf_jax.trainers import ppo, rm
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
@@ -23,16 +22,11 @@ def rm_workdir(tmp_path_factory):
 
 
 def _config(rm_workdir, **extra):
-  c = tiny_ppo.get_config(f"runlocal,rm_workdir={rm_workdir}")
-  for key, value in extra.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  return c
+  return resume.override(
+      tiny_ppo.get_config(f"runlocal,rm_workdir={rm_workdir}"), **extra)
 
 
-def _rl_records(workdir):
-  return {r["step"]: r for r in MetricWriter(workdir, enabled=False).read()
-          if r["phase"] == "rl"}
+_rl_records = resume.rl_records
 
 
 @pytest.mark.slow

@@ -90,12 +90,17 @@ class Lora:
   rank: int = 0
   alpha: float = 16.0
   targets: tuple = ("q", "k", "v", "o")  # Of q k v o gate up down.
+  # A PEFT adapter directory (`python -m rlhf_jax.export --adapters`) the
+  # adapters start from ("": fresh, B = 0).
+  init_from: str = ""
 
   def __post_init__(self):
     if not isinstance(self.rank, int) or self.rank < 0:
       _fail(self, "rank", "must be an int >= 0 (0: no adapters)")
     if self.alpha <= 0:
       _fail(self, "alpha", "must be > 0")
+    if self.init_from and not self.rank:
+      _fail(self, "init_from", "needs lora.rank > 0 (the adapters' shape)")
     self.spec()
 
   def spec(self):

@@ -21,12 +21,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.models import build as model_build
+from rlhf_jax.models import hf_adapters
 from rlhf_jax.models import lora
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import rollout_copy
@@ -69,8 +71,15 @@ class Job:
     spec = self.c.lora.spec()
     if spec is None:
       return params
-    return lora.attach(self.cfg, params, spec, seed=self.c.seed,
-                       layout=self.train_layout)[2]
+    lora_cfg, _, policy = lora.attach(self.cfg, params, spec,
+                                      seed=self.c.seed,
+                                      layout=self.train_layout)
+    if self.c.lora.init_from:  # Adapters saved by an earlier run.
+      fresh, base = lora.split(policy)
+      saved = hf_adapters.load(self.c.lora.init_from, lora_cfg, fresh)
+      policy = nnx.merge_state(jax.device_put(
+          saved, jax.tree.map(lambda x: x.sharding, fresh)), base)
+    return policy
 
   def fresh_states(self, params, *, copy: bool = True) -> dict:
     """The job's checkpointed states from the post-SFT `params`: the
@@ -258,6 +267,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
   # rollout runs them merged (and maybe quantized) in its own model.
   spec = c.lora.spec()
   train_graphdef, train_like = graphdef, params
+  if c.lora.init_from:  # Before the warm-start: a bad directory loses nothing.
+    hf_adapters.check(c.lora.init_from, spec)
   if spec is not None:
     _, train_graphdef, train_like = lora.attach(
         cfg, model_lib.abstract_params(cfg)[1], spec, seed=c.seed)
