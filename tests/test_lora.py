@@ -9,7 +9,6 @@ from flax import nnx
 
 import resume
 from configs import tiny_grpo_lora
-from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.models import lora
@@ -197,14 +196,6 @@ def test_lora_job_resumes_after_sigterm_as_if_uninterrupted(lora_run,
   grpo.run(_lora_config(), workdir)
   resume.assert_same_records(resume.records(workdir),
                              resume.records(reference))
-
-
-def test_lora_with_ppo_is_refused():
-  from configs import tiny_ppo
-  c = tiny_ppo.get_config("runlocal,rm_workdir=/nonexistent")
-  c.lora.rank = 8
-  with pytest.raises(ConfigError, match=r"^config\.lora\.rank=8: LoRA is "):
-    checks.check_rl_job(RLJob.from_config(c), job="ppo", prompt_len=8)
 
 
 @pytest.mark.parametrize("kind, bound", [("int8", 0.02), ("fp8", 0.1)])

@@ -1,5 +1,8 @@
 """[ppo] The PPO job end to end, its targets, the critic and config errors."""
 
+import ast
+import json
+
 import numpy as np
 import pytest
 
@@ -59,6 +62,31 @@ def test_runs_and_resumes_after_sigterm_as_if_uninterrupted(rm_workdir,
                              config.rl.num_minibatches)
   resume.assert_same_records(resume.records(workdir),
                              resume.records(reference))
+
+
+@pytest.mark.slow
+def test_lora_actor_trains_adapters_against_its_base(rm_workdir, tmp_path):
+  """PPO with a LoRA actor (rank 4 on q and v): no reference copy is
+  checkpointed, the reference is the base (KL 0 until the adapters move),
+  and the merged rollout samples what the actor scores."""
+  config = _config(rm_workdir, **{"train.steps": 3, "eval.every": 3,
+                                  "lora.rank": 4, "lora.alpha": 8.0,
+                                  "lora.targets": ("q", "v"),
+                                  "optim.learning_rate": 1e-2})
+  ppo.run(config, str(tmp_path))
+  records = _rl_records(str(tmp_path))
+  assert records[1]["rollout/kl"] == 0.0
+  assert records[3]["rollout/kl"] > 0.0
+  for step in (1, 2, 3):
+    assert records[step]["rollout/logprob_gap"] < 1e-4, step
+  r = records[3]
+  assert 2 * r["memory/trained_param_bytes"] <= r["memory/opt_state_bytes"]
+  assert r["memory/opt_state_bytes"] <= 2 * r["memory/trained_param_bytes"] + 64
+  assert r["memory/trained_param_bytes"] < r["memory/frozen_param_bytes"] / 20
+  # The checkpoint holds actor and critic, no reference copy.
+  with open(tmp_path / "checkpoints" / "3" / "state" / "_METADATA") as f:
+    saved = {ast.literal_eval(k)[0] for k in json.load(f)["tree_metadata"]}
+  assert saved == {"actor", "critic"}
 
 
 def test_missing_reward_model_names_the_command(tmp_path):

@@ -112,10 +112,6 @@ def _check_ppo(c: RLJob) -> None:
                       "trains a critic and uses 'gae'")
   if c.critic is None:
     raise ConfigError("the PPO job needs a config.critic section")
-  if c.lora.rank:
-    raise ConfigError(f"config.lora.rank={c.lora.rank}: LoRA is built for "
-                      "the GRPO-family policy only; PPO's actor and critic "
-                      "have no adapters yet (set it to 0)")
   if rl.share_prompt:
     raise ConfigError("config.rl.share_prompt=True is not implemented for "
                       "PPO (the critic reads the repeated layout); set it "

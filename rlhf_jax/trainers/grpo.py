@@ -19,31 +19,23 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.metrics import rl_step_metrics
-from rlhf_jax.models import build as model_build
-from rlhf_jax.models import hf_adapters
-from rlhf_jax.models import lora
-from rlhf_jax.models import model as model_lib
-from rlhf_jax.models import rollout_copy
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.scoring import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
-from rlhf_jax.rl import objectives, packing, prepare, streaming
-from rlhf_jax.rl.learner import Learner, TrainState, make_optimizer
-from rlhf_jax.rl.learner import train_epochs
-from rlhf_jax.rollout import build as rollout_build
+from rlhf_jax.rl import packing, prepare, streaming
+from rlhf_jax.rl.learner import Learner, TrainState, train_epochs
 from rlhf_jax.rollout import dynamic_sampling
 from rlhf_jax.rollout.base import Rollout, Sampled, generate, step_seed
 from rlhf_jax.timeline import Timeline
 from rlhf_jax.trainers import loop
+from rlhf_jax.trainers import policy as policy_lib
 from rlhf_jax.trainers.sft import run_sft
 
 
@@ -64,33 +56,15 @@ class Job:
   colocation: colocate.Colocation
   cfg: Any = None           # The policy's ModelConfig (no adapters).
 
+  policy: policy_lib.Policy | None = None
+
   def trainable(self, params):
-    """The policy the learner trains, from the (post-SFT) `params`: with
-    `config.lora`, fresh adapters on them as the frozen base (which is then
-    also the reference); else the params themselves."""
-    spec = self.c.lora.spec()
-    if spec is None:
-      return params
-    lora_cfg, _, policy = lora.attach(self.cfg, params, spec,
-                                      seed=self.c.seed,
-                                      layout=self.train_layout)
-    if self.c.lora.init_from:  # Adapters saved by an earlier run.
-      fresh, base = lora.split(policy)
-      saved = hf_adapters.load(self.c.lora.init_from, lora_cfg, fresh)
-      policy = nnx.merge_state(jax.device_put(
-          saved, jax.tree.map(lambda x: x.sharding, fresh)), base)
-    return policy
+    return self.policy.trainable(params)
 
   def fresh_states(self, params, *, copy: bool = True) -> dict:
-    """The job's checkpointed states from the post-SFT `params`: the
-    policy's train state and, without LoRA, the reference (a frozen copy
-    unless `copy=False`, a restore target: the policy's buffers are
-    donated)."""
-    policy = self.learner.init_state(self.trainable(params))
-    if self.c.lora.rank:
-      return {"policy": policy}
-    return {"policy": policy, "ref": jax.tree.map(
-        lambda x: jnp.array(x, copy=True), params) if copy else params}
+    """The checkpointed states from the post-SFT `params`
+    (`Policy.fresh_states`)."""
+    return self.policy.fresh_states(params, "policy", copy=copy)
 
   @property
   def tokenizer(self):
@@ -260,43 +234,20 @@ def build(config, timeline: Timeline | None = None) -> Job:
   source = sources.build(config, c)
   checks.check_rl_job(c, job="grpo", prompt_len=source.prompt_len)
   train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
-  cfg, graphdef, params = model_build.build(
-      c.model, seed=c.seed, layout=train_layout,
-      vocab_size=source.tokenizer.vocab_size)
-  # With LoRA the learner trains base + adapters (its own graphdef); the
-  # rollout runs them merged (and maybe quantized) in its own model.
-  spec = c.lora.spec()
-  train_graphdef, train_like = graphdef, params
-  if c.lora.init_from:  # Before the warm-start: a bad directory loses nothing.
-    hf_adapters.check(c.lora.init_from, spec)
-  if spec is not None:
-    _, train_graphdef, train_like = lora.attach(
-        cfg, model_lib.abstract_params(cfg)[1], spec, seed=c.seed)
-  learner = objectives.policy_learner(
-      train_graphdef, train_layout, c.rl.policy_loss_config(
-          max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
-      micro_batches=c.rl.micro_batches,
-      trainable=None if spec is None else lora.ADAPTERS)
-  rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
-      cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize)
-  co = colocate.Colocation.from_section(
-      c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
-      rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
-  rollout, eval_rollout = rollout_build.for_job(
-      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co,
-      lora_spec=spec)
+  p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
   rl = c.rl
   return Job(
-      c=c, source=source, graphdef=graphdef, params=params,
+      c=c, source=source, graphdef=p.graphdef, params=p.params,
       train_layout=train_layout, rollout_layout=rollout_layout,
-      learner=learner,
-      preparer=prepare.Preparer(learner, rl.advantage_config(
+      learner=p.learner,
+      preparer=prepare.Preparer(p.learner, rl.advantage_config(
           c.rollout.samples_per_row)),
       scorer=RewardScorer(
           source.tokenizer, rl.rewards, rl.reward_weights, rl.on_reward_error,
           overlong=(c.rollout.max_new_tokens, rl.overlong_buffer,
                     rl.overlong_penalty) if rl.overlong_buffer else None),
-      rollout=rollout, eval_rollout=eval_rollout, colocation=co, cfg=cfg)
+      rollout=p.rollout, eval_rollout=p.eval_rollout,
+      colocation=p.colocation, cfg=p.cfg, policy=p)
 
 
 def run(config, workdir: str):

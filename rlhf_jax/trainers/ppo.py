@@ -15,7 +15,9 @@ One step (InstructGPT-style), top to bottom in `ppo_step`:
             each with its own optimizer, on the same training layout.
 
 The reward model comes from an `rm` job's workdir (`reward_model.workdir`);
-the critic starts as a copy of it. Resume, evaluation and checkpoints
+the critic starts as a copy of it. The actor is built as GRPO's policy
+(`trainers/policy.py`): with `config.lora` it trains adapters on a frozen
+base that is also the reference; the critic trains every weight. Resume, evaluation and checkpoints
 (actor, critic, reference): `loop.py`.
 
 Dimension letters: B sequences, T = prompt length + max new tokens.
@@ -35,8 +37,6 @@ from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.metrics import rl_step_metrics
-from rlhf_jax.models import build as model_build
-from rlhf_jax.models import rollout_copy
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.model_score import ScalarHead
@@ -45,10 +45,10 @@ from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import objectives, prepare
 from rlhf_jax.rl.learner import Learner, TrainState, make_optimizer
 from rlhf_jax.rl.learner import train_epochs
-from rlhf_jax.rollout import build as rollout_build
 from rlhf_jax.rollout.base import Rollout, generate, step_seed
 from rlhf_jax.timeline import Timeline
 from rlhf_jax.trainers import loop, rm
+from rlhf_jax.trainers import policy as policy_lib
 from rlhf_jax.trainers.sft import run_sft
 
 # Task fields that define the answer format a reward model has learned.
@@ -75,6 +75,7 @@ class Job:
   colocation: colocate.Colocation
   cfg: Any = None            # The actor's ModelConfig.
   rollout_layout: Any = None
+  policy: Any = None         # The actor's `policy_lib.Policy`.
 
   @property
   def tokenizer(self):
@@ -96,7 +97,7 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
     rollout_params = co.to_rollout(actor_state.params)
     actor_opt, critic_state = (co.park(actor_state.opt_state),
                                co.park(critic_state))
-  job.rollout.set_weights(rollout_params, co.version)
+  job.rollout.set_weights(rollout_params, co.version, master=co.master)
   with co.span("rollout"):
     sampled = generate(job.rollout, prompts, c.rollout.samples_per_row,
                        step_seed(c.seed, step), step=step, scorer=job.tracked)
@@ -120,7 +121,8 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
       sampled.metrics, {"rollout/reward_std": float(np.std(info["rewards"])),
                         "rollout/value_mean": float(info["value_mean"]),
                         "rollout/return_mean": float(info["return_mean"])},
-      version=co.version, stale=int(np.sum(~keep)))
+      job.actor.state_bytes(actor_state), version=co.version,
+      stale=int(np.sum(~keep)))
 
 
 def _train_batch(job: Job, samples, trainable, params, ref, critic_params):
@@ -182,43 +184,31 @@ def build(config, timeline: Timeline | None = None) -> Job:
   rm_config, rm_graphdef, rm_params, rm_step = rm.load_trained(
       c.reward_model.workdir, train_layout)
   _check_reward_model_task(config, rm_config)
-  cfg, graphdef, params = model_build.build(
-      c.model, seed=c.seed, layout=train_layout,
-      vocab_size=source.tokenizer.vocab_size)
+  p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
   rl = c.rl
-  actor = objectives.policy_learner(
-      graphdef, train_layout, rl.policy_loss_config(
-          max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
-      micro_batches=rl.micro_batches)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
-  rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
-      cfg, graphdef, quant=c.rollout.quantize)
-  co = colocate.Colocation.from_section(
-      c.mesh, train_layout, rollout_layout, params, timeline=timeline,
-      rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
-  rollout, eval_rollout = rollout_build.for_job(
-      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co)
   return Job(
-      c=c, source=source, graphdef=graphdef, params=params,
-      train_layout=train_layout, actor=actor,
+      c=c, source=source, graphdef=p.graphdef, params=p.params,
+      train_layout=train_layout, actor=p.learner,
       critic=Learner(rm_graphdef, train_layout,
                      make_optimizer(c.critic.optim), terms_fn=value_terms,
                      weight_fn=value_weight, micro_batches=rl.micro_batches),
-      preparer=prepare.Preparer(actor, rl.advantage_config(
+      preparer=prepare.Preparer(p.learner, rl.advantage_config(
           c.rollout.samples_per_row)),
       heads=ScalarHead(rm_graphdef, train_layout), rm_params=rm_params,
       rm_step=rm_step,
       tracked=RewardScorer(source.tokenizer, rl.tracked_rewards, None,
                            "zero") if rl.tracked_rewards else None,
-      rollout=rollout, eval_rollout=eval_rollout, colocation=co, cfg=cfg,
-      rollout_layout=rollout_layout)
+      rollout=p.rollout, eval_rollout=p.eval_rollout,
+      colocation=p.colocation, cfg=p.cfg, rollout_layout=rollout_layout,
+      policy=p)
 
 
 def run(config, workdir: str):
   """Runs (or resumes) PPO in `workdir`; returns the final actor state."""
   config = sources.prepare(config, workdir)
   job = build(config)
-  actor, critic_learner = job.actor, job.critic
+  critic_learner = job.critic
   logging.info("reward model: %s step %d", job.c.reward_model.workdir,
                job.rm_step)
 
@@ -229,13 +219,12 @@ def run(config, workdir: str):
     params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,
                      job.source.sft_arrays, writer, verbose=verbose,
                      checkpoint_dir=sft_dir, stop=stop)
-    return {"actor": actor.init_state(params),
-            "critic": critic_learner.init_state(copy(job.rm_params)),
-            "ref": copy(params)}
+    return {**job.policy.fresh_states(params, "actor"),
+            "critic": critic_learner.init_state(copy(job.rm_params))}
 
   def step(s, states):
     actor_state, critic_state, metrics = ppo_step(
-        job, s, states["actor"], states["critic"], states["ref"],
+        job, s, states["actor"], states["critic"], states.get("ref"),
         next(job.source.iterator))
     return {**states, "actor": actor_state, "critic": critic_state}, metrics
 
@@ -244,9 +233,9 @@ def run(config, workdir: str):
         config, workdir, train=job.c.train, eval_every=job.c.eval.every,
         iterator=job.source.iterator, colocation=job.colocation,
         fresh=fresh, step=step, history=job.rollout.length_history,
-        like=lambda: {"actor": actor.init_state(job.params),
-                      "critic": critic_learner.init_state(job.rm_params),
-                      "ref": job.params},
+        like=lambda: {
+            **job.policy.fresh_states(job.params, "actor", copy=False),
+            "critic": critic_learner.init_state(job.rm_params)},
         evaluate=lambda states: evaluate(job, states["actor"].params))
   finally:
     job.rollout.close()  # Held workers stop (and stop billing).

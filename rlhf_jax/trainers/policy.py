@@ -1,0 +1,103 @@
+"""The policy's parts that GRPO and PPO build the same way.
+
+  policy = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
+
+From the `model`, `lora`, `rl`, `optim`, `mesh` and `rollout` sections:
+the model (random or HF), the learner (with LoRA: adapters only, its own
+graphdef), the train <-> rollout switch (`Colocation`; with LoRA or
+`rollout.quantize` its rollout copy is derived by `models/rollout_copy.py`)
+and the job's rollouts, which run the rollout model. `fresh_states` turns
+the post-SFT params into the checkpointed states: the policy's train state
+and, without LoRA, a frozen reference copy (a LoRA policy's reference is
+its own base).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlhf_jax.models import build as model_build
+from rlhf_jax.models import hf_adapters, lora, rollout_copy
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.parallel import colocate
+from rlhf_jax.rl import objectives
+from rlhf_jax.rl.learner import Learner, make_optimizer
+from rlhf_jax.rollout import build as rollout_build
+
+
+@dataclasses.dataclass
+class Policy:
+  """The policy model, its learner, layout switch and rollouts."""
+  cfg: Any                  # ModelConfig (no adapters).
+  graphdef: Any             # The plain model (SFT, export).
+  params: Any               # Initial weights (random or HF), before SFT.
+  learner: Learner
+  colocation: colocate.Colocation
+  rollout: Any
+  eval_rollout: Any
+  lora_spec: Any            # LoraSpec or None.
+  lora_init_from: str
+  seed: int
+  train_layout: Any
+
+  def trainable(self, params):
+    """The params the learner trains, from the (post-SFT) `params`: with
+    LoRA, adapters (fresh, or `lora.init_from`'s) on them as the frozen
+    base; else the params themselves."""
+    if self.lora_spec is None:
+      return params
+    lora_cfg, _, policy = lora.attach(self.cfg, params, self.lora_spec,
+                                      seed=self.seed,
+                                      layout=self.train_layout)
+    if self.lora_init_from:  # Adapters saved by an earlier run.
+      fresh, base = lora.split(policy)
+      saved = hf_adapters.load(self.lora_init_from, lora_cfg, fresh)
+      policy = nnx.merge_state(jax.device_put(
+          saved, jax.tree.map(lambda x: x.sharding, fresh)), base)
+    return policy
+
+  def fresh_states(self, params, key: str, *, copy: bool = True) -> dict:
+    """{key: the train state of the post-SFT `params`} and, without LoRA,
+    "ref": the reference (a frozen copy unless `copy=False`, a restore
+    target: the policy's buffers are donated)."""
+    states = {key: self.learner.init_state(self.trainable(params))}
+    if self.lora_spec is None:
+      states["ref"] = jax.tree.map(lambda x: jnp.array(x, copy=True),
+                                   params) if copy else params
+    return states
+
+
+def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
+  """The policy of the job sections `c` (see the module doc)."""
+  cfg, graphdef, params = model_build.build(
+      c.model, seed=c.seed, layout=train_layout,
+      vocab_size=source.tokenizer.vocab_size)
+  spec = c.lora.spec()
+  if c.lora.init_from:  # Before the warm-start: a bad directory loses nothing.
+    hf_adapters.check(c.lora.init_from, spec)
+  train_graphdef, train_like = graphdef, params
+  if spec is not None:
+    _, train_graphdef, train_like = lora.attach(
+        cfg, model_lib.abstract_params(cfg)[1], spec, seed=c.seed)
+  learner = objectives.policy_learner(
+      train_graphdef, train_layout, c.rl.policy_loss_config(
+          max_len=c.rollout.max_new_tokens), make_optimizer(c.optim),
+      micro_batches=c.rl.micro_batches,
+      trainable=None if spec is None else lora.ADAPTERS)
+  rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
+      cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize)
+  co = colocate.Colocation.from_section(
+      c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
+      rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
+  rollout, eval_rollout = rollout_build.for_job(
+      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co,
+      lora_spec=spec)
+  return Policy(cfg=cfg, graphdef=graphdef, params=params, learner=learner,
+                colocation=co, rollout=rollout, eval_rollout=eval_rollout,
+                lora_spec=spec, lora_init_from=c.lora.init_from,
+                seed=c.seed, train_layout=train_layout)
