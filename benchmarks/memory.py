@@ -26,6 +26,9 @@ device of XLA:CPU's allocation (a proxy for an accelerator's):
                          `decode_temp_gib`: XLA:CPU upcasts bf16 weights to
                          f32 copies for its dots, which an accelerator does
                          not.
+`<preset>.train_gib_per_device_lora`: the same train step of a LoRA policy
+(rank 16 on all seven projections, fp32 adapters and their AdamW state,
+the frozen base in bf16: it needs no fp32 master; `models/lora.py`).
 The baseline, measured in the same run where it compiles: the same train
 step with the code paths it replaces (`*_before`: layers in a Python loop,
 no remat, T x T attention, the whole [B*T, V] logits); in --quick on
@@ -83,8 +86,9 @@ def _train(cfg, learner_of):
   graphdef, params = model_lib.abstract_params(cfg)
   learner = learner_of(graphdef, layout)
   params = _abstract(params, layout.param_shardings(params))
-  opt = jax.eval_shape(learner.optimizer.init, params)
-  opt = _abstract(opt, learner.opt_shardings(params, opt))
+  trained, _ = learner.split(params)  # LoRA: the optimizer's share.
+  opt = jax.eval_shape(learner.optimizer.init, trained)
+  opt = _abstract(opt, learner.opt_shardings(trained, opt))
   from rlhf_jax.rl.learner import TrainState
   state = TrainState(params, opt, jax.ShapeDtypeStruct(
       (), jnp.int32, sharding=layout.replicated()))
@@ -135,6 +139,7 @@ def _decode(cfg):
 
 
 def _learner_of(cfg):
+  from rlhf_jax.models import lora
   from rlhf_jax.rl import objectives
   from rlhf_jax.rl.learner import OptimConfig, make_optimizer
 
@@ -142,19 +147,24 @@ def _learner_of(cfg):
     return objectives.policy_learner(
         graphdef, layout, objectives.PolicyLossConfig(
             kl_coef=0.01, max_len=RESPONSE),
-        make_optimizer(OptimConfig()), micro_batches=1)
+        make_optimizer(OptimConfig()), micro_batches=1,
+        trainable=None if cfg.lora is None else lora.ADAPTERS)
   return build
 
 
 def _configs(preset: str):
-  """(ours, before) ModelConfigs: bf16 compute on fp32 master weights."""
-  from rlhf_jax.models.config import ModelConfig
+  """(ours, before, LoRA) ModelConfigs: bf16 compute on fp32 master
+  weights; LoRA: rank 16 on every projection (fp32 adapters) over a
+  frozen bf16 base, which needs no master copy."""
+  from rlhf_jax.models.config import LORA_TARGETS, LoraSpec, ModelConfig
   cfg = ModelConfig.preset(preset, param_dtype="float32",
                            compute_dtype="bfloat16")
   ours = cfg.replace(scan_layers=True, remat="full", attention="chunked")
   before = cfg.replace(scan_layers=False, remat="none", attention="reference",
                        logprob_chunks=(0, 0))
-  return ours, before
+  lora = ours.replace(param_dtype="bfloat16",
+                      lora=LoraSpec(16, 32.0, LORA_TARGETS))
+  return ours, before, lora
 
 
 def main(argv):
@@ -167,24 +177,25 @@ def main(argv):
                                else ["qwen2.5-7b", "llama3.1-8b"])
   out, rows = {}, []
 
-  def measure(name, preset, before: bool):
-    ours, base = _configs(preset)
-    cfg = base if before else ours
+  def measure(name, preset, before: bool, lora: bool = False):
+    ours, base, with_lora = _configs(preset)
+    cfg = with_lora if lora else base if before else ours
     train, logp, compile_s = _train(cfg, _learner_of(cfg))
-    suffix = "_before" if before else ""
+    suffix = "_before" if before else "_lora" if lora else ""
     out[f"{name}.train_gib_per_device{suffix}"] = round(train["gib"], 2)
     out[f"{name}.train_temp_gib{suffix}"] = round(train["temp_gib"], 2)
     out[f"{name}.logprob_gib_per_device{suffix}"] = round(logp["gib"], 2)
     out[f"{name}.compile_s{suffix}"] = round(compile_s, 1)
-    rows.append((name, "before" if before else "ours", train, logp,
-                 compile_s))
-    print(f"  {name} {'before' if before else 'ours'}: train "
+    path = "before" if before else "lora" if lora else "ours"
+    rows.append((name, path, train, logp, compile_s))
+    print(f"  {name} {path}: train "
           f"{train['gib']:.2f} GiB (temp {train['temp_gib']:.2f}), "
           f"compile {compile_s:.1f}s ({time.perf_counter() - t_start:.0f}s)",
           flush=True)
 
   for preset in presets:
     measure(preset, preset, before=False)
+    measure(preset, preset, before=False, lora=True)
     decode, decode_s = _decode(_configs(preset)[0])
     out[f"{preset}.decode_gib_per_device"] = round(decode["gib"], 2)
     # Arguments: the bf16 rollout weights and the KV cache. XLA:CPU has no
