@@ -98,6 +98,12 @@ class DriverStats:
   decode_s: float = 0.0
 
 
+def most_free_replica(pool, replicas) -> int:
+  """The replica among `replicas` with the most free pages (lowest first
+  on ties)."""
+  return max(replicas, key=lambda r: (pool.free_in(r), -r))
+
+
 class Controller:
   """Scheduling hooks of `Driver.run` (defaults: plain continuous batching)."""
 
@@ -112,7 +118,7 @@ class Controller:
     """The data replica of the paged engine `request`'s group goes to,
     among those with room (default: the one with the most free pages)."""
     del request
-    return max(replicas, key=lambda r: (driver.pool.free_in(r), -r))
+    return most_free_replica(driver.pool, replicas)
 
   def after_step(self, driver: "Driver") -> None:
     """Called after each decode step is dispatched."""

@@ -43,7 +43,7 @@ from typing import Iterable
 import numpy as np
 
 from rlhf_jax.engine.driver import (Controller, Driver, Partial, Request,
-                                   Sample)
+                                   Sample, most_free_replica)
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_state import PagedPrefill
@@ -226,8 +226,10 @@ class PagedDriver(Driver):
               and self.pool.free_in(r) - need >= eng.max_own_pages]
       if not room:
         break
-      r = (Controller.choose_replica(self._controller, self, room, req)
-           if again else self._controller.choose_replica(self, room, req))
+      # A readmitted group's samples were already counted where they were
+      # admitted: it goes where the pages are, outside the policy's load.
+      r = (most_free_replica(self.pool, room) if again
+           else self._controller.choose_replica(self, room, req))
       pages = self.pool.allocate(need, r)
       self.paged.groups_by_replica[r] += 1
       if again:
