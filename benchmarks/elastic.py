@@ -49,8 +49,9 @@ the same merged weights (merged on one device as a worker does, so the
 reference tokens are the same). Each repeat publishes the weights as a new
 version (the same values: the reference tokens stay valid), so every
 joining worker pulls, the base with its first version (a joiner is a new
-instance to the manager, though these warm ones already hold it). The JSON's `lora` reports the bytes pulled per pull
-and their fraction of the full weights (the rollout copy).
+instance to the manager, though these warm ones already hold it). The
+JSON's `lora` reports the bytes pulled per pull and their fraction of the
+full weights (the rollout copy).
 
 Last stdout line: JSON with `tokens_lost`, `reprefill_tokens`,
 `pull_latency_s`, `throughput_vs_trainer_only`, `sim_rel_error`, ...

@@ -14,8 +14,8 @@ that tokenizer has no HF form, so only weights and config.json are written.
 A LoRA policy (`config.lora.rank > 0`) is written merged, W + (alpha/r) A B
 (`models/lora.py`), or with `--adapters` as `OUT/base` (the frozen base, an
 HF checkpoint) and `OUT/adapter` (the adapters in the PEFT format,
-`models/hf_adapters.py`; `config.lora.init_from` starts a run from them). The output opens with transformers' `from_pretrained`
-(and vLLM).
+`models/hf_adapters.py`; `config.lora.init_from` starts a run from them).
+The output opens with transformers' `from_pretrained` (and vLLM).
 """
 
 from __future__ import annotations

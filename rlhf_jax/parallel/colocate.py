@@ -10,7 +10,8 @@ on the way and the master weights wait in host memory like the optimizer
 state: the decode reads half the bytes, and the values are those the
 compute dtype would have used anyway. A LoRA policy's rollout copy is
 derived the same way (`rollout_weights`: adapters merged into the base,
-projections quantized), its master (base + adapters) parked. The RL jobs (GRPO, PPO) call:
+projections quantized), its master (base + adapters) parked. The RL jobs
+(GRPO, PPO) call:
 
   rollout_params = co.to_rollout(params)   # donates params; version += 1
   ... decode, stamping samples with co.version ...

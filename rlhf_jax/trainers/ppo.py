@@ -17,8 +17,8 @@ One step (InstructGPT-style), top to bottom in `ppo_step`:
 The reward model comes from an `rm` job's workdir (`reward_model.workdir`);
 the critic starts as a copy of it. The actor is built as GRPO's policy
 (`trainers/policy.py`): with `config.lora` it trains adapters on a frozen
-base that is also the reference; the critic trains every weight. Resume, evaluation and checkpoints
-(actor, critic, reference): `loop.py`.
+base that is also the reference; the critic trains every weight. Resume,
+evaluation and checkpoints (actor, critic, reference): `loop.py`.
 
 Dimension letters: B sequences, T = prompt length + max new tokens.
 """
