@@ -25,7 +25,9 @@ device of XLA:CPU's allocation (a proxy for an accelerator's):
                          Also `decode_argument_gib` (weights + KV cache) and
                          `decode_temp_gib`: XLA:CPU upcasts bf16 weights to
                          f32 copies for its dots, which an accelerator does
-                         not.
+                         not. `decode_argument_gib_int8`: the arguments
+                         with the projections stored int8
+                         (`rollout.quantize=int8`).
 `<preset>.train_gib_per_device_lora`: the same train step of a LoRA policy
 (rank 16 on all seven projections, fp32 adapters and their AdamW state,
 the frozen base in bf16: it needs no fp32 master; `models/lora.py`).
@@ -112,25 +114,33 @@ def _train(cfg, learner_of):
   return _memory(train), _memory(logp), compile_s
 
 
-def _decode(cfg):
-  """(decode step memory, compile seconds) on 8 rollout replicas."""
+def _decode(cfg, quant: str = "none"):
+  """(decode step memory, compile seconds) on 8 rollout replicas; `quant`:
+  the rollout copy's projections stored int8 (`rollout.quantize`)."""
   import jax
   from rlhf_jax.engine.engine import Engine
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib
+  from rlhf_jax.models import rollout_copy
   from rlhf_jax.parallel import mesh as mesh_lib
 
   mesh = mesh_lib.make_mesh(fsdp=_DEVICES)
   layout = mesh_lib.rollout_layout(mesh, 1)
   graphdef, params = model_lib.abstract_params(cfg)
-  engine = Engine(cfg, graphdef, layout, num_rows=DECODE_ROWS,
+  rollout_cfg, graphdef, to_rollout = rollout_copy.rollout_model(
+      cfg, graphdef, quant=quant)
+  engine = Engine(rollout_cfg, graphdef, layout, num_rows=DECODE_ROWS,
                   samples_per_row=DECODE_G, prefill_buckets=(PROMPT,),
                   sampling=SamplingParams(max_new_tokens=RESPONSE))
   # The rollout copy as `Colocation` makes it: floating leaves in the
-  # compute dtype (the fp32 master weights wait in host memory).
-  params = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_jnp_dtype)
-      if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
+  # compute dtype (the fp32 master weights wait in host memory), or what
+  # `models/rollout_copy.py` derives (int8 projections, fp32 scales).
+  if to_rollout is None:
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_jnp_dtype)
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
+  else:
+    params = jax.eval_shape(to_rollout, params)
   params = _abstract(params, engine.param_shardings)
   state = _abstract(engine.abstract_state(), engine.state_shardings)
   t0 = time.perf_counter()
@@ -204,8 +214,12 @@ def main(argv):
     out[f"{preset}.decode_argument_gib"] = round(decode["argument_gib"], 2)
     out[f"{preset}.decode_temp_gib"] = round(decode["temp_gib"], 2)
     out[f"{preset}.decode_compile_s"] = round(decode_s, 1)
-    print(f"  {preset} decode: {decode['gib']:.2f} GiB "
-          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
+    int8, _ = _decode(_configs(preset)[0], quant="int8")
+    out[f"{preset}.decode_argument_gib_int8"] = round(int8["argument_gib"], 2)
+    print(f"  {preset} decode: {decode['gib']:.2f} GiB, arguments "
+          f"{decode['argument_gib']:.2f} GiB (int8 projections "
+          f"{int8['argument_gib']:.2f}) ({time.perf_counter() - t_start:.0f}s)",
+          flush=True)
     if not _QUICK.value:
       measure(preset, preset, before=True)
   for before in (False, True):  # The baseline on a model both compile for.
