@@ -19,11 +19,13 @@ def _assert_same_samples(ours, plain):
   np.testing.assert_allclose(ours.rewards, plain.rewards, rtol=1e-5)
 
 
+@pytest.mark.parametrize("engine", ["rows", "paged"])
 def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
-                                                        round_clock):
+                                                        round_clock, engine):
   """configs/gsm8k_grpo.py:runlocal (a ChatML system turn in front of every
   prompt) with the common prefix stored once, the long-tail policies on the
-  trainer's engine while it seeds, and 2 local elastic workers."""
+  trainer's engine while it seeds, and 2 local elastic workers, on either
+  engine; the plain run is on the rows engine."""
   del mesh8
   from configs import gsm8k_grpo
   from rlhf_jax.data import sources
@@ -32,7 +34,7 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   c = sources.prepare(gsm8k_grpo.get_config("runlocal"), str(tmp_path))
   assert c.rollout.max_common_length > 0
   # Long responses with a tail: the untrained model rarely stops early.
-  c.rollout.update(max_new_tokens=12, max_seq_len=80)
+  c.rollout.update(max_new_tokens=12, max_seq_len=80, engine=engine)
   c.rollout.long_tail.update(enabled=True, consolidate_below=0.6)
   # The trainer's engine seeds and never hands off in this short rollout:
   # it decodes beside the workers (its long-tail policies on), the workers
@@ -56,3 +58,7 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   assert ours["rollout/consolidations"] >= 1
   assert ours["workers/tokens"] > 0 and ours["workers/trainer_tokens"] > 0
   assert ours["train/grad_norm"] > 0
+  engines = [job.rollout.seed_window.worker.engine] + [
+      h.worker.engine for h in job.rollout.manager.handles.values()]
+  assert len(engines) == 3 and {type(e).__name__ for e in engines} == {
+      "PagedEngine" if engine == "paged" else "Engine"}

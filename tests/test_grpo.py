@@ -219,19 +219,6 @@ def test_config_errors(key, value, message):
                         num_devices=8)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"rollout.long_tail.enabled": True,
-      "rollout.long_tail.admission": "static"}, "admission='continuous'"),
-    ({"rollout.workers.num": 2}, "workers.num=0")])
-def test_paged_engine_config_errors(overrides, message):
-  """What the paged engine does not do is refused in one line naming the
-  switch: static admission of the long-tail policies, rollout workers."""
-  c = _config(**{"rollout.engine": "paged", **overrides})
-  with pytest.raises(ConfigError, match=message):
-    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
-                        num_devices=8)
-
-
 def test_packing_config_errors():
   """Packed rows cannot serve GSPO's per-row sequence ratio."""
   c = _config(**{"rl.pack_length": 64, "rl.policy_loss": "gspo"})

@@ -176,6 +176,26 @@ def test_slot_takes_new_work_before_its_group_ends(model, layouts):
   assert driver.pool.num_free == 100
 
 
+def test_static_admission_admits_a_new_wave_only_when_all_ended(
+    model, layouts, oracle):
+  """`admission="static"` (the long-tail baseline): new prompts only while
+  no group is admitted, then as many as fit; same samples."""
+  driver = _paged(model, layouts[1], **MAIN)
+  driver.start(_requests(), admission="static")
+  got, waves = {}, []
+  while driver.busy:
+    before = {g.request.prompt_id for g in driver.groups.values()}
+    got.update((s.key, s) for s in driver.step())
+    new = {g.request.prompt_id for g in driver.groups.values()} - before
+    if new:
+      assert not before, (before, new)  # Admitted into an empty engine.
+      waves.append(new)
+  # 2 slots per replica, G=4: one group per replica (4 of 6) a wave.
+  assert waves == [{0, 1, 2, 3}, {4, 5}]
+  _assert_same(got, oracle)
+  assert driver.pool.num_used == 0
+
+
 def test_common_prefix(model, layouts, rows_run):
   """A common prefix stored once: same samples as whole prompts."""
   common = np.arange(40, 52, dtype=np.int32)

@@ -186,16 +186,6 @@ def _check_rollout_layers(c: RLJob, num_devices) -> None:
     raise ConfigError(f"config.rollout.long_tail.replicas={lt.replicas} must "
                       f"be a power-of-two divisor of the {replicas} rollout "
                       "replicas")
-  if ro.engine == "paged" and w.num:
-    raise ConfigError(
-        "config.rollout.engine='paged' decodes on the trainer's mesh only; "
-        "config.rollout.workers use the rows engine (set engine='rows', or "
-        "workers.num=0)")
-  if ro.engine == "paged" and lt.enabled and lt.admission != "continuous":
-    raise ConfigError(
-        "config.rollout.engine='paged' admits samples continuously: set "
-        "config.rollout.long_tail.admission='continuous' (got "
-        f"{lt.admission!r})")
   if not w.num:
     return
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():

@@ -236,8 +236,8 @@ class Rollout:
   max_common_length: int = 0
   # "rows": R rows x G slots, KV reserved at max length (every rollout
   # layer). "paged": KV in a page pool (engine/paged.py): a finished sample
-  # frees its pages and slot at once, decode reads live pages only; on the
-  # trainer's mesh, with or without long_tail (no elastic workers).
+  # frees its pages and slot at once, decode reads live pages only (the
+  # trainer's mesh, long_tail and the elastic workers alike).
   engine: str = "rows"
   page_size: int = 16            # paged: tokens per page.
   kv_pages: int = 0              # paged: pool pages; 0: the bytes per

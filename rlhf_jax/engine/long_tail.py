@@ -32,9 +32,10 @@ from absl import logging
 
 from rlhf_jax.config.sections import LongTail
 from rlhf_jax.engine import migrate
-from rlhf_jax.engine.driver import Controller, Sample
+from rlhf_jax.engine.driver import Controller, Driver, Sample
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout
 from rlhf_jax.sched import tail as tail_rules
@@ -96,6 +97,15 @@ class EngineSet:
           attention_impl=a.get("attention_impl", "auto"),
           max_common_length=a.get("max_common_length", 0), **pa)
     return self._paged[m]
+
+  def whole(self) -> Engine | PagedEngine:
+    """The engine over every replica: the paged one, or the rows one."""
+    return self.paged_engine() if self.is_paged else self.engine(self.replicas)
+
+  def driver(self, params, version: int) -> Driver:
+    """A plain driver (no long-tail policies) on `whole()`."""
+    kind = PagedDriver if self.is_paged else Driver
+    return kind(self.whole(), params, weight_version=version)
 
   @property
   def sampling(self):

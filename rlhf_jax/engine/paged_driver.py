@@ -6,7 +6,8 @@ with the decisions a page pool needs, all taken here on the host:
 
 - Admission: pending prompts are prefilled `prefill_batch` at a time into
   free group entries when the pool has their prompt pages and there are
-  free slots no waiting sample will take. Their samples wait in the group
+  free slots no waiting sample will take ("static", the baseline: only
+  when no group is admitted, then as many as fit). Their samples wait in the group
   until a slot frees. With data replicas, a group lives on one replica
   (its entry, its samples' slots and all its pages): the one with the most
   free pages among those with room.
@@ -121,9 +122,8 @@ class PagedDriver(Driver):
   def start(self, requests: Iterable[Request] = (), *, common_prefix=None,
             min_common_length: int = 16, admission: str = "continuous",
             controller: Controller | None = None) -> None:
-    if admission != "continuous":
-      raise ValueError("the paged driver admits continuously (sample-level "
-                       f"batching), got admission={admission!r}")
+    if admission not in ("continuous", "static"):
+      raise ValueError(f"admission={admission!r}: 'continuous' or 'static'")
     eng: PagedEngine = self.engine
     pending, common = self._open(requests, common_prefix, min_common_length)
     D = eng.replicas
@@ -206,13 +206,22 @@ class PagedDriver(Driver):
   def _admit(self) -> None:
     """Prefills pending prompts into free entries, `prefill_batch` a call,
     while pages and unclaimed slots allow; groups to admit again (from a
-    consolidation) go first."""
+    consolidation) go first. Static admission (the baseline): new prompts
+    only while no group is admitted, then as many as fit."""
+    static = self._admission == "static"
+    new = not static or not self.groups
+    while self._admit_batch(new) and static:
+      pass
+
+  def _admit_batch(self, new: bool) -> bool:
+    """One prefill call's groups (`new`: pending prompts too)."""
     eng: PagedEngine = self.engine
     waiting = [0] * eng.replicas
     for g in self.groups.values():
       waiting[g.replica] += len(g.waiting)
     batch = []
-    while (self._readmit or self.pending) and len(batch) < eng.prefill_batch:
+    while ((self._readmit or (new and self.pending))
+           and len(batch) < eng.prefill_batch):
       again = self._readmit[0] if self._readmit else None
       req = again.request if again else self.pending[0]
       own = np.asarray(req.tokens, np.int32)[self._common.size:]
@@ -247,8 +256,6 @@ class PagedDriver(Driver):
       self.groups[group.entry] = group
       batch.append((group, own))
       waiting[r] += len(group.waiting)
-    if not batch:
-      return
     chunk = eng.chunk_length
     short = [(g, own) for g, own in batch if own.size <= chunk]
     if short:
@@ -256,6 +263,7 @@ class PagedDriver(Driver):
     for group, own in batch:
       if own.size > chunk:
         self._prefill_chunked(group, own)
+    return bool(batch)
 
   def _prefill_batch(self, batch) -> None:
     """Prompts of at most one bucket: one prefill call for all."""
@@ -466,8 +474,63 @@ class PagedDriver(Driver):
 
   def evict(self, row: int):
     raise NotImplementedError(
-        "the paged driver has no rows to evict; hand samples over with "
-        "partials() (and pending)")
+        "the paged driver has no rows to evict; cut samples with cut()")
+
+  def budget_left(self) -> dict[tuple[int, int], int]:
+    """(prompt id, sample index) -> tokens left in its budget, for every
+    admitted unfinished sample, live or waiting for a slot (what `cut`
+    may take; a group waiting to be admitted again is not offered)."""
+    out = {(it.request.prompt_id, it.sample_idx): it.budget - len(it.tokens)
+           for it in self.live.values()}
+    for g in self.groups.values():
+      for w in g.waiting:
+        out[g.request.prompt_id, w.sample_idx] = w.budget - len(w.tokens)
+    return out
+
+  def cut(self, keys) -> list[Partial]:
+    """Cuts these samples (keys of `budget_left`) out of the run; returns
+    them as `Partial`s with the tokens read so far.
+
+    For handing samples to another worker (CONTINUOUSLB running moves):
+    they continue there as prompt + tokens so far. A live sample's slot and
+    pages free at once (stopped on the device; the step in flight still
+    carries a token for it, which is not read: the continuation draws it
+    again with the same key); a group left with no sample frees its entry
+    and prompt pages. The group's other samples keep their prompt-once
+    read.
+    """
+    keys, out, slots = set(keys), [], []
+    for slot, it in list(self.live.items()):
+      if (it.request.prompt_id, it.sample_idx) in keys:
+        del self.live[slot]
+        slots.append(slot)
+        self.pool.release(it.pages)
+        self._free_slots[it.group.replica].append(slot)
+        it.group.live -= 1
+        out.append(Partial(it.request, it.sample_idx, list(it.tokens),
+                           list(it.logp), list(it.logp_raw), it.budget,
+                           self.weight_version))
+    for g in list(self.groups.values()):
+      cut = [w for w in g.waiting
+             if (g.request.prompt_id, w.sample_idx) in keys]
+      if cut:
+        gone = {id(w) for w in cut}
+        g.waiting = collections.deque(w for w in g.waiting
+                                      if id(w) not in gone)
+      out += [Partial(g.request, w.sample_idx, list(w.tokens), list(w.logp),
+                      list(w.logp_raw), w.budget, self.weight_version)
+              for w in cut]
+      self._free_if_empty(g)
+    if slots:
+      self.state = self.engine.stop(self.state, slots)
+    return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
+
+  def _free_if_empty(self, group: _Group) -> None:
+    """A group with no sample live or waiting frees its entry and pages."""
+    if not group.live and not group.waiting:
+      self.pool.release(group.pages)
+      del self.groups[group.entry]
+      self._free_entries[group.replica].append(group.entry)
 
   def partials(self) -> list[Partial]:
     """Every admitted sample not finished: live ones with the tokens read
@@ -523,10 +586,7 @@ class PagedDriver(Driver):
       group = it.group
       self._free_slots[group.replica].append(slot)
       group.live -= 1
-      if not group.live and not group.waiting:
-        self.pool.release(group.pages)
-        del self.groups[group.entry]
-        self._free_entries[group.replica].append(group.entry)
+      self._free_if_empty(group)
       yield Sample(group.request.prompt_id, it.sample_idx,
                    np.asarray(group.request.tokens, np.int32), it.tokens,
                    it.logp, it.logp_raw, "stop" if stop else "length",

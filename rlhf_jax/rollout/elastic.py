@@ -198,7 +198,8 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
                     prefill_buckets=tuple(sorted(set(ro.prefill_buckets) | {
                         max(ro.prefill_buckets) + ro.max_new_tokens})),
                     sampling=sampling_params(ro, stop_tokens),
-                    max_common_length=ro.max_common_length, lora=lora_spec)
+                    max_common_length=ro.max_common_length, lora=lora_spec,
+                    paged=_worker_pages(ro, replicas, w.devices_per_worker))
   store, spawn = (_ray_workers(w, spec) if w.kind == "ray"
                   else _local_workers(w, spec))
   mgr = manager_lib.RolloutManager(store, max_new_tokens=ro.max_new_tokens,
@@ -214,7 +215,7 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
   pool.hold(w.num)  # Every worker at first; each rollout re-chooses.
   scaler = DemandScaler(
       pool, scale=w.scale, lam=w.cost_lambda,
-      slots=spec.num_rows * spec.samples_per_row,
+      slots=spec.slots,
       max_new_tokens=ro.max_new_tokens, devices_per_worker=w.devices_per_worker)
   window = None
   if w.seed:
@@ -222,6 +223,17 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
         n_resv=1, t_init=w.seed_init_s, eta=w.seed_eta, floor=w.seed_floor_s))
   return ElasticRollout(mgr, scaler=scaler, seed_window=window,
                         common_prefix=common_prefix, train_time=train_time)
+
+
+def _worker_pages(ro: RolloutSection, replicas: int,
+                  devices: int) -> dict | None:
+  """A worker's paged engine arguments (`rollout.engine="paged"`): the
+  pages and slots per device of the trainer's mesh (0 stays automatic)."""
+  if ro.engine != "paged":
+    return None
+  per = lambda n: n // replicas * devices
+  return dict(page_size=ro.page_size, num_pages=per(ro.kv_pages),
+              num_slots=per(ro.num_slots))
 
 
 def _local_workers(w, spec):

@@ -93,7 +93,7 @@ class LocalRollout(Rollout):
 
   def common_prefix(self, requests: Sequence[Request]) -> np.ndarray:
     """The batch's shared prefix to store once (empty: none)."""
-    cap = self.engines.engine(self.engines.replicas).max_common_length
+    cap = self.engines.whole().max_common_length
     if not cap:
       return np.zeros(0, np.int32)
     return common_lib.longest_common_prefix(
@@ -113,10 +113,7 @@ class LocalRollout(Rollout):
     common = self.common_prefix(requests)
     t0 = time.perf_counter()
     if not t.enabled:
-      driver = (PagedDriver(eng.paged_engine(), self.params,
-                            weight_version=self.version) if eng.is_paged
-                else Driver(eng.engine(eng.replicas), self.params,
-                            weight_version=self.version))
+      driver = eng.driver(self.params, self.version)
       yield from driver.run(requests, common_prefix=common)
       self.scores = {}
       self._metrics = self._driver_metrics(driver)
@@ -161,8 +158,7 @@ class LocalRollout(Rollout):
     """A started driver for a worker fed over time (requests may be added
     later); with the long-tail policies on, on every replica."""
     if not self.tail.enabled:
-      driver = Driver(self.engines.engine(self.engines.replicas), params,
-                      weight_version=version)
+      driver = self.engines.driver(params, version)
       driver.start(requests, common_prefix=common_prefix)
       return driver
     self.params, self.version = params, version

@@ -169,6 +169,23 @@ def rows_to_cut(budget_left: dict[int, Sequence[int]], n: int, num_rows: int,
   return out
 
 
+def samples_to_cut(budget_left: dict[Any, int], n: int, cap: int) -> list:
+  """Which samples a paged worker hands to an idle one (CONTINUOUSLB).
+
+  A paged engine frees each sample's slot and pages on its own, so single
+  samples move, the ones with the most budget left first (as
+  `rows_to_cut`), at most `cap`: each continues as a group of its own on
+  the destination, which admits at most its group entries at once.
+
+  Args:
+    budget_left: sample key -> tokens left in its budget (live or waiting).
+    n: samples the manager asks for.
+    cap: the destination's group entries (same spec as the source).
+  """
+  order = sorted(budget_left, key=lambda k: (-budget_left[k], k))
+  return order[:max(0, min(n, cap))]
+
+
 def requeue_plan(keys: Sequence, started: Callable[[Any], bool],
                  group: Callable[[Any], Any],
                  group_size: Callable[[Any], int]) -> list[tuple[str, Any]]:

@@ -51,8 +51,7 @@ class SeedWindow:
     engines and decode policies)."""
     self.local = local
     self.worker = RolloutWorker(TRAINER_ID, None,
-                                engine=local.engines.engine(
-                                    local.engines.replicas),
+                                engine=local.engines.whole(),
                                 start_driver=local.start_driver)
     self.controller, self.clock = controller, clock
     self.runs = 0

@@ -21,6 +21,10 @@ from flax import nnx
 
 from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.long_tail import EngineSet
+from rlhf_jax.engine.page_pool import PagePool
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import lora
 from rlhf_jax.models import model as model_lib
@@ -42,6 +46,15 @@ class EngineSpec:
   # A LoRA policy's adapters: versions arrive as adapters, which the worker
   # merges onto the base it got once (`models/rollout_copy.py`).
   lora: LoraSpec | None = None
+  # The paged engine's own arguments (page_size, num_pages, num_slots; 0:
+  # automatic, as `EngineSet.paged_engine`), or None: the rows engine.
+  paged: dict | None = None
+
+  @property
+  def slots(self) -> int:
+    """Samples the worker decodes at once."""
+    rows = self.num_rows * self.samples_per_row
+    return (self.paged.get("num_slots") or 2 * rows) if self.paged else rows
 
 
 @dataclasses.dataclass
@@ -70,12 +83,15 @@ class RolloutWorker:
           mesh_lib.make_mesh(fsdp=len(devices), devices=devices), 1)
       self.graphdef, abstract = model_lib.abstract_params(spec.model)
       self._treedef = jax.tree.structure(abstract)
-      engine = Engine(spec.model, self.graphdef, layout,
-                      num_rows=spec.num_rows,
-                      samples_per_row=spec.samples_per_row,
-                      prefill_buckets=spec.prefill_buckets,
-                      sampling=spec.sampling,
-                      max_common_length=spec.max_common_length)
+      engines = EngineSet(spec.model, self.graphdef, layout,
+                          rows_per_replica=spec.num_rows // len(devices),
+                          samples_per_row=spec.samples_per_row,
+                          prefill_buckets=spec.prefill_buckets,
+                          sampling=spec.sampling,
+                          max_common_length=spec.max_common_length,
+                          paged=spec.paged)
+      engine = (engines.paged_engine() if engines.is_paged
+                else engines.engine(len(devices)))
       if spec.lora is not None:
         self._adapters_to_rollout(spec, layout, engine.param_shardings)
     self.engine = engine
@@ -163,7 +179,8 @@ class RolloutWorker:
     self._next, self._queued = None, []
 
   def _plain_driver(self, params, version, requests, common_prefix):
-    driver = Driver(self.engine, params, weight_version=version)
+    kind = PagedDriver if isinstance(self.engine, PagedEngine) else Driver
+    driver = kind(self.engine, params, weight_version=version)
     driver.start(requests, common_prefix=common_prefix)
     return driver
 
@@ -225,10 +242,18 @@ class RolloutWorker:
     spec starts `num_rows` of them at once; more would wait in its queue
     (and the pending rule could hand them back here). One whole row may
     always move, even when G > num_rows.
+
+    On the paged engine single samples move (live, or waiting for a slot),
+    most budget left first, at most the engine's group entries
+    (`sched.offload.samples_to_cut`): a sample frees its slot and pages on
+    its own, and its group's other samples stay.
     """
     d = self.driver
     if d is None or n < 1:
       return []
+    if isinstance(d, PagedDriver):
+      return d.cut(offload.samples_to_cut(d.budget_left(), n,
+                                          d.engine.num_groups))
     eng = d.engine
     G = eng.samples_per_row
     rows = collections.defaultdict(list)
@@ -249,11 +274,12 @@ class RolloutWorker:
     first, the fastest of `steps` timed steps (other load only adds), and
     returns `sched.offload.batching_plateau` of throughput(b) =
     b / step time (step time linear between measured counts): the smallest
-    b reaching `fraction` of the full batch's throughput. This engine
+    b reaching `fraction` of the full batch's throughput. The rows engine
     decodes static shapes: a step computes every slot, live or not, so its
-    time is nearly flat in b and B comes out near fraction x slots. That
-    is the honest value for this engine (an engine with dynamic batch
-    shapes would show a real knee). Needs an idle worker with weights.
+    time is nearly flat in b and B comes out near fraction x slots. The
+    paged engine runs only the listed live slots (`_paged_step_s`), so its
+    step time grows with b and B sits where throughput levels off. Needs
+    an idle worker with weights.
     """
     d = self.driver
     if d is None:
@@ -265,6 +291,11 @@ class RolloutWorker:
     counts = sorted(set(counts or [1, *range(G, slots + 1, G), slots]))
     if not 1 <= counts[0] <= counts[-1] <= slots:
       raise ValueError(f"counts {counts} must lie in [1, {slots}]")
+    if isinstance(eng, PagedEngine):
+      times = [self._paged_step_s(b, steps) for b in counts]
+      self.plateau_step_s = dict(zip(counts, times))
+      return offload.batching_plateau(
+          lambda b: b / float(np.interp(b, counts, times)), slots, fraction)
     padded, true_len = eng.pad_prompt(np.ones(1, np.int32))
     times = []
     for b in counts:
@@ -287,6 +318,49 @@ class RolloutWorker:
     self.plateau_step_s = dict(zip(counts, times))
     return offload.batching_plateau(
         lambda b: b / float(np.interp(b, counts, times)), slots, fraction)
+
+  def _paged_step_s(self, b: int, steps: int) -> float:
+    """The fastest of `steps` decode steps of the idle paged engine with b
+    live samples: groups of G on a one-token dummy prompt, dealt over the
+    replicas as the driver would (a group on one replica), each sample
+    with pages for every token it writes. The paged engine runs only the
+    listed slots, so its step time grows with b (a real knee)."""
+    eng: PagedEngine = self.engine
+    G, D = eng.samples_per_group, eng.replicas
+    pool = PagePool(eng.num_pages, eng.page_size, D)
+    own = pool.pages_for(steps + 3)  # Warm-up + timed steps + start.
+    pre = eng.prefill(self.params, [(np.ones(1, np.int32), 0)], [0], [0],
+                      [list(range(G))])
+    state = eng.init_decode_state()
+    starts, prompt_pages, own_pages = [], 0, 0
+    for r in range(D):
+      n = b // D + (r < b % D)
+      groups = -(-n // G)
+      if groups > eng.num_groups // D or groups + n * own > pool.per_replica:
+        raise ValueError(f"{b} samples of {steps} steps do not fit the "
+                         f"worker's pool or group entries")
+      for i in range(groups):
+        entry = r * (eng.num_groups // D) + i
+        state = eng.insert(state, pre, [entry], [pool.allocate(1, r)], [1],
+                           [0], [0])
+        for j in range(min(G, n - i * G)):
+          starts.append((r * (eng.num_slots // D) + i * G + j, entry, j, j,
+                         eng.sampling.max_new_tokens, pool.allocate(own, r)))
+      prompt_pages, own_pages = max(prompt_pages, groups), max(own_pages,
+                                                               n * own)
+    state = eng.start(state, starts)
+    step = lambda st: eng.generate(self.params, st, slots=[x[0] for x in starts],
+                                   prompt_pages=prompt_pages,
+                                   own_pages=own_pages)
+    state, res = step(state)  # Warm-up (compiled).
+    jax.block_until_ready(res)
+    best = float("inf")  # Min over steps: other load only adds time.
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      state, res = step(state)
+      jax.block_until_ready((state, res))
+      best = min(best, time.perf_counter() - t0)
+    return best
 
   def clear(self) -> None:
     """Drops every request and sample in flight (they continue elsewhere)."""
