@@ -11,30 +11,6 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-
-def _share_compiled_programs() -> None:
-  """One persistent compilation cache for the session (its xdist workers
-  and the processes tests start inherit it through the environment): a job
-  rebuilt by another test, or rerun after an interruption, compiles the
-  same programs, so only the first compile of each is paid. A fresh
-  directory each session (a clean checkout shares nothing with an older
-  run); the size limit turns on JAX's file lock, so processes writing the
-  same entry at once are safe."""
-  import atexit  # pylint: disable=g-import-not-at-top
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-
-  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    return
-  path = tempfile.mkdtemp(prefix="rlhf_jax_test_xla_cache_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
-  atexit.register(shutil.rmtree, path, ignore_errors=True)
-
-
-_share_compiled_programs()
-
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402
 
