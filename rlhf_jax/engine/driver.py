@@ -56,6 +56,9 @@ class Sample:
   logp_raw: list[float]    # temperature-1 policy log-prob
   finish_reason: str       # "stop" or "length"
   weight_version: int
+  # Multi-turn (`engine/multiturn.py`): True at the tokens the environment
+  # appended (not sampled: log-probs 0, kept out of the loss); None: none.
+  env_mask: list[bool] | None = None
 
   @property
   def key(self):

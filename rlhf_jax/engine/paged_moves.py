@@ -102,8 +102,8 @@ class PagedMoves:
   def _place_fn(self, state: PagedState, slots_X, own_rows_XxB, k_LxXxExNxK,
                 v_LxXxExNxK, counts_X, next_X) -> PagedState:
     """Just-started samples continue after `counts_X` tokens whose KV is
-    given (dense per sample): the KV goes into their own pages, and each
-    feeds next_X next. Padding rows: slot S."""
+    given (dense per sample): the KV goes into their own pages, each feeds
+    next_X next, and each is active. Padding rows: slot S."""
     self.trace_counts["place"] += 1
     S = state.active.shape[0]
     sl = jnp.minimum(slots_X, S - 1)
@@ -125,7 +125,10 @@ class PagedMoves:
         own_len=at(state.own_len, state.own_len[sl] + counts_X),
         tokens=at(state.tokens, next_X),
         positions=at(state.positions, state.positions[sl] + counts_X),
-        generated=at(state.generated, state.generated[sl] + counts_X))
+        generated=at(state.generated, state.generated[sl] + counts_X),
+        # They continue even if their first token was a stop (a multi-turn
+        # sample's end of turn, which `start` deactivated).
+        active=at(state.active, jnp.ones_like(slots_X, bool)))
 
   def _gather_fn(self, state: PagedState, rows_XxA):
     """The KV of the pages of each row of `rows_XxA`, dense per row:

@@ -1,0 +1,108 @@
+"""Multi-turn sampling on the paged engine, the conversation's KV kept.
+
+`MultiTurnDriver` is a `PagedDriver` whose samples may take several turns.
+When a sample draws a stop token (the end of its turn, or the close of a
+tool call), `reply(request, sample_idx, tokens)` (the environment) returns
+the tokens to append (a tool's output, the next user message, the chat
+template's turn markers) or None to end the sample there. Appended tokens
+get their KV with `PagedEngine.extend`, after the sample's own pages:
+nothing before them is prefilled again, and the group's prompt pages stay
+shared. Decoding continues after them.
+
+The emitted `Sample` holds every token after the prompt, sampled and
+appended, with `env_mask` True at the appended ones (log-probs 0: they
+were not sampled); a trainer keeps them out of the loss.
+
+Budget: a sample's token budget counts appended tokens too (its pages hold
+both). A reply that leaves no room for one more sampled token ends the
+sample at its stop token, finish_reason "length". A reply that finds no
+free page preempts the sample (the driver's exhaustion policy): it is
+recomputed later from all its tokens, appended ones included, and
+continues with the same tokens. Samples keep their turns across the
+driver's own moves (preemption, consolidation); handing them to elastic
+workers (`partials`, `cut`) would drop `env_mask` and is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from rlhf_jax.engine.driver import Request
+from rlhf_jax.engine.page_pool import PoolExhausted
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
+
+# (request, sample index, tokens after the prompt so far, ending with the
+# stop token) -> tokens to append, or None: the sample ends.
+Reply = Callable[[Request, int, list], Sequence[int] | None]
+
+
+class MultiTurnDriver(PagedDriver):
+  """A `PagedDriver` whose samples continue after `reply`'s tokens."""
+
+  def __init__(self, engine: PagedEngine, params, *, reply: Reply,
+               weight_version: int = 0):
+    super().__init__(engine, params, weight_version=weight_version)
+    self.reply = reply
+    self._appended: dict[tuple[int, int], list[int]] = {}  # token indices
+    self.turns = 0             # Replies appended, all samples.
+    self.appended_tokens = 0   # Their tokens (none prefilled again).
+
+  def _append(self, slot, live, token, logp, raw, first=False):
+    it = live[slot]
+    key = it.request.prompt_id, it.sample_idx
+    extra, length = None, False
+    if token in self.engine.sampling.stop_tokens:
+      extra = self.reply(it.request, it.sample_idx, it.tokens + [token])
+      extra = None if extra is None else [int(t) for t in extra]
+      # The reply and one more sampled token must fit the budget.
+      length = bool(extra) and len(it.tokens) + 2 + len(extra) > it.budget
+    if extra and not length:
+      it.tokens.append(token)
+      it.logp.append(logp)
+      it.logp_raw.append(raw)
+      self.stats.generated_tokens += 1
+      start = len(it.tokens)
+      it.tokens += extra
+      it.logp += [0.0] * len(extra)
+      it.logp_raw += [0.0] * len(extra)
+      self._appended.setdefault(key, []).extend(
+          range(start, start + len(extra)))
+      self.turns += 1
+      self.appended_tokens += len(extra)
+      self._extend(slot, it, extra)
+      return
+    for sample in super()._append(slot, live, token, logp, raw, first):
+      env = set(self._appended.pop(sample.key, ()))
+      sample.env_mask = [i in env for i in range(len(sample.tokens))]
+      if length:
+        sample.finish_reason = "length"
+      yield sample
+
+  def _extend(self, slot: int, it, extra: list[int]) -> None:
+    """The reply's KV after the sample's own tokens; pages first."""
+    eng: PagedEngine = self.engine
+    # Own KV after the append: all tokens but the last (fed next), + the
+    # two tokens of headroom `_grow` keeps.
+    need = min(self.pool_pages_for(len(it.tokens) + 1), eng.max_own_pages)
+    while len(it.pages) < need:
+      try:
+        it.pages += self.pool.allocate(1, it.group.replica)
+      except PoolExhausted:
+        self._preempt(slot)  # Recomputed with its reply when restarted.
+        return
+    self.state = eng.extend(self.params, self.state, slot, it.pages, extra)
+
+  def partials(self):
+    if self._appended:
+      raise NotImplementedError(
+          "multi-turn samples cannot be handed over yet (a Partial has no "
+          "env_mask)")
+    return super().partials()
+
+  def cut(self, keys):
+    if self._appended:
+      raise NotImplementedError(
+          "multi-turn samples cannot be handed over yet (a Partial has no "
+          "env_mask)")
+    return super().cut(keys)
