@@ -47,6 +47,7 @@ class MultiTurnDriver(PagedDriver):
     self._appended: dict[tuple[int, int], list[int]] = {}  # token indices
     self.turns = 0             # Replies appended, all samples.
     self.appended_tokens = 0   # Their tokens (none prefilled again).
+    self.reply_preemptions = 0  # Replies that found no free page.
 
   def _append(self, slot, live, token, logp, raw, first=False):
     it = live[slot]
@@ -90,6 +91,7 @@ class MultiTurnDriver(PagedDriver):
         it.pages += self.pool.allocate(1, it.group.replica)
       except PoolExhausted:
         self._preempt(slot)  # Recomputed with its reply when restarted.
+        self.reply_preemptions += 1
         return
     self.state = eng.extend(self.params, self.state, slot, it.pages, extra)
 
