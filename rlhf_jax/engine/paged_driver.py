@@ -7,8 +7,8 @@ with the decisions a page pool needs, all taken here on the host:
 - Admission: pending prompts are prefilled `prefill_batch` at a time into
   free group entries when the pool has their prompt pages and there are
   free slots no waiting sample will take ("static", the baseline: only
-  when no group is admitted, then as many as fit). Their samples wait in the group
-  until a slot frees. With data replicas, a group lives on one replica
+  when no group is admitted, then as many as fit). Their samples wait in
+  the group until a slot frees. With data replicas, a group lives on one replica
   (its entry, its samples' slots and all its pages): the one with the most
   free pages among those with room.
 - Slots: a slot whose sample finished takes the next waiting sample at once

@@ -346,10 +346,11 @@ class RolloutWorker:
         for j in range(min(G, n - i * G)):
           starts.append((r * (eng.num_slots // D) + i * G + j, entry, j, j,
                          eng.sampling.max_new_tokens, pool.allocate(own, r)))
-      prompt_pages, own_pages = max(prompt_pages, groups), max(own_pages,
-                                                               n * own)
+      prompt_pages = max(prompt_pages, groups)
+      own_pages = max(own_pages, n * own)
     state = eng.start(state, starts)
-    step = lambda st: eng.generate(self.params, st, slots=[x[0] for x in starts],
+    slots = [x[0] for x in starts]
+    step = lambda st: eng.generate(self.params, st, slots=slots,
                                    prompt_pages=prompt_pages,
                                    own_pages=own_pages)
     state, res = step(state)  # Warm-up (compiled).
