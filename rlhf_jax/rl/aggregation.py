@@ -60,12 +60,15 @@ def _sequences(mask_BxT, seq_BxT, seq_len_BxT):
   """(per-token length of the token's sequence, 1 on each sequence's first
   trained token). Repeated/grouped rows are one sequence each; packed rows
   (`rl/packing.py`) say which tokens belong to which sequence (`seq`) and
-  how long each is (`seq_len`); a sequence's trained tokens are contiguous.
+  how long each is (`seq_len`, its trained tokens). A multi-turn sample's
+  trained tokens have gaps (the environment's, masked); `seq` covers them.
   """
   if seq_BxT is None:
     B, T = mask_BxT.shape
     seq_len_BxT = jnp.broadcast_to(jnp.sum(mask_BxT, 1, keepdims=True), (B, T))
-    seq_BxT = jnp.where(mask_BxT > 0, jnp.arange(B)[:, None], -1)
+    valid = mask_BxT > 0
+    first = valid & (jnp.cumsum(valid, axis=1) == 1)
+    return seq_len_BxT, first.astype(jnp.float32)
   before = jnp.pad(seq_BxT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   first = ((mask_BxT > 0) & (seq_BxT != before)).astype(jnp.float32)
   return seq_len_BxT, first

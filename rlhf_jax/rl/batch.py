@@ -65,7 +65,7 @@ def _pack_repeated(samples, prompt_len, max_new) -> PackedBatch:
     tokens[b, :p] = s.prompt_tokens
     tokens[b, p:p + r] = s.tokens
     # Target t is token t+1, so response token j is target p-1+j.
-    loss_mask[b, p - 1:p - 1 + r] = 1.0
+    loss_mask[b, p - 1:p - 1 + r] = packing.trained_tokens(s)
     sampler_logp[b, p - 1:p - 1 + r] = s.logp_raw
     lengths[b] = p + r
   targets = np.concatenate([tokens[:, 1:], np.zeros((B, 1), np.int32)], 1)
@@ -98,7 +98,7 @@ def _pack_grouped(samples, G, prompt_len, max_new) -> PackedBatch:
       raise ValueError(f"sample {b} (prompt {s.prompt_id}) is not in the "
                        f"group of prompt {samples[n * G].prompt_id}")
     responses[n, g, :r] = s.tokens
-    loss_mask[n, g, :r] = 1.0
+    loss_mask[n, g, :r] = packing.trained_tokens(s)
     sampler_logp[n, g, :r] = s.logp_raw
   arrays = dict(prompt_tokens=prompt_tokens, prompt_len=prompt_lens,
                 response_tokens=responses, loss_mask=loss_mask)

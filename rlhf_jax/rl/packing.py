@@ -150,6 +150,14 @@ def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
   return a, sampler_logp
 
 
+def trained_tokens(sample) -> np.ndarray:
+  """[len(sample.tokens)] float32: 1 at sampled tokens, 0 at the ones a
+  multi-turn environment appended (`Sample.env_mask`): never trained."""
+  if not getattr(sample, "env_mask", None):
+    return np.ones(len(sample.tokens), np.float32)
+  return 1.0 - np.asarray(sample.env_mask, np.float32)
+
+
 def _write_unit(a, sampler_logp, w, at, seg, unit: _Unit, samples) -> int:
   """Writes `unit` into row w from column `at`; returns the next column."""
   def put(tokens, first_pos, sub, b, targets, logp):
@@ -165,9 +173,10 @@ def _write_unit(a, sampler_logp, w, at, seg, unit: _Unit, samples) -> int:
       t = len(targets)
       tcols = slice(at + n - t, at + n)  # The last t tokens hold targets.
       a["targets"][w, tcols] = targets
-      a["loss_mask"][w, tcols] = 1.0
+      mask = trained_tokens(samples[b])
+      a["loss_mask"][w, tcols] = mask
       a["seq"][w, tcols] = b
-      a["seq_len"][w, tcols] = t
+      a["seq_len"][w, tcols] = mask.sum()
       a["row_seqs"][w] += 1
       sampler_logp[w, tcols] = logp
     at += n
