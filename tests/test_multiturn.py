@@ -48,14 +48,15 @@ def _requests():
                   max_new_tokens_per_sample=BUDGETS) for i in range(5)]
 
 
-def _oracle(model, layout):
+def _oracle(model, layout, reply=None):
   """Each sample turn by turn on the rows engine, prompt + all tokens so
-  far prefilled anew every turn."""
+  far prefilled anew every turn (`reply`: the environment, by default
+  `_reply_fn()`)."""
   graphdef, params = model
   rows = Engine(CFG, graphdef, layout, num_rows=2, samples_per_row=1,
                 prefill_buckets=(48,), sampling=GREEDY)
   p = mesh_lib.to_layout(params, layout)
-  reply, out = _reply_fn(), {}
+  reply, out = reply or _reply_fn(), {}
   for req in _requests():
     for j, budget in enumerate(BUDGETS):
       tokens, mask, reason = [], [], "length"

@@ -215,8 +215,8 @@ class RewardFunctionsTest(parameterized.TestCase):
   def test_registered_names(self):
     self.assertEqual(
         registry.names("reward"),
-        ["addition", "digit_accuracy", "digits_format", "exact_match",
-         "gsm8k", "gsm8k_format"],
+        ["addition", "arithmetic", "digit_accuracy", "digits_format", "env",
+         "exact_match", "gsm8k", "gsm8k_format"],
     )
     with self.assertRaisesRegex(ValueError, "known reward names: .*'exact_m"):
       registry.get("reward", "accuracy")

@@ -34,6 +34,24 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
   if job == "grpo":
     _check_grpo_splits(c)
   _check_rollout_layers(c, num_devices)
+  _check_agent(c, job)
+
+
+def _check_agent(c: RLJob, job: str) -> None:
+  """Multi-turn rollouts: GRPO, the paged engine, the trainer's mesh."""
+  if not c.agent.enabled:
+    return
+  if job != "grpo":
+    raise ConfigError("config.agent.enabled=True: multi-turn rollouts are "
+                      "implemented for the GRPO job only")
+  if c.rollout.engine != "paged":
+    raise ConfigError("config.agent.enabled=True needs "
+                      "config.rollout.engine='paged' (replies are appended "
+                      "to a sample's pages)")
+  if c.rollout.workers.num:
+    raise ConfigError("config.agent.enabled=True with config.rollout.workers"
+                      ".num > 0 is not implemented (a sample handed to a "
+                      "worker would lose its environment tokens' mask)")
 
 
 def _devices(c: RLJob, num_devices: int | None) -> int:

@@ -436,6 +436,27 @@ class RewardModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Agent:
+  """Multi-turn, tool-using rollouts (`envs/`): the policy's turns end at
+  a tool call or its end of turn; the tool's output is appended and
+  decoding goes on (the conversation's KV kept). GRPO on the paged engine."""
+  PATH: ClassVar[str] = "agent"
+  enabled: bool = False
+  tools: tuple = ("calc",)     # Of "calc", "python" (envs/tools.py).
+  format: str = "tagged"       # "tagged" (tiny models) | "qwen".
+  max_turns: int = 4           # Model turns per episode (calls + 1).
+  disable_tools: bool = False  # Ablation: every call answers an error.
+  python_timeout_s: float = 5.0
+  python_memory_mb: int = 256
+
+  def __post_init__(self):
+    _positive_ints(self, "max_turns", "python_memory_mb")
+    _one_of(self, "format", ("tagged", "qwen"))
+    if self.python_timeout_s <= 0:
+      _fail(self, "python_timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLJob:
   """The typed sections of a GRPO or PPO job (`from_config`)."""
   seed: int
@@ -450,6 +471,7 @@ class RLJob:
   critic: Critic | None = None             # PPO only.
   reward_model: RewardModel | None = None  # PPO only.
   lora: Lora = Lora()                      # Off where the config has none.
+  agent: Agent = Agent()                   # Off where the config has none.
 
   @classmethod
   def from_config(cls, config) -> "RLJob":
@@ -467,7 +489,8 @@ class RLJob:
 
 _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
              "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,
-             "critic": Critic, "reward_model": RewardModel, "lora": Lora}
+             "critic": Critic, "reward_model": RewardModel, "lora": Lora,
+             "agent": Agent}
 
 
 # --------------------------------------------------------- dict <-> object

@@ -147,7 +147,21 @@ def eval_batches(
 
 def sft_length(task: AdditionTask) -> int:
   """L of SFT batches: whole sequence (prompt + response) minus the shift."""
-  return task.max_prompt_len + task.max_response_len - 1
+  response = task.max_response_len
+  if task.tool_demo_fraction:  # "[calc a*b](answer)" before the answer.
+    response += len(_tool_demo("9" * task.max_digits, "9" * task.max_digits,
+                               task.operator, "9" * task.answer_digits)[0][0])
+    response += task.answer_digits + 2
+  return task.max_prompt_len + response - 1
+
+
+def _tool_demo(a: str, b: str, op: str, answer: str) -> list[tuple[str, bool]]:
+  """The calculator call of a tool demo, as (text, trained) segments in
+  the tagged format (`envs/tools.py`): the reply is the environment's."""
+  from rlhf_jax.envs.tools import Calculator, TaggedFormat  # pylint: disable=g-import-not-at-top
+  fmt = TaggedFormat()
+  return [(f"[{Calculator.name} {a}{op}{b}]", True),
+          (fmt.render(answer), False)]
 
 
 def sft_batch(
@@ -157,6 +171,9 @@ def sft_batch(
 
   Sequences are <bos> prompt answer <eos>; only the targets after the "="
   (answer digits and <eos>) are trained, the same tokens RL later samples.
+  A tool demo (`Example.tool_demo`) answers after a calculator call,
+  "37*48=[calc 37*48](1776)1776": the call is trained, the reply (the
+  environment's tokens) is not.
 
   Args:
     task: the task.
@@ -172,11 +189,20 @@ def sft_batch(
   mask_BxL = np.zeros((batch_size, length - 1), np.float32)
   for row in range(batch_size):
     ex = task.sft_example(start + row)
-    prompt = tokenizer.encode(ex.prompt, add_bos=True)
-    answer = tokenizer.encode(ex.answer, add_eos=True)
-    seq_BxL1[row, : len(prompt) + len(answer)] = prompt + answer
-    # Target t is token t + 1: the answer starts at target len(prompt) - 1.
-    mask_BxL[row, len(prompt) - 1 : len(prompt) - 1 + len(answer)] = 1.0
+    segments = (_tool_demo(ex.prompt[:-1].split(ex.operator)[0],
+                           ex.prompt[:-1].split(ex.operator)[1], ex.operator,
+                           ex.answer) if ex.tool_demo else [])
+    segments.append((ex.answer, True))
+    ids = tokenizer.encode(ex.prompt, add_bos=True)
+    p = len(ids)
+    trained = [False] * p
+    for i, (text, train) in enumerate(segments):
+      part = tokenizer.encode(text, add_eos=i == len(segments) - 1)
+      ids += part
+      trained += [train] * len(part)
+    seq_BxL1[row, :len(ids)] = ids
+    # Target t is token t + 1: token j is trained through target j - 1.
+    mask_BxL[row, :len(ids) - 1] = trained[1:]
   return SFTBatch(
       inputs_BxL=seq_BxL1[:, :-1],
       targets_BxL=seq_BxL1[:, 1:],

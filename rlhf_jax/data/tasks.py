@@ -1,6 +1,10 @@
-"""Built-in verifiable task: multi-digit addition.
+"""Built-in verifiable task: multi-digit addition (or multiplication).
 
 A prompt is "a+b=" and the solution is the digits of a + b followed by <eos>.
+With `operator="*"` it is "a*b=" and a * b: the tool task
+(configs/tiny_tool.py), which the tiny model cannot learn alone but can
+with a calculator call; `tool_demo_fraction` of the SFT examples then
+demonstrate the call (`data/batching.sft_batch`).
 Operands have between `min_digits` and `max_digits` digits (the digit count is
 drawn uniformly first, so short numbers are not rare).
 
@@ -49,6 +53,7 @@ _STREAM_EVAL = 0
 _STREAM_TRAIN = 1
 _STREAM_SFT = 2
 _MASK64 = (1 << 64) - 1
+OPERATORS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
 
 def _splitmix64(x: int) -> int:
@@ -71,6 +76,8 @@ class Example:
   reverse_answer: bool
   split: str  # "train", "sft" or "eval"
   answer_width: int = 0  # zero-padded width of the answer (0: no padding)
+  operator: str = "+"
+  tool_demo: bool = False  # SFT: the solution calls the calculator.
 
   def metadata(self) -> dict:
     """Per-sample metadata handed to reward functions."""
@@ -82,6 +89,7 @@ class Example:
         "reverse_answer": self.reverse_answer,
         "answer_width": self.answer_width,
         "split": self.split,
+        "operator": self.operator,
     }
 
 
@@ -122,8 +130,16 @@ class AdditionTask:
   num_eval: int = 200
   holdout_fraction: float = 0.1
   seed: int = 0
+  operator: str = "+"            # "+" or "*".
+  tool_demo_fraction: float = 0.0  # SFT examples that call the calculator.
 
   def __post_init__(self):
+    if self.operator not in OPERATORS:
+      raise ConfigError(f"config.task.operator={self.operator!r} must be one "
+                        f"of {sorted(OPERATORS)}")
+    if not 0.0 <= self.tool_demo_fraction <= 1.0:
+      raise ConfigError("config.task.tool_demo_fraction="
+                        f"{self.tool_demo_fraction} must be in [0, 1]")
     if not 1 <= self.min_digits <= self.max_digits:
       raise ConfigError(
           f"Need 1 <= min_digits <= max_digits, got min_digits="
@@ -154,8 +170,14 @@ class AdditionTask:
 
   @property
   def max_response_len(self) -> int:
-    """Response tokens including <eos>: at most max_digits + 1 digits."""
-    return self.max_digits + 2
+    """Response tokens including <eos>: the answer's digits, + 1."""
+    return self.answer_digits + 1
+
+  @property
+  def answer_digits(self) -> int:
+    """Most digits an answer has (a sum: one more; a product: twice)."""
+    return (2 if self.operator == "*" else 1) * self.max_digits + (
+        self.operator == "+")
 
   def _draw_operand(self, rng: np.random.Generator) -> int:
     """Uniform digit count, then a uniform number with that many digits."""
@@ -199,16 +221,23 @@ class AdditionTask:
   def _example(self, a: int, b: int, prompt_id: int, split: str) -> Example:
     """Builds the Example for operands (a, b)."""
     w = self.max_digits if self.zero_pad else 0
-    answer_width = self.max_digits + 1 if self.zero_pad else 0
+    answer_width = self.answer_digits if self.zero_pad else 0
+    op = self.operator
+    demo = split == "sft" and self.tool_demo_fraction > 0 and (
+        _splitmix64(_splitmix64(self.seed ^ 0x70) ^ prompt_id)
+        < self.tool_demo_fraction * 2.0**64)
     return Example(
         prompt_id=prompt_id,
         a=a,
         b=b,
-        prompt=f"{a:0{w}d}+{b:0{w}d}=" if w else f"{a}+{b}=",
-        answer=format_answer(a + b, self.reverse_answer, answer_width),
+        prompt=f"{a:0{w}d}{op}{b:0{w}d}=" if w else f"{a}{op}{b}=",
+        answer=format_answer(OPERATORS[op](a, b), self.reverse_answer,
+                             answer_width),
         reverse_answer=self.reverse_answer,
         split=split,
         answer_width=answer_width,
+        operator=op,
+        tool_demo=demo,
     )
 
   def _stream_example(self, stream: int, index: int, split: str) -> Example:

@@ -59,6 +59,7 @@ class Sample:
   # Multi-turn (`engine/multiturn.py`): True at the tokens the environment
   # appended (not sampled: log-probs 0, kept out of the loss); None: none.
   env_mask: list[bool] | None = None
+  env_reward: float = 0.0  # The environment's rewards (envs/episodes.py).
 
   @property
   def key(self):

@@ -35,6 +35,7 @@ from rlhf_jax.engine import migrate
 from rlhf_jax.engine.driver import Controller, Driver, Sample
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout
@@ -102,10 +103,21 @@ class EngineSet:
     """The engine over every replica: the paged one, or the rows one."""
     return self.paged_engine() if self.is_paged else self.engine(self.replicas)
 
-  def driver(self, params, version: int) -> Driver:
+  def driver(self, params, version: int, reply=None) -> Driver:
     """A plain driver (no long-tail policies) on `whole()`."""
-    kind = PagedDriver if self.is_paged else Driver
-    return kind(self.whole(), params, weight_version=version)
+    return self.make_driver(self.whole(), params, version, reply=reply)
+
+  @staticmethod
+  def make_driver(engine, params, version: int, reply=None) -> Driver:
+    """The driver of `engine`: multi-turn with an environment's `reply`
+    (`engine/multiturn.py`; paged engines only)."""
+    if reply is not None:
+      if not isinstance(engine, PagedEngine):
+        raise ValueError("multi-turn sampling needs the paged engine")
+      return MultiTurnDriver(engine, params, reply=reply,
+                             weight_version=version)
+    kind = PagedDriver if isinstance(engine, PagedEngine) else Driver
+    return kind(engine, params, weight_version=version)
 
   @property
   def sampling(self):

@@ -24,7 +24,9 @@ from rlhf_jax.models import hf
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5's tool-call tags are single tokens too (configs/gsm8k_tool.py).
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>",
+            "</tool_call>")
 DEFAULT_SYSTEM = "You are a helpful assistant."
 # Qwen2.5-Instruct's template, without the tool-calling branches.
 CHAT_TEMPLATE = (

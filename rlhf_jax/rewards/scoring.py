@@ -184,8 +184,12 @@ def score_samples(samples, prompts, tokenizer, fns, weights, on_error: str):
   batch = RewardBatch(
       prompt_ids=[s.prompt_id for s in samples],
       prompts=[prompts.prompts[r] for r in rows],
-      completions=[tokenizer.decode(s.tokens) for s in samples],
-      metadata=[{**prompts.metadata[r], "finish_reason": s.finish_reason}
+      # A multi-turn sample's tokens hold the environment's replies, which
+      # may contain stop tokens (a chat template's end of turn).
+      completions=[tokenizer.decode(s.tokens, stop_at_eos=not s.env_mask)
+                   for s in samples],
+      metadata=[{**prompts.metadata[r], "finish_reason": s.finish_reason,
+                 "env_reward": s.env_reward}
                 for r, s in zip(rows, samples)])
   return score(fns, weights, batch, on_error)
 

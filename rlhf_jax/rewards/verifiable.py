@@ -15,7 +15,8 @@ prompt id and the function, or a counted 0).
 import re
 from typing import Mapping, Sequence
 
-from rlhf_jax.data.tasks import format_answer
+from rlhf_jax.data.tasks import OPERATORS, format_answer
+from rlhf_jax.envs.tools import TaggedFormat
 from rlhf_jax.rl import registry
 
 _ADDITION_PROMPT = re.compile(r"(\d+)\+(\d+)=")
@@ -133,3 +134,51 @@ def digit_accuracy(
     hits = sum(x == y for x, y in zip(c, answer))
     out.append(hits / max(len(c), len(answer), 1))
   return out
+
+
+_ARITHMETIC_PROMPT = re.compile(r"(\d+)([+*])(\d+)=")
+
+
+@registry.register("reward", "arithmetic")
+def arithmetic_correct(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """1.0 where the answer after the last tool call is the result asked by
+  an "a+b=" or "a*b=" prompt (the tagged tool format of `envs/tools.py`;
+  a completion without calls is all answer). Recomputed from the prompt.
+
+  Args:
+    prompts: "a+b=" / "a*b=" prompt texts.
+    completions: decoded responses (tool calls and replies included).
+    metadata: per-sample dicts with "reverse_answer".
+
+  Returns:
+    One float per sample.
+
+  Raises:
+    ValueError: a prompt that is neither.
+  """
+  final = TaggedFormat().final
+  out = []
+  for p, c, m in zip(prompts, completions, metadata):
+    match = _ARITHMETIC_PROMPT.fullmatch(p)
+    if match is None:
+      raise ValueError(f"Not an arithmetic prompt: {p!r}.")
+    value = OPERATORS[match[2]](int(match[1]), int(match[3]))
+    out.append(float(final(c) == format_answer(
+        value, m["reverse_answer"], m.get("answer_width", 0))))
+  return out
+
+
+@registry.register("reward", "env")
+def env_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """The environment's rewards of a multi-turn sample (`envs/base.py`),
+  summed over its turns; 0 for single-turn samples."""
+  del prompts, completions
+  return [float(m.get("env_reward", 0.0)) for m in metadata]

@@ -16,6 +16,7 @@ from rlhf_jax.config.sections import Rollout as RolloutSection
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.long_tail import EngineSet
 from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.envs import episodes as episodes_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel.layout import Layout
 from rlhf_jax.rollout import elastic
@@ -46,22 +47,26 @@ def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
 
 
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
-                 graphdef, layout: Layout, stop_tokens=()) -> LocalRollout:
-  """Greedy, one sample per row: held-out evaluation."""
+                 graphdef, layout: Layout, stop_tokens=(),
+                 episodes=None) -> LocalRollout:
+  """Greedy, one sample per row: held-out evaluation (multi-turn with
+  `episodes`, on the paged engine)."""
   greedy = SamplingParams(temperature=0.0, max_new_tokens=ro.max_new_tokens,
                           stop_tokens=tuple(stop_tokens))
   return LocalRollout(EngineSet(
       cfg, graphdef, layout,
       rows_per_replica=num_rows // layout.mesh.shape["data"],
       samples_per_row=1, prefill_buckets=tuple(ro.prefill_buckets),
-      sampling=greedy))
+      sampling=greedy,
+      paged=dict(page_size=ro.page_size, num_pages=0, num_slots=0)
+      if episodes is not None else None), episodes=episodes)
 
 
 def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
           stop_tokens, *, rollout_tensor: int = 1,
           timeline: Timeline | None = None,
           train_time: Callable[[int], float | None] | None = None,
-          lora_spec=None) -> Rollout:
+          lora_spec=None, episodes=None) -> Rollout:
   """The job's rollout (see the module doc).
 
   Args:
@@ -73,9 +78,11 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
     timeline: where the long-tail policies' per-replica spans go.
     train_time: step -> the trainer's train seconds (seed window cap).
     lora_spec: a LoRA policy's adapters: elastic workers pull only those.
+    episodes: multi-turn rollouts' environments (`envs/episodes.py`).
   """
   local = LocalRollout(engines(ro, cfg, graphdef, layout, stop_tokens),
-                       tail=ro.long_tail, timeline=timeline)
+                       tail=ro.long_tail, timeline=timeline,
+                       episodes=episodes)
   if not ro.workers.num:
     return local
   return elastic.build(
@@ -92,15 +99,22 @@ def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
       layout.mesh.shape["data"])
 
 
-def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, stop_tokens,
-            colocation, lora_spec=None) -> tuple[Rollout, LocalRollout]:
+def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
+            stop_tokens, colocation,
+            lora_spec=None) -> tuple[Rollout, LocalRollout]:
   """(the job's rollout, its greedy eval rollout) from the sections `c`
   (`config.sections.RLJob`); per-replica spans and the seed window's
-  train time come from the job's `colocation`."""
+  train time come from the job's `colocation`. With `c.agent.enabled`
+  both are multi-turn, their turns also ending at the format's stops."""
+  episodes = episodes_lib.from_config(c.agent, tokenizer)
+  eval_episodes = episodes_lib.from_config(c.agent, tokenizer)
+  if episodes is not None:
+    stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
   return (build(c.rollout, cfg, graphdef, layout, stop_tokens,
                 rollout_tensor=c.mesh.rollout_tensor,
                 timeline=colocation.timeline,
-                train_time=colocation.phase_seconds, lora_spec=lora_spec),
+                train_time=colocation.phase_seconds, lora_spec=lora_spec,
+                episodes=episodes),
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
-                       stop_tokens))
+                       stop_tokens, episodes=eval_episodes))
 

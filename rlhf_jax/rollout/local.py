@@ -10,6 +10,8 @@ One implementation, its options parameters rather than branches:
     (`engine/long_tail.TailController`); the per-prompt length history
     learns from every batch and is checkpointed.
 Samples are the same with or without either (placement-independent keys).
+With `episodes` (`envs/episodes.py`; paged engine) every sample is a
+multi-turn episode: `MultiTurnDriver` appends the environment's replies.
 `start_driver` starts the same decode loop for a worker that is fed over
 time (the trainer's engine seeding an elastic rollout).
 """
@@ -43,7 +45,7 @@ class LocalRollout(Rollout):
 
   def __init__(self, engines: EngineSet, *, tail: LongTail = LongTail(),
                history: LengthHistory | None = None,
-               timeline: Timeline | None = None):
+               timeline: Timeline | None = None, episodes=None):
     """
     Args:
       engines: the engines (their `max_common_length` > 0 enables the
@@ -53,8 +55,9 @@ class LocalRollout(Rollout):
       history: per-prompt length history (default: EWMA of
         `tail.history_alpha`).
       timeline: where per-replica spans go (long-tail only).
+      episodes: multi-turn environments (`envs/episodes.Episodes`).
     """
-    self.engines, self.tail = engines, tail
+    self.engines, self.tail, self.episodes = engines, tail, episodes
     self.history = history or LengthHistory(tail.history_alpha)
     self.timeline = timeline if timeline is not None else Timeline(None)
     self.step_s: dict[int, float] = {}  # Measured decode step per block.
@@ -74,6 +77,8 @@ class LocalRollout(Rollout):
              step: int = 0, trainer_busy=None) -> Iterator[Group]:
     del trainer_busy  # The trainer's devices decode here.
     groups = Groups(prompts, num_samples)
+    if self.episodes is not None:
+      self.episodes.begin(step, prompts)
     for sample in self.run(requests_for(prompts, num_samples, seed),
                            step=step):
       group = groups.add(sample)
@@ -113,8 +118,8 @@ class LocalRollout(Rollout):
     common = self.common_prefix(requests)
     t0 = time.perf_counter()
     if not t.enabled:
-      driver = eng.driver(self.params, self.version)
-      yield from driver.run(requests, common_prefix=common)
+      driver = eng.driver(self.params, self.version, reply=self.episodes)
+      yield from self._finished(driver.run(requests, common_prefix=common))
       self.scores = {}
       self._metrics = self._driver_metrics(driver)
       return
@@ -132,8 +137,9 @@ class LocalRollout(Rollout):
                  "inputs %s", step, m0, eng.replicas, decision)
     driver, ctl = self._tail_driver(m0, step, scorer)
     samples = []
-    for sample in driver.run(requests, admission=t.admission, controller=ctl,
-                             common_prefix=common):
+    for sample in self._finished(driver.run(
+        requests, admission=t.admission, controller=ctl,
+        common_prefix=common)):
       samples.append(sample)
       ctl.finished(sample)
       yield sample
@@ -168,15 +174,21 @@ class LocalRollout(Rollout):
     return driver
 
   # ------------------------------------------------------------ helpers
+  def _finished(self, samples: Iterator[Sample]) -> Iterator[Sample]:
+    """The driver's samples, each episode closed first (multi-turn)."""
+    for sample in samples:
+      if self.episodes is not None:
+        self.episodes.finish(sample)
+      yield sample
+
   def _tail_driver(self, m: int, step: int, scorer):
     eng = self.engines
-    kind, driver_cls, engine = (
-        (PagedTailController, PagedDriver, eng.paged_engine(m))
-        if eng.is_paged else (TailController, Driver, eng.engine(m)))
+    kind, engine = ((PagedTailController, eng.paged_engine(m))
+                    if eng.is_paged else (TailController, eng.engine(m)))
     ctl = kind(eng, self.tail, self.predicted, full_params=self.params, m=m,
                timeline=self.timeline, step=step, scorer=scorer)
-    driver = driver_cls(engine, eng.params_for(self.params, m),
-                        weight_version=self.version)
+    driver = eng.make_driver(engine, eng.params_for(self.params, m),
+                             self.version, reply=self.episodes)
     return driver, ctl
 
   def _learn_lengths(self, requests, samples) -> float:
@@ -192,8 +204,7 @@ class LocalRollout(Rollout):
       self.history.update(p, v)
     return statistics.fmean(errors) if errors else 0.0
 
-  @staticmethod
-  def _driver_metrics(driver: Driver) -> dict:
+  def _driver_metrics(self, driver: Driver) -> dict:
     st = driver.stats
     out = {"rollout/steps": st.steps,
            "rollout/prefill_tokens": st.prefill_tokens,
@@ -201,5 +212,11 @@ class LocalRollout(Rollout):
     if isinstance(driver, PagedDriver):
       out.update({"rollout/preemptions": driver.paged.preemptions,
                   "rollout/peak_kv_pages": driver.paged.peak_pages,
-                  "rollout/peak_live_samples": driver.paged.peak_live})
+                  "rollout/peak_live_samples": driver.paged.peak_live,
+                  # A sample's own tokens prefilled again (a preempted one
+                  # recomputed); earlier turns never are otherwise.
+                  "rollout/reprefill_tokens": driver.paged.recomputed_tokens})
+    if self.episodes is not None:
+      out.update(self.episodes.metrics())
+      out["rollout/appended_tokens"] = driver.appended_tokens
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ import numpy as np
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import RLJob
 from rlhf_jax.data import sources
+from rlhf_jax.envs.episodes import ReplayLog
 from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -254,6 +256,11 @@ def run(config, workdir: str):
   """Runs (or resumes) the job in `workdir`; returns the final train state."""
   config = sources.prepare(config, workdir)
   job = build(config)
+  episodes = getattr(job.rollout, "episodes", None)
+  if episodes is not None:  # Tool outputs replayed by a resumed step.
+    episodes.log = ReplayLog(os.path.join(workdir, "episodes"),
+                             keep_steps=job.c.train.checkpoint_every,
+                             process=jax.process_index())
 
   def fresh(writer, verbose, sft_dir, stop):
     params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,

@@ -95,8 +95,8 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
       c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
       rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
   rollout, eval_rollout = rollout_build.for_job(
-      c, rollout_cfg, rollout_graphdef, rollout_layout, source.stop_ids, co,
-      lora_spec=spec)
+      c, rollout_cfg, rollout_graphdef, rollout_layout, source.tokenizer,
+      source.stop_ids, co, lora_spec=spec)
   return Policy(cfg=cfg, graphdef=graphdef, params=params, learner=learner,
                 colocation=co, rollout=rollout, eval_rollout=eval_rollout,
                 lora_spec=spec, lora_init_from=c.lora.init_from,

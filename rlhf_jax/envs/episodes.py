@@ -1,0 +1,202 @@
+"""One rollout's episodes, as the reply of `engine/multiturn.MultiTurnDriver`.
+
+  episodes = Episodes(make_env, tokenizer, fmt, max_turns=4)
+  episodes.begin(step)                 # before a rollout
+  driver = MultiTurnDriver(engine, params, reply=episodes)
+  for sample in driver.run(requests):
+    episodes.finish(sample)            # env_reward, turn metrics
+
+Each sample is an episode with its own environment, made at its first
+stop token. A model turn is the text sampled since the last observation;
+the environment's observation is rendered by the chat format and
+tokenized, and the driver appends those tokens (their KV after the
+sample's own, nothing prefilled again). An episode ends when the
+environment says done, or after `max_turns` model turns (the turn
+budget; the token budget is the driver's, replies included).
+
+Replay: with a `ReplayLog` every environment answer is written (and
+flushed) as it happens, keyed by (step, prompt id, sample index, turn).
+A step run again after a crash (resume from the last checkpoint) reads
+the answers back instead of calling the environment: tool outputs with
+timeouts or outside state are not deterministic, the recorded ones are.
+Environments that keep state across turns get no `step` call for a
+replayed turn, so replay suits stateless tools (every `ToolEnv`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+from typing import Callable
+
+from rlhf_jax.envs.base import Env, Step
+from rlhf_jax.errors import DataError
+
+
+@dataclasses.dataclass
+class _Episode:
+  env: Env
+  start: int = 0       # Index of the current turn's first token.
+  turns: int = 0       # Model turns answered so far.
+  calls: int = 0
+  errors: int = 0
+  reward: float = 0.0
+  cut: bool = False    # Ended by the turn budget.
+
+
+class ReplayLog:
+  """Environment answers of the steps since the last checkpoint, on disk
+  (`<directory>/step_<k>.p<process>.jsonl`, one line per answer)."""
+
+  def __init__(self, directory: str, *, keep_steps: int, process: int = 0):
+    self.directory, self.keep, self.process = directory, keep_steps, process
+    self._file = None
+    self.recorded: dict[tuple[int, int, int], Step] = {}
+    os.makedirs(directory, exist_ok=True)
+
+  def _path(self, step: int) -> str:
+    return os.path.join(self.directory, f"step_{step}.p{self.process}.jsonl")
+
+  def begin(self, step: int) -> None:
+    """Loads what an earlier run of `step` recorded; drops old steps."""
+    self.close()
+    for path in glob.glob(os.path.join(self.directory, "step_*.jsonl")):
+      m = re.fullmatch(r"step_(\d+)\.p\d+\.jsonl", os.path.basename(path))
+      if m and int(m[1]) < step - self.keep:
+        os.remove(path)
+    self.recorded = {}
+    path = self._path(step)
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            r = json.loads(line)
+          except ValueError:  # The line a crash cut short.
+            continue
+          self.recorded[r["p"], r["s"], r["t"]] = Step(
+              r["o"], r["r"], r["d"], r["c"], r["e"])
+    self._file = open(path, "a")
+
+  def put(self, key: tuple[int, int, int], step: Step) -> None:
+    p, s, t = key
+    self._file.write(json.dumps(dict(
+        p=p, s=s, t=t, o=step.observation, r=step.reward, d=step.done,
+        c=step.tool_call, e=step.tool_error)) + "\n")
+    self._file.flush()  # A kill keeps every answer written so far.
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+
+class Episodes:
+  """The environments of one rollout's samples; see the module doc."""
+
+  def __init__(self, make_env: Callable[[], Env], tokenizer, fmt, *,
+               max_turns: int, log: ReplayLog | None = None):
+    self.make_env, self.tokenizer, self.fmt = make_env, tokenizer, fmt
+    self.max_turns, self.log = max_turns, log
+    self.metadata: dict[int, dict] = {}
+    self.begin(None)
+
+  def stop_ids(self) -> tuple[int, ...]:
+    """The tokens that end a turn besides the tokenizer's own stops."""
+    return self.fmt.stop_ids(self.tokenizer)
+
+  def begin(self, step: int | None, prompts=None) -> None:
+    """Starts a rollout (`step`: where the replay log keys it; `prompts`:
+    a PromptBatch whose metadata the environments get)."""
+    self._live: dict[tuple[int, int], _Episode] = {}
+    self._done: list[_Episode] = []
+    self.replayed = 0
+    self.metadata = ({int(p): m for p, m in zip(prompts.prompt_ids,
+                                                prompts.metadata)}
+                     if prompts is not None else {})
+    if self.log is not None and step is not None:
+      self.log.begin(step)
+
+  def __call__(self, request, sample_idx: int, tokens: list):
+    """The driver's reply: tokens to append, or None (the sample ends)."""
+    key = request.prompt_id, sample_idx
+    ep = self._live.get(key)
+    if ep is None:
+      ep = self._live[key] = _Episode(self.make_env())
+      ep.env.reset(self._decode(request.tokens),
+                   self.metadata.get(request.prompt_id, {}))
+    log_key = (*key, ep.turns)
+    result = self.log.recorded.get(log_key) if self.log else None
+    if result is None:
+      result = ep.env.step(self._decode(tokens[ep.start:]))
+      if self.log is not None:
+        self.log.put(log_key, result)
+    else:
+      self.replayed += 1
+    ep.turns += 1
+    ep.reward += result.reward
+    ep.calls += result.tool_call
+    ep.errors += result.tool_error
+    if result.done or result.observation is None:
+      return None
+    if ep.turns >= self.max_turns:
+      ep.cut = True
+      return None
+    extra = self._encode(self.fmt.render(result.observation))
+    ep.start = len(tokens) + len(extra)
+    return extra
+
+  def finish(self, sample) -> None:
+    """Closes the sample's episode: its `env_reward`, the metrics."""
+    ep = self._live.pop(sample.key, None) or _Episode(None)
+    if sample.finish_reason == "length":
+      ep.turns += 1  # The turn the token budget cut.
+    sample.env_reward = ep.reward
+    self._done.append(ep)
+
+  def metrics(self) -> dict[str, float]:
+    n = max(1, len(self._done))
+    eps = self._done
+    return {
+        "rollout/turns_per_episode": sum(e.turns for e in eps) / n,
+        "rollout/tool_calls_per_episode": sum(e.calls for e in eps) / n,
+        "rollout/tool_call_rate": sum(e.calls > 0 for e in eps) / n,
+        "rollout/tool_errors": float(sum(e.errors for e in eps)),
+        "rollout/turn_budget_cut": float(sum(e.cut for e in eps)),
+        "rollout/env_reward": sum(e.reward for e in eps) / n,
+        "rollout/replayed_answers": float(self.replayed)}
+
+  def _decode(self, ids) -> str:
+    return self.tokenizer.decode(ids, stop_at_eos=False)
+
+  def _encode(self, text: str) -> list[int]:
+    try:
+      return list(self.tokenizer.encode(text))
+    except DataError:  # Characters the tiny vocabulary lacks: dropped.
+      out = []
+      for ch in text:
+        try:
+          out += self.tokenizer.encode(ch)
+        except DataError:
+          pass
+      return out
+
+
+def from_config(agent, tokenizer) -> Episodes | None:
+  """The `Episodes` of the `agent` section (None when off): a `ToolEnv`
+  per sample with the named tools, in the named format."""
+  from rlhf_jax.envs import tools as tools_lib  # pylint: disable=g-import-not-at-top
+  if not agent.enabled:
+    return None
+  limits = None
+  if "python" in agent.tools:
+    from rlhf_jax.envs import sandbox  # pylint: disable=g-import-not-at-top
+    limits = sandbox.SandboxLimits(timeout_s=agent.python_timeout_s,
+                                   memory_mb=agent.python_memory_mb)
+  tools = tools_lib.make_tools(agent.tools, python_limits=limits)
+  fmt = tools_lib.FORMATS[agent.format]()
+  return Episodes(
+      lambda: tools_lib.ToolEnv(tools, fmt, enabled=not agent.disable_tools),
+      tokenizer, fmt, max_turns=agent.max_turns)
