@@ -331,3 +331,38 @@ def test_sigkill_mid_episode_then_rerun_equals_uninterrupted(tmp_path):
   for step in (3, 4):
     assert resumed[step] == pytest.approx(want[step], rel=1e-6), step
   assert resume.rl_records(workdir)[3]["rollout/replayed_answers"] >= 1
+
+
+# ------------------------------------------------------ the long-tail path
+@pytest.mark.slow
+def test_episodes_on_the_long_tail_path_equal_plain_continuous_batching():
+  """configs/tiny_tool.py:runlocal with the long-tail policies (length-
+  aware placement, tail consolidation moving live episodes) samples the
+  same trajectories as plain continuous batching on the paged engine."""
+  from rlhf_jax.rollout.base import generate
+  from rlhf_jax.rollout.local import LocalRollout
+  from rlhf_jax.trainers import grpo
+
+  c = tiny_tool.get_config("runlocal")
+  c.rollout.long_tail.update(enabled=True, consolidate_below=0.6)
+  job = grpo.build(c)
+  ours = job.rollout
+  ours.episodes.make_env = LengthEnv  # Answers any turn, twice.
+  plain = LocalRollout(ours.engines, episodes=Episodes(
+      LengthEnv, TOK, TaggedFormat(), max_turns=4))
+  params = job.colocation.rollout_copy(job.params)
+  prompts = next(job.iterator)
+  got = {}
+  for name, rollout in (("ours", ours), ("plain", plain)):
+    rollout.set_weights(params, 0)
+    got[name] = generate(rollout, prompts, c.rollout.samples_per_row, seed=3,
+                         step=1)
+  a, b = got["ours"], got["plain"]
+  assert [s.key for s in a.samples] == [s.key for s in b.samples]
+  for x, y in zip(a.samples, b.samples):
+    assert (x.tokens, x.env_mask, x.finish_reason) == (
+        y.tokens, y.env_mask, y.finish_reason), x.key
+    np.testing.assert_allclose(x.logp_raw, y.logp_raw, atol=1e-5)
+  assert a.metrics["rollout/consolidations"] >= 1
+  assert a.metrics["rollout/turns_per_episode"] == b.metrics[
+      "rollout/turns_per_episode"] > 1.2
