@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import jax
+
 from rlhf_jax.engine.driver import Request
 from rlhf_jax.engine.page_pool import PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
@@ -94,6 +96,12 @@ class MultiTurnDriver(PagedDriver):
         self.reply_preemptions += 1
         return
     self.state = eng.extend(self.params, self.state, slot, it.pages, extra)
+    if jax.default_backend() == "cpu":
+      # XLA:CPU with several (fake) devices deadlocked in an all-gather
+      # (one device never arrived) with extends queued behind a decode
+      # step; waiting for each is cheap, the reply already waited for
+      # the step's tokens (docs/results.md, tool use).
+      jax.block_until_ready(self.state)
 
   def partials(self):
     if self._appended:
