@@ -189,9 +189,10 @@ def sft_batch(
   mask_BxL = np.zeros((batch_size, length - 1), np.float32)
   for row in range(batch_size):
     ex = task.sft_example(start + row)
-    segments = (_tool_demo(ex.prompt[:-1].split(ex.operator)[0],
-                           ex.prompt[:-1].split(ex.operator)[1], ex.operator,
-                           ex.answer) if ex.tool_demo else [])
+    segments = []
+    if ex.tool_demo:  # The call repeats the prompt's operands as written.
+      a, b = ex.prompt[:-1].split(ex.operator)
+      segments = _tool_demo(a, b, ex.operator, ex.answer)
     segments.append((ex.answer, True))
     ids = tokenizer.encode(ex.prompt, add_bos=True)
     p = len(ids)
