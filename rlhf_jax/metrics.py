@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from rlhf_jax.rl import off_policy
+
 
 def _to_float(v):
   return float(np.asarray(jax.device_get(v)))
@@ -94,19 +96,23 @@ class Progress:
 
 
 def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
-                    *extra: dict, version: int, stale: int) -> dict:
+                    *extra: dict, version: int, stale: int, step: int,
+                    alarm_kl: float) -> dict:
   """The host metrics of one RL step.
 
   Args:
     info: host values of the step's batch: "rewards" [B] (before any KL
       penalty), "kl" [B] (sequence KL to the reference), "response_len"
-      [B], "gap_max" / "gap_mean" (trainer vs sampler log-probs).
+      [B], "gap_max" / "gap_mean" / "mismatch_kl" (trainer vs sampler
+      log-probs, `rl/off_policy.mismatch`).
     trained: prefix -> metrics of every update ("train": the policy,
       "critic": PPO's value function); means are logged.
     perf: the timeline's perf/ metrics of the step.
     extra: further metric dicts (rollout, rewards, workers).
     version: the weight version the samples came from.
     stale: samples of other versions left out of the loss.
+    step: the RL step (for the alarm's line).
+    alarm_kl: `rl.mismatch_alarm_kl` (`off_policy.alarm`; 0 = off).
   """
   tokens = float(np.sum(info["response_len"]))
   out = {"rollout/reward_mean": float(np.mean(info["rewards"])),
@@ -114,6 +120,7 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
          "rollout/response_len_mean": float(np.mean(info["response_len"])),
          "rollout/logprob_gap": float(info["gap_max"]),
          "rollout/logprob_gap_mean": float(info["gap_mean"]),
+         "rollout/mismatch_kl": float(info["mismatch_kl"]),
          "rollout/weight_version": float(version),
          "rollout/stale_dropped": float(stale)}
   for metrics in extra:
@@ -123,4 +130,4 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
                 for k in updates[0]})
   out.update(perf)
   out["perf/tokens_per_s"] = tokens / perf["perf/step_s"]
-  return out
+  return off_policy.alarm(out, alarm_kl, step=step)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import ml_collections
 
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.rl import off_policy
 from rlhf_jax.rl.learner import OptimConfig
 
 
@@ -319,6 +320,14 @@ class RL:
   whiten_advantages: bool = True
   value_clip: float = 0.2        # 0 = unclipped value loss.
   tracked_rewards: tuple = ()    # Logged only, never trained on (PPO).
+  # The sampler's log-probs vs the trainer's (rl/off_policy.py): weight
+  # each token by pi_trainer / pi_sampler: "none" | "is" (decoupled PPO) |
+  # "tis" (truncated at importance_cap) | "mis" (masked past it).
+  importance_weight: str = "none"
+  importance_cap: float = 2.0
+  # Warn and set rollout/mismatch_alarm when KL(sampler || trainer) per
+  # token passes this (0 = off).
+  mismatch_alarm_kl: float = 0.01
 
   def __post_init__(self):
     from rlhf_jax.rl import registry
@@ -341,6 +350,11 @@ class RL:
             f"has {len(self.reward_weights)} entries for "
             f"{len(self.rewards)} rewards")
     _one_of(self, "on_reward_error", ("raise", "zero"))
+    _one_of(self, "importance_weight", off_policy.WEIGHTINGS)
+    if not self.importance_cap > 0:
+      _fail(self, "importance_cap", "must be > 0")
+    if self.mismatch_alarm_kl < 0:
+      _fail(self, "mismatch_alarm_kl", "must be >= 0 (0 = off)")
     if not isinstance(self.kl_coef, float) or self.kl_coef < 0:
       _fail(self, "kl_coef", "must be a float >= 0")
     if self.overlong_buffer < 0:
@@ -371,7 +385,8 @@ class RL:
         clip_high=self.clip_high, clip_c=self.clip_c or None,
         kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
         kl_in_loss=self.kl_in_loss, aggregation=self.aggregation,
-        max_len=max_len)
+        max_len=max_len, importance_weight=self.importance_weight,
+        importance_cap=self.importance_cap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rlhf_jax.rl.aggregation import masked_mean
 
 
 def _scaled_fp32(logits_BxTxV: jax.Array, temperature: float) -> jax.Array:
@@ -73,18 +72,6 @@ def token_entropy(
   p_BxTxV = jnp.exp(logits_BxTxV - lse_BxTx1)
   z_BxTxV = jnp.where(p_BxTxV > 0, logits_BxTxV, 0.0)
   return lse_BxTx1[..., 0] - jnp.sum(p_BxTxV * z_BxTxV, axis=-1)
-
-
-@jax.jit
-def logprob_gap(logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
-                mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(max, mean) over valid tokens of |learner - sampler| log-probs.
-
-  The stale-weights alarm: the engine and the learner score the same tokens
-  with the same weights, so anything above fp32 noise means they differ.
-  """
-  gap_BxT = jnp.abs(logp_BxT - sampler_logp_BxT) * mask_BxT
-  return jnp.max(gap_BxT), masked_mean(gap_BxT, mask_BxT)
 
 
 # -------------------------------------------- from hidden states, in chunks

@@ -19,6 +19,7 @@ from rlhf_jax.rl import (
   critic,
   grouped,
   losses,
+  off_policy,
   preference,
   registry,
 )
@@ -51,6 +52,10 @@ class PolicyLossConfig:
   kl_in_loss: bool = True          # False: KL is a reward penalty instead.
   aggregation: str = "token-mean"
   max_len: int | None = None       # For seq-mean-token-sum-norm.
+  # Sampler -> trainer correction (`rl/off_policy.py`): "none" | "is"
+  # (decoupled PPO) | "tis" | "mis", with cap C.
+  importance_weight: str = "none"
+  importance_cap: float = 2.0
 
 
 def policy_terms(c: PolicyLossConfig):
@@ -59,7 +64,9 @@ def policy_terms(c: PolicyLossConfig):
   Takes batches in any layout of `rl/grouped.py` (repeated prompts,
   grouped: each prompt run once for its G responses, or packed rows); same
   loss in each. GSPO's sequence ratio needs one sequence per row: not
-  packed rows.
+  packed rows. With `c.importance_weight` each token's term is weighted by
+  `off_policy.behaviour_weights` of old_logp (the anchor) against the
+  batch's "sampler_logp".
   """
   loss_fn = registry.get("policy_loss", c.policy_loss)
   registry.get("kl_estimator", c.kl_estimator)  # Fail early on a bad name.
@@ -79,13 +86,19 @@ def policy_terms(c: PolicyLossConfig):
     loss, m = loss_fn(logp, mb["old_logp"], mb["advantages"], mask,
                       clip_low=c.clip_low, clip_high=c.clip_high,
                       clip_c=c.clip_c)
+    aux = {}
+    if c.importance_weight != "none":
+      w, aux = off_policy.behaviour_weights(
+          mb["old_logp"], mb["sampler_logp"], mask,
+          weighting=c.importance_weight, cap=c.importance_cap)
+      loss = loss * w
     kl = registry.get("kl_estimator", c.kl_estimator)(logp, mb["ref_logp"])
     if c.kl_in_loss and c.kl_coef:
       loss = loss + losses.kl_loss(logp, mb["ref_logp"], mask,
                                    beta=c.kl_coef, estimator=c.kl_estimator)
     num, _ = aggregation.aggregate_terms(loss, mask, c.aggregation,
                                          max_len=c.max_len, packed=packed(mb))
-    aux = {"kl": _masked_mean(kl, mask),
+    aux = {**aux, "kl": _masked_mean(kl, mask),
            "entropy": _masked_mean(entropy, mask),
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
     return num, aux

@@ -8,9 +8,10 @@ Inside: old log-probs (the policy the samples came from, recomputed by the
 trainer), reference log-probs, the KL reward penalty (when the KL is not a
 loss term), the advantage estimator (a registered group estimator on the
 sequence rewards, or GAE on the critic's `values` for PPO), and the
-sampler-vs-trainer log-prob gap. The result holds what the policy loss (and
-the critic's value loss) read; `info` (replicated) the sequence rewards
-(before the penalty), the sequence KL, the gap and, with GAE, the mean
+sampler-vs-trainer mismatch (`rl/off_policy.py`). The result holds what
+the policy loss (and the critic's value loss) read, the sampler's
+log-probs included; `info` (replicated) the sequence rewards (before the
+penalty), the sequence KL, the mismatch and, with GAE, the mean
 critic value and return. Every layout of `rl/grouped.py` works (packed
 rows: sequence sums by segment, advantages laid out per token; GAE, PPO's,
 needs one sequence per row).
@@ -27,13 +28,12 @@ import numpy as np
 
 from rlhf_jax.models import lora
 from rlhf_jax.parallel.layout import constrain, use_layout
-from rlhf_jax.rl import critic, grouped, losses, registry
+from rlhf_jax.rl import critic, grouped, losses, off_policy, registry
 from rlhf_jax.rl.aggregation import masked_mean
 from rlhf_jax.rl.batch import PackedBatch
 from rlhf_jax.rl.learner import Learner, batch_axes, batch_logprobs
-from rlhf_jax.rl.logprobs import logprob_gap
 
-# Host-side inputs of the stage that the training batch does not carry.
+# Inputs of the stage that the model's forward does not read.
 _INPUTS = ("rewards", "sampler_logp")
 
 
@@ -128,9 +128,9 @@ class Preparer:
         out["advantages"] = grouped.per_sequence_values(  # [B]|[N, G]|[W, L]
             registry.get("advantage", c.estimator)(rewards, c.group_size),
             batch)
-      gap_max, gap_mean = logprob_gap(old_logp, batch["sampler_logp"], mask)
-      info = {"rewards": scores, "kl": kl, "gap_max": gap_max,
-              "gap_mean": gap_mean, **extra}
+      out["sampler_logp"] = batch["sampler_logp"]  # The behaviour policy.
+      info = {"rewards": scores, "kl": kl, **extra, **off_policy.mismatch(
+          old_logp, batch["sampler_logp"], mask)}
       # The batch stays sharded over the batch axes, as `put_batch` places
       # it; the (small) info is replicated: every process reads it whole.
       out = {k: constrain(v, batch_axes(v)) for k, v in out.items()}

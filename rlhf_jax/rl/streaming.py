@@ -130,5 +130,5 @@ def merge_infos(infos: Sequence[dict]) -> dict:
   return {"rewards": cat("rewards"), "kl": cat("kl"),
           "response_len": cat("response_len"), "keep": cat("keep"),
           "gap_max": max(float(i["gap_max"]) for i in infos),
-          "gap_mean": sum(float(i["gap_mean"]) * float(i["tokens"])
-                          for i in infos) / max(tokens, 1.0)}
+          **{k: sum(float(i[k]) * float(i["tokens"]) for i in infos)
+             / max(tokens, 1.0) for k in ("gap_mean", "mismatch_kl")}}

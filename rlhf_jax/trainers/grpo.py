@@ -129,7 +129,7 @@ def grpo_step(job: Job, step: int, state: TrainState, ref_params, prompts):
   return state, rl_step_metrics(
       jax.device_get(info), {"train": trained}, co.end_step(step),
       sampled.metrics, job.learner.state_bytes(state), version=co.version,
-      stale=int(np.sum(~keep)))
+      stale=int(np.sum(~keep)), step=step, alarm_kl=rl.mismatch_alarm_kl)
 
 
 def streamed_step(job: Job, step: int, state: TrainState, ref_params,
@@ -181,8 +181,8 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
   return state, rl_step_metrics(
       info, {"train": trained}, co.end_step(step), job.rollout.metrics(),
       job.scorer.metrics(), updates.counts(), job.learner.state_bytes(state),
-      version=co.version,
-      stale=int(np.sum(~info["keep"])))
+      version=co.version, stale=int(np.sum(~info["keep"])), step=step,
+      alarm_kl=c.rl.mismatch_alarm_kl)
 
 
 def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,

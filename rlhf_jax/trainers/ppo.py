@@ -122,7 +122,8 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
                         "rollout/value_mean": float(info["value_mean"]),
                         "rollout/return_mean": float(info["return_mean"])},
       job.actor.state_bytes(actor_state), version=co.version,
-      stale=int(np.sum(~keep)))
+      stale=int(np.sum(~keep)), step=step,
+      alarm_kl=c.rl.mismatch_alarm_kl)
 
 
 def _train_batch(job: Job, samples, trainable, params, ref, critic_params):

@@ -1,0 +1,116 @@
+"""The sampler's log-probs against the trainer's: importance weights and the
+mismatch between them.
+
+Every sample carries the per-token log-probs of the engine that drew it
+(the behaviour policy mu). The trainer recomputes them with its current
+weights before the update (the proximal policy pi_prox, the anchor of the
+PPO ratio). The two differ when the sample is stale (async RL: drawn by
+older weights) and when the engines differ (bf16 or int8 rollout weights,
+other kernels). Two things follow.
+
+Correction. The per-token weight w = pi_prox / mu multiplies the clipped
+PPO term, which is decoupled PPO (Hilton et al. 2022; AReaL's objective for
+stale samples):
+
+  loss_t = w_t * max(-A r_t, -A clip(r_t)),   r_t = pi_theta / pi_prox
+
+with w_t, by `rl.importance_weight`:
+  "none": 1 (the classic loss; the mismatch is ignored),
+  "is":   w (uncapped decoupled PPO),
+  "tis":  min(w, C) (truncated importance sampling, Yao et al. 2025),
+  "mis":  w where w <= C, else 0 (masked: such a token leaves the loss),
+C = `rl.importance_cap`. w carries no gradient.
+
+Monitoring. Over the tokens the trainer's current weights sampled (a stale
+token's gap is staleness, not a mismatch): max |log mu - log pi_prox| and
+KL(mu || pi_prox), estimated per token by k3 with r = pi_prox / mu
+(r - 1 - log r >= 0; unbiased under samples of mu). `alarm` logs and
+flags a step whose KL passes `rl.mismatch_alarm_kl`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from rlhf_jax.rl.aggregation import masked_mean
+
+WEIGHTINGS = ("none", "is", "tis", "mis")
+# log w is clamped here before exp, so an extreme token (or an env token's
+# zero sampler log-prob) gives a large finite weight, never inf * 0 = nan.
+_MAX_LOG_WEIGHT = 20.0
+
+
+def behaviour_weights(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array,
+                      mask_BxT: jax.Array, *, weighting: str,
+                      cap: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(w [B, T], metrics): the per-token weights of the module doc.
+
+  Args:
+    prox_logp_BxT: [B, T] log-probs of the trainer's weights before the
+      update (the PPO anchor, "old_logp").
+    behav_logp_BxT: [B, T] log-probs the sampler recorded.
+    mask_BxT: [B, T] 1 on trained tokens; w is 0 elsewhere.
+    weighting: one of WEIGHTINGS (static).
+    cap: C of "tis" and "mis" (static, > 0).
+
+  Returns:
+    w without gradient, and fp32 scalar metrics over the trained tokens:
+    "is_weight_mean" (before capping) and "is_capped_frac" (tokens
+    truncated, "tis", or masked, "mis").
+  """
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"importance weighting {weighting!r}: one of "
+                     f"{WEIGHTINGS}")
+  mask = jnp.asarray(mask_BxT).astype(jnp.float32)
+  log_w = jax.lax.stop_gradient(prox_logp_BxT.astype(jnp.float32)
+                                - behav_logp_BxT.astype(jnp.float32))
+  raw = jnp.exp(jnp.minimum(log_w, _MAX_LOG_WEIGHT))
+  over = raw > cap
+  if weighting == "none":
+    w = jnp.ones_like(raw)
+  elif weighting == "is":
+    w = raw
+  elif weighting == "tis":
+    w = jnp.minimum(raw, cap)
+  else:  # "mis"
+    w = jnp.where(over, 0.0, raw)
+  w = jnp.where(mask > 0, w, 0.0)
+  metrics = {"is_weight_mean": masked_mean(raw, mask),
+             "is_capped_frac": masked_mean(
+                 over.astype(jnp.float32), mask) if weighting in (
+                     "tis", "mis") else jnp.zeros((), jnp.float32)}
+  return w, metrics
+
+
+def mismatch(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
+             mask_BxT: jax.Array) -> dict[str, jax.Array]:
+  """Sampler vs trainer over the tokens of `mask_BxT` (those the trainer's
+  current weights sampled): "gap_max" and "gap_mean" (|log mu - log pi|)
+  and "mismatch_kl" (k3 estimate of KL(mu || pi) per token), fp32 scalars;
+  all 0 when no token is masked in."""
+  mask = jnp.asarray(mask_BxT).astype(jnp.float32)
+  log_r = jnp.where(mask > 0, trainer_logp_BxT.astype(jnp.float32)
+                    - sampler_logp_BxT.astype(jnp.float32), 0.0)
+  gap = jnp.abs(log_r)
+  # expm1 keeps the precision of r - 1 - log r when r ~= 1.
+  k3 = jnp.expm1(jnp.minimum(log_r, _MAX_LOG_WEIGHT)) - log_r
+  return {"gap_max": jnp.max(gap), "gap_mean": masked_mean(gap, mask),
+          "mismatch_kl": masked_mean(k3, mask)}
+
+
+def alarm(metrics: dict, threshold_kl: float, *, step: int) -> dict:
+  """`metrics` (host, one step's) with "rollout/mismatch_alarm" set: 1.0,
+  and a warning logged, when the sampler-trainer KL passes `threshold_kl`
+  (0 disables the alarm; the metric is then always 0)."""
+  kl = metrics.get("rollout/mismatch_kl", 0.0)
+  fired = bool(threshold_kl) and kl > threshold_kl
+  if fired:
+    logging.warning(
+        "step %d: sampler and trainer disagree: KL(sampler || trainer) = "
+        "%.3g nats/token > rl.mismatch_alarm_kl = %.3g (max |d log p| = "
+        "%.3g). Causes: rollout dtype or quantization, other kernels, "
+        "weights not synced; rl.importance_weight='tis' corrects for it",
+        step, kl, threshold_kl, metrics.get("rollout/logprob_gap", 0.0))
+  return {**metrics, "rollout/mismatch_alarm": float(fired)}
