@@ -30,6 +30,10 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
   if job not in ("grpo", "ppo"):
     raise ConfigError(f"unknown RL job {job!r}")
   (_check_grpo if job == "grpo" else _check_ppo)(c)
+  _check_async(c, job, num_devices)
+  if c.asynchronous.enabled:  # The trainer has the other devices.
+    num_devices = _devices(c, num_devices) - async_rollout_devices(
+        c, num_devices)
   _check_batch(c, prompt_len, num_devices)
   if job == "grpo":
     _check_grpo_splits(c)
@@ -52,6 +56,43 @@ def _check_agent(c: RLJob, job: str) -> None:
     raise ConfigError("config.agent.enabled=True with config.rollout.workers"
                       ".num > 0 is not implemented (a sample handed to a "
                       "worker would lose its environment tokens' mask)")
+
+
+def async_rollout_devices(c: RLJob, num_devices: int | None = None) -> int:
+  """Devices of async RL's rollout part (`asynchronous.rollout_devices`,
+  0: half the mesh)."""
+  return c.asynchronous.rollout_devices or _devices(c, num_devices) // 2
+
+
+def _check_async(c: RLJob, job: str, num_devices) -> None:
+  """Async GRPO: its rollout part, and the layers it does not compose with
+  yet (each named)."""
+  if not c.asynchronous.enabled:
+    return
+  key = "config.asynchronous.enabled=True"
+  n, r = _devices(c, num_devices), async_rollout_devices(c, num_devices)
+  if not 0 < r < n:
+    raise ConfigError(f"{key}: the rollout takes {r} of {n} devices; it "
+                      "needs at least one and must leave one to train on "
+                      "(config.asynchronous.rollout_devices)")
+  if r % c.mesh.rollout_tensor:
+    raise ConfigError(f"{key}: config.mesh.rollout_tensor="
+                      f"{c.mesh.rollout_tensor} does not divide the "
+                      f"rollout's {r} devices")
+  unsupported = [
+      (job != "grpo", "the PPO job"),
+      (c.rollout.engine != "paged", "config.rollout.engine='rows' (it "
+       "needs 'paged': samples move to new weights with their pages)"),
+      (c.rollout.workers.num > 0, "elastic workers"),
+      (c.rollout.long_tail.enabled, "rollout.long_tail"),
+      (c.rollout.max_common_length > 0, "rollout.max_common_length"),
+      (c.rollout.quantize != "none", "rollout.quantize"),
+      (c.lora.rank > 0, "LoRA"), (c.agent.enabled, "agent"),
+      (c.rl.stream, "rl.stream"), (c.rl.dynamic_sampling,
+                                   "rl.dynamic_sampling")]
+  for bad, what in unsupported:
+    if bad:
+      raise ConfigError(f"{key} with {what} is not implemented")
 
 
 def _devices(c: RLJob, num_devices: int | None) -> int:

@@ -472,6 +472,24 @@ class Agent:
 
 
 @dataclasses.dataclass(frozen=True)
+class Async:
+  """Async GRPO (`rollout/asynchronous.py`): rollout on its own devices,
+  at most max_staleness versions behind the trainer (0 = synchronous)."""
+  PATH: ClassVar[str] = "asynchronous"
+  enabled: bool = False
+  max_staleness: int = 1          # eta.
+  rollout_devices: int = 0        # The rollout part's devices; 0 = half.
+  switch_after_groups: int = -1   # Finished after batch v, then take v;
+                                  # -1 = half a batch.
+  in_flight: str = "continue"     # At a switch: "continue" | "restart".
+
+  def __post_init__(self):
+    if self.max_staleness < 0 or self.rollout_devices < 0:
+      _fail(self, "max_staleness", "and rollout_devices must be >= 0")
+    _one_of(self, "in_flight", ("continue", "restart"))
+
+
+@dataclasses.dataclass(frozen=True)
 class RLJob:
   """The typed sections of a GRPO or PPO job (`from_config`)."""
   seed: int
@@ -487,6 +505,7 @@ class RLJob:
   reward_model: RewardModel | None = None  # PPO only.
   lora: Lora = Lora()                      # Off where the config has none.
   agent: Agent = Agent()                   # Off where the config has none.
+  asynchronous: Async = Async()            # Off where the config has none.
 
   @classmethod
   def from_config(cls, config) -> "RLJob":
@@ -505,7 +524,7 @@ class RLJob:
 _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
              "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,
              "critic": Critic, "reward_model": RewardModel, "lora": Lora,
-             "agent": Agent}
+             "agent": Agent, "asynchronous": Async}
 
 
 # --------------------------------------------------------- dict <-> object

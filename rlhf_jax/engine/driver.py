@@ -60,6 +60,10 @@ class Sample:
   # appended (not sampled: log-probs 0, kept out of the loss); None: none.
   env_mask: list[bool] | None = None
   env_reward: float = 0.0  # The environment's rewards (envs/episodes.py).
+  seed: int = 0            # Its request's (tells batches apart: async RL).
+  # Async RL (`rollout/asynchronous.py`): the weight version of each token
+  # (weight_version is then the oldest); None: all weight_version.
+  token_versions: list[int] | None = None
 
   @property
   def key(self):

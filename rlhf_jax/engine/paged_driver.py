@@ -590,4 +590,4 @@ class PagedDriver(Driver):
       yield Sample(group.request.prompt_id, it.sample_idx,
                    np.asarray(group.request.tokens, np.int32), it.tokens,
                    it.logp, it.logp_raw, "stop" if stop else "length",
-                   self.weight_version)
+                   self.weight_version, seed=group.request.seed)

@@ -91,3 +91,22 @@ def layouts(section) -> tuple[Layout, Layout]:
   devices = jax.devices()[:section.num_devices or None]
   mesh = make_mesh(section.data, section.fsdp, section.tensor, devices=devices)
   return train_layout(mesh), rollout_layout(mesh, section.rollout_tensor)
+
+
+def async_layouts(section, rollout_devices: int
+                  ) -> tuple[Layout, Layout, Layout]:
+  """(train, rollout, eval) layouts of async RL from a `Mesh` section: the
+  last `rollout_devices` devices decode (replicas x `rollout_tensor`), the
+  others train (the section's axes over them) and evaluate (their own
+  rollout layout)."""
+  devices = jax.devices()[:section.num_devices or None]
+  if not 0 < rollout_devices < len(devices):
+    raise ConfigError(f"async rollout on {rollout_devices} of "
+                      f"{len(devices)} devices: it needs at least one and "
+                      "must leave one to train on")
+  train = make_mesh(section.data, section.fsdp, section.tensor,
+                    devices=devices[:-rollout_devices])
+  decode = make_mesh(fsdp=-1, devices=devices[-rollout_devices:])
+  return (train_layout(train),
+          rollout_layout(decode, section.rollout_tensor),
+          rollout_layout(train, section.rollout_tensor))

@@ -34,7 +34,7 @@ from rlhf_jax.rl.batch import PackedBatch
 from rlhf_jax.rl.learner import Learner, batch_axes, batch_logprobs
 
 # Inputs of the stage that the model's forward does not read.
-_INPUTS = ("rewards", "sampler_logp")
+_INPUTS = ("rewards", "sampler_logp", "current")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,19 +65,23 @@ class Preparer:
     self.trace_count = 0
     self._jit = jax.jit(self._prepare)
 
-  def put(self, packed: PackedBatch, rewards=None) -> dict:
+  def put(self, packed: PackedBatch, rewards=None, current=None) -> dict:
     """The packed host arrays (+ sampler log-probs, + host rewards [B]) on
-    device, batch-sharded: the step's one host->device transfer."""
+    device, batch-sharded: the step's one host->device transfer.
+    `current` [B] bool (default all): the samples the trainer's weights
+    drew (async RL), the only ones the mismatch is measured on."""
     arrays = {**packed.arrays, "sampler_logp": packed.sampler_logp}
     batch = self.learner.put_batch(arrays)
-    if rewards is not None:  # Host numpy: no device round trip here.
-      rewards = np.asarray(rewards, np.float32)
+    per_sequence = {"rewards": rewards, "current": current}
+    for key, values in per_sequence.items():
+      if values is None:  # Host numpy: no device round trip here.
+        continue
+      values = np.asarray(values, np.float32)
       if grouped.is_packed(arrays):  # [B]: not row-aligned; replicated.
-        batch["rewards"] = jax.device_put(rewards,
-                                          self.learner.layout.replicated())
+        batch[key] = jax.device_put(values, self.learner.layout.replicated())
       else:
         batch.update(self.learner.put_batch(
-            {"rewards": rewards.reshape(packed.sampler_logp.shape[:-1])}))
+            {key: values.reshape(packed.sampler_logp.shape[:-1])}))
     return batch
 
   def __call__(self, params, ref_params, batch: dict, values=None):
@@ -129,8 +133,14 @@ class Preparer:
             registry.get("advantage", c.estimator)(rewards, c.group_size),
             batch)
       out["sampler_logp"] = batch["sampler_logp"]  # The behaviour policy.
+      measured = mask
+      if "current" in batch:  # Per token: its sample's flag.
+        current = grouped.per_sequence_values(batch["current"].reshape(B),
+                                              batch)
+        measured = mask * current.reshape(current.shape + (1,) * (
+            mask.ndim - current.ndim))
       info = {"rewards": scores, "kl": kl, **extra, **off_policy.mismatch(
-          old_logp, batch["sampler_logp"], mask)}
+          old_logp, batch["sampler_logp"], measured)}
       # The batch stays sharded over the batch axes, as `put_batch` places
       # it; the (small) info is replicated: every process reads it whole.
       out = {k: constrain(v, batch_axes(v)) for k, v in out.items()}

@@ -36,7 +36,7 @@ from rlhf_jax.rl.learner import Learner, TrainState, train_epochs
 from rlhf_jax.rollout import dynamic_sampling
 from rlhf_jax.rollout.base import Rollout, Sampled, generate, step_seed
 from rlhf_jax.timeline import Timeline
-from rlhf_jax.trainers import loop
+from rlhf_jax.trainers import grpo_async, loop
 from rlhf_jax.trainers import policy as policy_lib
 from rlhf_jax.trainers.sft import run_sft
 
@@ -59,6 +59,7 @@ class Job:
   cfg: Any = None           # The policy's ModelConfig (no adapters).
 
   policy: policy_lib.Policy | None = None
+  side: grpo_async.AsyncSide | None = None  # Async RL's rollout.
 
   def trainable(self, params):
     return self.policy.trainable(params)
@@ -78,6 +79,8 @@ class Job:
 
   def step(self, step, state, ref_params, prompts=None):
     """One RL step on the next prompt batch (or `prompts`)."""
+    if self.side is not None:  # The rollout drew and sampled the batch.
+      return grpo_async.step(self, step, state, ref_params, _train_batch)
     step_fn = streamed_step if self.c.rl.stream else grpo_step
     prompts = next(self.iterator) if prompts is None else prompts
     return step_fn(self, step, state, ref_params, prompts)
@@ -186,10 +189,11 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
 
 
 def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,
-                 minibatches: int):
+                 minibatches: int, current=None):
   """The device training batch of whole groups and its info: the
   ADVANTAGES stage's, the response lengths and the trained tokens. With
-  `rl.pack_length`, packed rows dealt to `minibatches` mini-batches."""
+  `rl.pack_length`, packed rows dealt to `minibatches` mini-batches;
+  `current`: `Preparer.put`'s."""
   G, rl = job.c.rollout.samples_per_row, job.c.rl
   slots = packing.Slots(
       rl.pack_length, minibatches, rl.micro_batches,
@@ -198,7 +202,8 @@ def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,
       samples, job.source.prompt_len, job.c.rollout.max_new_tokens,
       group_size=G if rl.share_prompt and G > 1 else 0,
       trainable=trainable, slots=slots)
-  batch, info = job.preparer(params, ref, job.preparer.put(packed, rewards))
+  batch, info = job.preparer(params, ref,
+                             job.preparer.put(packed, rewards, current))
   return batch, {**info, "response_len": packed.response_len,
                  "tokens": float(packed.arrays["loss_mask"].sum())}
 
@@ -235,9 +240,16 @@ def build(config, timeline: Timeline | None = None) -> Job:
   c = RLJob.from_config(config)
   source = sources.build(config, c)
   checks.check_rl_job(c, job="grpo", prompt_len=source.prompt_len)
-  train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
+  if c.asynchronous.enabled:  # Decode on a part of the mesh of its own.
+    train_layout, async_layout, rollout_layout = mesh_lib.async_layouts(
+        c.mesh, checks.async_rollout_devices(c))
+  else:
+    train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
   p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
   rl = c.rl
+  side = None
+  if c.asynchronous.enabled:
+    side = grpo_async.build_side(c, p, source, async_layout)
   return Job(
       c=c, source=source, graphdef=p.graphdef, params=p.params,
       train_layout=train_layout, rollout_layout=rollout_layout,
@@ -249,7 +261,7 @@ def build(config, timeline: Timeline | None = None) -> Job:
           overlong=(c.rollout.max_new_tokens, rl.overlong_buffer,
                     rl.overlong_penalty) if rl.overlong_buffer else None),
       rollout=p.rollout, eval_rollout=p.eval_rollout,
-      colocation=p.colocation, cfg=p.cfg, policy=p)
+      colocation=p.colocation, cfg=p.cfg, policy=p, side=side)
 
 
 def run(config, workdir: str):
@@ -278,7 +290,10 @@ def run(config, workdir: str):
         iterator=job.iterator, colocation=job.colocation,
         fresh=fresh, step=step, history=job.rollout.length_history,
         like=lambda: job.fresh_states(job.params, copy=False),
-        evaluate=lambda states: evaluate(job, states["policy"].params))
+        evaluate=lambda states: evaluate(job, states["policy"].params),
+        side=job.side)
   finally:
     job.rollout.close()  # Held workers stop (and stop billing).
+    if job.side is not None:
+      job.side.close()
   return None if states is None else states["policy"]

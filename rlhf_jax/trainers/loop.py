@@ -75,7 +75,8 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
         fresh: Callable[[MetricWriter, bool, str, StopFlag], States],
         like: Callable[[], States],
         step: Callable[[int, States], tuple[States, dict]],
-        evaluate: Callable[[States], dict], history=None) -> States:
+        evaluate: Callable[[States], dict], history=None,
+        side=None) -> States:
   """Runs (or resumes) the loop; returns the final states (None when
   stopped by a signal during the warm-start).
 
@@ -94,6 +95,10 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     evaluate: states -> eval metrics.
     history: a per-prompt `LengthHistory` (the rollout's length-aware
       policies) saved in and restored from the checkpoint metadata, or None.
+    side: state that runs beside the steps (async RL's rollout), or None:
+      `start(step, states, meta)` once the states are restored or fresh
+      (meta: the checkpoint's, {} when fresh), `dump(step)` -> metadata
+      to save with a checkpoint (it holds still until `saved()`).
   """
   writer, ckpt, main_process = workdir_outputs(config, workdir,
                                                train.keep_checkpoints)
@@ -106,10 +111,13 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       return evaluate(states)
 
   def save(s, states):
-    meta = distributed.iterator_meta(iterator)
+    extra = side.dump(s) if side is not None else {}
+    meta = {**distributed.iterator_meta(iterator), **extra}
     if history is not None:
       meta["length_history"] = history.state_dict()
     ckpt.save(s, states, meta)
+    if side is not None:
+      side.saved()
 
   try:
     restored = ckpt.restore_latest(like())
@@ -120,7 +128,7 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       # The warm-start checkpoints to (and resumes from) sft_dir until RL
       # step 0 holds its result.
       sft_dir = os.path.join(workdir, "checkpoints_sft")
-      states, start = fresh(writer, main_process, sft_dir, stop), 0
+      states, start, meta = fresh(writer, main_process, sft_dir, stop), 0, {}
       writer.write("rl", 0, do_eval(states))
       save(0, states)
       ckpt.wait()
@@ -138,6 +146,8 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     co.version = start
     if "ref" in states:
       states["ref"] = co.park(states["ref"])
+    if side is not None:
+      side.start(start, states, meta)
 
     total = train.steps
     progress = Progress(total, start, name="rl", enabled=main_process)

@@ -1,0 +1,138 @@
+"""Async GRPO (`config.asynchronous`): the rollout decodes on its own part
+of the mesh (`rollout/asynchronous.py`) while the trainer trains on the
+rest, the samples at most eta weight versions old.
+
+One step reads top to bottom (`step`): publish the last step's weights (a
+rollout copy moved to the rollout's devices), take the step's batch (drawn
+and decoded while earlier steps trained), score it, run the ADVANTAGES
+stage with the trainer's weights as the proximal policy, train. Stale
+samples are corrected by `rl.importance_weight` (decoupled PPO, TIS, MIS:
+`rl/off_policy.py`); one older than eta would be dropped and counted.
+Checkpoints hold the rollout's state at its switch to the saved version,
+so a resumed run continues exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from rlhf_jax.metrics import rl_step_metrics
+from rlhf_jax.parallel import colocate
+from rlhf_jax.rl.learner import TrainState, train_epochs
+from rlhf_jax.rollout import build as rollout_build
+from rlhf_jax.rollout.asynchronous import AsyncRollout
+from rlhf_jax.rollout.base import step_seed
+from rlhf_jax.timeline import device_group
+
+
+class AsyncSide:
+  """The rollout beside the steps: what `loop.run` starts, checkpoints
+  (`dump`, `saved`) and what `step` publishes to and takes from."""
+
+  def __init__(self, rollout: AsyncRollout, colocation, layout):
+    self.rollout, self.co = rollout, colocation
+    self.shardings = None   # The rollout copy's, from the first params.
+    self.layout = layout
+    self.group = device_group("rollout", layout.mesh.devices.flat)
+    self.published = None   # The newest version the rollout was given.
+    self.params = None      # The trainer's newest params (to publish).
+
+  def copy(self, params):
+    """The rollout copy of `params` on the rollout's devices."""
+    local = self.co.rollout_copy(params)  # Cast, on the trainer's devices.
+    if self.shardings is None:
+      self.shardings = self.layout.param_shardings(local)
+    out = jax.device_put(local, self.shardings)
+    colocate.delete(local)  # Once the copy has read it.
+    return out
+
+  def start(self, step: int, states: dict, meta: dict) -> None:
+    self.params = states["policy"].params
+    self.rollout.start(self.copy(self.params), step, first_step=step + 1,
+                       snapshot=meta.get("async"))
+    self.published = step
+
+  def publish(self, version: int) -> None:
+    if self.published < version:
+      self.rollout.publish(self.copy(self.params), version)
+      self.published = version
+
+  def dump(self, step: int) -> dict:
+    if self.published is None:  # Step 0, before the rollout starts.
+      return {}
+    snap = self.rollout.publish(self.copy(self.params), step, snapshot=True)
+    self.published = step
+    return {"async": snap}
+
+  def saved(self) -> None:
+    if self.published is not None:
+      self.rollout.release()
+
+  def close(self) -> None:
+    self.rollout.close()
+
+
+def build_side(c, policy, source, layout) -> AsyncSide:
+  """The async rollout of the job sections `c` on `layout` (its part of
+  the mesh), decoding `policy`'s model; `source` gives the prompts."""
+  engines = rollout_build.engines(c.rollout, policy.cfg, policy.graphdef,
+                                  layout, source.stop_ids)
+  a = c.asynchronous
+  batch_groups = c.train.prompts_per_step
+  rollout = AsyncRollout(
+      engines, source.iterator, num_samples=c.rollout.samples_per_row,
+      seed=c.seed, eta=a.max_staleness,
+      switch_after_groups=(batch_groups // 2 if a.switch_after_groups < 0
+                           else a.switch_after_groups),
+      in_flight=a.in_flight, last_step=c.train.steps)
+  return AsyncSide(rollout, policy.colocation, layout)
+
+
+def step(job, step: int, state: TrainState, ref_params, train_batch):
+  """One async GRPO step; returns the new state and its metrics.
+  `train_batch`: GRPO's (`grpo._train_batch`)."""
+  co, c, side = job.colocation, job.c, job.side
+  rl, eta = c.rl, c.asynchronous.max_staleness
+  co.begin_step(step)
+  start = co.timeline.now()
+  side.publish(step - 1)
+  batch = side.rollout.take(step)  # An idle span of the trainer's devices.
+  waited = co.timeline.now() - start
+  samples, version = batch.samples, step - 1  # The trainer's weights.
+  job.scorer.reset()
+  rewards = np.concatenate([
+      job.scorer.score(samples[i:i + job.c.rollout.samples_per_row],
+                       batch.prompts)
+      for i in range(0, len(samples), job.c.rollout.samples_per_row)])
+  oldest = np.array([s.weight_version for s in samples])
+  keep = version - oldest <= eta
+  current = np.array([min(s.token_versions) == max(s.token_versions)
+                      == version for s in samples])
+  with co.span("scoring"), colocate.transient(co, ref_params) as ref:
+    arrays, info = train_batch(job, samples, rewards, keep, state.params,
+                               ref, minibatches=rl.num_minibatches,
+                               current=current)
+    jax.block_until_ready(arrays)
+  with co.span("train"):
+    (state,), (trained,) = train_epochs(
+        [job.learner], [state], arrays, epochs=rl.ppo_epochs,
+        num_minibatches=rl.num_minibatches, seed=step_seed(c.seed, step))
+  side.params = state.params
+  co.version = step
+  # The rollout's devices decode all along (their waits for weights:
+  # async/wait_weights_s).
+  co.timeline.add(side.group, "rollout", start, co.timeline.now())
+  staleness = np.concatenate([version - np.asarray(s.token_versions)
+                              for s in samples])
+  extra = {"async/staleness_mean": float(staleness.mean()),
+           "async/staleness_max": float(staleness.max()),
+           "async/off_policy_samples": float(np.sum(oldest < version)),
+           "perf/trainer_wait_s": waited,  # Timings are perf/.
+           **{(f"perf/rollout_{k}" if k.endswith("_s") else f"async/{k}"):
+              float(v) for k, v in batch.metrics.items()}}
+  return state, rl_step_metrics(
+      jax.device_get(info), {"train": trained}, co.end_step(step),
+      job.scorer.metrics(), extra, job.learner.state_bytes(state),
+      version=version, stale=int(np.sum(~keep)), step=step,
+      alarm_kl=rl.mismatch_alarm_kl)

@@ -1,0 +1,125 @@
+"""Async GRPO: eta = 0 is the synchronous job, no sample is staler than
+eta, kill -9 and rerun reproduce the uninterrupted run, bad combinations
+are refused in one line."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import resume
+from configs import tiny_grpo, tiny_grpo_async
+from rlhf_jax.config import checks
+from rlhf_jax.config.sections import ConfigError, RLJob
+from rlhf_jax.trainers import grpo
+
+STEPS = {"train.steps": 6, "eval.every": 3, "train.checkpoint_every": 2}
+
+
+def _async_config(**extra):
+  return resume.override(tiny_grpo_async.get_config("runlocal"),
+                         **{**STEPS, **extra})
+
+
+def _records(workdir):
+  return {k[1]: v for k, v in resume.records(workdir).items()
+          if k[0] == "rl"}
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+  """eta = 1 on 8 devices: the rollout on 4, the trainer on 4."""
+  workdir = str(tmp_path_factory.mktemp("async"))
+  grpo.run(_async_config(), workdir)
+  return workdir
+
+
+def test_no_sample_is_staler_than_eta(async_run):
+  records = _records(async_run)
+  assert sorted(records) == list(range(7))
+  for step in range(1, 7):
+    r = records[step]
+    assert r["async/staleness_max"] <= 1, (step, r)
+    assert r["rollout/stale_dropped"] == 0
+    assert r["rollout/mismatch_alarm"] == 0
+    assert r["rollout/weight_version"] == step - 1
+  # Not vacuous: from step 2 on, part of each batch is one version old
+  # (drawn before the trainer's last update, finished after it).
+  for step in range(2, 7):
+    assert records[step]["async/off_policy_samples"] > 0, step
+    assert records[step]["async/switches"] == 1, step
+  assert records[1]["async/staleness_max"] == 0  # Version 0 only.
+  assert records[6]["rollout/reward_mean"] > 0
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_reproduces_the_uninterrupted_run(async_run,
+                                                             tmp_path):
+  """Killed once the step-2 checkpoint (with batches 3 and 4 in flight) is
+  down; the rerun continues from it and writes the same records."""
+  workdir = str(tmp_path / "run")
+  env = dict(os.environ,
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "rlhf_jax.main",
+         "--config=configs/tiny_grpo_async.py:runlocal",
+         f"--workdir={workdir}"] + [f"--config.{k}={v}"
+                                    for k, v in STEPS.items()]
+  proc = subprocess.Popen(cmd, cwd=resume.REPO, env=env,
+                          stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not resume.has_record(workdir, "rl", 3) and proc.poll() is None:
+    assert time.time() < deadline, "no step 3"
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not os.path.isdir(os.path.join(workdir, "checkpoints", "6"))
+  out = subprocess.run(cmd, cwd=resume.REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from step" in out.stderr
+  resumed, reference = _records(workdir), _records(async_run)
+  assert sorted(resumed) == list(range(7))
+  for step in range(3, 7):
+    assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
+
+
+@pytest.mark.slow
+def test_eta_zero_equals_the_synchronous_job(tmp_path):
+  """eta = 0: batch b waits for version b - 1, as the synchronous job
+  does. The same samples (rewards, lengths) and the same updates to fp32
+  rounding: the trainer and the rollout each hold 4 devices in both."""
+  steps = {"train.steps": 4, "eval.every": 2}
+  sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
+  sync.rollout.engine = "paged"
+  sync.rl.importance_weight = "tis"
+  sync.mesh.num_devices = 4
+  grpo.run(sync, str(tmp_path / "sync"))
+  grpo.run(_async_config(**steps, **{"asynchronous.max_staleness": 0}),
+           str(tmp_path / "async"))
+  a, b = _records(str(tmp_path / "async")), _records(str(tmp_path / "sync"))
+  for step in range(1, 5):
+    assert a[step]["async/staleness_max"] == 0
+    for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+      assert a[step][key] == b[step][key], (step, key)
+    for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/kl"):
+      assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]) \
+          + 1e-6, (step, key, a[step][key], b[step][key])
+  assert a[4]["eval/accuracy"] == b[4]["eval/accuracy"]
+  assert all(b[s]["train/grad_norm"] > 1e-3 for s in range(1, 5))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rollout.engine", "rows", "config.rollout.engine='rows'"),
+    ("rl.stream", True, "rl.stream is not implemented"),
+    ("asynchronous.rollout_devices", 8, "the rollout takes 8 of 8 devices"),
+])
+def test_config_errors(key, value, message):
+  c = _async_config(**{key: value})
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
+                        num_devices=8)
