@@ -10,7 +10,8 @@ never more than eta weight versions behind it.
 
 A background thread runs one paged driver over batch after batch (prompts
 from the job's iterator, in order: batch b is what step b trains on). Its
-rules, deterministic because they count finished groups, never seconds:
+rules (`sched/staleness.py`), deterministic because they count finished
+groups, never seconds:
 
 - Batch b is drawn and queued once the rollout holds version >= b - 1 - eta,
   so the samples the trainer (at version b - 1) meets are at most eta
@@ -42,6 +43,7 @@ from rlhf_jax.engine import restart
 from rlhf_jax.engine.driver import Partial, Request, Sample
 from rlhf_jax.engine.long_tail import EngineSet
 from rlhf_jax.rollout.base import requests_for, step_seed
+from rlhf_jax.sched import staleness
 
 IN_FLIGHT = ("continue", "restart")
 
@@ -159,8 +161,8 @@ class AsyncRollout:
       self._draw(driver)
       v = self.version + 1
       complete = v < self.next_batch and v not in self.finished
-      if complete and (after >= self.switch_after_groups
-                       or not driver.busy):
+      if staleness.switch_due(complete, after, self.switch_after_groups,
+                              driver.busy):
         for s in restart.drain(driver):
           self._route(s)
         params = self._weights_of(v)
@@ -189,7 +191,7 @@ class AsyncRollout:
   def _draw(self, driver) -> None:
     """Queues batch b while the rollout's version allows it."""
     while (self.next_batch <= self.last_step
-           and self.next_batch - 1 - self.eta <= self.version):
+           and staleness.may_draw(self.next_batch, self.version, self.eta)):
       b = self.next_batch
       prompts = next(self.iterator)
       self.batches[b] = prompts

@@ -15,4 +15,6 @@ engine and elastic workers will execute the same ones.
                   CONTINUOUSLB with the batching plateau
   pipeline        fused actor/critic pipeline problem, evaluator, bound
   pipeline_search schedule search for the fused pipeline
+  staleness       async RL: when a batch may be drawn, when the rollout
+                  takes new weights, which samples are trainable (eta)
 """

@@ -23,6 +23,7 @@ from rlhf_jax.rl.learner import TrainState, train_epochs
 from rlhf_jax.rollout import build as rollout_build
 from rlhf_jax.rollout.asynchronous import AsyncRollout
 from rlhf_jax.rollout.base import step_seed
+from rlhf_jax.sched import staleness
 from rlhf_jax.timeline import device_group
 
 
@@ -106,7 +107,8 @@ def step(job, step: int, state: TrainState, ref_params, train_batch):
                        batch.prompts)
       for i in range(0, len(samples), job.c.rollout.samples_per_row)])
   oldest = np.array([s.weight_version for s in samples])
-  keep = version - oldest <= eta
+  keep = np.array([staleness.trainable(version, int(o), eta)
+                   for o in oldest])
   current = np.array([min(s.token_versions) == max(s.token_versions)
                       == version for s in samples])
   with co.span("scoring"), colocate.transient(co, ref_params) as ref:
@@ -123,10 +125,10 @@ def step(job, step: int, state: TrainState, ref_params, train_batch):
   # The rollout's devices decode all along (their waits for weights:
   # async/wait_weights_s).
   co.timeline.add(side.group, "rollout", start, co.timeline.now())
-  staleness = np.concatenate([version - np.asarray(s.token_versions)
-                              for s in samples])
-  extra = {"async/staleness_mean": float(staleness.mean()),
-           "async/staleness_max": float(staleness.max()),
+  lag = np.concatenate([version - np.asarray(s.token_versions)
+                        for s in samples])  # Per token, in versions.
+  extra = {"async/staleness_mean": float(lag.mean()),
+           "async/staleness_max": float(lag.max()),
            "async/off_policy_samples": float(np.sum(oldest < version)),
            "perf/trainer_wait_s": waited,  # Timings are perf/.
            **{(f"perf/rollout_{k}" if k.endswith("_s") else f"async/{k}"):
