@@ -39,6 +39,8 @@ def test_config_docstring_is_run_command_and_runlocal_runs(path):
   # One table row per (case, policy), in the config's order.
   cases = [dict(c).get("name", "") for c in config.cases]
   policies = [e.partition("=")[0] for e in config.policies.split(",")]
+  if "async_rl" in config:  # Async RL runs beside the policies.
+    policies.append("async")
   assert [(r["case"], r["policy"]) for r in rows] == [
       (c, p) for c in cases for p in policies]
   for r in rows:

@@ -132,7 +132,8 @@ def test_doc_rows_name_every_sim_config():
   configs = {os.path.basename(p)[:-3]
              for p in glob.glob(os.path.join(ROOT, "configs/sim/*.py"))
              if not p.endswith(("__init__.py", "common.py"))}
-  assert configs == {name for name, _, _ in REPRODUCED} | {"combined"}
+  assert configs == {name for name, _, _ in REPRODUCED} | {"combined",
+                                                             "async_rl"}
   combined = _table(_section("Ours: the combined policy"))
   assert [r[0] for r in combined] == ["A", "B", "C"]
   # Every "ours" cell holds numbers to compare (a row of words would pass
@@ -193,3 +194,20 @@ def test_combined_policy_table_matches_doc():
   # "It beats the best single seed on both metrics in every segment."
   assert all(v > 0 for v in headlines[0]["per_case"] + headlines[1][
       "per_case"]), headlines[:2]
+
+
+@pytest.mark.slow
+def test_async_table_matches_doc():
+  """The committed config's row (eta = 4): the split, the step and the
+  ratio the doc prints."""
+  rows = {r[0].replace("**", "").split()[0]: r
+          for r in _table(_section("Ours: async RL"))}
+  table, headlines = _reproduce("async_rl")
+  by = {r["policy"]: r for r in table}
+  _, devices, step, ratio = rows["4"]
+  _assert_cell(devices, [by["async"]["rollout_devices"]], "split")
+  _assert_cell(step, [by["async"]["step_s"]], "step s")
+  assert f"(sync {by['baseline']['step_s']:.1f})" in _section(
+      "Ours: async RL")
+  _assert_cell(ratio, [headlines[0]["ours"]], "throughput vs sync")
+  assert headlines[0]["ours"] >= 2.0

@@ -484,8 +484,10 @@ class Async:
   in_flight: str = "continue"     # At a switch: "continue" | "restart".
 
   def __post_init__(self):
-    if self.max_staleness < 0 or self.rollout_devices < 0:
-      _fail(self, "max_staleness", "and rollout_devices must be >= 0")
+    for key, low in (("max_staleness", 0), ("rollout_devices", 0),
+                     ("switch_after_groups", -1)):
+      if getattr(self, key) < low:
+        _fail(self, key, f"must be >= {low}")
     _one_of(self, "in_flight", ("continue", "restart"))
 
 

@@ -8,9 +8,9 @@ policy relative to another, averaged over cases, with the paper's number.
 import math
 
 from rlhf_jax.sched import policy as policy_lib
-from rlhf_jax.sim import runner
+from rlhf_jax.sim import async_run, runner
 from rlhf_jax.sim.setting import Setting
-from rlhf_jax.sim.workload import WorkloadSpec
+from rlhf_jax.sim.workload import Workload, WorkloadSpec
 
 
 def _metric(kind: str, subject: dict, reference: dict) -> float:
@@ -59,8 +59,15 @@ def run_case(config, case) -> dict[str, dict]:
   events = runner.spot_trace(spot, config.spot.max_instances,
                              config.spot.duration_s, config.spot.seed)
   fault = tuple(case["fault"]) if case.get("fault") else None
-  return runner.compare(setting, _policies(config), spec, config.steps,
-                        events, warmup=config.warmup, fault=fault)
+  out = runner.compare(setting, _policies(config), spec, config.steps,
+                       events, warmup=config.warmup, fault=fault)
+  if "async_rl" in config:  # Async RL on the reserved devices, no spot.
+    a = config.async_rl
+    out["async"] = async_run.summarize(async_run.run(
+        setting, policy_lib.get_policy(a.policy), Workload(spec),
+        config.steps, eta=a.eta, rollout_devices=a.rollout_devices,
+        switch_after_groups=a.switch_after_groups), setting, config.warmup)
+  return out
 
 
 def reproduce(config) -> tuple[list[dict], list[dict]]:
