@@ -91,13 +91,13 @@ def test_sigkill_then_rerun_reproduces_the_uninterrupted_run(async_run,
 @pytest.mark.slow
 def test_eta_zero_equals_the_synchronous_job(tmp_path):
   """eta = 0: batch b waits for version b - 1, as the synchronous job
-  does. The same samples (rewards, lengths) and the same updates to fp32
-  rounding: the trainer and the rollout each hold 4 devices in both."""
+  does. Both warm-start on all 8 devices; the synchronous job then decodes
+  and trains on all 8, the async one on 4 each: the same samples (rewards,
+  lengths) and the same updates to fp32 rounding."""
   steps = {"train.steps": 4, "eval.every": 2}
   sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
   sync.rollout.engine = "paged"
   sync.rl.importance_weight = "tis"
-  sync.mesh.num_devices = 4
   grpo.run(sync, str(tmp_path / "sync"))
   grpo.run(_async_config(**steps, **{"asynchronous.max_staleness": 0}),
            str(tmp_path / "async"))

@@ -60,6 +60,7 @@ class Job:
 
   policy: policy_lib.Policy | None = None
   side: grpo_async.AsyncSide | None = None  # Async RL's rollout.
+  sft_layout: Any = None    # Async RL: the warm-start's (every device).
 
   def trainable(self, params):
     return self.policy.trainable(params)
@@ -240,9 +241,11 @@ def build(config, timeline: Timeline | None = None) -> Job:
   c = RLJob.from_config(config)
   source = sources.build(config, c)
   checks.check_rl_job(c, job="grpo", prompt_len=source.prompt_len)
+  sft_layout = None
   if c.asynchronous.enabled:  # Decode on a part of the mesh of its own.
     train_layout, async_layout, rollout_layout = mesh_lib.async_layouts(
         c.mesh, checks.async_rollout_devices(c))
+    sft_layout = mesh_lib.layouts(c.mesh)[0]
   else:
     train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
   p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
@@ -261,7 +264,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
           overlong=(c.rollout.max_new_tokens, rl.overlong_buffer,
                     rl.overlong_penalty) if rl.overlong_buffer else None),
       rollout=p.rollout, eval_rollout=p.eval_rollout,
-      colocation=p.colocation, cfg=p.cfg, policy=p, side=side)
+      colocation=p.colocation, cfg=p.cfg, policy=p, side=side,
+      sft_layout=sft_layout)
 
 
 def run(config, workdir: str):
@@ -275,9 +279,15 @@ def run(config, workdir: str):
                              process=jax.process_index())
 
   def fresh(writer, verbose, sft_dir, stop):
-    params = run_sft(job.c.sft, job.graphdef, job.params, job.train_layout,
+    params, layout = job.params, job.train_layout
+    if job.sft_layout is not None:  # Async RL: every device warm-starts.
+      params, layout = (mesh_lib.to_layout(params, job.sft_layout),
+                        job.sft_layout)
+    params = run_sft(job.c.sft, job.graphdef, params, layout,
                      job.source.sft_arrays, writer, verbose=verbose,
                      checkpoint_dir=sft_dir, stop=stop)
+    if job.sft_layout is not None:  # Then the train part holds it.
+      params = mesh_lib.to_layout(params, job.train_layout)
     return job.fresh_states(params)
 
   def step(s, states):
