@@ -101,11 +101,10 @@ def step(job, step: int, state: TrainState, ref_params, train_batch):
   batch = side.rollout.take(step)  # An idle span of the trainer's devices.
   waited = co.timeline.now() - start
   samples, version = batch.samples, step - 1  # The trainer's weights.
-  job.scorer.reset()
-  rewards = np.concatenate([
-      job.scorer.score(samples[i:i + job.c.rollout.samples_per_row],
-                       batch.prompts)
-      for i in range(0, len(samples), job.c.rollout.samples_per_row)])
+  G = c.rollout.samples_per_row
+  job.scorer.reset()  # Host rewards, group by group.
+  rewards = np.concatenate([job.scorer.score(samples[i:i + G], batch.prompts)
+                            for i in range(0, len(samples), G)])
   oldest = np.array([s.weight_version for s in samples])
   keep = np.array([staleness.trainable(version, int(o), eta)
                    for o in oldest])
@@ -123,7 +122,7 @@ def step(job, step: int, state: TrainState, ref_params, train_batch):
   side.params = state.params
   co.version = step
   # The rollout's devices decode all along (their waits for weights:
-  # async/wait_weights_s).
+  # perf/rollout_wait_weights_s).
   co.timeline.add(side.group, "rollout", start, co.timeline.now())
   lag = np.concatenate([version - np.asarray(s.token_versions)
                         for s in samples])  # Per token, in versions.
