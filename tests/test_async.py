@@ -8,13 +8,17 @@ import subprocess
 import sys
 import time
 
+import math
+import types
+
 import pytest
 
 import resume
 from configs import tiny_grpo, tiny_grpo_async
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
-from rlhf_jax.trainers import grpo
+from rlhf_jax.sched import staleness
+from rlhf_jax.trainers import grpo, grpo_async
 
 STEPS = {"train.steps": 6, "eval.every": 3, "train.checkpoint_every": 2}
 
@@ -123,3 +127,33 @@ def test_config_errors(key, value, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
     checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
                         num_devices=8)
+
+
+@pytest.mark.parametrize("a,b,n,m", [(3.0, 1.0, 8, 1), (1.0, 3.0, 64, 2),
+                                     (5.0, 2.0, 64, 8), (1.0, 1.0, 16, 4)])
+def test_rollout_split_balances_the_two_parts(a, b, n, m):
+  """Rollout a / r seconds, training b / (n - r): the two balance at
+  r* = n a / (a + b); the rule picks the better multiple of m beside it."""
+  rollout_s, train_s = (lambda r: a / r), (lambda t: b / t)
+  r_star = n * a / (a + b)
+  beside = {max(m, m * math.floor(r_star / m)),
+            min(n - m, m * math.ceil(r_star / m))}
+  want = min(beside, key=lambda r: (max(rollout_s(r), train_s(n - r)), r))
+  assert staleness.rollout_split(range(m, n, m), n, rollout_s,
+                                 train_s) == want
+
+
+def test_cost_model_split_builds_the_job():
+  """rollout_devices=-1: the job builds with the split the cost model
+  gives, the rollout on its devices and the trainer on the rest; an
+  unknown device kind is refused in one line."""
+  c = _async_config(**{"asynchronous.rollout_devices": -1})
+  job = grpo.build(c)
+  r = job.c.asynchronous.rollout_devices
+  assert 0 < r < 8
+  assert job.side.layout.mesh.devices.size == r
+  assert job.train_layout.mesh.devices.size == 8 - r
+  odd = types.SimpleNamespace(platform="gpu", device_kind="Mystery X1")
+  with pytest.raises(ConfigError, match="no hardware profile for device "
+                     "kind 'Mystery X1'"):
+    grpo_async.with_cost_model_split(job.c, job.cfg, [odd] * 8, 8)

@@ -60,7 +60,7 @@ def _check_agent(c: RLJob, job: str) -> None:
 
 def async_rollout_devices(c: RLJob, num_devices: int | None = None) -> int:
   """Devices of async RL's rollout part (`asynchronous.rollout_devices`,
-  0: half the mesh)."""
+  0: half the mesh; -1, the cost model's, is resolved by `grpo.build`)."""
   return c.asynchronous.rollout_devices or _devices(c, num_devices) // 2
 
 
@@ -70,15 +70,6 @@ def _check_async(c: RLJob, job: str, num_devices) -> None:
   if not c.asynchronous.enabled:
     return
   key = "config.asynchronous.enabled=True"
-  n, r = _devices(c, num_devices), async_rollout_devices(c, num_devices)
-  if not 0 < r < n:
-    raise ConfigError(f"{key}: the rollout takes {r} of {n} devices; it "
-                      "needs at least one and must leave one to train on "
-                      "(config.asynchronous.rollout_devices)")
-  if r % c.mesh.rollout_tensor:
-    raise ConfigError(f"{key}: config.mesh.rollout_tensor="
-                      f"{c.mesh.rollout_tensor} does not divide the "
-                      f"rollout's {r} devices")
   unsupported = [
       (job != "grpo", "the PPO job"),
       (c.rollout.engine != "paged", "config.rollout.engine='rows' (it "
@@ -93,6 +84,18 @@ def _check_async(c: RLJob, job: str, num_devices) -> None:
   for bad, what in unsupported:
     if bad:
       raise ConfigError(f"{key} with {what} is not implemented")
+  n, r = _devices(c, num_devices), async_rollout_devices(c, num_devices)
+  if r < 0:  # `grpo.build` resolves it before checking.
+    raise ConfigError(f"{key}: config.asynchronous.rollout_devices=-1 (the "
+                      "cost model's split) is chosen when the job builds")
+  if not 0 < r < n:
+    raise ConfigError(f"{key}: the rollout takes {r} of {n} devices; it "
+                      "needs at least one and must leave one to train on "
+                      "(config.asynchronous.rollout_devices)")
+  if r % c.mesh.rollout_tensor:
+    raise ConfigError(f"{key}: config.mesh.rollout_tensor="
+                      f"{c.mesh.rollout_tensor} does not divide the "
+                      f"rollout's {r} devices")
 
 
 def _devices(c: RLJob, num_devices: int | None) -> int:

@@ -478,13 +478,14 @@ class Async:
   PATH: ClassVar[str] = "asynchronous"
   enabled: bool = False
   max_staleness: int = 1          # eta.
-  rollout_devices: int = 0        # The rollout part's devices; 0 = half.
+  rollout_devices: int = 0        # The rollout part's devices; 0 = half,
+                                  # -1 = the cost model's choice.
   switch_after_groups: int = -1   # Finished after batch v, then take v;
                                   # -1 = half a batch.
   in_flight: str = "continue"     # At a switch: "continue" | "restart".
 
   def __post_init__(self):
-    for key, low in (("max_staleness", 0), ("rollout_devices", 0),
+    for key, low in (("max_staleness", 0), ("rollout_devices", -1),
                      ("switch_after_groups", -1)):
       if getattr(self, key) < low:
         _fail(self, key, f"must be >= {low}")

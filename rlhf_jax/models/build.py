@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 from rlhf_jax.config.sections import ConfigError, Model
 from rlhf_jax.models import hf
+from rlhf_jax.models import hf_config
 from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import ModelConfig
+
+
+def config_of(m: Model, *, vocab_size: int) -> ModelConfig:
+  """The `ModelConfig` `build` gives, without building the weights."""
+  if not m.path:
+    return m.model_config(vocab_size=vocab_size)
+  hf_cfg = hf_config.read_json(os.path.join(m.path, "config.json"))
+  return hf_config.from_hf(hf_cfg, dtype=m.param_dtype,
+                           compute_dtype=m.compute_dtype)
 
 
 def build(m: Model, *, seed: int, layout, vocab_size: int):

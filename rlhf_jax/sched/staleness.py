@@ -4,7 +4,11 @@ Versions: v names the weights after v updates; step b trains batch b on top
 of version b - 1. The async rollout (`rollout/asynchronous.py`) executes
 these rules; they count batches and finished groups, never seconds, so a
 run (and a resumed run) takes every decision at the same point.
+`rollout_split` sizes the rollout's part of the mesh from predicted
+batch times (a cost model: `sim/async_run.batch_seconds`).
 """
+
+from typing import Callable, Sequence
 
 
 def may_draw(batch: int, version: int, eta: int) -> bool:
@@ -27,3 +31,17 @@ def trainable(trainer_version: int, oldest_token_version: int,
               eta: int) -> bool:
   """A sample is trained on only within the staleness bound."""
   return trainer_version - oldest_token_version <= eta
+
+
+def rollout_split(candidates: Sequence[int], devices: int,
+                  rollout_s: Callable[[int], float],
+                  train_s: Callable[[int], float]) -> int:
+  """The rollout's share of `devices`, one of `candidates`: in the steady
+  state the rollout decodes batch b + 1 while the trainer trains batch b,
+  so a step lasts the longer of the two, `rollout_s(r)` and
+  `train_s(devices - r)` (predicted seconds of one batch); the split
+  minimising it, the smaller rollout on a tie."""
+  if not candidates:
+    raise ValueError(f"no rollout split of {devices} devices to choose from")
+  return min(candidates,
+             key=lambda r: (max(rollout_s(r), train_s(devices - r)), r))

@@ -21,8 +21,9 @@ trained. The decisions are `sched/staleness.py`'s, the functions
 Training a batch costs what the synchronous step's does on the train
 part's devices: scoring (`Setting.scoring_time`) + FSDP training
 (`Setting.fsdp_train_time`). `rollout_devices=0` tries up to eight
-splits (multiples of `rollout_tp`) and keeps the fastest (what a cost
-model would pick).
+splits (multiples of `rollout_tp`) and keeps the fastest; the result also
+names the split the live job's cost model picks
+(`staleness.rollout_split` over `batch_seconds`), for comparison.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class AsyncResult:
   rollout_devices: int
   rollout_wait_s: float       # The rollout waiting for weights.
   trainer_wait_s: float       # The trainer waiting for batches.
+  cost_model: "AsyncResult | None" = None  # At `staleness.rollout_split`'s.
 
 
 def run(setting: Setting, policy: Policy, workload: Workload, steps: int, *,
@@ -58,7 +60,22 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int, *,
     runs = [run(setting, policy, workload, steps, eta=eta,
                 rollout_devices=r, switch_after_groups=switch_after_groups)
             for r in range(stride, s.reserved_devices, stride)]
-    return min(runs, key=lambda r: r.trained_at[-1])
+    best = min(runs, key=lambda r: r.trained_at[-1])
+    samples = [x for i in range(steps) for x in workload.batch(i).samples]
+    b = workload.batch(0)
+    split = staleness.rollout_split(
+        range(s.rollout_tp, s.reserved_devices, s.rollout_tp),
+        s.reserved_devices, *batch_seconds(
+            s, samples=len(b.samples),
+            group_size=len(b.samples) // len(b.prompt_ids),
+            prompt_len=sum(x[2] for x in samples) / len(samples),
+            response_len=sum(x[3] for x in samples) / len(samples)))
+    rule = next((r for r in runs if r.rollout_devices == split), None)
+    rule = dataclasses.replace(rule) if rule else run(
+        setting, policy, workload, steps, eta=eta, rollout_devices=split,
+        switch_after_groups=switch_after_groups)
+    best.cost_model = rule  # A copy: `best` may be the rule's run.
+    return best
   return _Pipeline(s, policy, workload, steps, eta, rollout_devices,
                    switch_after_groups).run()
 
@@ -173,6 +190,36 @@ class _Pipeline:
             + self.train.fsdp_train_time(tokens, len(batch.samples), ctx))
 
 
+def batch_seconds(setting: Setting, *, samples: int, group_size: int,
+                  prompt_len: float, response_len: float):
+  """Roofline seconds of one async batch, as (rollout_s(r), train_s(t)):
+  decoding it on r devices (r / rollout_tp engines sharing its samples,
+  each group's prompt prefilled and read once, the running batch capped
+  by the KV that fits), and scoring and training it on t devices. Mean
+  lengths stand in for the distribution: the async rollout overlaps a
+  batch's tail with the next batch, so its rate, not its tail, sets the
+  pace."""
+  s, ctx = setting, prompt_len + response_len
+
+  def rollout_s(r: int) -> float:
+    per_engine = math.ceil(samples / max(1, r // s.rollout_tp))
+    running = min(per_engine, s.engine_slots(s.hw, s.rollout_tp, ctx))
+    kv = running * (response_len / 2 + prompt_len / group_size)
+    step = costs.decode_step_time(s.actor, s.hw, s.rollout_tp, running, kv)
+    prefill = costs.forward_time(s.actor, s.hw, s.rollout_tp,
+                                 per_engine / group_size * prompt_len,
+                                 prompt_len)
+    return prefill + response_len * per_engine / running * step
+
+  def train_s(t: int) -> float:
+    part = dataclasses.replace(s, reserved_devices=t)
+    tokens = samples * ctx
+    return (part.scoring_time(tokens, ctx, t)
+            + part.fsdp_train_time(tokens, samples, ctx))
+
+  return rollout_s, train_s
+
+
 _BATCH = 1 << 20  # Batch b's prompt ids: b * _BATCH + the workload's id.
 
 
@@ -184,9 +231,14 @@ def summarize(result: AsyncResult, setting: Setting,
   time = result.trained_at[-1] - start
   kept = len(result.trained_at) - warmup
   cost = setting.reserved_price_per_s * time
+  rule = {}
+  if result.cost_model is not None:
+    r = summarize(result.cost_model, setting, warmup)
+    rule = {"cost_model_rollout_devices": r["rollout_devices"],
+            "cost_model_step_s": r["step_s"]}
   return {"steps": kept, "step_s": time / kept,
           "tokens_per_s": sum(result.tokens[warmup:]) / time,
           "cost_per_step": cost / kept,
-          "rollout_devices": result.rollout_devices,
+          "rollout_devices": result.rollout_devices, **rule,
           "rollout_wait_s": result.rollout_wait_s / len(result.trained_at),
           "trainer_wait_s": result.trainer_wait_s / len(result.trained_at)}

@@ -81,6 +81,12 @@ _PROFILES = {
         name="h100", peak_flops=989e12, hbm_bw=3.35 * TB, hbm_bytes=80 * GB,
         intra_bw=450 * GB, nic_bw=200 * GBIT, rdma_bw=400 * GBIT,
         devices_per_node=8, ondemand_per_h=83.79 / 8, spot_per_h=5.32 / 2),
+    # H200 SXM datasheet: H100 compute, 4.8 TB/s HBM3e, 141 GB. Priced like
+    # H100 (no list price used anywhere).
+    "h200": Hardware(
+        name="h200", peak_flops=989e12, hbm_bw=4.8 * TB, hbm_bytes=141 * GB,
+        intra_bw=450 * GB, nic_bw=200 * GBIT, rdma_bw=400 * GBIT,
+        devices_per_node=8, ondemand_per_h=83.79 / 8, spot_per_h=5.32 / 2),
     # H800: H100 compute and HBM with NVLink cut to 400 GB/s; RLHFuse cluster
     # has 8x200 Gbit/s RoCEv2 per node. Priced like H100 (no public list).
     "h800": Hardware(
@@ -148,10 +154,30 @@ def cpu_profile(calibration_path: str | None = None) -> Hardware:
       **{k: float(v) for k, v in measured.items()})
 
 
-def get_hardware(name: str) -> Hardware:
-  """Returns the named hardware profile ('cpu' reads the calibration hook)."""
+def get_hardware(name: str | Hardware) -> Hardware:
+  """Returns the named hardware profile ('cpu' reads the calibration hook;
+  a profile is returned as it is)."""
+  if isinstance(name, Hardware):
+    return name
   if name == "cpu":
     return cpu_profile()
   if name not in _PROFILES:
     raise KeyError(f"unknown hardware {name!r}; have {sorted(_PROFILES)}")
   return _PROFILES[name]
+
+
+# Device kinds (`jax.Device.device_kind`, lower case) -> profile names.
+_KINDS = (("h100", "h100"), ("h200", "h200"), ("h800", "h800"),
+          ("l40s", "l40s"), ("tpu v5 lite", "tpu_v5e"), ("tpu v5e", "tpu_v5e"))
+
+
+def of_device(device) -> Hardware:
+  """The profile of a live JAX device; KeyError names an unknown kind."""
+  if device.platform == "cpu":
+    return cpu_profile()
+  kind = device.device_kind.lower()
+  for key, name in _KINDS:
+    if key in kind:
+      return _PROFILES[name]
+  raise KeyError(f"no hardware profile for device kind {device.device_kind!r}"
+                 f"; have {sorted(_PROFILES)} and cpu")

@@ -65,8 +65,17 @@ _MODELS = {
 }
 
 
-def get_model(name: str) -> ModelProfile:
-  """Returns the named model profile."""
+def get_model(name: str | ModelProfile) -> ModelProfile:
+  """Returns the named model profile (a profile is returned as it is)."""
+  if isinstance(name, ModelProfile):
+    return name
   if name not in _MODELS:
     raise KeyError(f"unknown model {name!r}; have {sorted(_MODELS)}")
   return _MODELS[name]
+
+
+def profile_of(cfg) -> ModelProfile:
+  """The profile of a live `models.config.ModelConfig` (costs in BF16)."""
+  return ModelProfile("live", float(cfg.num_params()), cfg.num_layers,
+                      cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim)

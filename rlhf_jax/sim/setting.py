@@ -17,8 +17,8 @@ class Setting:
   """Hardware and job shape, shared by every policy compared on it.
 
   Attributes:
-    model: actor (generating) model profile name.
-    hardware: reserved / training device type.
+    model: actor (generating) model profile name (or a `ModelProfile`).
+    hardware: reserved / training device type (or a `Hardware`).
     reserved_devices: devices of the reserved (training) cluster.
     rollout_tp: tensor-parallel size of one rollout engine.
     max_slots: engine cap on concurrent sequences (vLLM/SGLang max_num_seqs).
@@ -34,8 +34,8 @@ class Setting:
     max_response: response cap (KV sizing of engine slots).
   """
 
-  model: str
-  hardware: str
+  model: str | ModelProfile
+  hardware: str | Hardware
   reserved_devices: int
   rollout_tp: int = 1
   max_slots: int = 256

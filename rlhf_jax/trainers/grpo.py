@@ -27,6 +27,7 @@ from rlhf_jax.config.sections import RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.envs.episodes import ReplayLog
 from rlhf_jax.metrics import rl_step_metrics
+from rlhf_jax.models import build as model_build
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.scoring import RewardScorer
@@ -240,6 +241,11 @@ def build(config, timeline: Timeline | None = None) -> Job:
   """
   c = RLJob.from_config(config)
   source = sources.build(config, c)
+  if c.asynchronous.enabled and c.asynchronous.rollout_devices < 0:
+    c = grpo_async.with_cost_model_split(
+        c, model_build.config_of(c.model,
+                                 vocab_size=source.tokenizer.vocab_size),
+        jax.devices()[:c.mesh.num_devices or None], source.prompt_len)
   checks.check_rl_job(c, job="grpo", prompt_len=source.prompt_len)
   sft_layout = None
   if c.asynchronous.enabled:  # Decode on a part of the mesh of its own.

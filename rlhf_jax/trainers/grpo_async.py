@@ -14,9 +14,14 @@ so a resumed run continues exactly as the uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
+from absl import logging
 
+from rlhf_jax.config import checks
+from rlhf_jax.config.sections import ConfigError
 from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl.learner import TrainState, train_epochs
@@ -24,6 +29,8 @@ from rlhf_jax.rollout import build as rollout_build
 from rlhf_jax.rollout.asynchronous import AsyncRollout
 from rlhf_jax.rollout.base import step_seed
 from rlhf_jax.sched import staleness
+from rlhf_jax.sim import async_run, hardware, models
+from rlhf_jax.sim.setting import Setting
 from rlhf_jax.timeline import device_group
 
 
@@ -72,6 +79,58 @@ class AsyncSide:
 
   def close(self) -> None:
     self.rollout.close()
+
+
+def with_cost_model_split(c, cfg, devices, prompt_len: int):
+  """The job sections `c` with `asynchronous.rollout_devices=-1` replaced by
+  the split `staleness.rollout_split` picks from roofline batch times
+  (`sim/async_run.batch_seconds`) of the model `cfg` on `devices`' kind:
+  prompts of `prompt_len` tokens, responses of half the cap (the lengths
+  are not known before the run), the proximal (and, with a KL term, the
+  reference) log-probs scored, `ppo_epochs x num_minibatches` updates;
+  among the splits the config checks accept (the batch shards over the
+  trainer's part, `rollout_tensor` divides the rollout's)."""
+  try:
+    hw = hardware.of_device(devices[0])
+  except KeyError as e:
+    raise ConfigError(f"config.asynchronous.rollout_devices=-1: {e.args[0]}"
+                      "; set the split by hand") from None
+  profile = models.profile_of(cfg)
+  rl, ro = c.rl, c.rollout
+  setting = Setting(
+      model=profile, hardware=hw, reserved_devices=len(devices),
+      rollout_tp=c.mesh.rollout_tensor,
+      scoring_models=(profile,) * (1 + (rl.kl_coef > 0)),
+      optimizer_steps=rl.ppo_epochs * rl.num_minibatches,
+      max_response=ro.max_new_tokens)
+  G = ro.samples_per_row
+  rollout_s, train_s = async_run.batch_seconds(
+      setting, samples=c.train.prompts_per_step * G, group_size=G,
+      prompt_len=prompt_len, response_len=ro.max_new_tokens / 2)
+  n = len(devices)
+  fits = [r for r in range(1, n) if _check_split(c, r, n, prompt_len) is None]
+  if not fits:
+    raise ConfigError(f"config.asynchronous.rollout_devices=-1: no split of "
+                      f"{n} devices passes the checks; with half: "
+                      f"{_check_split(c, n // 2, n, prompt_len)}")
+  r = staleness.rollout_split(fits, n, rollout_s, train_s)
+  logging.info("async split (cost model, %s): rollout on %d of %d devices, "
+               "%.3g s a batch; training %.3g s", hw.name, r, len(devices),
+               rollout_s(r), train_s(len(devices) - r))
+  return dataclasses.replace(c, asynchronous=dataclasses.replace(
+      c.asynchronous, rollout_devices=r))
+
+
+def _check_split(c, rollout_devices: int, devices: int,
+                 prompt_len: int) -> ConfigError | None:
+  """The config checks' error with this split, or None."""
+  a = dataclasses.replace(c.asynchronous, rollout_devices=rollout_devices)
+  try:
+    checks.check_rl_job(dataclasses.replace(c, asynchronous=a), job="grpo",
+                        prompt_len=prompt_len, num_devices=devices)
+  except ConfigError as e:
+    return e
+  return None
 
 
 def build_side(c, policy, source, layout) -> AsyncSide:
@@ -126,7 +185,8 @@ def step(job, step: int, state: TrainState, ref_params, train_batch):
   co.timeline.add(side.group, "rollout", start, co.timeline.now())
   lag = np.concatenate([version - np.asarray(s.token_versions)
                         for s in samples])  # Per token, in versions.
-  extra = {"async/staleness_mean": float(lag.mean()),
+  extra = {"async/rollout_devices": float(side.layout.mesh.devices.size),
+           "async/staleness_mean": float(lag.mean()),
            "async/staleness_max": float(lag.max()),
            "async/off_policy_samples": float(np.sum(oldest < version)),
            "perf/trainer_wait_s": waited,  # Timings are perf/.
