@@ -24,8 +24,16 @@ and the trainer's compute contend for the same CPU; the overlap is of
 the decode's per-step latency (host work, small dispatches) with the
 trainer's compute, and of the tail's idle rows with the next batch.
 
-Last stdout line: JSON with `throughput_vs_sync`, `staleness_mean`,
-`stale_dropped`, `off_policy_samples_fraction`, medians, ...
+The simulator (`sim/async_run.py`, the rules of `sched/staleness.py`)
+predicts the ratio from each repeat's measured unit costs: the decode
+step of each mode's engine, the trainer's busy seconds a step (async) or
+the step less its rollout (sync), num_rows x G slots; the response
+lengths are a capped geometric (the stop token's chance per token) whose
+mean is the measured one. `sim_rel_error` = sim / live - 1.
+
+Last stdout line: JSON with `throughput_vs_sync`, `sim_throughput_vs_sync`,
+`sim_rel_error`, `staleness_mean`, `stale_dropped`,
+`off_policy_samples_fraction`, medians, ...
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import statistics
 import sys
 import tempfile
 
+import numpy as np
 from absl import app
 from absl import flags
 
@@ -80,7 +89,18 @@ def _run(mode: str, steps: int) -> dict:
              r["rollout/response_len_mean"] for r in records),
          "stale_dropped": sum(r["rollout/stale_dropped"] for r in records),
          "samples": B * len(records)}
-  if mode == "async":
+  if mode == "sync":  # Decode steps: the longest response's tokens.
+    out["unit"] = dict(
+        step_s=sum(r["perf/rollout_s"] for r in records)
+        / sum(r["rollout/response_len_max"] for r in records),
+        train_s=statistics.fmean(r["perf/step_s"] - r["perf/rollout_s"]
+                                 for r in records))
+  else:
+    out["unit"] = dict(
+        step_s=sum(r["perf/rollout_decode_s"] for r in records)
+        / sum(r["async/decode_steps"] for r in records),
+        train_s=statistics.fmean(r["perf/step_s"] - r["perf/trainer_wait_s"]
+                                 for r in records))
     out.update(
         staleness_mean=statistics.fmean(r["async/staleness_mean"]
                                         for r in records),
@@ -90,6 +110,53 @@ def _run(mode: str, steps: int) -> dict:
         rollout_wait_s=statistics.fmean(r["perf/rollout_wait_weights_s"]
                                         for r in records))
   return out
+
+
+class _GeometricLengths:
+  """Batches of `prompts` x 8 responses whose lengths are capped geometric
+  draws with mean `mean` (the stop token's chance p per token, solved
+  from E[min(X, cap)] = (1 - (1 - p)^cap) / p)."""
+
+  def __init__(self, mean: float, cap: int, prompts: int, prompt_len: int):
+    lo, hi = 1e-6, 1.0
+    for _ in range(100):  # The capped mean falls as p grows.
+      p = (lo + hi) / 2
+      lo, hi = (p, hi) if (1 - (1 - p) ** cap) / p > mean else (lo, p)
+    self.p, self.cap, self.prompts = p, cap, prompts
+    self.prompt_len = prompt_len
+
+  def batch(self, step: int):
+    from rlhf_jax.sim.workload import StepBatch
+    rng = np.random.default_rng(step)
+    n = np.minimum(rng.geometric(self.p, (self.prompts, 8)), self.cap)
+    return StepBatch(list(range(self.prompts)), [
+        (i, j, self.prompt_len, int(n[i, j]))
+        for i in range(self.prompts) for j in range(8)])
+
+
+def _simulated_ratio(sync: dict, asyn: dict, steps: int) -> float:
+  """Sync over async step seconds in the simulator at one repeat's units."""
+  from rlhf_jax.sched.policy import get_policy
+  from rlhf_jax.sim import async_run
+  from rlhf_jax.sim.setting import Setting
+
+  c = _config("sync", steps)
+  mean = (sync["response_len"] + asyn["response_len"]) / 2
+  lengths = _GeometricLengths(mean, _MAX_NEW.value, _PROMPTS.value,
+                              max(c.rollout.prefill_buckets))
+  slots = c.rollout.num_rows * c.rollout.samples_per_row
+  setting = Setting(model="tiny", hardware="cpu", reserved_devices=8)
+  units = {m: async_run.Measured(slots=slots, **r["unit"])
+           for m, r in (("sync", sync), ("async", asyn))}
+  sync_s = statistics.fmean(
+      async_run.sync_step_s(setting, lengths.batch(i), units["sync"])
+      for i in range(WARMUP, steps))
+  result = async_run.run(setting, get_policy("baseline"), lengths, steps,
+                         eta=1, rollout_devices=4,
+                         switch_after_groups=_PROMPTS.value // 2,
+                         measured=units["async"])
+  async_s = async_run.summarize(result, setting, WARMUP)["step_s"]
+  return sync_s / async_s
 
 
 def main(argv):
@@ -112,6 +179,8 @@ def main(argv):
          for m, rs in results.items()}
   ratios = [a["tokens_per_s"] / s["tokens_per_s"]
             for s, a in zip(results["sync"], results["async"])]
+  sim_ratios = [_simulated_ratio(s, a, steps)
+                for s, a in zip(results["sync"], results["async"])]
   a = results["async"]
   print(f"\n{_PROMPTS.value} prompts x 8 samples a step, cap "
         f"{_MAX_NEW.value} tokens, {steps - WARMUP} measured steps a run, "
@@ -126,8 +195,17 @@ def main(argv):
         f"trainer waits {statistics.median(x['trainer_wait_s'] for x in a):.3f}"
         f" s a step, rollout waits for weights "
         f"{statistics.median(x['rollout_wait_s'] for x in a):.3f} s a step")
+  live, sim = statistics.median(ratios), statistics.median(sim_ratios)
+  print(f"throughput vs sync: live {live:.2f}x, sim {sim:.2f}x "
+        f"({sim / live - 1:+.1%}); units (s): "
+        + ", ".join(f"{m} step {x['unit']['step_s']:.4f} train "
+                    f"{x['unit']['train_s']:.3f}"
+                    for m, x in (("sync", results["sync"][-1]),
+                                 ("async", a[-1]))))
   summary = {
-      "throughput_vs_sync": round(statistics.median(ratios), 3),
+      "throughput_vs_sync": round(live, 3),
+      "sim_throughput_vs_sync": round(sim, 3),
+      "sim_rel_error": round(sim / live - 1, 3),
       "staleness_mean": round(staleness, 3),
       "stale_dropped": int(sum(x["stale_dropped"] for x in a)),
       "off_policy_samples_fraction": round(

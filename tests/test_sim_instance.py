@@ -106,3 +106,42 @@ def test_cpu_profile_calibration_hook(tmp_path):
   path.write_text('{"decode_eff": 0.3}')
   with pytest.raises(ValueError):
     hardware.cpu_profile(str(path))
+
+
+def test_measured_step_cost_schedules_by_hand():
+  """A measured step of 0.1 s and 2 slots: lengths 3 and 5 start at once,
+  the 2-token sample takes the first free slot at 0.3 s and ends at 0.5 s
+  with the 5-token one; no prefill time (it is in the measured step)."""
+  inst = _instance(slots=2, step_s=0.1)
+  samples = [Sample(i, i, 0, 100, n) for i, n in enumerate([3, 5, 2])]
+  for s in samples:
+    inst.add(s, 0.0)
+  while (t := inst.next_event_time()) < float("inf"):
+    inst.advance(t)
+  assert [s.finish_time for s in samples] == pytest.approx([0.3, 0.5, 0.5])
+
+
+def test_async_at_eta_zero_is_the_synchronous_step():
+  """At measured costs, eta = 0 leaves nothing to overlap: each step is
+  the batch's decode then its training, what `sync_step_s` gives."""
+  from rlhf_jax.sched.policy import get_policy
+  from rlhf_jax.sim import async_run
+  from rlhf_jax.sim.setting import Setting
+  from rlhf_jax.sim.workload import Workload, WorkloadSpec
+
+  setting = Setting(model="tiny", hardware="cpu", reserved_devices=8)
+  work = Workload(WorkloadSpec(prompts_per_step=4, group_size=4,
+                               median_len=20, max_len=64, prompt_len=8))
+  unit = async_run.Measured(step_s=0.01, train_s=0.5, slots=8)
+  result = async_run.run(setting, get_policy("baseline"), work, 5, eta=0,
+                         rollout_devices=4, measured=unit)
+  sync = [async_run.sync_step_s(setting, work.batch(i), unit)
+          for i in range(5)]
+  steps = [b - a for a, b in zip([0.0] + result.trained_at,
+                                 result.trained_at)]
+  assert steps == pytest.approx(sync)
+  # eta = 1 overlaps decode with training: faster, never below training.
+  faster = async_run.run(setting, get_policy("baseline"), work, 5, eta=1,
+                         rollout_devices=4, measured=unit).trained_at
+  assert faster[-1] < result.trained_at[-1]
+  assert faster[-1] >= 5 * unit.train_s

@@ -24,6 +24,11 @@ part's devices: scoring (`Setting.scoring_time`) + FSDP training
 splits (multiples of `rollout_tp`) and keeps the fastest; the result also
 names the split the live job's cost model picks
 (`staleness.rollout_split` over `batch_seconds`), for comparison.
+
+With `measured` unit costs (a live run's decode step and trainer seconds,
+`benchmarks/async_rl.py`) the rollout is one engine stepping at that
+cost and `sync_step_s` gives the synchronous step at the same units: the
+event loop checked against the live benchmark.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ from rlhf_jax.sim.setting import Setting
 from rlhf_jax.sim.workload import Workload
 
 
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """A live run's unit costs in place of the roofline (one engine)."""
+  step_s: float     # One decode step (its prefills and recomputes included).
+  train_s: float    # Scoring and training one batch (the trainer busy).
+  slots: int        # Samples decoding at once.
+
+
 @dataclasses.dataclass
 class AsyncResult:
   """A simulated async run: when each step's update was applied."""
@@ -52,8 +65,10 @@ class AsyncResult:
 
 def run(setting: Setting, policy: Policy, workload: Workload, steps: int, *,
         eta: int = 1, rollout_devices: int = 0,
-        switch_after_groups: int = -1) -> AsyncResult:
-  """Simulates `steps` async steps (see the module doc)."""
+        switch_after_groups: int = -1,
+        measured: Measured | None = None) -> AsyncResult:
+  """Simulates `steps` async steps (see the module doc); with `measured`,
+  one engine at those unit costs (`rollout_devices` then only splits)."""
   s = setting
   if not rollout_devices:  # Eight candidate splits at most.
     stride = s.rollout_tp * max(1, s.reserved_devices // s.rollout_tp // 8)
@@ -77,14 +92,14 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int, *,
     best.cost_model = rule  # A copy: `best` may be the rule's run.
     return best
   return _Pipeline(s, policy, workload, steps, eta, rollout_devices,
-                   switch_after_groups).run()
+                   switch_after_groups, measured).run()
 
 
 class _Pipeline:
   """The event loop of one async run."""
 
   def __init__(self, s, policy, workload, steps, eta, rollout_devices,
-               switch_after_groups):
+               switch_after_groups, measured):
     if not 0 < rollout_devices < s.reserved_devices:
       raise ValueError(f"rollout on {rollout_devices} of "
                        f"{s.reserved_devices} devices")
@@ -98,12 +113,16 @@ class _Pipeline:
     lengths = [pl + n for b in self.batches for _, _, pl, n in b.samples]
     ctx = sum(lengths) / len(lengths)
     slots = s.engine_slots(s.hw, s.rollout_tp, ctx)
+    self.measured = measured
     self.instances = [DecodeInstance(
         f"rollout{i}", s.actor, s.hw, s.rollout_tp, slots, kind="local",
         start_time=0.0, shared_prefix_decode=policy.prefix_shared_decode,
         dedup_prefill=policy.dedup_prefill)
         for i in range(rollout_devices // s.rollout_tp)]
     self.copy_s = costs.reshard_time(s.actor, s.hw, rollout_devices)
+    if measured is not None:  # Copies and recomputes are in its units.
+      self.instances = [_measured_engine(s, measured)]
+      self.copy_s = 0.0
 
   def run(self) -> AsyncResult:
     t, version, drawn, trained = 0.0, 0, 0, 0
@@ -175,6 +194,8 @@ class _Pipeline:
     samples recompute their KV."""
     for inst in self.instances:
       inst.stall(since, t - since + self.copy_s, "weights")
+      if self.measured is not None:
+        continue
       tokens = sum(smp.prompt_len + inst.progress_of(smp)
                    for smp, _, _ in inst.running.values())
       if tokens:
@@ -183,11 +204,33 @@ class _Pipeline:
             tokens / len(inst.running)), "recompute")
 
   def _train_time(self, batch) -> float:
+    if self.measured is not None:
+      return self.measured.train_s
     tokens = sum(pl + n for _, _, pl, n in batch.samples)
     ctx = tokens / len(batch.samples)
     d = self.train.reserved_devices
     return (self.train.scoring_time(tokens, ctx, d)
             + self.train.fsdp_train_time(tokens, len(batch.samples), ctx))
+
+
+def _measured_engine(s: Setting, m: Measured) -> DecodeInstance:
+  return DecodeInstance("engine", s.actor, s.hw, 1, m.slots, kind="local",
+                        start_time=0.0, step_s=m.step_s)
+
+
+def sync_step_s(setting: Setting, batch, m: Measured) -> float:
+  """The synchronous step at measured costs: `batch` (a `StepBatch`)
+  decodes on one engine, every sample queued at once, then the batch is
+  scored and trained (`m.train_s`)."""
+  engine = _measured_engine(setting, m)
+  for p, j, pl, n in batch.samples:
+    engine.add(Sample(uid=p * 1000 + j, prompt_id=p, index=j,
+                      prompt_len=pl, target_len=max(1, n)), 0.0)
+  t = 0.0
+  while math.isfinite(t_next := engine.next_event_time()):
+    engine.advance(t_next)
+    t = t_next
+  return t + m.train_s
 
 
 def batch_seconds(setting: Setting, *, samples: int, group_size: int,

@@ -49,8 +49,11 @@ class DecodeInstance:
   def __init__(self, iid: str, model: ModelProfile, hw: Hardware, tp: int,
                max_slots: int, *, kind: str, start_time: float,
                shared_prefix_decode: bool = False, dedup_prefill: bool = False,
-               price_per_s: float = 0.0):
+               price_per_s: float = 0.0, step_s: float | None = None):
     self.iid = iid
+    # A measured decode step (seconds, prefills included) in place of the
+    # roofline's; then prefills cost nothing extra.
+    self.measured_step_s = step_s
     self.model, self.hw, self.tp = model, hw, tp
     self.max_slots = max_slots
     self.kind = kind
@@ -92,6 +95,8 @@ class DecodeInstance:
       self.timeline.append([start, end, label])
 
   def _step_time(self, kv_tokens: float) -> float:
+    if self.measured_step_s is not None:
+      return self.measured_step_s if self.running else 0.0
     return costs.decode_step_time(self.model, self.hw, self.tp,
                                   len(self.running), kv_tokens)
 
@@ -148,7 +153,7 @@ class DecodeInstance:
         context += sample.prompt_len + sample.generated
         self.prefilled_prompts.add(sample.prompt_id)
       self._start(sample)
-    if prefill_tokens:
+    if prefill_tokens and self.measured_step_s is None:
       n = max(1, len(self.running))
       self.stall(now, costs.forward_time(
           self.model, self.hw, self.tp, prefill_tokens, context / n), "prefill")
