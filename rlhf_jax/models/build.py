@@ -28,7 +28,7 @@ def build(m: Model, *, seed: int, layout, vocab_size: int):
   initialised from `seed` with `vocab_size` (the tokenizer's).
   """
   if not m.path:
-    cfg = m.model_config(vocab_size=vocab_size)
+    cfg = config_of(m, vocab_size=vocab_size)
     return (cfg, *model_lib.init_params(cfg, seed, layout))
   cfg, graphdef, params = hf.load(m.path, layout=layout, dtype=m.param_dtype,
                                   compute_dtype=m.compute_dtype,
