@@ -117,6 +117,33 @@ def test_eta_zero_equals_the_synchronous_job(tmp_path):
   assert all(b[s]["train/grad_norm"] > 1e-3 for s in range(1, 5))
 
 
+@pytest.mark.slow
+def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
+  """Elastic workers as the async rollout (2 in-process workers; the
+  trainer keeps all 8 devices): at eta = 0 the same samples and updates
+  as the synchronous job whose rollout runs on the same workers."""
+  steps = {"train.steps": 3, "eval.every": 3}
+  workers = dict(num=2, theta=2, poll_steps=2)
+  sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
+  sync.rollout.engine = "paged"
+  sync.rl.importance_weight = "tis"
+  sync.rollout.workers.update(**workers)
+  grpo.run(sync, str(tmp_path / "sync"))
+  c = _async_config(**steps, **{"asynchronous.max_staleness": 0})
+  c.rollout.workers.update(**workers)
+  grpo.run(c, str(tmp_path / "async"))
+  a, b = _records(str(tmp_path / "async")), _records(str(tmp_path / "sync"))
+  for step in range(1, 4):
+    assert a[step]["async/staleness_max"] == 0
+    assert a[step]["workers/alive"] == b[step]["workers/alive"] == 2
+    for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+      assert a[step][key] == b[step][key], (step, key)
+    for key in ("train/loss", "train/kl", "train/grad_norm"):
+      assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]) \
+          + 1e-6, (step, key, a[step][key], b[step][key])
+  assert a[3]["eval/accuracy"] == b[3]["eval/accuracy"]
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("rollout.engine", "rows", "config.rollout.engine='rows'"),
     ("rl.stream", True, "rl.stream is not implemented"),
@@ -157,3 +184,18 @@ def test_cost_model_split_builds_the_job():
   with pytest.raises(ConfigError, match="no hardware profile for device "
                      "kind 'Mystery X1'"):
     grpo_async.with_cost_model_split(job.c, job.cfg, [odd] * 8, 8)
+
+
+def test_workers_as_the_rollout_keep_the_whole_mesh_for_training():
+  """With elastic workers decoding, the trainer's batch checks count all 8
+  devices (no split), and the seed window, which decodes on the trainer's
+  devices, is refused in one line."""
+  c = _async_config()
+  c.rollout.workers.update(num=2)
+  checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
+                      num_devices=8)
+  c.rollout.workers.update(seed=True)
+  with pytest.raises(ConfigError, match=r"rollout.workers.seed \(the "
+                     r"trainer's devices only train\) is not implemented"):
+    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
+                        num_devices=8)

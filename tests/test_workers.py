@@ -401,3 +401,55 @@ def test_ray_elastic_job_equals_trainer_only(ray_cluster, tmp_path,
       break
     time.sleep(0.1)
   assert ray_cluster.available_resources().get("CPU", 0) >= free
+
+
+def test_async_rollout_on_workers_keeps_every_token(pool):
+  """Async RL on the workers (`rollout/async_workers.py`), eta = 1, the same
+  prompts in every batch (an epoch boundary: only the batch seed tells them
+  apart), a switch to new weights at every batch and a worker preempted
+  mid-response. Every version holds the same weights, so each sample must
+  equal an uninterrupted run of its batch on one worker: tokens exact,
+  log-probs to the prefill-vs-decode rounding; no sample lost or doubled."""
+  from rlhf_jax.rollout.async_workers import WorkerBackend
+  from rlhf_jax.rollout.asynchronous import AsyncRollout
+  from rlhf_jax.rollout.base import requests_for, step_seed
+
+  store, params, workers, _ = pool
+  reqs = _requests(3)
+  batches = 3
+  prompts = fakes.prompt_batch(reqs)
+  want = {}
+  for b in range(1, batches + 1):
+    ref = manager_lib.RolloutManager(store, max_new_tokens=M, poll_steps=3)
+    ref.add(manager_lib.LocalHandle(workers[3]))
+    for s in ref.run(requests_for(prompts, 2, step_seed(7, b))):
+      want[b, s.prompt_id, s.sample_idx] = s
+  mgr = manager_lib.RolloutManager(LocalWeightStore(keep=4),
+                                   max_new_tokens=M, theta=1, poll_steps=2)
+  for w in workers[:2]:  # Work left by the tests before.
+    w.clear()
+  dying = _Preempted(workers[0], polls=5)
+  mgr.add(dying)
+  mgr.add(manager_lib.LocalHandle(workers[1]))
+  rollout = AsyncRollout(WorkerBackend(mgr), iter([prompts] * batches),
+                         num_samples=2, seed=7, eta=1, switch_after_groups=1,
+                         in_flight="continue", last_step=batches)
+  rollout.start(params, 0, first_step=1)
+  try:
+    got, recomputed = [], 0
+    for b in range(1, batches + 1):
+      rollout.publish(params, b - 1)
+      batch = rollout.take(b)
+      recomputed += batch.metrics["recomputed_tokens"]
+      assert len(batch.samples) == 6
+      for s in batch.samples:
+        w = want[b, s.prompt_id, s.sample_idx]
+        assert s.tokens == w.tokens, (b, s.key)
+        np.testing.assert_allclose(s.logp_raw, w.logp_raw, atol=1e-4)
+        assert b - 1 - min(s.token_versions) <= 1  # eta.
+        got.append((b, s.prompt_id, s.sample_idx))
+  finally:
+    rollout.close()
+  assert len(set(got)) == len(got) == len(want)
+  assert dying.killed and mgr.stats.preemptions == 1
+  assert recomputed > 0  # Samples were cut at a switch and continued.

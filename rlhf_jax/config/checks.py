@@ -31,7 +31,8 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
     raise ConfigError(f"unknown RL job {job!r}")
   (_check_grpo if job == "grpo" else _check_ppo)(c)
   _check_async(c, job, num_devices)
-  if c.asynchronous.enabled:  # The trainer has the other devices.
+  if c.asynchronous.enabled and not c.rollout.workers.num:
+    # The trainer has the devices the rollout does not.
     num_devices = _devices(c, num_devices) - async_rollout_devices(
         c, num_devices)
   _check_batch(c, prompt_len, num_devices)
@@ -65,16 +66,20 @@ def async_rollout_devices(c: RLJob, num_devices: int | None = None) -> int:
 
 
 def _check_async(c: RLJob, job: str, num_devices) -> None:
-  """Async GRPO: its rollout part, and the layers it does not compose with
-  yet (each named)."""
+  """Async GRPO: its rollout part (unless elastic workers decode), and the
+  layers it does not compose with yet (each named)."""
   if not c.asynchronous.enabled:
     return
   key = "config.asynchronous.enabled=True"
   unsupported = [
       (job != "grpo", "the PPO job"),
-      (c.rollout.engine != "paged", "config.rollout.engine='rows' (it "
-       "needs 'paged': samples move to new weights with their pages)"),
-      (c.rollout.workers.num > 0, "elastic workers"),
+      (c.rollout.engine != "paged" and not c.rollout.workers.num,
+       "config.rollout.engine='rows' (on the trainer's mesh it needs "
+       "'paged': samples move to new weights with their pages)"),
+      (c.rollout.workers.num > 0 and c.rollout.workers.seed,
+       "rollout.workers.seed (the trainer's devices only train)"),
+      (c.rollout.workers.num > 0 and c.rollout.workers.scale != "all",
+       "rollout.workers.scale='cost' (every worker is held)"),
       (c.rollout.long_tail.enabled, "rollout.long_tail"),
       (c.rollout.max_common_length > 0, "rollout.max_common_length"),
       (c.rollout.quantize != "none", "rollout.quantize"),
@@ -84,6 +89,8 @@ def _check_async(c: RLJob, job: str, num_devices) -> None:
   for bad, what in unsupported:
     if bad:
       raise ConfigError(f"{key} with {what} is not implemented")
+  if c.rollout.workers.num:  # The workers decode; the trainer keeps all.
+    return
   n, r = _devices(c, num_devices), async_rollout_devices(c, num_devices)
   if r < 0:  # `grpo.build` resolves it before checking.
     raise ConfigError(f"{key}: config.asynchronous.rollout_devices=-1 (the "

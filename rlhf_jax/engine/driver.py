@@ -402,4 +402,4 @@ class Driver:
       yield Sample(item.request.prompt_id, item.sample_idx,
                    np.asarray(item.request.tokens, np.int32), item.tokens,
                    item.logp, item.logp_raw, "stop" if stop else "length",
-                   self.weight_version)
+                   self.weight_version, seed=item.request.seed)

@@ -1,7 +1,8 @@
 """Asynchronous rollout: its own devices decode while the trainer trains,
 never more than eta weight versions behind it.
 
-  ar = AsyncRollout(engines, iterator, num_samples=G, seed=seed, eta=1, ...)
+  ar = AsyncRollout(PagedBackend(engines), iterator, num_samples=G,
+                    seed=seed, eta=1, ...)
   ar.start(rollout_params, version=s0, first_step=s0 + 1)
   batch = ar.take(step)                      # blocks until it is complete
   ar.publish(rollout_params, version=step)   # the trainer's new weights
@@ -9,9 +10,10 @@ never more than eta weight versions behind it.
   ar.close()
 
 A background thread runs one paged driver over batch after batch (prompts
-from the job's iterator, in order: batch b is what step b trains on). Its
-rules (`sched/staleness.py`), deterministic because they count finished
-groups, never seconds:
+from the job's iterator, in order: batch b is what step b trains on), or
+drives the elastic workers' manager the same way
+(`rollout/async_workers.py`). Its rules (`sched/staleness.py`),
+deterministic because they count finished groups, never seconds:
 
 - Batch b is drawn and queued once the rollout holds version >= b - 1 - eta,
   so the samples the trainer (at version b - 1) meets are at most eta
@@ -58,16 +60,17 @@ class Batch:
 
 
 class AsyncRollout:
-  """Decodes batches ahead of the trainer on `engines`; see the module doc."""
+  """Decodes batches ahead of the trainer on its backend; see the module
+  doc."""
 
-  def __init__(self, engines: EngineSet, iterator: Iterator[PromptBatch], *,
+  def __init__(self, backend, iterator: Iterator[PromptBatch], *,
                num_samples: int, seed: int, eta: int,
                switch_after_groups: int, in_flight: str, last_step: int):
-    if not engines.is_paged:
-      raise ValueError("async rollout needs the paged engine")
+    """`backend`: where the samples decode (`PagedBackend`, or
+    `rollout/async_workers.WorkerBackend`)."""
     if in_flight not in IN_FLIGHT:
       raise ValueError(f"in_flight {in_flight!r}: one of {IN_FLIGHT}")
-    self.engines, self.iterator = engines, iterator
+    self.backend, self.iterator = backend, iterator
     self.G, self.seed, self.eta = num_samples, seed, eta
     self.switch_after_groups, self.in_flight = switch_after_groups, in_flight
     self.last_step = last_step
@@ -163,7 +166,7 @@ class AsyncRollout:
       complete = v < self.next_batch and v not in self.finished
       if staleness.switch_due(complete, after, self.switch_after_groups,
                               driver.busy):
-        for s in restart.drain(driver):
+        for s in self.backend.drain(driver):
           self._route(s)
         params = self._weights_of(v)
         if params is None:
@@ -183,10 +186,7 @@ class AsyncRollout:
           after += 1
 
   def _driver(self, params, partials, pending):
-    driver = self.engines.driver(params, self.version)
-    driver.start(pending)
-    restart.readmit(driver, partials)
-    return driver
+    return self.backend.open(params, self.version, partials, pending)
 
   def _draw(self, driver) -> None:
     """Queues batch b while the rollout's version allows it."""
@@ -241,7 +241,7 @@ class AsyncRollout:
 
   def _switch(self, driver, params, v: int):
     """Version v: every unfinished sample continues on a new driver."""
-    partials, pending = restart.unfinished(driver)
+    partials, pending = self.backend.unfinished(driver)
     kept = []
     for p in partials:
       n = 0 if self.in_flight == "restart" or len(p.tokens) <= 1 else len(
@@ -313,7 +313,7 @@ class AsyncRollout:
     for d in snap["finished"]:
       s = _sample_from(d)
       self.finished[self._batch_of[s.seed]][s.prompt_id].append(s)
-    engine_max = self.engines.sampling.max_new_tokens
+    engine_max = self.backend.max_new_tokens
     partials = []
     for p in snap["partials"]:
       r = requests[p["prompt_id"], p["seed"]]
@@ -322,6 +322,29 @@ class AsyncRollout:
                               p["logp_raw"], r.budget(i, engine_max),
                               self.version))
     return partials, [requests[pid, seed] for pid, seed in snap["pending"]]
+
+
+class PagedBackend:
+  """Decoding on paged engines of the rollout's own devices: a driver per
+  weight version, unfinished samples cut and continued by
+  `engine/restart.py` (KV recomputed)."""
+
+  def __init__(self, engines: EngineSet):
+    if not engines.is_paged:
+      raise ValueError("async rollout needs the paged engine")
+    self.engines = engines
+    self.max_new_tokens = engines.sampling.max_new_tokens
+
+  def open(self, params, version: int, partials: list[Partial],
+           pending: list[Request]):
+    """A started driver with weights `version`: the partials first."""
+    driver = self.engines.driver(params, version)
+    driver.start(pending)
+    restart.readmit(driver, partials)
+    return driver
+
+  drain = staticmethod(restart.drain)
+  unfinished = staticmethod(restart.unfinished)
 
 
 def _key(request: Request, sample_idx: int) -> tuple[int, int, int]:

@@ -186,6 +186,26 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
     common_prefix: requests -> the batch's shared prefix, or None.
     lora_spec: a LoRA policy's adapters (workers pull those and merge).
   """
+  w = ro.workers
+  mgr, pool, spec = build_manager(ro, cfg, stop_tokens,
+                                  rollout_tensor=rollout_tensor,
+                                  lora_spec=lora_spec)
+  scaler = DemandScaler(
+      pool, scale=w.scale, lam=w.cost_lambda,
+      slots=spec.slots,
+      max_new_tokens=ro.max_new_tokens, devices_per_worker=w.devices_per_worker)
+  window = None
+  if w.seed:
+    window = SeedWindow(local, offload.SeedWindowController(
+        n_resv=1, t_init=w.seed_init_s, eta=w.seed_eta, floor=w.seed_floor_s))
+  return ElasticRollout(mgr, scaler=scaler, seed_window=window,
+                        common_prefix=common_prefix, train_time=train_time)
+
+
+def build_manager(ro: RolloutSection, cfg, stop_tokens, *,
+                  rollout_tensor: int, lora_spec=None):
+  """(`RolloutManager`, its `WorkerPool` holding all `rollout.workers.num`
+  workers, their `EngineSpec`) of the rollout section `ro`."""
   from rlhf_jax.rollout.build import sampling_params
 
   w = ro.workers
@@ -213,16 +233,7 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
   for i in range(w.num):
     pool.offer(f"w{i}", lambda wid=f"w{i}": spawn(wid))
   pool.hold(w.num)  # Every worker at first; each rollout re-chooses.
-  scaler = DemandScaler(
-      pool, scale=w.scale, lam=w.cost_lambda,
-      slots=spec.slots,
-      max_new_tokens=ro.max_new_tokens, devices_per_worker=w.devices_per_worker)
-  window = None
-  if w.seed:
-    window = SeedWindow(local, offload.SeedWindowController(
-        n_resv=1, t_init=w.seed_init_s, eta=w.seed_eta, floor=w.seed_floor_s))
-  return ElasticRollout(mgr, scaler=scaler, seed_window=window,
-                        common_prefix=common_prefix, train_time=train_time)
+  return mgr, pool, spec
 
 
 def _worker_pages(ro: RolloutSection, replicas: int,

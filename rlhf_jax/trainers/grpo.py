@@ -241,18 +241,19 @@ def build(config, timeline: Timeline | None = None) -> Job:
   """
   c = RLJob.from_config(config)
   source = sources.build(config, c)
-  if c.asynchronous.enabled and c.asynchronous.rollout_devices < 0:
+  split = c.asynchronous.enabled and not c.rollout.workers.num
+  if split and c.asynchronous.rollout_devices < 0:
     c = grpo_async.with_cost_model_split(
         c, model_build.config_of(c.model,
                                  vocab_size=source.tokenizer.vocab_size),
         jax.devices()[:c.mesh.num_devices or None], source.prompt_len)
   checks.check_rl_job(c, job="grpo", prompt_len=source.prompt_len)
-  sft_layout = None
-  if c.asynchronous.enabled:  # Decode on a part of the mesh of its own.
+  sft_layout = async_layout = None
+  if split:  # Decode on a part of the mesh of its own.
     train_layout, async_layout, rollout_layout = mesh_lib.async_layouts(
         c.mesh, checks.async_rollout_devices(c))
     sft_layout = mesh_lib.layouts(c.mesh)[0]
-  else:
+  else:  # Or on the workers (async), or colocated.
     train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
   p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
   rl = c.rl

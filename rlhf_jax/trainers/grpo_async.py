@@ -26,12 +26,14 @@ from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl.learner import TrainState, train_epochs
 from rlhf_jax.rollout import build as rollout_build
-from rlhf_jax.rollout.asynchronous import AsyncRollout
+from rlhf_jax.rollout.async_workers import WorkerBackend
+from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
 from rlhf_jax.rollout.base import step_seed
 from rlhf_jax.sched import staleness
 from rlhf_jax.sim import async_run, hardware, models
 from rlhf_jax.sim.setting import Setting
 from rlhf_jax.timeline import device_group
+from rlhf_jax.workers import weights as weights_lib
 
 
 class AsyncSide:
@@ -39,19 +41,26 @@ class AsyncSide:
   (`dump`, `saved`) and what `step` publishes to and takes from."""
 
   def __init__(self, rollout: AsyncRollout, colocation, layout):
+    """`layout`: the rollout's part of the mesh, or None: elastic workers
+    decode (they pull host copies)."""
     self.rollout, self.co = rollout, colocation
     self.shardings = None   # The rollout copy's, from the first params.
     self.layout = layout
-    self.group = device_group("rollout", layout.mesh.devices.flat)
+    self.group = ("workers" if layout is None else
+                  device_group("rollout", layout.mesh.devices.flat))
     self.published = None   # The newest version the rollout was given.
     self.params = None      # The trainer's newest params (to publish).
 
   def copy(self, params):
-    """The rollout copy of `params` on the rollout's devices."""
+    """The rollout copy of `params` on the rollout's devices (a host copy
+    for the workers)."""
     local = self.co.rollout_copy(params)  # Cast, on the trainer's devices.
-    if self.shardings is None:
-      self.shardings = self.layout.param_shardings(local)
-    out = jax.device_put(local, self.shardings)
+    if self.layout is None:
+      out = weights_lib.to_payload(local)
+    else:
+      if self.shardings is None:
+        self.shardings = self.layout.param_shardings(local)
+      out = jax.device_put(local, self.shardings)
     colocate.delete(local)  # Once the copy has read it.
     return out
 
@@ -135,13 +144,17 @@ def _check_split(c, rollout_devices: int, devices: int,
 
 def build_side(c, policy, source, layout) -> AsyncSide:
   """The async rollout of the job sections `c` on `layout` (its part of
-  the mesh), decoding `policy`'s model; `source` gives the prompts."""
-  engines = rollout_build.engines(c.rollout, policy.cfg, policy.graphdef,
-                                  layout, source.stop_ids)
+  the mesh), decoding `policy`'s model, or (layout None) on the elastic
+  workers of `policy.rollout`; `source` gives the prompts."""
+  if layout is None:
+    backend = WorkerBackend(policy.rollout.manager)
+  else:
+    backend = PagedBackend(rollout_build.engines(
+        c.rollout, policy.cfg, policy.graphdef, layout, source.stop_ids))
   a = c.asynchronous
   batch_groups = c.train.prompts_per_step
   rollout = AsyncRollout(
-      engines, source.iterator, num_samples=c.rollout.samples_per_row,
+      backend, source.iterator, num_samples=c.rollout.samples_per_row,
       seed=c.seed, eta=a.max_staleness,
       switch_after_groups=(batch_groups // 2 if a.switch_after_groups < 0
                            else a.switch_after_groups),
@@ -185,13 +198,21 @@ def step(job, step: int, state: TrainState, ref_params, train_batch):
   co.timeline.add(side.group, "rollout", start, co.timeline.now())
   lag = np.concatenate([version - np.asarray(s.token_versions)
                         for s in samples])  # Per token, in versions.
-  extra = {"async/rollout_devices": float(side.layout.mesh.devices.size),
-           "async/staleness_mean": float(lag.mean()),
+  extra = {"async/staleness_mean": float(lag.mean()),
            "async/staleness_max": float(lag.max()),
            "async/off_policy_samples": float(np.sum(oldest < version)),
            "perf/trainer_wait_s": waited,  # Timings are perf/.
            **{(f"perf/rollout_{k}" if k.endswith("_s") else f"async/{k}"):
               float(v) for k, v in batch.metrics.items()}}
+  if side.layout is not None:
+    extra["async/rollout_devices"] = float(side.layout.mesh.devices.size)
+  else:
+    mgr = job.rollout.manager  # Totals since the start (its thread's).
+    extra.update({"workers/alive": float(len(mgr.handles)),
+                  "workers/preemptions": float(mgr.stats.preemptions),
+                  "workers/migrated_samples": float(
+                      mgr.stats.migrated_samples),
+                  "workers/pulls": float(mgr.stats.pulls)})
   return state, rl_step_metrics(
       jax.device_get(info), {"train": trained}, co.end_step(step),
       job.scorer.metrics(), extra, job.learner.state_bytes(state),

@@ -43,4 +43,5 @@ def merge(original_prompt, head: Partial | None, tail: Sample,
       tail.prompt_id, tail.sample_idx, np.asarray(original_prompt, np.int32),
       head.tokens + tail.tokens, head.logp + tail.logp,
       head.logp_raw + tail.logp_raw, tail.finish_reason,
-      tail.weight_version if weight_version is None else weight_version)
+      tail.weight_version if weight_version is None else weight_version,
+      seed=tail.seed)

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rlhf_jax.engine.driver import Request, Sample
+from rlhf_jax.engine.driver import Partial, Request, Sample
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import continuation
 from rlhf_jax.workers import weights as weights_lib
@@ -146,6 +146,9 @@ class RolloutManager:
     # A LoRA policy (its `LoraSpec`): versions are adapters; a worker gets
     # the store's base with its first version.
     self.spec_lora = spec_lora
+    # A sample finished on weights older than the newest is sampled again
+    # (the synchronous contract); async RL keeps it (its versions counted).
+    self.resample_stale = True
     self._has_base: set[str] = set()
     self.theta, self.poll_steps = theta, poll_steps
     # Batching plateau B in samples: running samples above it move to an
@@ -265,13 +268,8 @@ class RolloutManager:
     self._lost = []
     self._states = {}
     self._queue = collections.deque()
-    for req in requests:
-      for j in range(req.num_samples):
-        i = req.first_sample_index + j
-        self._states[req.prompt_id, i] = _SampleState(
-            req, req.budget(j, self.max_new_tokens))
-      self._queue.append(req)
     self._done = {}
+    self.extend(requests)
     self._pending = collections.defaultdict(int)
     self._running = {}  # worker -> (live samples, slots)
 
@@ -279,9 +277,78 @@ class RolloutManager:
   def done(self) -> bool:
     return len(self._done) == len(self._states)
 
+  @property
+  def unfinished(self) -> int:
+    """Samples not finished yet."""
+    return len(self._states) - len(self._done)
+
   def results(self) -> list[Sample]:
-    """The batch's samples in (prompt id, sample index) order."""
+    """The batch's samples in (prompt id, seed, sample index) order."""
     return [self._done[k] for k in sorted(self._done)]
+
+  def extend(self, requests: Sequence[Request], heads=()) -> None:
+    """Queues more requests behind the batch's (async RL keeps several
+    batches in flight). `heads`: `Partial`s to continue, each as prompt +
+    its tokens so far (a resumed or switched async rollout)."""
+    for p in heads:  # Ahead of the new prompts, as the paged engine does.
+      key = _key(p.request, p.sample_idx)
+      st = self._states[key] = _SampleState(p.request, p.budget)
+      st.head, st.head_logp, st.head_raw = (list(p.tokens), list(p.logp),
+                                            list(p.logp_raw))
+      st.head_version = p.weight_version if p.tokens else None
+      self._queue.append(continuation.remaining_request(
+          p.request, p.sample_idx, p.budget, st.head))
+    for req in requests:
+      for j in range(req.num_samples):
+        self._states[_key(req, req.first_sample_index + j)] = _SampleState(
+            req, req.budget(j, self.max_new_tokens))
+      self._queue.append(req)
+
+  def take_unfinished(self) -> tuple[list[Partial], list[Request]]:
+    """Cuts every unfinished sample off its worker (the workers drop their
+    work) and hands back (each unfinished sample of a started request,
+    with its tokens so far; the requests none of whose samples started),
+    in key order, emptying the manager: async RL's switch to new weights.
+    The finished samples must have been read."""
+    for w, h in self.handles.items():
+      if h.alive:
+        self._call(w, "clear")
+    by_request: dict[tuple, list] = collections.defaultdict(list)
+    for key, st in sorted(self._states.items(), key=lambda kv: kv[0]):
+      if key in self._done:
+        by_request[key[:2]].append(None)
+        continue
+      if st.live is not None:  # Streamed tokens join the head.
+        st.head += st.live.tokens
+        st.head_logp += st.live.logp
+        st.head_raw += st.live.logp_raw
+        v = st.live.weight_version
+        st.head_version = v if st.head_version is None else min(
+            st.head_version, v)
+      by_request[key[:2]].append(Partial(
+          st.request, key[2], st.head, st.head_logp, st.head_raw, st.budget,
+          -1 if st.head_version is None else st.head_version))
+    partials, pending = [], []
+    for parts in by_request.values():
+      live = [p for p in parts if p is not None]
+      if not live:
+        continue
+      if (len(live) == live[0].request.num_samples
+          and not any(p.tokens for p in live)):
+        pending.append(live[0].request)  # Prefilled once for its G.
+      else:
+        partials += live
+    self.start([])
+    self._lost, self._running = [], {}
+    return partials, pending
+
+  def forget(self, samples: Sequence[Sample]) -> None:
+    """Drops finished samples the caller has taken (async RL's manager
+    outlives a batch)."""
+    for s in samples:
+      key = s.prompt_id, s.seed, s.sample_idx
+      self._states.pop(key, None)
+      self._done.pop(key, None)
 
   def step(self) -> list[Sample]:
     """One poll round: membership, weights, dispatch, poll, balance, requeue.
@@ -315,13 +382,15 @@ class RolloutManager:
       pending[w] = res.pending
       self.versions[w] = res.version  # Installed once its old work drained.
       self._running[w] = (len(res.partials), res.slots)
-      for p in res.partials:
-        states[p.request.prompt_id, p.sample_idx].live = p
+      for p in res.partials:  # (Work cut since is no longer a state.)
+        st = states.get(_key(p.request, p.sample_idx))
+        if st is not None:
+          st.live = p
       for s in res.finished:
         if self._finish(s, states, done, queue, latest):
           self.produced[w] += 1
           self.stats.tokens[w] += len(s.tokens)
-          finished.append(done[s.key])
+          finished.append(done[s.prompt_id, s.seed, s.sample_idx])
     self._balance(pending, states, latest, queue)
     for w in self._lost:
       self._requeue(w, states, done, queue)
@@ -365,7 +434,7 @@ class RolloutManager:
         continue
       pending[w] += 1
       for j in range(req.num_samples):
-        st = states[req.prompt_id, req.first_sample_index + j]
+        st = states[_key(req, req.first_sample_index + j)]
         st.worker, st.live = w, None
 
   def _call(self, w: str, name: str, *args):
@@ -391,7 +460,7 @@ class RolloutManager:
           continue
         conts = collections.deque()
         for p in parts:
-          key = p.request.prompt_id, p.sample_idx
+          key = _key(p.request, p.sample_idx)
           states[key].live = p  # Its tokens as of the cut.
           self._continue(key, states[key], conts)
         reqs = list(reversed(conts))  # In the order they were cut.
@@ -411,15 +480,18 @@ class RolloutManager:
         self.stats.balanced_requests += len(reqs)
       for req in reqs:
         for j in range(req.num_samples):
-          states[req.prompt_id, req.first_sample_index + j].worker = d
+          states[_key(req, req.first_sample_index + j)].worker = d
 
   def _finish(self, s: Sample, states, done, queue, latest):
-    st = states[s.key]
-    if s.key in done:
-      return False  # A duplicate after a timeout that was not a death.
+    key = s.prompt_id, s.seed, s.sample_idx
+    st = states.get(key)
+    if st is None or key in done:
+      # A duplicate after a timeout that was not a death, or a late answer
+      # for work cut since (`take_unfinished`).
+      return False
     version = min(v for v in (st.head_version, s.weight_version)
                   if v is not None)
-    if version != latest:  # Stale: sample it again from scratch.
+    if version != latest and self.resample_stale:  # Sample it again.
       self.stats.stale_resampled += 1
       st.head, st.head_logp, st.head_raw, st.head_version = [], [], [], None
       queue.append(continuation.remaining_request(
@@ -428,7 +500,7 @@ class RolloutManager:
     head = None
     if st.head:
       head = _Head(st.head, st.head_logp, st.head_raw)
-    done[s.key] = continuation.merge(st.request.tokens, head, s, version)
+    done[key] = continuation.merge(st.request.tokens, head, s, version)
     st.live = None
     return True
 
@@ -462,11 +534,16 @@ class RolloutManager:
       st.head_version = v if st.head_version is None else min(
           st.head_version, v)
     st.live, st.worker = None, None
-    req = continuation.remaining_request(st.request, key[1], st.budget,
+    req = continuation.remaining_request(st.request, key[2], st.budget,
                                          st.head)
     self.stats.migrated_samples += 1
     self.stats.reprefill_tokens += len(req.tokens)
     queue.appendleft(req)
+
+
+def _key(request: Request, sample_idx: int) -> tuple[int, int, int]:
+  """A sample's state key: its batch's seed tells recurring prompts apart."""
+  return request.prompt_id, request.seed, sample_idx
 
 
 @dataclasses.dataclass
