@@ -115,6 +115,17 @@ class _SampleState:
   live: Any = None          # newest streamed Partial on the current worker
   worker: str | None = None
 
+  def absorb_live(self) -> None:
+    """The streamed tokens join the head (the sample is cut there)."""
+    if self.live is not None:
+      self.head += self.live.tokens
+      self.head_logp += self.live.logp
+      self.head_raw += self.live.logp_raw
+      v = self.live.weight_version
+      self.head_version = v if self.head_version is None else min(
+          self.head_version, v)
+    self.live = None
+
 
 @dataclasses.dataclass
 class ManagerStats:
@@ -318,13 +329,7 @@ class RolloutManager:
       if key in self._done:
         by_request[key[:2]].append(None)
         continue
-      if st.live is not None:  # Streamed tokens join the head.
-        st.head += st.live.tokens
-        st.head_logp += st.live.logp
-        st.head_raw += st.live.logp_raw
-        v = st.live.weight_version
-        st.head_version = v if st.head_version is None else min(
-            st.head_version, v)
+      st.absorb_live()
       by_request[key[:2]].append(Partial(
           st.request, key[2], st.head, st.head_logp, st.head_raw, st.budget,
           -1 if st.head_version is None else st.head_version))
@@ -527,13 +532,8 @@ class RolloutManager:
     if st.live is not None:
       self.stats.kept_tokens += len(st.live.tokens)
       self.stats.tokens[st.worker] += len(st.live.tokens)
-      st.head += st.live.tokens
-      st.head_logp += st.live.logp
-      st.head_raw += st.live.logp_raw
-      v = st.live.weight_version
-      st.head_version = v if st.head_version is None else min(
-          st.head_version, v)
-    st.live, st.worker = None, None
+    st.absorb_live()
+    st.worker = None
     req = continuation.remaining_request(st.request, key[2], st.budget,
                                          st.head)
     self.stats.migrated_samples += 1
