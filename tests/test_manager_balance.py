@@ -164,8 +164,9 @@ def test_manager_moves_running_samples_as_continuations():
   assert st.moved_running == st.migrated_samples == 2
   assert st.kept_tokens == 2 + 3 and st.reprefill_tokens == 5 + 6
   assert st.preemptions == 0
-  assert {mgr._states[7, i].worker for i in (1, 2)} == {"b"}
-  assert mgr._states[7, 0].worker == "a"
+  # State keys: (prompt id, batch seed, sample index).
+  assert {mgr._states[7, 1, i].worker for i in (1, 2)} == {"b"}
+  assert mgr._states[7, 1, 0].worker == "a"
 
 
 def test_manager_without_plateau_never_moves_running_samples():
