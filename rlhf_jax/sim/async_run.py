@@ -114,15 +114,15 @@ class _Pipeline:
     ctx = sum(lengths) / len(lengths)
     slots = s.engine_slots(s.hw, s.rollout_tp, ctx)
     self.measured = measured
-    self.instances = [DecodeInstance(
-        f"rollout{i}", s.actor, s.hw, s.rollout_tp, slots, kind="local",
-        start_time=0.0, shared_prefix_decode=policy.prefix_shared_decode,
-        dedup_prefill=policy.dedup_prefill)
-        for i in range(rollout_devices // s.rollout_tp)]
-    self.copy_s = costs.reshard_time(s.actor, s.hw, rollout_devices)
     if measured is not None:  # Copies and recomputes are in its units.
-      self.instances = [_measured_engine(s, measured)]
-      self.copy_s = 0.0
+      self.instances, self.copy_s = [_measured_engine(s, measured)], 0.0
+    else:
+      self.instances = [DecodeInstance(
+          f"rollout{i}", s.actor, s.hw, s.rollout_tp, slots, kind="local",
+          start_time=0.0, shared_prefix_decode=policy.prefix_shared_decode,
+          dedup_prefill=policy.dedup_prefill)
+          for i in range(rollout_devices // s.rollout_tp)]
+      self.copy_s = costs.reshard_time(s.actor, s.hw, rollout_devices)
 
   def run(self) -> AsyncResult:
     t, version, drawn, trained = 0.0, 0, 0, 0
