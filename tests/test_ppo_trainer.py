@@ -241,3 +241,85 @@ def test_long_tail_and_workers_equal_plain_ppo(rm_workdir):
       assert ours["rollout/consolidations"] >= 1
     else:
       assert ours["workers/tokens"] > 0 and ours["workers/alive"] == 2
+
+
+def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
+  """[fuse] tiny_ppo with the tail consolidated (R_t = 1, 2 rows a
+  replica): the reward model, critic, policy and reference passes run on
+  the freed replicas as samples finish. On the same samples they give the
+  batch the passes after the rollout give (scores, old and reference
+  log-probs, critic values, KL, advantages, returns; rtol 1e-5, entries
+  near 0 to 1e-5 of the array's largest: whitening scales the float
+  rounding of other shapes), every
+  sample scored once; a whole PPO step gives the same losses, and its
+  timeline has scoring spans on freed replicas while another decodes."""
+  import jax
+
+  import fakes
+  from rlhf_jax.rl import scoring_passes
+  from rlhf_jax.rollout.base import generate
+
+  def job_of(fusion):
+    c = _config(rm_workdir, **{"rollout.num_rows": 16})
+    c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
+                               fusion=fusion, score_chunk=4)
+    return ppo.build(c)
+
+  job, plain = job_of(True), job_of(False)
+  assert job.fused is not None and plain.fused is None
+  prompts = next(job.source.iterator)
+  ref = jax.tree.map(lambda x: x * 1.05, job.params)
+  critic = fakes.copy_tree(job.rm_params)
+
+  # The same samples, their batch built both ways.
+  co = job.colocation
+  rollout_params = co.to_rollout(fakes.copy_tree(job.params))
+  job.rollout.set_weights(rollout_params, co.version)
+  with scoring_passes.during(job.fused, job.rollout, policy=rollout_params,
+                             ref=ref, rm=job.rm_params,
+                             critic=critic) as fused:
+    sampled = generate(job.rollout, prompts, job.c.rollout.samples_per_row,
+                       seed=5)
+  samples = sampled.samples
+  assert job.fused.scored == len(samples) == len(fused)
+  assert sorted(fused) == sorted(s.key for s in samples)
+  params = co.to_train(rollout_params)
+  keep = np.ones(len(samples), bool)
+  ours, ours_info = ppo._train_batch(job, samples, keep, params, None,
+                                     critic, fused)
+  theirs, theirs_info = ppo._train_batch(job, samples, keep, params, ref,
+                                         critic)
+  mask = np.asarray(theirs["loss_mask"])
+  assert mask.sum() > 0
+  def close(got, want, k):  # Entries near 0: to the array's scale.
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max(), err_msg=k)
+
+  for k in ("old_logp", "ref_logp", "old_values", "advantages", "returns"):
+    close(np.asarray(ours[k]) * mask, np.asarray(theirs[k]) * mask, k)
+  for k in ("rewards", "kl"):  # The means of the arrays above: not again.
+    close(ours_info[k], theirs_info[k], k)
+
+  # Whole steps from the same states.
+  def step(job):
+    return ppo.ppo_step(
+        job, 1, job.actor.init_state(fakes.copy_tree(params)),
+        job.critic.init_state(fakes.copy_tree(critic)), ref, prompts)[2]
+
+  mine, base = step(job), step(plain)
+  for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
+            "rollout/value_mean", "train/loss", "train/grad_norm",
+            "critic/loss"):  # Means of differences: atol for cancellation.
+    np.testing.assert_allclose(mine[k], base[k], rtol=1e-5, atol=1e-6,
+                               err_msg=k)
+  assert mine["rollout/consolidations"] >= 1
+  assert mine["rollout/scoring_chunks"] >= len(samples) // 4
+  spans = job.colocation.timeline.step_spans(1)
+  decode = [s for s in spans if s.phase == "rollout"
+            and s.group.startswith("replica")]
+  overlapped = [s for s in spans if s.phase == "scoring"
+                and s.group.startswith("replica") and any(
+                    d.group != s.group and d.start < s.start < d.end
+                    for d in decode)]
+  assert overlapped, [(s.group, s.phase, s.start, s.end) for s in spans]

@@ -167,6 +167,12 @@ class Colocation:
         params, dst, groups=self.groups, max_in_flight=self.max_in_flight))
 
   @property
+  def rollout_is_master(self) -> bool:
+    """Whether the rollout copy is the training params themselves (no
+    cast, nothing derived): a forward on it is the trainer's forward."""
+    return self.rollout_dtype is None and self._derived is None
+
+  @property
   def master(self) -> Any:
     """The training params a cast or derived rollout copy came from
     (parked while it decodes), else None."""

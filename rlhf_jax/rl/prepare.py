@@ -3,6 +3,7 @@ jitted function, shared by GRPO and PPO.
 
   batch = preparer.put(packed, rewards)            # the step's one put
   batch, info = preparer(params, ref_params, batch, values=None)
+  batch, info = preparer.from_scores(batch, scores)  # passes already run
 
 Inside: old log-probs (the policy the samples came from, recomputed by the
 trainer), reference log-probs, the KL reward penalty (when the KL is not a
@@ -12,7 +13,9 @@ sampler-vs-trainer mismatch (`rl/off_policy.py`). The result holds what
 the policy loss (and the critic's value loss) read, the sampler's
 log-probs included; `info` (replicated) the sequence rewards (before the
 penalty), the sequence KL, the mismatch and, with GAE, the mean
-critic value and return. Every layout of `rl/grouped.py` works (packed
+critic value and return. `from_scores` is the same stage when the forward
+passes already ran elsewhere (`rl/scoring_passes.py`: on the devices the
+long tail freed, while it decoded): only the advantages remain. Every layout of `rl/grouped.py` works (packed
 rows: sequence sums by segment, advantages laid out per token; GAE, PPO's,
 needs one sequence per row).
 
@@ -64,6 +67,7 @@ class Preparer:
     self.learner, self.c = learner, c
     self.trace_count = 0
     self._jit = jax.jit(self._prepare)
+    self._jit_scored = jax.jit(self._advantages)
 
   def put(self, packed: PackedBatch, rewards=None, current=None) -> dict:
     """The packed host arrays (+ sampler log-probs, + host rewards [B]) on
@@ -93,9 +97,19 @@ class Preparer:
                        f"{'required' if values is None else 'unused'}")
     return self._jit(params, ref_params, batch, values)
 
+  def from_scores(self, batch: dict, scores: dict):
+    """(training batch, info) from a `put` batch whose forward passes ran
+    already: `scores` holds host arrays laid out like `loss_mask`,
+    "old_logp" and "ref_logp", and "values" for GAE."""
+    if ("values" in scores) != (self.c.estimator == "gae"):
+      raise ValueError(f"estimator {self.c.estimator!r}: critic values are "
+                       f"{'unused' if 'values' in scores else 'required'}")
+    placed = self.learner.put_batch(dict(scores))
+    return self._jit_scored(batch, placed["old_logp"], placed["ref_logp"],
+                            placed.get("values"))
+
   def _prepare(self, params, ref_params, batch, values):
-    self.trace_count += 1
-    c, lr = self.c, self.learner
+    lr = self.learner
     with use_layout(lr.layout):
       model_batch = {k: v for k, v in batch.items() if k not in _INPUTS}
       old_logp = batch_logprobs(lr.graphdef, params, model_batch,
@@ -104,6 +118,13 @@ class Preparer:
         ref_params = lora.without_adapters(params)
       ref_logp = batch_logprobs(lr.graphdef, ref_params, model_batch,
                                 lr.micro_batches)
+    return self._advantages(batch, old_logp, ref_logp, values)
+
+  def _advantages(self, batch, old_logp, ref_logp, values):
+    self.trace_count += 1
+    c, lr = self.c, self.learner
+    with use_layout(lr.layout):
+      model_batch = {k: v for k, v in batch.items() if k not in _INPUTS}
       mask = batch["loss_mask"]
       B = batch["rewards"].size
       rows = [x.reshape(-1, x.shape[-1]) for x in (old_logp, ref_logp, mask)]

@@ -63,6 +63,9 @@ class LocalRollout(Rollout):
     self.step_s: dict[int, float] = {}  # Measured decode step per block.
     self.params = None
     self.scores: dict = {}   # A device scorer's outputs of the last run.
+    # The device scorer `stream` hands finished samples to (long-tail only;
+    # `rl/scoring_passes.py`), set by the job.
+    self.device_scorer: Scorer | None = None
     self._metrics: dict = {}
 
   @property
@@ -80,7 +83,7 @@ class LocalRollout(Rollout):
     if self.episodes is not None:
       self.episodes.begin(step, prompts)
     for sample in self.run(requests_for(prompts, num_samples, seed),
-                           step=step):
+                           step=step, scorer=self.device_scorer):
       group = groups.add(sample)
       if group is not None:
         yield group

@@ -32,8 +32,9 @@ from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.scoring import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
-from rlhf_jax.rl import packing, prepare, streaming
+from rlhf_jax.rl import packing, prepare, scoring_passes, streaming
 from rlhf_jax.rl.learner import Learner, TrainState, train_epochs
+from rlhf_jax.rl.scoring_passes import ScoringPasses
 from rlhf_jax.rollout import dynamic_sampling
 from rlhf_jax.rollout.base import Rollout, Sampled, generate, step_seed
 from rlhf_jax.timeline import Timeline
@@ -61,6 +62,7 @@ class Job:
 
   policy: policy_lib.Policy | None = None
   side: grpo_async.AsyncSide | None = None  # Async RL's rollout.
+  fused: ScoringPasses | None = None  # Passes run on the tail's freed devices.
   sft_layout: Any = None    # Async RL: the warm-start's (every device).
 
   def trainable(self, params):
@@ -116,15 +118,17 @@ def grpo_step(job: Job, step: int, state: TrainState, ref_params, prompts):
     rollout_params = co.to_rollout(state.params)
     opt_state = co.park(state.opt_state)
   job.rollout.set_weights(rollout_params, co.version, master=co.master)
-  with co.span("rollout"):  # Rewards are scored as groups finish.
-    sampled = job.sample(prompts, step)
+  with co.span("rollout"), scoring_passes.during(
+      job.fused, job.rollout, policy=rollout_params, ref=ref_params) as fused:
+    sampled = job.sample(prompts, step)  # Rewards scored as groups finish.
   with co.span("repartition"):
     params = co.to_train(rollout_params)
-  with co.span("scoring"), colocate.transient(co, ref_params) as ref:
+  with co.span("scoring"), scoring_passes.reference(
+      co, ref_params, fused) as ref:
     keep = co.fresh(sampled.samples)  # Raises on stale ones unless "drop".
     batch, info = _train_batch(job, sampled.samples, sampled.rewards,
                                keep & sampled.valid, params, ref,
-                               minibatches=rl.num_minibatches)
+                               minibatches=rl.num_minibatches, fused=fused)
     jax.block_until_ready(batch)  # Before the reference copy is freed.
   with co.span("train"):
     state = TrainState(params, co.unpark(opt_state), state.step)
@@ -191,11 +195,12 @@ def streamed_step(job: Job, step: int, state: TrainState, ref_params,
 
 
 def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,
-                 minibatches: int, current=None):
+                 minibatches: int, current=None, fused=None):
   """The device training batch of whole groups and its info: the
   ADVANTAGES stage's, the response lengths and the trained tokens. With
   `rl.pack_length`, packed rows dealt to `minibatches` mini-batches;
-  `current`: `Preparer.put`'s."""
+  `current`: `Preparer.put`'s; `fused`: the scores of the passes that ran
+  during the rollout (`scoring_passes.during`), not run here then."""
   G, rl = job.c.rollout.samples_per_row, job.c.rl
   slots = packing.Slots(
       rl.pack_length, minibatches, rl.micro_batches,
@@ -204,8 +209,12 @@ def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,
       samples, job.source.prompt_len, job.c.rollout.max_new_tokens,
       group_size=G if rl.share_prompt and G > 1 else 0,
       trainable=trainable, slots=slots)
-  batch, info = job.preparer(params, ref,
-                             job.preparer.put(packed, rewards, current))
+  batch = job.preparer.put(packed, rewards, current)
+  if fused is None:
+    batch, info = job.preparer(params, ref, batch)
+  else:
+    batch, info = job.preparer.from_scores(
+        batch, job.fused.assemble(samples, fused, packed))
   return batch, {**info, "response_len": packed.response_len,
                  "tokens": float(packed.arrays["loss_mask"].sum())}
 
@@ -262,6 +271,7 @@ def build(config, timeline: Timeline | None = None) -> Job:
     side = grpo_async.build_side(c, p, source, async_layout)
   return Job(
       c=c, source=source, graphdef=p.graphdef, params=p.params,
+      fused=policy_lib.fused_scoring(c, p, source.prompt_len),
       train_layout=train_layout, rollout_layout=rollout_layout,
       learner=p.learner,
       preparer=prepare.Preparer(p.learner, rl.advantage_config(

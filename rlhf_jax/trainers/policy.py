@@ -9,7 +9,8 @@ graphdef), the train <-> rollout switch (`Colocation`; with LoRA or
 and the job's rollouts, which run the rollout model. `fresh_states` turns
 the post-SFT params into the checkpointed states: the policy's train state
 and, without LoRA, a frozen reference copy (a LoRA policy's reference is
-its own base).
+its own base). `fused_scoring` gives the job the forward passes the
+long-tail rollout runs on the replicas its tail frees, when they apply.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from rlhf_jax.models import build as model_build
@@ -26,6 +28,7 @@ from rlhf_jax.models import hf_adapters, lora, rollout_copy
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl import objectives
+from rlhf_jax.rl.scoring_passes import ScoringPasses
 from rlhf_jax.rl.learner import Learner, make_optimizer
 from rlhf_jax.rollout import build as rollout_build
 
@@ -101,3 +104,40 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
                 colocation=co, rollout=rollout, eval_rollout=eval_rollout,
                 lora_spec=spec, lora_init_from=c.lora.init_from,
                 seed=c.seed, train_layout=train_layout)
+
+
+def _unfused_because(c, p: Policy) -> str | None:
+  """Why the step's passes cannot run on the tail's freed replicas."""
+  reasons = (
+      (c.rollout.workers.num > 0, "the rollout runs on elastic workers"),
+      (c.asynchronous.enabled, "asynchronous RL"),
+      (c.rl.stream or c.rl.dynamic_sampling,
+       "rl.stream and rl.dynamic_sampling score per part or round"),
+      (c.rl.pack_length > 0, "packed rows (rl.pack_length > 0)"),
+      (not p.colocation.rollout_is_master,
+       "the rollout copy is not the training weights (cast, quantized or "
+       "LoRA-merged): its log-probs are not the trainer's"))
+  return next((why for bad, why in reasons if bad), None)
+
+
+def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None
+                  ) -> ScoringPasses | None:
+  """The passes the long-tail rollout runs on finished samples
+  (`rollout.long_tail.fusion`, `rl/scoring_passes.py`): the policy's and
+  reference's log-probs, and with `heads_graphdef` (PPO) the reward
+  model's scores and the critic's values. None where fusion is off or
+  cannot apply (logged): the step then runs them after the rollout."""
+  tail = c.rollout.long_tail
+  if not (tail.enabled and tail.fusion):
+    return None
+  why = _unfused_because(c, p)
+  if why is not None:
+    logging.info("rollout.long_tail.fusion: scoring after the rollout, "
+                 "because %s", why)
+    return None
+  passes = ScoringPasses(
+      p.graphdef, prompt_len=prompt_len, max_new=c.rollout.max_new_tokens,
+      heads_graphdef=heads_graphdef, with_rm=heads_graphdef is not None,
+      with_critic=heads_graphdef is not None)
+  p.rollout.device_scorer = passes
+  return passes

@@ -6,7 +6,9 @@ One step (InstructGPT-style), top to bottom in `ppo_step`:
             samples G responses per prompt; tracked verifiable rewards are
             scored as groups finish (logged only);
   scoring   the reward model scores each sequence on device, the critic
-            gives values, and the ADVANTAGES stage (`rl/prepare.py`, one
+            gives values (with `rollout.long_tail.fusion`, these passes and
+            the log-probs' ran during the rollout, on the replicas its
+            tail freed: `rl/scoring_passes.py`), and the ADVANTAGES stage (`rl/prepare.py`, one
             jitted function shared with GRPO) the actor's and reference's
             log-probs, r_t = score at the last token - beta * KL_t,
             GAE(gamma, lambda) and whitened advantages;
@@ -42,7 +44,7 @@ from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.model_score import ScalarHead
 from rlhf_jax.rewards.scoring import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
-from rlhf_jax.rl import objectives, prepare
+from rlhf_jax.rl import objectives, prepare, scoring_passes
 from rlhf_jax.rl.learner import Learner, TrainState, make_optimizer
 from rlhf_jax.rl.learner import train_epochs
 from rlhf_jax.rollout.base import Rollout, generate, step_seed
@@ -76,6 +78,7 @@ class Job:
   cfg: Any = None            # The actor's ModelConfig.
   rollout_layout: Any = None
   policy: Any = None         # The actor's `policy_lib.Policy`.
+  fused: Any = None          # `ScoringPasses` on the tail's freed devices.
 
   @property
   def tokenizer(self):
@@ -98,16 +101,19 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
     actor_opt, critic_state = (co.park(actor_state.opt_state),
                                co.park(critic_state))
   job.rollout.set_weights(rollout_params, co.version, master=co.master)
-  with co.span("rollout"):
+  with co.span("rollout"), scoring_passes.during(
+      job.fused, job.rollout, policy=rollout_params, ref=ref_params,
+      rm=job.rm_params, critic=critic_state.params) as fused:
     sampled = generate(job.rollout, prompts, c.rollout.samples_per_row,
                        step_seed(c.seed, step), step=step, scorer=job.tracked)
   with co.span("repartition"):
     params = co.to_train(rollout_params)
-  with co.span("scoring"), colocate.transient(co, ref_params) as ref:
+  with co.span("scoring"), scoring_passes.reference(
+      co, ref_params, fused) as ref:
     keep = co.fresh(sampled.samples)  # Raises on stale ones unless "drop".
     critic_state = co.unpark(critic_state)
     batch, info = _train_batch(job, sampled.samples, keep, params, ref,
-                               critic_state.params)
+                               critic_state.params, fused)
     jax.block_until_ready(batch)  # Before the reference copy is freed.
   with co.span("train"):
     actor_state = TrainState(params, co.unpark(actor_opt), actor_state.step)
@@ -126,11 +132,19 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
       alarm_kl=c.rl.mismatch_alarm_kl)
 
 
-def _train_batch(job: Job, samples, trainable, params, ref, critic_params):
+def _train_batch(job: Job, samples, trainable, params, ref, critic_params,
+                 fused=None):
   """The training batch: reward-model scores, critic values, then the
-  ADVANTAGES stage (GAE); and its info."""
+  ADVANTAGES stage (GAE); and its info. `fused`: the scores of the passes
+  that ran during the rollout (`scoring_passes.during`), not run here
+  then."""
   packed = batch_lib.pack(samples, job.source.prompt_len,
                           job.c.rollout.max_new_tokens, trainable=trainable)
+  if fused is not None:
+    per_token = job.fused.assemble(samples, fused, packed)
+    batch = job.preparer.put(packed, rewards=per_token.pop("rewards"))
+    batch, info = job.preparer.from_scores(batch, per_token)
+    return batch, {**info, "response_len": packed.response_len}
   batch = job.preparer.put(packed)
   scores = job.heads.scores(job.rm_params, batch)
   values = job.heads.values(critic_params, batch)
@@ -187,6 +201,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
   _check_reward_model_task(config, rm_config)
   p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
   rl = c.rl
+  fused = policy_lib.fused_scoring(c, p, source.prompt_len,
+                                   heads_graphdef=rm_graphdef)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
   return Job(
       c=c, source=source, graphdef=p.graphdef, params=p.params,
@@ -202,7 +218,7 @@ def build(config, timeline: Timeline | None = None) -> Job:
                            "zero") if rl.tracked_rewards else None,
       rollout=p.rollout, eval_rollout=p.eval_rollout,
       colocation=p.colocation, cfg=p.cfg, rollout_layout=rollout_layout,
-      policy=p)
+      policy=p, fused=fused)
 
 
 def run(config, workdir: str):

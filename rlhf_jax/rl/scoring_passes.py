@@ -1,0 +1,235 @@
+"""The step's forward passes over finished samples, on any layout (fusion).
+
+A training batch needs, per sample: the policy's log-probs of its tokens
+(old log-probs), the reference's, and for PPO the reward model's score and
+the critic's values. Unfused, the step runs them after the rollout on the
+training layout (`rl/prepare.py`). Fused (RLHFuse's inter-stage fusion),
+`ScoringPasses` is the long-tail rollout's device `Scorer`: the tail
+controller (`engine/long_tail.TailController`) hands it chunks of samples
+as they finish, on the replicas the consolidated tail no longer needs, and
+the results join the training batch (`assemble`, then
+`Preparer.from_scores`) without a second pass.
+
+  rollout.device_scorer = passes = ScoringPasses(graphdef, ...)
+  with during(passes, rollout, policy=rollout_params, ref=ref, ...) as fused:
+    ... the rollout calls passes.score(chunk, layout) as samples finish ...
+  per_token = passes.assemble(samples, fused, packed)  # fused: by key
+
+A chunk is packed as `rl/batch.pack` packs the training batch (repeated
+layout: prompt + response per row), cut to a power-of-two length that
+holds its longest sample: samples that finish early are short, and the
+causal forward of a prefix does not depend on what follows it. The policy
+is the rollout copy itself, viewed on the scoring replicas without a copy
+(`submesh.view`); the reference, reward model and critic (which wait in
+host memory while the rollout decodes) are placed on each scoring layout
+once a step and freed by `end`.
+
+Dimension letters: B sequences, T positions (Tc a chunk's), N groups, G
+per group, R max new tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from rlhf_jax.models import reward_model
+from rlhf_jax.parallel import colocate, repartition, submesh
+from rlhf_jax.parallel.layout import Layout, use_layout
+from rlhf_jax.rl import batch as batch_lib
+from rlhf_jax.rl import grouped
+
+# What each pass writes: per token ([B, T]) or per sequence ([B]).
+PER_TOKEN = ("old_logp", "ref_logp", "values")
+_FIELDS = ("tokens", "positions", "attn_mask", "targets", "loss_mask")
+
+
+class ScoringPasses:
+  """Old and reference log-probs, reward-model scores, critic values."""
+
+  def __init__(self, graphdef, *, prompt_len: int, max_new: int,
+               with_ref: bool = True, heads_graphdef=None,
+               with_rm: bool = False, with_critic: bool = False):
+    """
+    Args:
+      graphdef: the policy's (and reference's) graph.
+      prompt_len, max_new: P and M of the training batch (T = P + M).
+      with_ref: run the reference's log-probs.
+      heads_graphdef: the scalar-head graph of the reward model and critic.
+      with_rm, with_critic: run the reward model's score / critic's values.
+    """
+    if (with_rm or with_critic) and heads_graphdef is None:
+      raise ValueError("reward-model and critic passes need heads_graphdef")
+    self.graphdef, self.heads_graphdef = graphdef, heads_graphdef
+    self.prompt_len, self.max_new = prompt_len, max_new
+    self.names = {"policy": "old_logp"}
+    if with_ref:
+      self.names["ref"] = "ref_logp"
+    if with_rm:
+      self.names["rm"] = "rewards"
+    if with_critic:
+      self.names["critic"] = "values"
+    self.scored = 0                       # Samples scored this step.
+    self._trees: dict[str, Any] = {}
+    self._placed: dict[tuple, dict] = {}  # Per scoring layout.
+    self._fns: dict[tuple, Any] = {}
+
+  # ---------------------------------------------------------------- step
+  def begin(self, **trees) -> None:
+    """This step's weights: `policy` (the rollout copy, rollout layout) and
+    `ref`, `rm`, `critic` as the passes need them (any placement)."""
+    missing = set(self.names) - set(trees)
+    if missing:
+      raise ValueError(f"scoring passes need weights for {sorted(missing)}")
+    self.end()
+    self._trees = {k: trees[k] for k in self.names}
+    self.scored = 0
+
+  def end(self) -> None:
+    """Drops the copies placed on scoring layouts and the weights."""
+    # Dropped, not deleted: a copy may alias its source's buffers (a leaf
+    # already on those devices), which the caller still holds.
+    self._placed, self._trees = {}, {}
+
+  # -------------------------------------------------------------- passes
+  def score(self, samples: Sequence, layout: Layout) -> dict:
+    """Dispatches every pass over `samples` on `layout`; returns device
+    arrays: per-token [n, Tc] and the reward model's [n]."""
+    if not self._trees:
+      raise RuntimeError("ScoringPasses.score before begin()")
+    key = (tuple(d.id for d in submesh.devices_of(layout)),
+           tuple(layout.mesh.shape.items()))
+    if key not in self._placed:
+      self._placed[key] = self._place(layout)
+      self._fns[key] = self._fns.get(key) or jax.jit(
+          lambda trees, arrays, layout=layout: self._passes(layout, trees,
+                                                            arrays))
+    arrays = self._chunk_arrays(samples, layout)
+    sharding = layout.sharding(("batch", None), arrays["tokens"].shape)
+    arrays = jax.device_put(arrays, sharding)
+    out = self._fns[key](self._placed[key], arrays)
+    self.scored += len(samples)
+    return jax.tree.map(lambda x: x[:len(samples)], out)
+
+  def _place(self, layout: Layout) -> dict:
+    placed = {}
+    for name, tree in self._trees.items():
+      shardings = layout.param_shardings(tree)
+      if name == "policy":  # Every replica holds it whole: a view.
+        placed[name] = jax.tree.map(submesh.view, tree, shardings)
+      else:
+        placed[name] = _put(tree, shardings)
+    return placed
+
+  def _chunk_arrays(self, samples, layout) -> dict:
+    """The chunk packed as the training batch is, cut to a power-of-two
+    length; rows padded to a multiple of the layout's replicas."""
+    longest = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
+    T = self.prompt_len + self.max_new
+    Tc = min(T, 1 << (longest - 1).bit_length())
+    arrays = {k: v[:, :Tc] for k, v in batch_lib.pack(
+        samples, self.prompt_len, self.max_new).arrays.items()
+              if k in _FIELDS}
+    shards = layout.mesh.shape["data"]
+    pad = -len(samples) % shards
+    return {k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+            for k, v in arrays.items()}
+
+  def _passes(self, layout, trees, arrays):
+    out = {}
+    with use_layout(layout):
+      for name, params in trees.items():
+        if name in ("policy", "ref"):
+          out[self.names[name]] = grouped.token_logprobs_in_layout(
+              self.graphdef, params, arrays)
+        else:
+          fn = reward_model.score if name == "rm" else reward_model.values
+          out[self.names[name]] = fn(
+              self.heads_graphdef, params, arrays["tokens"],
+              arrays["positions"], arrays["attn_mask"])
+    return out
+
+  # ------------------------------------------------------------ assemble
+  def assemble(self, samples: Sequence, scores: dict,
+               packed: batch_lib.PackedBatch) -> dict:
+    """Host arrays of every pass for the training batch `packed` (of
+    `samples`, in order): per token laid out like its `loss_mask`
+    (repeated [B, T] or grouped [N, G, R]), reward-model scores [B].
+    Raises if a sample was not scored."""
+    missing = [s.key for s in samples if s.key not in scores]
+    if missing:
+      raise RuntimeError(f"{len(missing)} of {len(samples)} samples have no "
+                         f"fused scores (first: {missing[0]})")
+    T = self.prompt_len + self.max_new
+    out = {}
+    for name in self.names.values():
+      if name == "rewards":
+        out[name] = np.array([scores[s.key][name] for s in samples],
+                             np.float32)
+        continue
+      rows = np.zeros((len(samples), T), np.float32)
+      for b, s in enumerate(samples):
+        row = scores[s.key][name]
+        rows[b, :row.shape[0]] = row
+      out[name] = _like_mask(rows, samples, packed)
+    return out
+
+
+def _put(tree, shardings):
+  """`tree` (on device or parked in host memory) on device `shardings`."""
+  def one(x, s):
+    kind = x.sharding.memory_kind
+    if kind in (None, "device"):
+      return jax.device_put(x, s)
+    # Host to host across devices, then up: a direct put of a parked leaf
+    # can keep its host memory kind under a device sharding.
+    return repartition.reload(jax.device_put(x, s.with_memory_kind(kind)),
+                              donate=False)  # It may alias the source.
+  return jax.tree.map(one, tree, shardings)
+
+
+def during(passes: ScoringPasses | None, rollout, **weights):
+  """Context of one rollout whose finished samples `passes` score (the
+  step's `weights`, see `ScoringPasses.begin`); yields a dict that holds
+  the scores by sample key once the rollout ends (`rollout.scores`), or
+  None without passes."""
+  if passes is None:
+    return contextlib.nullcontext(None)
+
+  @contextlib.contextmanager
+  def scope():
+    scores = {}
+    passes.begin(**weights)
+    try:
+      yield scores
+    finally:
+      passes.end()
+    scores.update(rollout.scores)
+  return scope()
+
+
+def reference(co: colocate.Colocation, ref_params, fused):
+  """The reference on device for the scoring phase (`colocate.transient`),
+  or None when its pass ran fused."""
+  if fused is not None:
+    return contextlib.nullcontext(None)
+  return colocate.transient(co, ref_params)
+
+
+def _like_mask(rows_BxT, samples, packed) -> np.ndarray:
+  """Repeated-layout rows in the layout of `packed.arrays["loss_mask"]`."""
+  mask = packed.arrays["loss_mask"]
+  if grouped.is_packed(packed.arrays):
+    raise ValueError("fused scoring does not build packed rows "
+                     "(rl.pack_length > 0)")
+  if mask.ndim == 2:
+    return rows_BxT
+  N, G, R = mask.shape  # Grouped: response token j is target p - 1 + j.
+  out = np.zeros((N * G, R), np.float32)
+  for b, s in enumerate(samples):
+    p, r = len(s.prompt_tokens), len(s.tokens)
+    out[b, :r] = rows_BxT[b, p - 1:p - 1 + r]
+  return out.reshape(N, G, R)
