@@ -254,3 +254,36 @@ def test_long_tail_config_errors_name_the_key(key, value, match):
   with pytest.raises(ConfigError, match=f"config.rollout.long_tail.{match}="):
     RLJob.from_config(c)
 
+
+
+@pytest.mark.slow
+def test_fused_grpo_step_equals_the_unfused_step(mesh8):
+  """[fuse] tiny_grpo (grouped layout, KL loss) with the tail consolidated:
+  the policy and reference passes run on the freed replicas as samples
+  finish, and the step's numbers equal those of the same step with
+  `fusion=False` (the passes after the rollout); every sample is scored
+  once."""
+  del mesh8
+  from configs import tiny_grpo
+  from rlhf_jax.trainers import grpo
+
+  def job_of(fusion):
+    c = tiny_grpo.get_config("runlocal")
+    c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
+                               fusion=fusion, score_chunk=4)
+    c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
+    return grpo.build(c)
+
+  fused, plain = job_of(True), job_of(False)
+  assert fused.fused is not None and plain.fused is None
+  prompts = next(fused.iterator)
+  _, ours = fakes.first_step(fused, prompts)
+  _, theirs = fakes.first_step(plain, prompts)
+  assert fused.fused.scored == len(prompts.prompt_ids) * (
+      fused.c.rollout.samples_per_row)
+  assert ours["rollout/scoring_chunks"] >= fused.fused.scored // 4
+  assert ours["rollout/consolidations"] >= 1
+  for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss",
+            "train/grad_norm", "train/kl", "rollout/logprob_gap"):
+    np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-7,
+                               err_msg=k)

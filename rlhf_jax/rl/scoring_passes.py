@@ -195,8 +195,8 @@ def during(passes: ScoringPasses | None, rollout, **weights):
   """Context of one rollout whose finished samples `passes` score (the
   step's `weights`, see `ScoringPasses.begin`); yields a dict that holds
   the scores by sample key once the rollout ends (`rollout.scores`), or
-  None without passes."""
-  if passes is None:
+  None without passes or when `rollout` does not run them."""
+  if passes is None or getattr(rollout, "device_scorer", None) is not passes:
     return contextlib.nullcontext(None)
 
   @contextlib.contextmanager
