@@ -65,6 +65,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import long_tail_ppo
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts and repeats.")
@@ -77,6 +78,7 @@ _MEDIAN = flags.DEFINE_float("median_len", 8.0, "Median prompt mean length.")
 _R_T = flags.DEFINE_float("consolidate_below", 0.2, "R_t of ours.")
 _CHUNK = flags.DEFINE_integer("score_chunk", 8, "Samples per scoring chunk.")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
+_PPO = flags.DEFINE_bool("ppo", True, "Also the PPO step, fused or not.")
 
 PROMPT_LEN = 16
 REPLICAS = 8
@@ -367,7 +369,6 @@ def main(argv):
       r["static"].makespan / r["ours"].makespan for r in (
           simulate({m: v[i] for m, v in step_times.items()})
           for i in range(repeats)))
-  bench_wall = time.perf_counter() - t_start
 
   lengths = trace.ravel()
   print(f"\ntrace: {n_prompts} prompts x G={G}, lengths median "
@@ -394,10 +395,56 @@ def main(argv):
         f"{({m: round(v, 2) for m, v in overlaps.items()})}")
   print(f"speedup vs static: live {live_speedup:.2f}x, sim "
         f"{sim_speedup:.2f}x ({sim_speedup / live_speedup - 1:+.1%})")
+  ppo = None
+  if _PPO.value:  # PPO: the passes fused into the tail, or after it.
+    ppo = long_tail_ppo.run(
+        cfg, graphdef, layout, train, lambda: LocalRollout(
+            EngineSet(cfg, graphdef, layout, rows_per_replica=rpr,
+                      samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
+                      sampling=sampling),
+            tail=_tail_configs(chunk, _R_T.value)["ours"],
+            history=LengthHistory(1.0), timeline=Timeline(None)),
+        requests, prompt_len=PROMPT_LEN, max_new=M, group_size=G,
+        repeats=repeats, log=lambda line: print(line, flush=True),
+        sim_rollout=lambda score_s, fusion: sim_rows.simulate(
+            trace, replicas=REPLICAS, rows_per_replica=rpr, policy="ours",
+            costs=sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
+                                     score_s=score_s, move_s=move_s),
+            consolidate_below=_R_T.value, score_chunk=chunk,
+            score_overlap=overlap, fusion=fusion).makespan)
+    head = (f"{'ppo step':<10}{'wall s':>8}{'sim s':>7}{'rollout':>9}"
+            f"{'sim':>6}{'scoring':>9}{'train':>7}{'idle':>7}{'chunks':>7}")
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, m in ppo["modes"].items():
+      print(f"{name:<10}{m['wall_s']:>8.2f}{m['sim_wall_s']:>7.2f}"
+            f"{m['rollout_s']:>9.2f}{m['sim_rollout_s']:>6.2f}"
+            f"{m['scoring_s']:>9.2f}{m['train_s']:>7.2f}"
+            f"{m['idle_fraction']:>7.3f}{m['chunks']:>7.0f}")
+    print(f"ppo step speedup vs unfused: live {ppo['speedup_vs_unfused']:.2f}x"
+          f", sim {ppo['sim_speedup_vs_unfused']:.2f}x "
+          f"({ppo['sim_rel_error']:+.1%}); chunked vs unfused "
+          f"{ppo['chunked_vs_unfused']:.2f}x, fused vs chunked "
+          f"{ppo['fused_vs_chunked']:.2f}x; chunk cost fit {ppo['chunk_fit']}")
+  bench_wall = time.perf_counter() - t_start
   print(f"wall time: {bench_wall:.0f}s")
 
   def r3(x):
     return round(float(x), 3)
+
+  ppo_json = {} if ppo is None else dict(
+      ppo_step_speedup_vs_unfused=r3(ppo["speedup_vs_unfused"]),
+      ppo_step_idle_fraction=r3(ppo["modes"]["fused"]["idle_fraction"]),
+      ppo_step_idle_fraction_unfused=r3(
+          ppo["modes"]["unfused"]["idle_fraction"]),
+      ppo_chunked_vs_unfused=r3(ppo["chunked_vs_unfused"]),
+      ppo_fused_vs_chunked=r3(ppo["fused_vs_chunked"]),
+      ppo_sim_step_speedup_vs_unfused=r3(ppo["sim_speedup_vs_unfused"]),
+      ppo_sim_rel_error=r3(ppo["sim_rel_error"]),
+      ppo_step_s={k: r3(v["wall_s"]) for k, v in ppo["modes"].items()},
+      ppo_sim_step_s={k: r3(v["sim_wall_s"])
+                      for k, v in ppo["modes"].items()},
+      ppo_idle_fraction={k: r3(v["idle_fraction"])
+                         for k, v in ppo["modes"].items()})
 
   print(json.dumps(dict(
       speedup_vs_static=r3(live_speedup),
@@ -426,6 +473,7 @@ def main(argv):
                       score_s=round(score_s, 5), move_s=round(move_s, 5),
                       score_overlap=r3(overlap)),
       prompts=n_prompts, samples_per_row=G, max_new_tokens=M,
+      **ppo_json,
       repeats=repeats, quick=_QUICK.value, bench_wall_s=round(bench_wall, 1))))
 
 

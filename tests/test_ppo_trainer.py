@@ -285,10 +285,10 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
   assert sorted(fused) == sorted(s.key for s in samples)
   params = co.to_train(rollout_params)
   keep = np.ones(len(samples), bool)
-  ours, ours_info = ppo._train_batch(job, samples, keep, params, None,
-                                     critic, fused)
-  theirs, theirs_info = ppo._train_batch(job, samples, keep, params, ref,
-                                         critic)
+  ours, ours_info = ppo.train_batch(job, samples, keep, params, None,
+                                    critic, fused)
+  theirs, theirs_info = ppo.train_batch(job, samples, keep, params, ref,
+                                        critic)
   mask = np.asarray(theirs["loss_mask"])
   assert mask.sum() > 0
   def close(got, want, k):  # Entries near 0: to the array's scale.
@@ -314,7 +314,7 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
     np.testing.assert_allclose(mine[k], base[k], rtol=1e-5, atol=1e-6,
                                err_msg=k)
   assert mine["rollout/consolidations"] >= 1
-  assert mine["rollout/scoring_chunks"] >= len(samples) // 4
+  assert mine["rollout/scoring_chunks"] >= len(samples) // 8
   spans = job.colocation.timeline.step_spans(1)
   decode = [s for s in spans if s.phase == "rollout"
             and s.group.startswith("replica")]

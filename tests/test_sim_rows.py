@@ -39,7 +39,7 @@ def test_static_waits_for_the_wave():
 
 
 def test_prefill_and_scoring_are_serial_without_fusion():
-  costs = rows.UnitCosts({1: 1.0}, prefill_s=0.25, score_s=lambda n: 0.5 * n)
+  costs = rows.UnitCosts({1: 1.0}, prefill_s=0.25, score_s=lambda n, longest: 0.5 * n)
   r = _sim([[3, 5], [2, 2]], "continuous", costs, score_chunk=3)
   # 7 steps, 2 prefills, chunks of 3 + 1 samples after the last one.
   assert r.makespan == pytest.approx(7 + 2 * 0.25 + 1.5 + 0.5)
@@ -69,17 +69,21 @@ def test_consolidation_hand_checked():
 
 
 def test_fused_scoring_overlaps_the_tail():
-  # Row 0: [10, 5], row 1: [1, 1]; chunks of one sample cost 3 s. Row 1's
-  # two chunks run on both replicas before consolidation (serial); then the
-  # chunk of the 5-token sample (iteration 5) runs on the freed replica
-  # while row 0 decodes, hidden with score_overlap=1, not with 0.
+  # Row 0: [10, 5], row 1: [1, 1]; steps cost 1 s, chunks of one sample
+  # 3 s. Row 1's two samples finish at iteration 1 and wait while both
+  # replicas decode; the consolidation onto replica 0 (at once: 2 of 4
+  # unfinished < 0.6) frees replica 1, which scores them at 1-4 and 4-7,
+  # the 5-token sample (iteration 5, t = 5) at 7-10 and the last (t = 10)
+  # at 10-13: all hidden behind decoding with score_overlap=1. With 0 the
+  # host loop pays each chunk: 1 + 3 + 3, then 4 steps to t = 11, 3 more,
+  # 5 steps to 19, and the last chunk to 22.
   costs = rows.UnitCosts({1: 1.0, 2: 1.0}, 0.0, 3.0)
   kw = dict(replicas=2, rows_per_replica=1, consolidate_below=0.6,
             score_chunk=1)
   hidden = _sim([[10, 5], [1, 1]], "ours", costs, score_overlap=1.0, **kw)
   serial = _sim([[10, 5], [1, 1]], "ours", costs, score_overlap=0.0, **kw)
-  assert hidden.makespan == pytest.approx(1 + 6 + 9 + 3)
-  assert serial.makespan == pytest.approx(hidden.makespan + 3)
+  assert hidden.makespan == pytest.approx(10 + 3)
+  assert serial.makespan == pytest.approx(22)
   assert hidden.scoring_s == serial.scoring_s == 4 * 3.0
 
 

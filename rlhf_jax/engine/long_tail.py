@@ -183,6 +183,7 @@ class TailController(Controller):
                    for r in range(engines.replicas)]
     self._since = [timeline.now()] * engines.replicas
     self._score_free_at = timeline.now()
+    self._decoded = False  # Set by `flush`: every replica is free.
     self.load = [0.0] * engines.replicas  # Predicted tokens admitted.
 
   # ---------------------------------------------------------- assignment
@@ -215,6 +216,7 @@ class TailController(Controller):
     for r in range(self.m):
       self._set_phase(r, "rollout" if r in busy else "idle", now)
     self._poll_scores(now)
+    self._dispatch_due()  # A queue slot may have freed.
 
   def _busy_replicas(self, driver) -> set[int]:
     rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
@@ -301,26 +303,41 @@ class TailController(Controller):
         end - now)
     self.m = m
     self._last = None
+    self._dispatch_due()  # Finished samples waited for freed replicas.
 
   # ------------------------------------------------------------ fusion
   def scoring_layout(self) -> Layout:
+    """The freed replicas; every replica before consolidation and once
+    the decode is over."""
+    if self._decoded:
+      return self.o.layout
     rest = self.o.parts(self.m)[1]
     return rest if rest is not None else self.o.parts(self.m)[0]
 
   def scoring_replicas(self) -> list[int]:
-    if self.m == self.o.replicas:
+    if self.m == self.o.replicas or self._decoded:
       return list(range(self.o.replicas))
     return list(range(self.m, self.o.replicas))
 
   def finished(self, sample):
-    """A sample finished: buffer it for the scorer, dispatch full chunks."""
+    """A sample finished: buffer it for the scorer, dispatch what is due."""
     if self.scorer is None:
       return
     self.buffer.append(sample)
-    t = self.tail
-    if t.fusion and len(self.buffer) >= t.score_chunk:
-      self._dispatch(self.buffer[:t.score_chunk])
-      del self.buffer[:t.score_chunk]
+    self._dispatch_due()
+
+  def _dispatch_due(self):
+    """Chunks of the buffer `sched.tail.scoring_chunk` releases."""
+    while self.scorer is not None:
+      n = tail_rules.scoring_chunk(
+          len(self.buffer), self.tail.score_chunk,
+          len(self.scoring_replicas()), fusion=self.tail.fusion,
+          freed=self.m < self.o.replicas, decoded=self._decoded,
+          in_flight=len(self.pending_scores))
+      if not n:
+        return
+      self._dispatch(self.buffer[:n])
+      del self.buffer[:n]
 
   def _dispatch(self, chunk):
     layout = self.scoring_layout()
@@ -352,12 +369,11 @@ class TailController(Controller):
     self.pending_scores = keep
 
   def flush(self) -> dict:
-    """Scores what is buffered, waits for every chunk; the scores by key."""
+    """Scores what is buffered (the decode is over: on every replica),
+    waits for every chunk; the scores by key."""
+    self._decoded = True
     if self.scorer is not None:
-      size = self.tail.score_chunk
-      for i in range(0, len(self.buffer), size):
-        self._dispatch(self.buffer[i:i + size])
-      self.buffer = []
+      self._dispatch_due()
       self._poll_scores(self.timeline.now(), block=True)
     return self.scores
 

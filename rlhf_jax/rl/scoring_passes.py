@@ -10,7 +10,7 @@ as they finish, on the replicas the consolidated tail no longer needs, and
 the results join the training batch (`assemble`, then
 `Preparer.from_scores`) without a second pass.
 
-  rollout.device_scorer = passes = ScoringPasses(graphdef, ...)
+  passes = ScoringPasses(graphdef, ...)
   with during(passes, rollout, policy=rollout_params, ref=ref, ...) as fused:
     ... the rollout calls passes.score(chunk, layout) as samples finish ...
   per_token = passes.assemble(samples, fused, packed)  # fused: by key
@@ -73,6 +73,7 @@ class ScoringPasses:
     if with_critic:
       self.names["critic"] = "values"
     self.scored = 0                       # Samples scored this step.
+    self.dispatched: list = []            # This step's (chunk, layout)s.
     self._trees: dict[str, Any] = {}
     self._placed: dict[tuple, dict] = {}  # Per scoring layout.
     self._fns: dict[tuple, Any] = {}
@@ -86,7 +87,7 @@ class ScoringPasses:
       raise ValueError(f"scoring passes need weights for {sorted(missing)}")
     self.end()
     self._trees = {k: trees[k] for k in self.names}
-    self.scored = 0
+    self.scored, self.dispatched = 0, []
 
   def end(self) -> None:
     """Drops the copies placed on scoring layouts and the weights."""
@@ -112,6 +113,7 @@ class ScoringPasses:
     arrays = jax.device_put(arrays, sharding)
     out = self._fns[key](self._placed[key], arrays)
     self.scored += len(samples)
+    self.dispatched.append((list(samples), layout))
     return jax.tree.map(lambda x: x[:len(samples)], out)
 
   def _place(self, layout: Layout) -> dict:
@@ -124,12 +126,16 @@ class ScoringPasses:
         placed[name] = _put(tree, shardings)
     return placed
 
-  def _chunk_arrays(self, samples, layout) -> dict:
-    """The chunk packed as the training batch is, cut to a power-of-two
-    length; rows padded to a multiple of the layout's replicas."""
+  def chunk_length(self, samples) -> int:
+    """Tc: the power of two (at most P + M) that holds every sequence."""
     longest = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
-    T = self.prompt_len + self.max_new
-    Tc = min(T, 1 << (longest - 1).bit_length())
+    return min(self.prompt_len + self.max_new,
+               1 << (longest - 1).bit_length())
+
+  def _chunk_arrays(self, samples, layout) -> dict:
+    """The chunk packed as the training batch is, cut to `chunk_length`;
+    rows padded to a multiple of the layout's replicas."""
+    Tc = self.chunk_length(samples)
     arrays = {k: v[:, :Tc] for k, v in batch_lib.pack(
         samples, self.prompt_len, self.max_new).arrays.items()
               if k in _FIELDS}
@@ -193,19 +199,22 @@ def _put(tree, shardings):
 
 def during(passes: ScoringPasses | None, rollout, **weights):
   """Context of one rollout whose finished samples `passes` score (the
-  step's `weights`, see `ScoringPasses.begin`); yields a dict that holds
-  the scores by sample key once the rollout ends (`rollout.scores`), or
-  None without passes or when `rollout` does not run them."""
-  if passes is None or getattr(rollout, "device_scorer", None) is not passes:
+  step's `weights`, see `ScoringPasses.begin`): the rollout's device
+  scorer inside it. Yields a dict that holds the scores by sample key once
+  the rollout ends (`rollout.scores`), or None without passes or when
+  `rollout` cannot run them (`LocalRollout.runs_device_scorer`)."""
+  if passes is None or not getattr(rollout, "runs_device_scorer", False):
     return contextlib.nullcontext(None)
 
   @contextlib.contextmanager
   def scope():
     scores = {}
     passes.begin(**weights)
+    rollout.device_scorer = passes
     try:
       yield scores
     finally:
+      rollout.device_scorer = None
       passes.end()
     scores.update(rollout.scores)
   return scope()

@@ -64,9 +64,15 @@ class LocalRollout(Rollout):
     self.params = None
     self.scores: dict = {}   # A device scorer's outputs of the last run.
     # The device scorer `stream` hands finished samples to (long-tail only;
-    # `rl/scoring_passes.py`), set by the job.
+    # set for one step by `rl/scoring_passes.during`).
     self.device_scorer: Scorer | None = None
     self._metrics: dict = {}
+
+  @property
+  def runs_device_scorer(self) -> bool:
+    """Whether `device_scorer` runs: the long-tail controller hands it
+    finished samples."""
+    return self.tail.enabled
 
   @property
   def length_history(self):

@@ -75,6 +75,32 @@ def consolidation_due(unfinished: int, total: int, r_t: float, *,
           and should_consolidate(unfinished, total, r_t))
 
 
+SCORING_IN_FLIGHT = 2  # Chunks queued on the freed replicas at most.
+
+
+def scoring_chunk(buffered: int, chunk: int, shards: int, *, fusion: bool,
+                  freed: bool, decoded: bool, in_flight: int = 0) -> int:
+  """Finished samples to hand to the scoring passes now (0: wait).
+
+  RLHFuse's inter-stage fusion: finished samples wait while every replica
+  decodes; once consolidation has freed replicas (`freed`), a chunk of
+  `chunk` samples goes to them as soon as it fills, with at most
+  `SCORING_IN_FLIGHT` chunks queued there (`in_flight`): a deeper queue
+  would outlast the tail and keep the decode replicas waiting at the end.
+  Once the decode is over (`decoded`) every sample left goes, in chunks,
+  on every replica. A chunk is rounded up to a multiple of the scoring
+  replicas (`shards`) so its rows split evenly over them. Without fusion
+  only `decoded` releases samples.
+  """
+  size = -(-chunk // shards) * shards
+  if decoded:
+    return min(size, buffered)
+  if (fusion and freed and buffered >= size
+      and in_flight < SCORING_IN_FLIGHT):
+    return size
+  return 0
+
+
 def consolidation_block(rows_needed: int, rows_per_replica: int,
                         sizes: Sequence[int], current: int) -> int:
   """The smallest block size whose rows hold `rows_needed` (else

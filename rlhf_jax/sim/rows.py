@@ -22,11 +22,13 @@ deterministic, in simulated seconds, one host loop as in `engine/driver.py`:
     rows move (`move_s`) to the smallest power-of-two block of replicas
     [0, m) that holds them (rows below m * rows keep their index); again
     whenever fewer rows would fit a smaller block.
-  - Scoring: chunks of `score_chunk` samples cost `score_s(n)`. Static and
-    continuous score everything after the last sample; ours scores a chunk
-    as soon as it fills (fusion). Before consolidation a chunk runs on the
-    decode devices, serially with the loop; after, on the R - m freed
-    replicas, concurrently with the tail steps. `score_overlap` is the
+  - Scoring: chunks of `score_chunk` samples (rounded up to fill the
+    scoring replicas) cost `score_s(n)`, released by the live controller's
+    rule (`sched.tail.scoring_chunk`). Static and continuous score
+    everything after the last sample, on every replica; ours (fusion)
+    holds finished samples while every replica decodes, then scores a
+    chunk as soon as it fills on the R - m freed replicas, concurrently
+    with the tail steps, and the rest after the decode. `score_overlap` is the
     fraction of a concurrent chunk hidden behind decoding (1 on separate
     accelerators; measured on a CPU, whose fake devices share cores). The
     phase ends when decoding and every chunk are done.
@@ -55,14 +57,16 @@ class UnitCosts:
   """Measured seconds of the engine's units."""
   step_s: Mapping[int, float] | Callable[[int], float]  # m-replica step
   prefill_s: float                                      # prefill + insert
-  score_s: float | Callable[[int], float]               # chunk of n samples
+  # A chunk of n samples whose longest response has L tokens: (n, L) -> s.
+  score_s: float | Callable[[int, int], float]
   move_s: float = 0.0                                   # one consolidation
 
   def step(self, m: int) -> float:
     return self.step_s(m) if callable(self.step_s) else self.step_s[m]
 
-  def score(self, n: int) -> float:
-    return self.score_s(n) if callable(self.score_s) else self.score_s
+  def score(self, n: int, longest: int) -> float:
+    return (self.score_s(n, longest) if callable(self.score_s)
+            else self.score_s)
 
 
 @dataclasses.dataclass
@@ -89,7 +93,7 @@ class SimResult:
 def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
              policy: str, costs: UnitCosts, consolidate_below: float = 0.2,
              score_chunk: int = 8, predicted: Sequence[float] | None = None,
-             score_overlap: float = 1.0,
+             score_overlap: float = 1.0, fusion: bool | None = None,
              devices_per_replica: int = 1) -> SimResult:
   """Simulates one rollout + scoring phase of `policy` on a length trace.
 
@@ -106,6 +110,8 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
       per-prompt means, a perfect length history).
     score_overlap: fraction of a chunk on freed replicas hidden behind
       decoding (0: it adds its whole time to the loop).
+    fusion: score chunks on freed replicas during the tail (default: for
+      "ours" only); else everything after the decode.
     devices_per_replica: devices of one replica (tensor parallelism).
 
   Returns:
@@ -116,16 +122,20 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
   lengths = np.asarray(lengths_PxG, int)
   n_prompts, G = lengths.shape
   ours, R, rpr = policy == "ours", replicas, rows_per_replica
+  fusion = ours if fusion is None else fusion
   pred = np.asarray(lengths.mean(1) if predicted is None else predicted, float)
   order = (assignment.longest_first(pred, range(n_prompts)) if ours
            else list(range(n_prompts)))
   pending = collections.deque(order)
   sizes = tail.block_sizes(R)
   total, m, k = n_prompts * G, R, 0
-  rows: dict[int, list[int]] = {}   # row -> read iterations of live samples
+  rows: dict[int, list[tuple[int, int]]] = {}  # row -> live samples'
+  #                                   (read iteration, length)
   load = [0.0] * R                  # predicted tokens admitted per replica
-  no_gain, steps, moves, buffered = tail.no_gain_rows(R, rpr), 0, 0, 0
+  no_gain, steps, moves = tail.no_gain_rows(R, rpr), 0, 0
+  buffered: collections.deque[int] = collections.deque()  # their lengths
   c = dict(t=0.0, busy=0.0, live=0.0, decode=0.0, score=0.0, free_at=0.0)
+  ends: list[float] = []            # Finish times of freed-replica chunks.
 
   def spend(dt, busy, live=None):  # Host-loop time; busy/live in replicas.
     c["t"] += dt
@@ -136,37 +146,42 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
   def live_replicas():
     return len({r // rpr for r in rows})
 
-  def read(k):  # Samples read finished by iteration k; frees empty rows.
-    n = 0
+  def read(k):  # Lengths of samples read finished by iteration k; frees
+    done = []   # empty rows.
     for r in list(rows):
-      left = [f for f in rows[r] if f > k]
-      n += len(rows[r]) - len(left)
+      done += [x for f, x in rows[r] if f <= k]
+      left = [(f, x) for f, x in rows[r] if f > k]
       if left:
         rows[r] = left
       else:
         del rows[r]
-    return n
+    return done
 
-  def score(n):  # One chunk of n samples, on the scoring replicas.
-    cost = costs.score(n)
+  def score(chunk, decoded):  # One chunk on the scoring replicas.
+    cost = costs.score(len(chunk), max(chunk))
     c["score"] += cost
-    if m == R:  # Same devices as decoding: serial.
-      c["t"] += cost
+    if decoded or m == R:  # Every replica, after the chunks in flight.
+      c["t"] = max(c["t"], c["free_at"]) + cost
       c["busy"] += cost * R
       c["live"] += cost * R
       return
     start = max(c["t"], c["free_at"])
     c["free_at"] = start + cost
+    ends.append(c["free_at"])
     c["busy"] += cost * (R - m)
     c["live"] += cost * (R - m)
     c["t"] += (1.0 - score_overlap) * cost
 
-  def finished(n):
-    nonlocal buffered
-    buffered += n
-    while ours and buffered >= score_chunk:
-      score(score_chunk)
-      buffered -= score_chunk
+  def finished(done, decoded=False):  # The live controller's chunk rule.
+    buffered.extend(done)
+    while True:
+      size = tail.scoring_chunk(
+          len(buffered), score_chunk, R - m if m < R else R, fusion=fusion,
+          freed=m < R, decoded=decoded,
+          in_flight=sum(e > c["t"] for e in ends))
+      if not size:
+        return
+      score([buffered.popleft() for _ in range(size)], decoded)
 
   while pending or rows:
     k += 1
@@ -177,7 +192,7 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
         row = tail.least_loaded_row(free, load, rpr) if ours else free[0]
         free.remove(row)
         load[row // rpr] += pred[p] * G
-        rows[row] = [k + int(x) - 1 for x in lengths[p]]
+        rows[row] = [(k + int(x) - 1, int(x)) for x in lengths[p]]
         spend(costs.prefill_s, m, live_replicas())
     spend(costs.step(m), m, live_replicas())
     steps += 1
@@ -197,9 +212,8 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
       rows = {row_map[r]: v for r, v in rows.items()}
       m, moves = target, moves + 1
       spend(costs.move_s, R)
-  while buffered > 0:
-    score(min(score_chunk, buffered))
-    buffered -= score_chunk
+      finished([])  # Samples that waited for freed replicas.
+  finished([], decoded=True)
   makespan = max(c["t"], c["free_at"])
   dpr = devices_per_replica
   return SimResult(makespan, steps, moves, c["decode"], c["score"],

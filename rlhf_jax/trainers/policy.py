@@ -135,9 +135,7 @@ def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None
     logging.info("rollout.long_tail.fusion: scoring after the rollout, "
                  "because %s", why)
     return None
-  passes = ScoringPasses(
+  return ScoringPasses(
       p.graphdef, prompt_len=prompt_len, max_new=c.rollout.max_new_tokens,
       heads_graphdef=heads_graphdef, with_rm=heads_graphdef is not None,
       with_critic=heads_graphdef is not None)
-  p.rollout.device_scorer = passes
-  return passes

@@ -112,7 +112,7 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
       co, ref_params, fused) as ref:
     keep = co.fresh(sampled.samples)  # Raises on stale ones unless "drop".
     critic_state = co.unpark(critic_state)
-    batch, info = _train_batch(job, sampled.samples, keep, params, ref,
+    batch, info = train_batch(job, sampled.samples, keep, params, ref,
                                critic_state.params, fused)
     jax.block_until_ready(batch)  # Before the reference copy is freed.
   with co.span("train"):
@@ -132,12 +132,13 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
       alarm_kl=c.rl.mismatch_alarm_kl)
 
 
-def _train_batch(job: Job, samples, trainable, params, ref, critic_params,
-                 fused=None):
+def train_batch(job: Job, samples, trainable, params, ref, critic_params,
+                fused=None):
   """The training batch: reward-model scores, critic values, then the
   ADVANTAGES stage (GAE); and its info. `fused`: the scores of the passes
   that ran during the rollout (`scoring_passes.during`), not run here
-  then."""
+  then. Reads the job's `source.prompt_len`, `c.rollout`, `preparer`,
+  `heads`, `rm_params` and `fused`."""
   packed = batch_lib.pack(samples, job.source.prompt_len,
                           job.c.rollout.max_new_tokens, trainable=trainable)
   if fused is not None:
