@@ -22,8 +22,10 @@ consolidation:
 unfused -> fused is what the trainer's option changes; chunked -> fused is
 the overlap alone. The rollout copy and the training params are separate
 arrays here (no repartition in either mode). Idle fraction of the step:
-from the timeline, idle replica-seconds / (replicas x step time); after the
-rollout every replica is busy with the passes or the update.
+`Timeline.device_seconds`, idle over all device-seconds of the step (the
+controller's per-replica spans inside the rollout, where a replica with no
+live sample that is not scoring is idle; the passes and the update after
+it keep every device busy).
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ class PPOStep:
   def step(self, mode: str, requests, step: int) -> dict:
     """One PPO step in `mode`; its wall seconds, phases and idle fraction."""
     import jax
+    from rlhf_jax.parallel import submesh
     from rlhf_jax.rl import scoring_passes
     from rlhf_jax.rl.learner import train_epochs
+    from rlhf_jax.timeline import device_group
     from rlhf_jax.trainers import ppo
 
     lt, tl = self.rollout, self.rollout.timeline
@@ -115,26 +119,17 @@ class PPOStep:
                                   seed=step)
     jax.block_until_ready(self.states)
     t3 = tl.now()
-    ctl_groups = self._groups()
-    for g in ctl_groups:
-      tl.add(g, "scoring", t1, t2, step)
-      tl.add(g, "train", t2, t3, step)
-    idle = sum(s.duration for s in tl.step_spans(step)
-               if s.phase == "idle" and s.group in ctl_groups)
+    devices = device_group("all", submesh.devices_of(lt.engines.layout))
+    tl.add(devices, "rollout", t0, t1, step)
+    tl.add(devices, "scoring", t1, t2, step)
+    tl.add(devices, "train", t2, t3, step)
+    device_s = tl.device_seconds(step)
     assert len(samples) == sum(r.num_samples for r in requests)
     return dict(wall_s=t3 - t0, rollout_s=t1 - t0, scoring_s=t2 - t1,
-                train_s=t3 - t2, idle_fraction=idle / (
-                    self.replicas * (t3 - t0)),
+                train_s=t3 - t2,
+                idle_fraction=device_s["idle"] / sum(device_s.values()),
                 chunks=lt.metrics()["rollout/scoring_chunks"],
                 reward_mean=float(np.mean(jax.device_get(info["rewards"]))))
-
-  def _groups(self) -> list[str]:
-    from rlhf_jax.parallel import submesh
-    from rlhf_jax.timeline import device_group
-    devs = submesh.devices_of(self.rollout.engines.layout)
-    per = len(devs) // self.replicas
-    return [device_group(f"replica{r}", devs[r * per:(r + 1) * per])
-            for r in range(self.replicas)]
 
 
   def chunk_cost(self, requests):

@@ -8,7 +8,10 @@ and `perf/idle_s` and `perf/repartition_s` are sums over these same records.
 
 Outputs (process 0 only): `timeline.json`, Chrome/Perfetto trace-event JSON
 (opens in ui.perfetto.dev or chrome://tracing; one track per device group),
-and `timeline.png`, a matplotlib chart of the same spans. On resume,
+and `timeline.png`, a matplotlib chart of the same spans. Per step,
+`device_seconds` says how many device-seconds went to each phase (which
+devices decoded, scored, trained or idled when, the finest span winning).
+On resume,
 `truncate_after(step)` drops spans of steps after the restored checkpoint, as
 the metric writer does, so the file continues the interrupted run.
 """
@@ -133,6 +136,37 @@ class Timeline:
                   if s.phase == "repartition"])
     return {"perf/idle_s": sum(idle) / len(idle), "perf/repartition_s": rep}
 
+  def device_seconds(self, step: int) -> dict[str, float]:
+    """Device-seconds of each phase in the step's window, idle included.
+
+    A device's time goes to the phase of the finest group covering it
+    then (a replica's `scoring` span over its whole mesh's `rollout`);
+    time no span covers is idle. Groups without device ids are left out.
+    """
+    spans = [s for s in self.step_spans(step) if group_devices(s.group)]
+    if not spans:
+      return {}
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    by_device: dict[int, list[Span]] = {}
+    for s in spans:
+      for d in group_devices(s.group):
+        by_device.setdefault(d, []).append(s)
+    out = dict.fromkeys(PHASES, 0.0)
+    for mine in by_device.values():
+      events = sorted({t0, t1, *(s.start for s in mine),
+                       *(s.end for s in mine)})
+      mine = sorted(mine, key=lambda s: s.start)
+      active, i = [], 0
+      for a, b in zip(events, events[1:]):
+        while i < len(mine) and mine[i].start <= a:
+          active.append(mine[i])
+          i += 1
+        active = [s for s in active if s.end > a]
+        cover = min(active, default=None, key=lambda s: (
+            len(group_devices(s.group)), -s.start))
+        out["idle" if cover is None else cover.phase] += b - a
+    return out
+
   # ---------------------------------------------------------------- files
   def truncate_after(self, step: int) -> None:
     """Drops spans of steps > `step` (recorded before a crash)."""
@@ -207,6 +241,17 @@ class Timeline:
         start = e["ts"] / 1e6
         self.spans.append(Span(names[e["tid"]], e["name"], start,
                                start + e["dur"] / 1e6, e["args"]["step"]))
+
+
+def group_devices(group: str) -> tuple[int, ...]:
+  """The device ids in a track name of `device_group` (() for none)."""
+  if not group.endswith("]") or "[" not in group:
+    return ()
+  ids = []
+  for part in group[group.rindex("[") + 1:-1].split(","):
+    a, _, b = part.partition("-")
+    ids += range(int(a), int(b or a) + 1)
+  return tuple(ids)
 
 
 def _union(intervals) -> float:

@@ -81,3 +81,23 @@ def test_disabled_timeline_records_but_writes_nothing(tmp_path):
   _step(tl, clock, 1, [("train", 1, 0)])
   tl.write(png=True)
   assert tl.spans and not os.listdir(tmp_path)
+
+
+def test_device_seconds_take_the_finest_span():
+  """4 devices, one step: the mesh decodes 0-10 and trains 10-12; replica 2
+  scores at 6-8 and replica 3 idles from 5 inside the mesh's rollout span;
+  a track without device ids is left out. By hand: rollout 10 + 10 + 8 + 5,
+  scoring 2, idle 5, train 4 x 2; 48 device-seconds in all."""
+  t = Timeline(None)
+  t.begin_step(1)
+  t.add("all[0-3]", "rollout", 0.0, 10.0)
+  t.add("replica2[2]", "scoring", 6.0, 8.0)
+  t.add("replica3[3]", "idle", 5.0, 10.0)
+  t.add("all[0-3]", "train", 10.0, 12.0)
+  t.add("workers", "rollout", 0.0, 30.0)
+  got = t.device_seconds(1)
+  assert got["rollout"] == pytest.approx(33.0)
+  assert got["scoring"] == pytest.approx(2.0)
+  assert got["idle"] == pytest.approx(5.0)
+  assert got["train"] == pytest.approx(8.0)
+  assert sum(got.values()) == pytest.approx(48.0)

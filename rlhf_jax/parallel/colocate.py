@@ -227,6 +227,10 @@ class Colocation:
                                     if s.phase == phase)
     perf["perf/step_s"] = (max(s.end for s in spans) -
                            min(s.start for s in spans)) if spans else 0.0
+    device_s = self.timeline.device_seconds(step)
+    total = sum(device_s.values())
+    for phase, seconds in device_s.items():  # Of the devices' step time.
+      perf[f"perf/device_fraction/{phase}"] = seconds / total if total else 0.0
     return perf
 
 
