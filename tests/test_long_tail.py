@@ -287,3 +287,24 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
             "train/grad_norm", "train/kl", "rollout/logprob_gap"):
     np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-7,
                                err_msg=k)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("lora.rank", 4),                 # A merged rollout copy.
+    ("rl.pack_length", 64),           # Packed rows.
+    ("rl.dynamic_sampling", True),    # Scored per refill round.
+])
+def test_fusion_falls_back_to_scoring_after_the_rollout(key, value):
+  """[fuse] Where the fused passes would not give the trainer's numbers
+  (or have no batch to join), the job scores after the rollout."""
+  from configs import tiny_grpo
+  from rlhf_jax.trainers import grpo
+
+  import resume
+  c = resume.override(tiny_grpo.get_config("runlocal"), **{key: value})
+  c.rollout.long_tail.update(enabled=True)
+  job = grpo.build(c)
+  assert job.fused is None
+  c = tiny_grpo.get_config("runlocal")
+  c.rollout.long_tail.update(enabled=True)
+  assert grpo.build(c).fused is not None
