@@ -16,8 +16,10 @@ keep every replica stepping. Two pieces execute the decisions of
         (`consolidation_block`, `remap_rows`), their KV moved or the samples
         re-prefilled (`reprefill_choice`, `migrate.py`); the freed replicas
         become the scoring part;
-      * with a device `scorer`, scores chunks of finished samples as they
-        finish, on the scoring part (fusion);
+      * with a device `scorer` (the RL jobs' passes,
+        `rl/scoring_passes.py`), hands it chunks of finished samples as
+        `sched.tail.scoring_chunk` releases them: on the freed replicas
+        while the tail decodes (fusion), the rest once the decode is over;
       * records per-replica rollout / idle / repartition / scoring spans.
 The rollout that runs prompt batches through these is `rollout/local.py`.
 """

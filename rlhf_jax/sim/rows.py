@@ -23,7 +23,8 @@ deterministic, in simulated seconds, one host loop as in `engine/driver.py`:
     [0, m) that holds them (rows below m * rows keep their index); again
     whenever fewer rows would fit a smaller block.
   - Scoring: chunks of `score_chunk` samples (rounded up to fill the
-    scoring replicas) cost `score_s(n)`, released by the live controller's
+    scoring replicas) cost `score_s(n, L)` (L: the chunk's longest
+    response), released by the live controller's
     rule (`sched.tail.scoring_chunk`). Static and continuous score
     everything after the last sample, on every replica; ours (fusion)
     holds finished samples while every replica decodes, then scores a
