@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 import jax
-import numpy as np
 from absl import logging
 
+from rlhf_jax import distributed
 from rlhf_jax.config.sections import LongTail
 from rlhf_jax.engine import migrate
 from rlhf_jax.engine.driver import Controller, Driver, Sample
@@ -171,6 +171,7 @@ class TailController(Controller):
     self.idle_s = 0.0
     self.buffer: list[Sample] = []
     self.pending_scores: list[tuple[list[Sample], Any, float, tuple]] = []
+    self._outputs: list[tuple[list[Sample], Any]] = []  # Until `flush`.
     self.scores: dict = {}
     self.step_times: dict[int, list[float]] = {}
     self._last = None
@@ -347,9 +348,13 @@ class TailController(Controller):
     out = self.scorer.score(chunk, layout)
     self.pending_scores.append((chunk, out, start, tuple(
         self.scoring_replicas())))
+    self._outputs.append((chunk, out))
     self.chunks += 1
 
   def _poll_scores(self, now, block=False):
+    """Spans of the chunks done (all, waiting, with `block`). Outputs stay
+    on device until `flush`: reading them may be a collective, which every
+    process must reach at the same point."""
     keep = []
     for chunk, out, start, reps in self.pending_scores:
       leaves = jax.tree.leaves(out)
@@ -359,9 +364,6 @@ class TailController(Controller):
       elif not all(getattr(x, "is_ready", lambda: True)() for x in leaves):
         keep.append((chunk, out, start, reps))
         continue
-      host = jax.tree.map(np.asarray, out)
-      for i, s in enumerate(chunk):
-        self.scores[s.key] = jax.tree.map(lambda a, i=i: a[i], host)
       end = max(now, start)
       for r in reps:  # Replicas not decoding show the scoring span.
         if self._phase[r] != "rollout":
@@ -377,6 +379,11 @@ class TailController(Controller):
     if self.scorer is not None:
       self._dispatch_due()
       self._poll_scores(self.timeline.now(), block=True)
+      for chunk, out in self._outputs:  # Dispatch order on every process.
+        host = jax.tree.map(distributed.to_host, out)
+        for i, s in enumerate(chunk):
+          self.scores[s.key] = jax.tree.map(lambda a, i=i: a[i], host)
+      self._outputs = []
     return self.scores
 
 

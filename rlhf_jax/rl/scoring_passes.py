@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from rlhf_jax import distributed
 from rlhf_jax.models import reward_model
 from rlhf_jax.parallel import colocate, repartition, submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
@@ -110,7 +111,8 @@ class ScoringPasses:
                                                             arrays))
     arrays = self._chunk_arrays(samples, layout)
     sharding = layout.sharding(("batch", None), arrays["tokens"].shape)
-    arrays = jax.device_put(arrays, sharding)
+    arrays = {k: distributed.put_global(v, sharding)  # Multi-host too.
+              for k, v in arrays.items()}
     out = self._fns[key](self._placed[key], arrays)
     self.scored += len(samples)
     self.dispatched.append((list(samples), layout))
