@@ -39,7 +39,8 @@ def test_static_waits_for_the_wave():
 
 
 def test_prefill_and_scoring_are_serial_without_fusion():
-  costs = rows.UnitCosts({1: 1.0}, prefill_s=0.25, score_s=lambda n, longest: 0.5 * n)
+  costs = rows.UnitCosts({1: 1.0}, prefill_s=0.25,
+                         score_s=lambda n, longest: 0.5 * n)
   r = _sim([[3, 5], [2, 2]], "continuous", costs, score_chunk=3)
   # 7 steps, 2 prefills, chunks of 3 + 1 samples after the last one.
   assert r.makespan == pytest.approx(7 + 2 * 0.25 + 1.5 + 0.5)

@@ -15,9 +15,9 @@ log-probs included; `info` (replicated) the sequence rewards (before the
 penalty), the sequence KL, the mismatch and, with GAE, the mean
 critic value and return. `from_scores` is the same stage when the forward
 passes already ran elsewhere (`rl/scoring_passes.py`: on the devices the
-long tail freed, while it decoded): only the advantages remain. Every layout of `rl/grouped.py` works (packed
-rows: sequence sums by segment, advantages laid out per token; GAE, PPO's,
-needs one sequence per row).
+long tail freed, while it decoded): only the advantages remain. Every
+layout of `rl/grouped.py` works (packed rows: sequence sums by segment,
+advantages laid out per token; GAE, PPO's, needs one sequence per row).
 
 Dimension letters: B sequences, T positions, N groups, G per group.
 """

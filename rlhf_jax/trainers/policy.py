@@ -28,8 +28,8 @@ from rlhf_jax.models import hf_adapters, lora, rollout_copy
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl import objectives
-from rlhf_jax.rl.scoring_passes import ScoringPasses
 from rlhf_jax.rl.learner import Learner, make_optimizer
+from rlhf_jax.rl.scoring_passes import ScoringPasses
 from rlhf_jax.rollout import build as rollout_build
 
 
