@@ -6,12 +6,13 @@ One step (InstructGPT-style), top to bottom in `ppo_step`:
             samples G responses per prompt; tracked verifiable rewards are
             scored as groups finish (logged only);
   scoring   the reward model scores each sequence on device, the critic
-            gives values (with `rollout.long_tail.fusion`, these passes and
-            the log-probs' ran during the rollout, on the replicas its
-            tail freed: `rl/scoring_passes.py`), and the ADVANTAGES stage (`rl/prepare.py`, one
+            gives values, and the ADVANTAGES stage (`rl/prepare.py`, one
             jitted function shared with GRPO) the actor's and reference's
             log-probs, r_t = score at the last token - beta * KL_t,
-            GAE(gamma, lambda) and whitened advantages;
+            GAE(gamma, lambda) and whitened advantages; with
+            `rollout.long_tail.fusion` the four forward passes ran during
+            the rollout on the replicas its tail freed
+            (`rl/scoring_passes.py`) and only the advantages remain;
   train     ppo_epochs x num_minibatches; each mini-batch updates the
             actor (clipped surrogate) and the critic (clipped value loss),
             each with its own optimizer, on the same training layout.
