@@ -261,21 +261,21 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
   """[fuse] tiny_grpo (grouped layout, KL loss) with the tail consolidated:
   the policy and reference passes run on the freed replicas as samples
   finish, and the step's numbers equal those of the same step with
-  `fusion=False` (the passes after the rollout); every sample is scored
-  once."""
+  the passes after the rollout (the same job without its passes); every
+  sample is scored once."""
   del mesh8
+  import dataclasses
+
   from configs import tiny_grpo
   from rlhf_jax.trainers import grpo
 
-  def job_of(fusion):
-    c = tiny_grpo.get_config("runlocal")
-    c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
-                               fusion=fusion, score_chunk=4)
-    c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
-    return grpo.build(c)
-
-  fused, plain = job_of(True), job_of(False)
-  assert fused.fused is not None and plain.fused is None
+  c = tiny_grpo.get_config("runlocal")
+  c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
+                             score_chunk=4)
+  c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
+  fused = grpo.build(c)
+  assert fused.fused is not None
+  plain = dataclasses.replace(fused, fused=None)
   prompts = next(fused.iterator)
   _, ours = fakes.first_step(fused, prompts)
   _, theirs = fakes.first_step(plain, prompts)
@@ -290,21 +290,23 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
 
 
 @pytest.mark.parametrize("key,value", [
+    ("rollout.long_tail.fusion", False),
     ("lora.rank", 4),                 # A merged rollout copy.
     ("rl.pack_length", 64),           # Packed rows.
     ("rl.dynamic_sampling", True),    # Scored per refill round.
 ])
 def test_fusion_falls_back_to_scoring_after_the_rollout(key, value):
-  """[fuse] Where the fused passes would not give the trainer's numbers
-  (or have no batch to join), the job scores after the rollout."""
+  """[fuse] Where the fused passes are off, would not give the trainer's
+  numbers or have no batch to join, the job scores after the rollout (the
+  fused test above builds the same config without these: passes on)."""
   from configs import tiny_grpo
   from rlhf_jax.trainers import grpo
 
-  import resume
-  c = resume.override(tiny_grpo.get_config("runlocal"), **{key: value})
-  c.rollout.long_tail.update(enabled=True)
-  job = grpo.build(c)
-  assert job.fused is None
   c = tiny_grpo.get_config("runlocal")
   c.rollout.long_tail.update(enabled=True)
-  assert grpo.build(c).fused is not None
+  *path, name = key.split(".")
+  node = c
+  for part in path:
+    node = node[part]
+  node[name] = value
+  assert grpo.build(c).fused is None

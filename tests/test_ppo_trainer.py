@@ -259,14 +259,14 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
   from rlhf_jax.rl import scoring_passes
   from rlhf_jax.rollout.base import generate
 
-  def job_of(fusion):
-    c = _config(rm_workdir, **{"rollout.num_rows": 16})
-    c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
-                               fusion=fusion, score_chunk=4)
-    return ppo.build(c)
+  import dataclasses
 
-  job, plain = job_of(True), job_of(False)
-  assert job.fused is not None and plain.fused is None
+  c = _config(rm_workdir, **{"rollout.num_rows": 16})
+  c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
+                             score_chunk=4)
+  job = ppo.build(c)
+  assert job.fused is not None
+  plain = dataclasses.replace(job, fused=None)  # Passes after the rollout.
   prompts = next(job.source.iterator)
   ref = jax.tree.map(lambda x: x * 1.05, job.params)
   critic = fakes.copy_tree(job.rm_params)
@@ -314,6 +314,10 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
     np.testing.assert_allclose(mine[k], base[k], rtol=1e-5, atol=1e-6,
                                err_msg=k)
   assert mine["rollout/consolidations"] >= 1
+  fractions = {k: v for k, v in mine.items()
+               if k.startswith("perf/device_fraction/")}
+  assert sum(fractions.values()) == pytest.approx(1.0)
+  assert fractions["perf/device_fraction/scoring"] > 0
   assert mine["rollout/scoring_chunks"] >= len(samples) // 8
   spans = job.colocation.timeline.step_spans(1)
   decode = [s for s in spans if s.phase == "rollout"
