@@ -53,8 +53,7 @@ class PPOStep:
     from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from rlhf_jax.rl.scoring_passes import ScoringPasses
 
-    self.rollout, self.train = rollout, train
-    self.replicas = layout.mesh.shape["data"]
+    self.rollout = rollout
     _, self.params = model_lib.init_params(cfg, 0, train)
     self.rollout_params = jax.device_put(
         model_lib.init_params(cfg, 0, train)[1],
@@ -108,7 +107,8 @@ class PPOStep:
       samples = sorted(lt.run(requests, step=step, scorer=lt.device_scorer),
                        key=lambda s: s.key)
     t1 = tl.now()
-    self.chunks[mode] = list(self.passes.dispatched)
+    if mode != "unfused":  # The passes ran; their chunks, for the fit.
+      self.chunks[mode] = list(self.passes.dispatched)
     batch, info = ppo.train_batch(
         self.job, samples, np.ones(len(samples), bool), self.states[0].params,
         self.ref, self.states[1].params, fused)
