@@ -104,7 +104,8 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
     info: host values of the step's batch: "rewards" [B] (before any KL
       penalty), "kl" [B] (sequence KL to the reference), "response_len"
       [B], "gap_max" / "gap_mean" / "mismatch_kl" (trainer vs sampler
-      log-probs, `rl/off_policy.mismatch`).
+      log-probs, `rl/off_policy.mismatch`); on the on-policy path the
+      policy's updates measured them instead (`off_policy.on_policy`).
     trained: prefix -> metrics of every update ("train": the policy,
       "critic": PPO's value function); means are logged.
     perf: the timeline's perf/ metrics of the step.
@@ -114,6 +115,9 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
     step: the RL step (for the alarm's line).
     alarm_kl: `rl.mismatch_alarm_kl` (`off_policy.alarm`; 0 = off).
   """
+  if "gap_max" not in info:
+    measured, policy = off_policy.measured_in_updates(trained["train"])
+    info, trained = {**info, **measured}, {**trained, "train": policy}
   tokens = float(np.sum(info["response_len"]))
   out = {"rollout/reward_mean": float(np.mean(info["rewards"])),
          "rollout/kl": float(np.mean(info["kl"])),

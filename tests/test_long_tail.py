@@ -258,11 +258,12 @@ def test_long_tail_config_errors_name_the_key(key, value, match):
 
 @pytest.mark.slow
 def test_fused_grpo_step_equals_the_unfused_step(mesh8):
-  """[fuse] tiny_grpo (grouped layout, KL loss) with the tail consolidated:
-  the policy and reference passes run on the freed replicas as samples
-  finish, and the step's numbers equal those of the same step with
-  the passes after the rollout (the same job without its passes); every
-  sample is scored once."""
+  """[fuse] tiny_grpo (grouped layout, KL loss, one update a step: no
+  old-log-prob pass, `off_policy.on_policy`) with the tail consolidated:
+  the reference pass runs on the freed replicas as samples finish, and the
+  step's numbers equal those of the same step with the pass after the
+  rollout (the same job without its passes); every sample is scored once.
+  (The PPO test in test_ppo_trainer.py runs the policy's pass fused.)"""
   del mesh8
   import dataclasses
 
@@ -273,8 +274,10 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
   c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
                              score_chunk=4)
   c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
+  c.rl.num_minibatches = 1
   fused = grpo.build(c)
   assert fused.fused is not None
+  assert list(fused.fused.names) == ["ref"]  # No old-log-prob pass.
   plain = dataclasses.replace(fused, fused=None)
   prompts = next(fused.iterator)
   _, ours = fakes.first_step(fused, prompts)
@@ -294,6 +297,7 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
     ("lora.rank", 4),                 # A merged rollout copy.
     ("rl.pack_length", 64),           # Packed rows.
     ("rl.dynamic_sampling", True),    # Scored per refill round.
+    ("rollout.quantize", "int8"),     # Old log-probs need the trainer's.
 ])
 def test_fusion_falls_back_to_scoring_after_the_rollout(key, value):
   """[fuse] Where the fused passes are off, would not give the trainer's
@@ -310,3 +314,19 @@ def test_fusion_falls_back_to_scoring_after_the_rollout(key, value):
     node = node[part]
   node[name] = value
   assert grpo.build(c).fused is None
+
+
+def test_on_policy_fusion_runs_with_a_quantized_rollout_copy():
+  """[fuse] With one update a step no pass reads the rollout copy, so a
+  cast or quantized one fuses too: the reference's pass alone."""
+  from configs import tiny_grpo
+  from rlhf_jax.trainers import grpo
+
+  c = tiny_grpo.get_config("runlocal")
+  c.rollout.long_tail.update(enabled=True)
+  c.rollout.quantize = "int8"
+  c.rl.num_minibatches = 1
+  job = grpo.build(c)
+  assert not job.colocation.rollout_is_master
+  assert list(job.fused.names) == ["ref"]
+

@@ -217,3 +217,80 @@ def test_exact_path_agrees_and_a_perturbed_sampler_sounds_the_alarm(
   assert perturbed["rollout/mismatch_alarm"] == 1.0
   assert "sampler and trainer disagree" in caplog.text
   assert perturbed["train/is_capped_frac"] > 0  # TIS truncated some.
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_on_policy_update_equals_the_update_after_an_old_logp_pass(
+    model, share_prompt):
+  """One update per batch (`off_policy.on_policy`): no old-log-prob pass,
+  the loss anchors on stop_gradient(logp). Through the Preparer and the
+  learner (2 micro-batches, TIS, KL loss, 8 devices, repeated and grouped
+  layouts), the update equals the one after the pass (params, loss, grad
+  norm), and the mismatch the loss measures equals numpy's from the
+  trainer's log-probs over the current samples' tokens."""
+  import optax
+
+  from rlhf_jax.rl import batch as batch_lib
+  from rlhf_jax.rl.learner import train_epochs
+  from rlhf_jax.rl.prepare import AdvantageConfig, Preparer
+  from rlhf_jax.engine.driver import Sample
+
+  layout, graphdef, params = model
+  rng = np.random.default_rng(5)
+  N, G, P, M = 4, 4, 6, 10
+  samples = []
+  for n in range(N):
+    prompt = rng.integers(1, CFG.vocab_size, rng.integers(3, P + 1))
+    for g in range(G):
+      r = int(rng.integers(2, M + 1))
+      samples.append(Sample(
+          n, g, prompt, list(rng.integers(1, CFG.vocab_size, r)),
+          logp=[0.0] * r, logp_raw=[0.0] * r, finish_reason="stop",
+          weight_version=0))
+  packed = batch_lib.pack(samples, P, M, group_size=G if share_prompt else 0)
+  rewards = rng.random(N * G).astype(np.float32)
+  current = rng.random(N * G) > 0.3
+  results = {}
+  for on_policy in (False, True):
+    learner = objectives.policy_learner(
+        graphdef, layout, objectives.PolicyLossConfig(
+            kl_coef=0.05, importance_weight="tis", importance_cap=1.2,
+            on_policy=on_policy), optax.sgd(0.5), micro_batches=2)
+    preparer = Preparer(learner, AdvantageConfig(
+        "grpo", G, kl_coef=0.05, on_policy=on_policy))
+    if not on_policy:  # The sampler: the trainer's log-probs, perturbed.
+      trainer = np.asarray(learner.logprobs(params, learner.put_batch(
+          dict(packed.arrays))))
+      noise = rng.normal(size=trainer.shape).astype(np.float32) * 0.3
+      mask = packed.arrays["loss_mask"]
+      packed.sampler_logp[...] = (trainer + noise) * mask
+    batch = preparer.put(packed, rewards, current)
+    batch, info = preparer(params, params, batch)
+    state = learner.init_state(jax.tree.map(jnp.copy, params))
+    (state,), (trained,) = train_epochs([learner], [state], batch, epochs=1,
+                                        num_minibatches=1, seed=0)
+    results[on_policy] = (set(batch), jax.device_get(info), trained,
+                          jax.device_get(state.params))
+  keys_off, info_off, trained_off, params_off = results[False]
+  keys_on, info_on, trained_on, params_on = results[True]
+  assert "old_logp" in keys_off and "old_logp" not in keys_on
+  assert "gap_max" in info_off and "gap_max" not in info_on
+  measured, trained_on = off_policy.measured_in_updates(trained_on)
+  for k in ("loss", "grad_norm", "kl", "is_weight_mean", "is_capped_frac"):
+    np.testing.assert_allclose(trained_on[0][k], trained_off[0][k],
+                               rtol=1e-5, atol=1e-7, err_msg=k)
+  assert trained_on[0]["is_capped_frac"] > 0  # TIS is exercised.
+  moved = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(params_on), jax.tree.leaves(jax.device_get(params))))
+  assert moved > 1e-3
+  for a, b in zip(jax.tree.leaves(params_on), jax.tree.leaves(params_off)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # numpy over the current samples' trained tokens.
+  flat = lambda x: np.asarray(x, np.float64).reshape(N * G, -1)  # noqa: E731
+  tokens = flat(mask) * current[:, None]
+  d = (flat(trainer) - flat(packed.sampler_logp))[tokens > 0]
+  expected = {"gap_max": np.abs(d).max(), "gap_mean": np.abs(d).mean(),
+              "mismatch_kl": (np.exp(d) - 1 - d).mean()}
+  for k, v in expected.items():
+    np.testing.assert_allclose(measured[k], v, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(info_off[k], v, rtol=1e-5, err_msg=k)

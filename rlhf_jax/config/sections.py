@@ -375,7 +375,7 @@ class RL:
         estimator=self.advantage, group_size=group_size,
         kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
         kl_in_loss=self.kl_in_loss, gamma=self.gamma, lam=self.lam,
-        whiten=self.whiten_advantages)
+        whiten=self.whiten_advantages, on_policy=off_policy.on_policy(self))
 
   def policy_loss_config(self, max_len: int):
     """The clipped policy objective of this section (`rl/objectives.py`)."""
@@ -386,7 +386,8 @@ class RL:
         kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
         kl_in_loss=self.kl_in_loss, aggregation=self.aggregation,
         max_len=max_len, importance_weight=self.importance_weight,
-        importance_cap=self.importance_cap)
+        importance_cap=self.importance_cap,
+        on_policy=off_policy.on_policy(self))
 
 
 @dataclasses.dataclass(frozen=True)

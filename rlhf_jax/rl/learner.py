@@ -39,6 +39,23 @@ WeightFn = Callable[[Batch], jax.Array]
 MAX_AHEAD = 8
 
 
+# Aux metrics are means over micro-batches, except those named "*_max"
+# (the max) and "*_sum" (the sum), which are totals over the batch.
+_TOTALS = ("_max", "_sum")
+
+
+def add_aux(a: dict, b: dict) -> dict:
+  """Two parts' aux metrics combined: the max of "*_max", else the sum."""
+  return {k: jnp.maximum(a[k], b[k]) if k.endswith("_max") else a[k] + b[k]
+          for k in a}
+
+
+def add_sums(a, b):
+  """Two parts' `Learner.grad_sums` combined (streamed parts)."""
+  (g1, n1, a1, w1), (g2, n2, a2, w2) = a, b
+  return jax.tree.map(jnp.add, g1, g2), n1 + n2, add_aux(a1, a2), w1 + w2
+
+
 @struct.dataclass
 class TrainState:
   params: Any
@@ -235,7 +252,7 @@ class Learner:
       g_acc, loss_acc, a_acc = carry
       (loss_mb, aux), g = grad_fn(params, mb)
       return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_mb,
-              jax.tree.map(jnp.add, a_acc, aux)), None
+              add_aux(a_acc, aux)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     _, aux_shape = jax.eval_shape(loss, params, first)
@@ -252,7 +269,8 @@ class Learner:
     updates, opt_state = self.optimizer.update(grads, state.opt_state,
                                                trained)
     params = self.join(optax.apply_updates(trained, updates), frozen)
-    metrics = {k: v / num_micro for k, v in aux.items()}
+    metrics = {k: v if k.endswith(_TOTALS) else v / num_micro
+               for k, v in aux.items()}
     metrics.update(loss=loss_value, grad_norm=optax.tree.norm(grads))
     return TrainState(params, opt_state, state.step + 1), metrics
 

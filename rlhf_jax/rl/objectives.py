@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from rlhf_jax.models import reward_model
@@ -56,6 +57,11 @@ class PolicyLossConfig:
   # (decoupled PPO) | "tis" | "mis", with cap C.
   importance_weight: str = "none"
   importance_cap: float = 2.0
+  # One update per batch (`off_policy.on_policy`): the anchor is the
+  # weights being trained, stop_gradient(logp); batches carry no old_logp
+  # and the loss measures the sampler mismatch (`off_policy.mismatch_sums`
+  # over "mismatch_mask", default the loss mask).
+  on_policy: bool = False
 
 
 def policy_terms(c: PolicyLossConfig):
@@ -83,15 +89,22 @@ def policy_terms(c: PolicyLossConfig):
     logp, entropy, _ = grouped.target_logprobs(graphdef, params, mb)
     mb = grouped.per_sequence(mb)
     mask = mb["loss_mask"]
-    loss, m = loss_fn(logp, mb["old_logp"], mb["advantages"], mask,
+    aux = {}
+    if c.on_policy:
+      old_logp = jax.lax.stop_gradient(logp)
+      aux = off_policy.mismatch_sums(old_logp, mb["sampler_logp"],
+                                     mb.get("mismatch_mask", mask))
+    else:
+      old_logp = mb["old_logp"]
+    loss, m = loss_fn(logp, old_logp, mb["advantages"], mask,
                       clip_low=c.clip_low, clip_high=c.clip_high,
                       clip_c=c.clip_c)
-    aux = {}
     if c.importance_weight != "none":
-      w, aux = off_policy.behaviour_weights(
-          mb["old_logp"], mb["sampler_logp"], mask,
+      w, weights_aux = off_policy.behaviour_weights(
+          old_logp, mb["sampler_logp"], mask,
           weighting=c.importance_weight, cap=c.importance_cap)
       loss = loss * w
+      aux.update(weights_aux)
     kl = registry.get("kl_estimator", c.kl_estimator)(logp, mb["ref_logp"])
     if c.kl_in_loss and c.kl_coef:
       loss = loss + losses.kl_loss(logp, mb["ref_logp"], mask,

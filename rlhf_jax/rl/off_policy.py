@@ -26,6 +26,12 @@ token's gap is staleness, not a mismatch): max |log mu - log pi_prox| and
 KL(mu || pi_prox), estimated per token by k3 with r = pi_prox / mu
 (r - 1 - log r >= 0; unbiased under samples of mu). `alarm` logs and
 flags a step whose KL passes `rl.mismatch_alarm_kl`.
+
+The on-policy path (`on_policy`: one update per batch) has no pass for
+pi_prox: it is the weights being trained, so the loss takes
+stop_gradient(log pi_theta) as the anchor (r_t = 1, same gradient) and
+measures the mismatch itself (`mismatch_sums`, reduced over micro-batches
+and streamed parts by `Learner`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,16 @@ WEIGHTINGS = ("none", "is", "tis", "mis")
 # log w is clamped here before exp, so an extreme token (or an env token's
 # zero sampler log-prob) gives a large finite weight, never inf * 0 = nan.
 _MAX_LOG_WEIGHT = 20.0
+
+
+def on_policy(rl) -> bool:
+  """Whether the PPO anchor pi_prox is the weights the update starts from,
+  so that no pass before the update computes it: one update per batch
+  (`rl.ppo_epochs` x `rl.num_minibatches` = 1; a streamed step then makes
+  one update of all its parts) and no KL reward penalty (which reads
+  pi_prox before the update). `rl`: the `RL` config section."""
+  return (rl.ppo_epochs * rl.num_minibatches == 1
+          and (rl.kl_in_loss or not rl.kl_coef))
 
 
 def behaviour_weights(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array,
@@ -84,20 +100,54 @@ def behaviour_weights(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array,
   return w, metrics
 
 
-def mismatch(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
-             mask_BxT: jax.Array) -> dict[str, jax.Array]:
-  """Sampler vs trainer over the tokens of `mask_BxT` (those the trainer's
-  current weights sampled): "gap_max" and "gap_mean" (|log mu - log pi|)
-  and "mismatch_kl" (k3 estimate of KL(mu || pi) per token), fp32 scalars;
-  all 0 when no token is masked in."""
+def mismatch_sums(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
+                  mask_BxT: jax.Array) -> dict[str, jax.Array]:
+  """What `mismatch` reduces, as fp32 scalars that add up over parts of a
+  batch (micro-batches, streamed parts): "mismatch_gap_max" (the max, which
+  combines by max), "mismatch_gap_sum" (|log mu - log pi|),
+  "mismatch_k3_sum" (k3 of KL(mu || pi)) and "mismatch_tokens_sum" over
+  the tokens of `mask_BxT`."""
   mask = jnp.asarray(mask_BxT).astype(jnp.float32)
   log_r = jnp.where(mask > 0, trainer_logp_BxT.astype(jnp.float32)
                     - sampler_logp_BxT.astype(jnp.float32), 0.0)
   gap = jnp.abs(log_r)
   # expm1 keeps the precision of r - 1 - log r when r ~= 1.
   k3 = jnp.expm1(jnp.minimum(log_r, _MAX_LOG_WEIGHT)) - log_r
-  return {"gap_max": jnp.max(gap), "gap_mean": masked_mean(gap, mask),
-          "mismatch_kl": masked_mean(k3, mask)}
+  return {"mismatch_gap_max": jnp.max(gap),
+          "mismatch_gap_sum": jnp.sum(gap * mask),
+          "mismatch_k3_sum": jnp.sum(k3 * mask),
+          "mismatch_tokens_sum": jnp.sum(mask)}
+
+
+def mismatch_of_sums(sums: dict) -> dict:
+  """"gap_max", "gap_mean" and "mismatch_kl" (per token) from
+  `mismatch_sums` (device or host values); 0 when no token is masked in."""
+  tokens = jnp.maximum(sums["mismatch_tokens_sum"], 1.0)
+  return {"gap_max": sums["mismatch_gap_max"],
+          "gap_mean": sums["mismatch_gap_sum"] / tokens,
+          "mismatch_kl": sums["mismatch_k3_sum"] / tokens}
+
+
+def mismatch(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
+             mask_BxT: jax.Array) -> dict[str, jax.Array]:
+  """Sampler vs trainer over the tokens of `mask_BxT` (those the trainer's
+  current weights sampled): "gap_max" and "gap_mean" (|log mu - log pi|)
+  and "mismatch_kl" (k3 estimate of KL(mu || pi) per token), fp32 scalars;
+  all 0 when no token is masked in."""
+  return mismatch_of_sums(mismatch_sums(trainer_logp_BxT, sampler_logp_BxT,
+                                        mask_BxT))
+
+
+def measured_in_updates(updates: list[dict]) -> tuple[dict, list[dict]]:
+  """(the mismatch, the updates' metrics without its sums) where the loss
+  measured it (`PolicyLossConfig.on_policy`): `updates` are the host
+  metrics of a step's updates, each holding `mismatch_sums`."""
+  keys = [k for k in updates[0] if k.startswith("mismatch_")]
+  sums = {k: (max if k.endswith("_max") else sum)(float(m[k])
+                                                    for m in updates)
+          for k in keys}
+  rest = [{k: v for k, v in m.items() if k not in keys} for m in updates]
+  return {k: float(v) for k, v in mismatch_of_sums(sums).items()}, rest
 
 
 def alarm(metrics: dict, threshold_kl: float, *, step: int) -> dict:

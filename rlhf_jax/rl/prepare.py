@@ -6,7 +6,8 @@ jitted function, shared by GRPO and PPO.
   batch, info = preparer.from_scores(batch, scores)  # passes already run
 
 Inside: old log-probs (the policy the samples came from, recomputed by the
-trainer), reference log-probs, the KL reward penalty (when the KL is not a
+trainer; not on the on-policy path, `off_policy.on_policy`, where the loss
+anchors on its own and measures the mismatch), reference log-probs, the KL reward penalty (when the KL is not a
 loss term), the advantage estimator (a registered group estimator on the
 sequence rewards, or GAE on the critic's `values` for PPO), and the
 sampler-vs-trainer mismatch (`rl/off_policy.py`). The result holds what
@@ -51,6 +52,9 @@ class AdvantageConfig:
   gamma: float = 1.0      # GAE.
   lam: float = 0.95
   whiten: bool = True
+  # One update per batch (`off_policy.on_policy`): no old-log-prob pass;
+  # the loss anchors on its own log-probs and measures the mismatch.
+  on_policy: bool = False
 
   @property
   def kl_penalty(self) -> float:
@@ -104,16 +108,19 @@ class Preparer:
     if ("values" in scores) != (self.c.estimator == "gae"):
       raise ValueError(f"estimator {self.c.estimator!r}: critic values are "
                        f"{'unused' if 'values' in scores else 'required'}")
+    if ("old_logp" in scores) == self.c.on_policy:
+      raise ValueError(f"on_policy={self.c.on_policy}: old log-probs are "
+                       f"{'unused' if self.c.on_policy else 'required'}")
     placed = self.learner.put_batch(dict(scores))
-    return self._jit_scored(batch, placed["old_logp"], placed["ref_logp"],
+    return self._jit_scored(batch, placed.get("old_logp"), placed["ref_logp"],
                             placed.get("values"))
 
   def _prepare(self, params, ref_params, batch, values):
     lr = self.learner
     with use_layout(lr.layout):
       model_batch = {k: v for k, v in batch.items() if k not in _INPUTS}
-      old_logp = batch_logprobs(lr.graphdef, params, model_batch,
-                                lr.micro_batches)
+      old_logp = None if self.c.on_policy else batch_logprobs(
+          lr.graphdef, params, model_batch, lr.micro_batches)
       if ref_params is None:  # A LoRA policy's reference: its own base.
         ref_params = lora.without_adapters(params)
       ref_logp = batch_logprobs(lr.graphdef, ref_params, model_batch,
@@ -127,9 +134,15 @@ class Preparer:
       model_batch = {k: v for k, v in batch.items() if k not in _INPUTS}
       mask = batch["loss_mask"]
       B = batch["rewards"].size
-      rows = [x.reshape(-1, x.shape[-1]) for x in (old_logp, ref_logp, mask)]
+      # The sequence KL (info only: no reward penalty on the on-policy
+      # path) of the sampler's log-probs where the trainer's are not run.
+      policy_logp = batch["sampler_logp"] if old_logp is None else old_logp
+      rows = [x.reshape(-1, x.shape[-1])
+              for x in (policy_logp, ref_logp, mask)]
       rewards = scores = batch["rewards"].reshape(B)
-      out = {"old_logp": old_logp, "ref_logp": ref_logp}
+      out = {"ref_logp": ref_logp}
+      if old_logp is not None:
+        out["old_logp"] = old_logp
       if c.estimator == "gae":
         if grouped.is_packed(batch):
           raise ValueError("GAE (PPO) takes one sequence per row: set "
@@ -160,8 +173,12 @@ class Preparer:
                                               batch)
         measured = mask * current.reshape(current.shape + (1,) * (
             mask.ndim - current.ndim))
-      info = {"rewards": scores, "kl": kl, **extra, **off_policy.mismatch(
-          old_logp, batch["sampler_logp"], measured)}
+      info = {"rewards": scores, "kl": kl, **extra}
+      if old_logp is None:  # The loss measures it on these tokens.
+        out["mismatch_mask"] = measured
+      else:
+        info.update(off_policy.mismatch(old_logp, batch["sampler_logp"],
+                                        measured))
       # The batch stays sharded over the batch axes, as `put_batch` places
       # it; the (small) info is replicated: every process reads it whole.
       out = {k: constrain(v, batch_axes(v)) for k, v in out.items()}

@@ -1,7 +1,7 @@
 """The step's forward passes over finished samples, on any layout (fusion).
 
 A training batch needs, per sample: the policy's log-probs of its tokens
-(old log-probs), the reference's, and for PPO the reward model's score and
+(old log-probs; not on the on-policy path), the reference's, and for PPO the reward model's score and
 the critic's values. Unfused, the step runs them after the rollout on the
 training layout (`rl/prepare.py`). Fused (RLHFuse's inter-stage fusion),
 `ScoringPasses` is the long-tail rollout's device `Scorer`: the tail
@@ -52,12 +52,15 @@ class ScoringPasses:
   """Old and reference log-probs, reward-model scores, critic values."""
 
   def __init__(self, graphdef, *, prompt_len: int, max_new: int,
-               with_ref: bool = True, heads_graphdef=None,
+               with_policy: bool = True, with_ref: bool = True,
+               heads_graphdef=None,
                with_rm: bool = False, with_critic: bool = False):
     """
     Args:
       graphdef: the policy's (and reference's) graph.
       prompt_len, max_new: P and M of the training batch (T = P + M).
+      with_policy: run the policy's log-probs (not on the on-policy path,
+        `rl/off_policy.on_policy`: the loss anchors on its own).
       with_ref: run the reference's log-probs.
       heads_graphdef: the scalar-head graph of the reward model and critic.
       with_rm, with_critic: run the reward model's score / critic's values.
@@ -66,7 +69,7 @@ class ScoringPasses:
       raise ValueError("reward-model and critic passes need heads_graphdef")
     self.graphdef, self.heads_graphdef = graphdef, heads_graphdef
     self.prompt_len, self.max_new = prompt_len, max_new
-    self.names = {"policy": "old_logp"}
+    self.names = {"policy": "old_logp"} if with_policy else {}
     if with_ref:
       self.names["ref"] = "ref_logp"
     if with_rm:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax.rl.learner import Learner, TrainState
+from rlhf_jax.rl.learner import Learner, TrainState, add_sums
 
 # (samples of whole groups, rewards, params, reference) -> (batch, info)
 PrepareFn = Callable[[Sequence[Any], np.ndarray, Any, Any], tuple[dict, dict]]
@@ -82,8 +82,7 @@ class StreamedUpdates:
                                  np.concatenate([r for _, r in part]),
                                  self._behaviour, self._ref)
       sums = self.learner.grad_sums(self.state.params, batch)
-      self.sums = sums if self.sums is None else jax.tree.map(
-          jnp.add, self.sums, sums)
+      self.sums = sums if self.sums is None else add_sums(self.sums, sums)
       self._last = self.sums
       self.summed += 1
       self.parts += 1
@@ -127,8 +126,10 @@ def merge_infos(infos: Sequence[dict]) -> dict:
   infos = jax.device_get(list(infos))
   tokens = sum(float(i["tokens"]) for i in infos)
   cat = lambda k: np.concatenate([np.asarray(i[k]) for i in infos])  # noqa: E731
-  return {"rewards": cat("rewards"), "kl": cat("kl"),
-          "response_len": cat("response_len"), "keep": cat("keep"),
-          "gap_max": max(float(i["gap_max"]) for i in infos),
-          **{k: sum(float(i[k]) * float(i["tokens"]) for i in infos)
-             / max(tokens, 1.0) for k in ("gap_mean", "mismatch_kl")}}
+  out = {"rewards": cat("rewards"), "kl": cat("kl"),
+         "response_len": cat("response_len"), "keep": cat("keep")}
+  if "gap_max" in infos[0]:  # Else the loss measured it (on-policy).
+    out.update(gap_max=max(float(i["gap_max"]) for i in infos), **{
+        k: sum(float(i[k]) * float(i["tokens"]) for i in infos)
+        / max(tokens, 1.0) for k in ("gap_mean", "mismatch_kl")})
+  return out

@@ -27,7 +27,7 @@ from rlhf_jax.models import build as model_build
 from rlhf_jax.models import hf_adapters, lora, rollout_copy
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import colocate
-from rlhf_jax.rl import objectives
+from rlhf_jax.rl import objectives, off_policy
 from rlhf_jax.rl.learner import Learner, make_optimizer
 from rlhf_jax.rl.scoring_passes import ScoringPasses
 from rlhf_jax.rollout import build as rollout_build
@@ -114,9 +114,12 @@ def _unfused_because(c, p: Policy) -> str | None:
       (c.rl.stream or c.rl.dynamic_sampling,
        "rl.stream and rl.dynamic_sampling score per part or round"),
       (c.rl.pack_length > 0, "packed rows (rl.pack_length > 0)"),
-      (not p.colocation.rollout_is_master,
-       "the rollout copy is not the training weights (cast, quantized or "
-       "LoRA-merged): its log-probs are not the trainer's"))
+      (p.lora_spec is not None,
+       "LoRA: the reference is the policy's base, not a copy of its own"),
+      # Off the on-policy path the old log-probs come from the rollout copy.
+      (not (p.colocation.rollout_is_master or off_policy.on_policy(c.rl)),
+       "the rollout copy is not the training weights (cast or quantized) "
+       "and the old log-probs need the trainer's"))
   return next((why for bad, why in reasons if bad), None)
 
 
@@ -137,5 +140,6 @@ def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None
     return None
   return ScoringPasses(
       p.graphdef, prompt_len=prompt_len, max_new=c.rollout.max_new_tokens,
+      with_policy=not off_policy.on_policy(c.rl),
       heads_graphdef=heads_graphdef, with_rm=heads_graphdef is not None,
       with_critic=heads_graphdef is not None)
