@@ -330,3 +330,57 @@ def test_on_policy_fusion_runs_with_a_quantized_rollout_copy():
   assert not job.colocation.rollout_is_master
   assert list(job.fused.names) == ["ref"]
 
+
+def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
+    mesh8, monkeypatch):
+  """[fuse] A chunk of long prompts with short responses takes the grouped
+  layout (each prompt once for its samples there, partial groups padded);
+  the reference's log-probs it gives, and those of the repeated rows,
+  equal a full-length forward of the training batch's rows, laid out in
+  the repeated and the grouped batch."""
+  from rlhf_jax.parallel.layout import use_layout
+  from rlhf_jax.rl import batch as batch_lib
+  from rlhf_jax.rl import grouped
+  from rlhf_jax.rl.scoring_passes import ScoringPasses
+  from rlhf_jax.engine.driver import Sample
+
+  P, R, Gs = 48, 8, 4
+  rng = np.random.default_rng(3)
+  samples = []
+  for n, p in enumerate((40, 23)):
+    prompt = rng.integers(1, 64, p)
+    for g in range(Gs):
+      r = int(rng.integers(1, R - 1))
+      samples.append(Sample(n, g, prompt, list(rng.integers(1, 64, r)),
+                            [0.0] * r, [0.0] * r, "stop", 0))
+  train = mesh_lib.train_layout(mesh8)
+  graphdef, params = model_lib.init_params(CFG, 1, train)
+  passes = ScoringPasses(graphdef, prompt_len=P, max_new=R,
+                         with_policy=False)
+  chunk = samples[1:3] + samples[4:]  # Partial groups: 2 and 4 samples.
+  layout = mesh_lib.rollout_layout(mesh8)
+  repeated = batch_lib.pack(chunk, P, R)
+  with use_layout(train):
+    oracle = np.asarray(jax.jit(grouped.token_logprobs_in_layout,
+                                static_argnums=0)(graphdef, params,
+                                                  repeated.arrays))
+  mask = repeated.arrays["loss_mask"]
+  assert passes.runs_grouped(chunk)
+  for grouped_chunk in (True, False):
+    monkeypatch.setattr(ScoringPasses, "runs_grouped",
+                        lambda self, s, g=grouped_chunk: g)
+    passes.begin(ref=params)
+    out = jax.device_get(passes.score(chunk, layout))
+    passes.end()
+    scores = {s.key: {"ref_logp": out["ref_logp"][i]}
+              for i, s in enumerate(chunk)}
+    got = passes.assemble(chunk, scores, repeated)["ref_logp"]
+    np.testing.assert_allclose(got * mask, oracle * mask, rtol=1e-5,
+                               atol=1e-6, err_msg=f"grouped={grouped_chunk}")
+  whole = samples[:Gs]  # The grouped training batch: its responses at 0.
+  packed = batch_lib.pack(whole, P, R, group_size=Gs)
+  scores = {s.key: {"ref_logp": out["ref_logp"][0] * 0 + i}
+            for i, s in enumerate(whole)}
+  laid = passes.assemble(whole, scores, packed)["ref_logp"]
+  np.testing.assert_array_equal(
+      laid, np.arange(Gs)[None, :, None] * packed.arrays["loss_mask"])

@@ -18,7 +18,14 @@ the results join the training batch (`assemble`, then
 A chunk is packed as `rl/batch.pack` packs the training batch (repeated
 layout: prompt + response per row), cut to a power-of-two length that
 holds its longest sample: samples that finish early are short, and the
-causal forward of a prefix does not depend on what follows it. The policy
+causal forward of a prefix does not depend on what follows it. The
+log-prob passes run each prompt of the chunk once for its samples there
+instead (the grouped layout, `models/grouped.py`; partial groups padded to
+the chunk's largest) when that computes fewer token positions
+(`runs_grouped`: long prompts, several samples of one prompt); the reward
+model and critic always read the repeated rows. Every per-token output is
+response-aligned (column j: response token j), which `assemble` lays out
+as the training batch's loss mask. The policy
 is the rollout copy itself, viewed on the scoring replicas without a copy
 (`submesh.view`); the reference, reward model and critic (which wait in
 host memory while the rollout decodes) are placed on each scoring layout
@@ -30,10 +37,12 @@ per group, R max new tokens.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax import distributed
@@ -102,7 +111,8 @@ class ScoringPasses:
   # -------------------------------------------------------------- passes
   def score(self, samples: Sequence, layout: Layout) -> dict:
     """Dispatches every pass over `samples` on `layout`; returns device
-    arrays: per-token [n, Tc] and the reward model's [n]."""
+    arrays: per token [n, Rc] (response token j at column j) and the
+    reward model's [n]."""
     if not self._trees:
       raise RuntimeError("ScoringPasses.score before begin()")
     key = (tuple(d.id for d in submesh.devices_of(layout)),
@@ -110,13 +120,14 @@ class ScoringPasses:
     if key not in self._placed:
       self._placed[key] = self._place(layout)
       self._fns[key] = self._fns.get(key) or jax.jit(
-          lambda trees, arrays, layout=layout: self._passes(layout, trees,
-                                                            arrays))
+          lambda trees, arrays, width, layout=layout: self._passes(
+              layout, trees, arrays, width), static_argnums=2)
     arrays = self._chunk_arrays(samples, layout)
-    sharding = layout.sharding(("batch", None), arrays["tokens"].shape)
-    arrays = {k: distributed.put_global(v, sharding)  # Multi-host too.
+    arrays = {k: distributed.put_global(v, layout.sharding(  # Multi-host too.
+        ("batch",) + (None,) * (v.ndim - 1), v.shape))
               for k, v in arrays.items()}
-    out = self._fns[key](self._placed[key], arrays)
+    width = _pow2_at_most(max(len(s.tokens) for s in samples), self.max_new)
+    out = self._fns[key](self._placed[key], arrays, width)
     self.scored += len(samples)
     self.dispatched.append((list(samples), layout))
     return jax.tree.map(lambda x: x[:len(samples)], out)
@@ -134,33 +145,91 @@ class ScoringPasses:
   def chunk_length(self, samples) -> int:
     """Tc: the power of two (at most P + M) that holds every sequence."""
     longest = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
-    return min(self.prompt_len + self.max_new,
-               1 << (longest - 1).bit_length())
+    return _pow2_at_most(longest, self.prompt_len + self.max_new)
+
+  def grouped_positions(self, samples) -> int:
+    """Token positions of the chunk with each of its prompts run once for
+    its samples there (`models/grouped.py`), as `_chunk_arrays` pads it."""
+    counts = collections.Counter(s.prompt_id for s in samples)
+    return len(counts) * (
+        _pow2_at_most(max(len(s.prompt_tokens) for s in samples),
+                      self.prompt_len)
+        + max(counts.values()) * _pow2_at_most(
+            max(len(s.tokens) for s in samples), self.max_new))
+
+  def runs_grouped(self, samples) -> bool:
+    """Whether the log-prob passes take the grouped layout: fewer token
+    positions than the repeated rows (n x Tc). A chunk mixes whole and
+    partial groups, so either can win."""
+    log_prob_passes = {"policy", "ref"} & set(self.names)
+    return bool(log_prob_passes) and self.grouped_positions(samples) < len(
+        samples) * self.chunk_length(samples)
 
   def _chunk_arrays(self, samples, layout) -> dict:
-    """The chunk packed as the training batch is, cut to `chunk_length`;
-    rows padded to a multiple of the layout's replicas."""
-    Tc = self.chunk_length(samples)
-    arrays = {k: v[:, :Tc] for k, v in batch_lib.pack(
-        samples, self.prompt_len, self.max_new).arrays.items()
-              if k in _FIELDS}
+    """The chunk's host arrays, rows padded to a multiple of the layout's
+    replicas: the repeated rows packed as the training batch is, cut to
+    `chunk_length` (the reward model and critic, and the log-prob passes
+    unless `runs_grouped`), with each sample's first response target
+    ("start"); or / and the grouped layout (each prompt once, its samples
+    of the chunk in slots; "group" and "slot" of each sample)."""
     shards = layout.mesh.shape["data"]
-    pad = -len(samples) % shards
-    return {k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
-            for k, v in arrays.items()}
+    pad = lambda x: np.pad(  # noqa: E731
+        x, [(0, -len(x) % shards)] + [(0, 0)] * (x.ndim - 1))
+    grouped_passes = self.runs_grouped(samples)
+    out = {}
+    if not grouped_passes or {"rm", "critic"} & set(self.names):
+      Tc = self.chunk_length(samples)
+      out = {k: pad(v[:, :Tc]) for k, v in batch_lib.pack(
+          samples, self.prompt_len, self.max_new).arrays.items()
+             if k in _FIELDS}
+      out["start"] = pad(np.array([len(s.prompt_tokens) - 1
+                                   for s in samples], np.int32))
+    if grouped_passes:
+      order = list(dict.fromkeys(s.prompt_id for s in samples))
+      group = np.array([order.index(s.prompt_id) for s in samples], np.int32)
+      slot = np.zeros(len(samples), np.int32)
+      for b in range(len(samples)):
+        slot[b] = np.sum(group[:b] == group[b])
+      Pc = _pow2_at_most(max(len(s.prompt_tokens) for s in samples),
+                         self.prompt_len)
+      Rc = _pow2_at_most(max(len(s.tokens) for s in samples), self.max_new)
+      prompts = np.zeros((len(order), Pc), np.int32)
+      prompt_len = np.ones(len(order), np.int32)  # Padding rows: 1 token.
+      responses = np.zeros((len(order), int(slot.max()) + 1, Rc), np.int32)
+      for b, s in enumerate(samples):
+        p = len(s.prompt_tokens)
+        prompts[group[b], :p], prompt_len[group[b]] = s.prompt_tokens, p
+        responses[group[b], slot[b], :len(s.tokens)] = s.tokens
+      out.update(prompt_tokens=pad(prompts), prompt_len=pad(prompt_len),
+                 response_tokens=pad(responses), group=pad(group),
+                 slot=pad(slot))
+    return out
 
-  def _passes(self, layout, trees, arrays):
+  def _passes(self, layout, trees, arrays, width):
+    """Every pass; per-token outputs response-aligned, [n, width]."""
+    def responses(x_BxT):  # Column j: the target of response token j.
+      cols = arrays["start"][:, None] + np.arange(width)[None]
+      return jnp.take_along_axis(x_BxT, jnp.minimum(cols, x_BxT.shape[1] - 1),
+                                 axis=1)
+
     out = {}
     with use_layout(layout):
       for name, params in trees.items():
-        if name in ("policy", "ref"):
-          out[self.names[name]] = grouped.token_logprobs_in_layout(
-              self.graphdef, params, arrays)
+        if name in ("policy", "ref") and "group" in arrays:
+          fields = {k: arrays[k] for k in grouped.PROMPT_KEYS
+                    + ("response_tokens",)}
+          logp = grouped.token_logprobs_in_layout(self.graphdef, params,
+                                                  fields)  # [N, Gc, Rc]
+          out[self.names[name]] = logp[arrays["group"], arrays["slot"],
+                                       :width]
+        elif name in ("policy", "ref"):
+          out[self.names[name]] = responses(grouped.token_logprobs_in_layout(
+              self.graphdef, params, {k: arrays[k] for k in _FIELDS}))
         else:
           fn = reward_model.score if name == "rm" else reward_model.values
-          out[self.names[name]] = fn(
-              self.heads_graphdef, params, arrays["tokens"],
-              arrays["positions"], arrays["attn_mask"])
+          score = fn(self.heads_graphdef, params, arrays["tokens"],
+                     arrays["positions"], arrays["attn_mask"])
+          out[self.names[name]] = score if name == "rm" else responses(score)
     return out
 
   # ------------------------------------------------------------ assemble
@@ -174,19 +243,20 @@ class ScoringPasses:
     if missing:
       raise RuntimeError(f"{len(missing)} of {len(samples)} samples have no "
                          f"fused scores (first: {missing[0]})")
-    T = self.prompt_len + self.max_new
     out = {}
     for name in self.names.values():
       if name == "rewards":
         out[name] = np.array([scores[s.key][name] for s in samples],
                              np.float32)
-        continue
-      rows = np.zeros((len(samples), T), np.float32)
-      for b, s in enumerate(samples):
-        row = scores[s.key][name]
-        rows[b, :row.shape[0]] = row
-      out[name] = _like_mask(rows, samples, packed)
+      else:
+        out[name] = _like_mask([scores[s.key][name] for s in samples],
+                               samples, packed)
     return out
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+  """The power of two that holds n, at most cap."""
+  return min(cap, 1 << (n - 1).bit_length())
 
 
 def _put(tree, shardings):
@@ -233,17 +303,16 @@ def reference(co: colocate.Colocation, ref_params, fused):
   return colocate.transient(co, ref_params)
 
 
-def _like_mask(rows_BxT, samples, packed) -> np.ndarray:
-  """Repeated-layout rows in the layout of `packed.arrays["loss_mask"]`."""
+def _like_mask(responses, samples, packed) -> np.ndarray:
+  """Response-aligned per-sample values in the layout of
+  `packed.arrays["loss_mask"]` (0 elsewhere)."""
   mask = packed.arrays["loss_mask"]
   if grouped.is_packed(packed.arrays):
     raise ValueError("fused scoring does not build packed rows "
                      "(rl.pack_length > 0)")
-  if mask.ndim == 2:
-    return rows_BxT
-  N, G, R = mask.shape  # Grouped: response token j is target p - 1 + j.
-  out = np.zeros((N * G, R), np.float32)
-  for b, s in enumerate(samples):
-    p, r = len(s.prompt_tokens), len(s.tokens)
-    out[b, :r] = rows_BxT[b, p - 1:p - 1 + r]
-  return out.reshape(N, G, R)
+  out = np.zeros((len(samples), mask.shape[-1]), np.float32)
+  for b, (s, values) in enumerate(zip(samples, responses)):
+    # Repeated rows: response token j is target p - 1 + j; grouped: j.
+    at = len(s.prompt_tokens) - 1 if mask.ndim == 2 else 0
+    out[b, at:at + len(s.tokens)] = values[:len(s.tokens)]
+  return out.reshape(mask.shape)
