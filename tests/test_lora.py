@@ -334,3 +334,37 @@ def test_adapters_export_as_peft_and_start_a_run(lora_run, tmp_path):
   with pytest.raises(CheckpointError, match="are rank 16, alpha 32.0"):
     grpo.build(c)
   assert hf_adapters.read_spec(f"{out}/adapter").rank == 16
+
+
+@pytest.mark.slow
+def test_peft_applies_the_exported_adapters_as_the_merged_export(
+    lora_run, tmp_path):
+  """The adapters exported with `--adapters`, loaded by `peft` itself onto
+  the exported base in `transformers`, give the logits of the merged
+  export (and so of the policy the run trained)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  from rlhf_jax import export as export_lib
+  workdir, _ = lora_run
+  split = str(tmp_path / "split")
+  export_lib.export(workdir, split, adapters=True)
+  merged = export_lib.export(workdir, str(tmp_path / "merged")).out
+
+  def causal_lm(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager").eval()
+
+  with_adapters = peft.PeftModel.from_pretrained(
+      causal_lm(f"{split}/base"), f"{split}/adapter").eval()
+  base = causal_lm(f"{split}/base")
+  tokens, _, mask = _tokens()
+  vocab = base.config.vocab_size
+  inputs = dict(input_ids=torch.tensor(np.asarray(tokens) % vocab),
+                attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long))
+  with torch.no_grad():
+    ours, want, plain = (m(**inputs).logits.float().numpy() for m in (
+        with_adapters, causal_lm(merged), base))
+  valid = np.asarray(mask)
+  assert np.abs(want - plain)[valid].max() > 1e-3  # The adapters matter.
+  np.testing.assert_allclose(ours[valid], want[valid], rtol=0, atol=1e-4)
