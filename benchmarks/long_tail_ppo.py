@@ -76,13 +76,14 @@ class PPOStep:
         graphdef, prompt_len=prompt_len, max_new=max_new,
         heads_graphdef=heads_graphdef, with_rm=True, with_critic=True)
     # What `ppo.train_batch` reads of a job.
+    heads = ScalarHead(heads_graphdef, train)
     self.job = types.SimpleNamespace(
         source=types.SimpleNamespace(prompt_len=prompt_len),
         c=types.SimpleNamespace(rollout=types.SimpleNamespace(
             max_new_tokens=max_new)),
         preparer=prepare.Preparer(self.actor, rl.advantage_config(
             group_size)),
-        heads=ScalarHead(heads_graphdef, train), rm_params=self.rm,
+        heads=heads, critic_heads=heads, rm_params=self.rm,
         fused=self.passes)
     self._tail = rollout.tail
     self.chunks: dict[str, list] = {}  # Each mode's last (chunk, layout)s.

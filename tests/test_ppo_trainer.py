@@ -65,14 +65,27 @@ def test_runs_and_resumes_after_sigterm_as_if_uninterrupted(rm_workdir,
 
 
 @pytest.mark.slow
-def test_lora_actor_trains_adapters_against_its_base(rm_workdir, tmp_path):
-  """PPO with a LoRA actor (rank 4 on q and v): no reference copy is
-  checkpointed, the reference is the base (KL 0 until the adapters move),
-  and the merged rollout samples what the actor scores."""
+def test_lora_actor_and_critic_train_adapters_against_their_bases(
+    rm_workdir, tmp_path):
+  """PPO with LoRA (rank 4 on q and v): no reference copy is checkpointed,
+  the reference is the actor's base (KL 0 until the adapters move), and
+  the merged rollout samples what the actor scores. The critic starts as
+  the reward model (B zero: the same values) and trains its adapters and
+  value head only; a rerun resumes from the checkpoint."""
   config = _config(rm_workdir, **{"train.steps": 3, "eval.every": 3,
                                   "lora.rank": 4, "lora.alpha": 8.0,
                                   "lora.targets": ("q", "v"),
                                   "optim.learning_rate": 1e-2})
+  job = ppo.build(config)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 20, (8, 16)).astype(np.int32)
+  batch = job.actor.put_batch(dict(
+      tokens=tokens, positions=np.tile(np.arange(16, dtype=np.int32), (8, 1)),
+      attn_mask=np.arange(16)[None] < rng.integers(4, 17, 8)[:, None]))
+  critic = job.critic_init(job.rm_params)
+  np.testing.assert_allclose(job.critic_heads.values(critic, batch),
+                             job.heads.values(job.rm_params, batch),
+                             rtol=1e-6, atol=1e-6)
   ppo.run(config, str(tmp_path))
   records = _rl_records(str(tmp_path))
   assert records[1]["rollout/kl"] == 0.0
@@ -83,10 +96,19 @@ def test_lora_actor_trains_adapters_against_its_base(rm_workdir, tmp_path):
   assert 2 * r["memory/trained_param_bytes"] <= r["memory/opt_state_bytes"]
   assert r["memory/opt_state_bytes"] <= 2 * r["memory/trained_param_bytes"] + 64
   assert r["memory/trained_param_bytes"] < r["memory/frozen_param_bytes"] / 20
+  # The critic: adapters and the value head train; Adam's two moments.
+  assert r["memory/critic_opt_state_bytes"] == pytest.approx(
+      2 * r["memory/critic_trained_param_bytes"], abs=64)
+  assert (r["memory/critic_trained_param_bytes"]
+          < r["memory/critic_frozen_param_bytes"] / 20)
+  assert np.isfinite(r["critic/loss"])
   # The checkpoint holds actor and critic, no reference copy.
   with open(tmp_path / "checkpoints" / "3" / "state" / "_METADATA") as f:
     saved = {ast.literal_eval(k)[0] for k in json.load(f)["tree_metadata"]}
   assert saved == {"actor", "critic"}
+  # The checkpoint (adapters of both) restores, and the run goes on.
+  ppo.run(resume.override(config, **{"train.steps": 4}), str(tmp_path))
+  assert max(_rl_records(str(tmp_path))) == 4
 
 
 def test_missing_reward_model_names_the_command(tmp_path):

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import LoraSpec, ModelConfig
 from rlhf_jax.models.transformer import Decoder
 from rlhf_jax.parallel.layout import Layout, use_layout
@@ -78,15 +77,17 @@ def merged(params, spec: LoraSpec):
 
 
 def attach(cfg: ModelConfig, params, spec: LoraSpec, *, seed: int,
-           layout: Layout | None = None):
+           layout: Layout | None = None, model=Decoder):
   """(LoRA cfg, its graphdef, base `params` + fresh adapters born on
-  `layout`): the same adapters for the same seed, B zero (so the policy
-  starts as the base)."""
+  `layout`): the same adapters for the same seed, B zero (so the model
+  starts as the base). `model`: the class `params` are of (`Decoder`; the
+  critic's `reward_model.RewardModel`)."""
   lora_cfg = cfg.replace(lora=spec)
-  graphdef, abstract = model_lib.abstract_params(lora_cfg)
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: model(lora_cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
   def init():  # The base weights drawn here are dead code to XLA.
-    state = nnx.split(Decoder(lora_cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1]
+    state = nnx.split(model(lora_cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1]
     return split(state)[0]
 
   if layout is None:

@@ -41,6 +41,12 @@ class RewardModel(nnx.Module):
     return constrain(v_BxT, ("batch", "length"))
 
 
+# What a LoRA critic trains: the adapters (`models/lora.py`) and the value
+# head, which is new to the task (PEFT's "modules_to_save").
+LORA_TRAINABLE = nnx.Any(nnx.LoRAParam, nnx.PathContains("value_head"),
+                         nnx.PathContains("value_bias"))
+
+
 def abstract_params(cfg: ModelConfig):
   """(graphdef, params of ShapeDtypeStructs) without allocating anything."""
   model = nnx.eval_shape(lambda: RewardModel(cfg, rngs=nnx.Rngs(0)))

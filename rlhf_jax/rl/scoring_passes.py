@@ -62,7 +62,7 @@ class ScoringPasses:
 
   def __init__(self, graphdef, *, prompt_len: int, max_new: int,
                with_policy: bool = True, with_ref: bool = True,
-               heads_graphdef=None,
+               heads_graphdef=None, critic_graphdef=None,
                with_rm: bool = False, with_critic: bool = False):
     """
     Args:
@@ -71,12 +71,14 @@ class ScoringPasses:
       with_policy: run the policy's log-probs (not on the on-policy path,
         `rl/off_policy.on_policy`: the loss anchors on its own).
       with_ref: run the reference's log-probs.
-      heads_graphdef: the scalar-head graph of the reward model and critic.
+      heads_graphdef: the scalar-head graph of the reward model (and of the
+        critic, unless `critic_graphdef`: a LoRA critic's).
       with_rm, with_critic: run the reward model's score / critic's values.
     """
     if (with_rm or with_critic) and heads_graphdef is None:
       raise ValueError("reward-model and critic passes need heads_graphdef")
     self.graphdef, self.heads_graphdef = graphdef, heads_graphdef
+    self.critic_graphdef = critic_graphdef or heads_graphdef
     self.prompt_len, self.max_new = prompt_len, max_new
     self.names = {"policy": "old_logp"} if with_policy else {}
     if with_ref:
@@ -226,8 +228,10 @@ class ScoringPasses:
           out[self.names[name]] = responses(grouped.token_logprobs_in_layout(
               self.graphdef, params, {k: arrays[k] for k in _FIELDS}))
         else:
-          fn = reward_model.score if name == "rm" else reward_model.values
-          score = fn(self.heads_graphdef, params, arrays["tokens"],
+          fn, graphdef = ((reward_model.score, self.heads_graphdef)
+                          if name == "rm" else
+                          (reward_model.values, self.critic_graphdef))
+          score = fn(graphdef, params, arrays["tokens"],
                      arrays["positions"], arrays["attn_mask"])
           out[self.names[name]] = score if name == "rm" else responses(score)
     return out

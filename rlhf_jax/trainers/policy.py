@@ -123,12 +123,13 @@ def _unfused_because(c, p: Policy) -> str | None:
   return next((why for bad, why in reasons if bad), None)
 
 
-def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None
-                  ) -> ScoringPasses | None:
+def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None,
+                  critic_graphdef=None) -> ScoringPasses | None:
   """The passes the long-tail rollout runs on finished samples
   (`rollout.long_tail.fusion`, `rl/scoring_passes.py`): the policy's and
   reference's log-probs, and with `heads_graphdef` (PPO) the reward
-  model's scores and the critic's values. None where fusion is off or
+  model's scores and the critic's values (`critic_graphdef`, default
+  `heads_graphdef`). None where fusion is off or
   cannot apply (logged): the step then runs them after the rollout."""
   tail = c.rollout.long_tail
   if not (tail.enabled and tail.fusion):
@@ -141,5 +142,6 @@ def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None
   return ScoringPasses(
       p.graphdef, prompt_len=prompt_len, max_new=c.rollout.max_new_tokens,
       with_policy=not off_policy.on_policy(c.rl),
-      heads_graphdef=heads_graphdef, with_rm=heads_graphdef is not None,
+      heads_graphdef=heads_graphdef, critic_graphdef=critic_graphdef,
+      with_rm=heads_graphdef is not None,
       with_critic=heads_graphdef is not None)

@@ -20,7 +20,9 @@ One step (InstructGPT-style), top to bottom in `ppo_step`:
 The reward model comes from an `rm` job's workdir (`reward_model.workdir`);
 the critic starts as a copy of it. The actor is built as GRPO's policy
 (`trainers/policy.py`): with `config.lora` it trains adapters on a frozen
-base that is also the reference; the critic trains every weight. Resume,
+base that is also the reference, and the critic trains adapters of the same
+spec on its frozen copy of the reward model, and its value head; without,
+the critic trains every weight. Resume,
 evaluation and checkpoints (actor, critic, reference): `loop.py`.
 
 Dimension letters: B sequences, T = prompt length + max new tokens.
@@ -40,6 +42,7 @@ from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.metrics import rl_step_metrics
+from rlhf_jax.models import lora, reward_model
 from rlhf_jax.parallel import colocate
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.model_score import ScalarHead
@@ -69,7 +72,8 @@ class Job:
   actor: Learner
   critic: Learner
   preparer: prepare.Preparer
-  heads: ScalarHead          # Reward model and critic share one graph.
+  heads: ScalarHead          # The reward model's graph.
+  critic_heads: ScalarHead   # The critic's: the same, + adapters (LoRA).
   rm_params: Any
   rm_step: int
   tracked: RewardScorer | None  # Logged verifiable rewards.
@@ -80,6 +84,7 @@ class Job:
   rollout_layout: Any = None
   policy: Any = None         # The actor's `policy_lib.Policy`.
   fused: Any = None          # `ScoringPasses` on the tail's freed devices.
+  critic_init: Any = None    # Reward-model params -> the critic's.
 
   @property
   def tokenizer(self):
@@ -128,7 +133,10 @@ def ppo_step(job: Job, step: int, actor_state, critic_state, ref_params,
       sampled.metrics, {"rollout/reward_std": float(np.std(info["rewards"])),
                         "rollout/value_mean": float(info["value_mean"]),
                         "rollout/return_mean": float(info["return_mean"])},
-      job.actor.state_bytes(actor_state), version=co.version,
+      job.actor.state_bytes(actor_state), {
+          k.replace("memory/", "memory/critic_"): v
+          for k, v in job.critic.state_bytes(critic_state).items()},
+      version=co.version,
       stale=int(np.sum(~keep)), step=step,
       alarm_kl=c.rl.mismatch_alarm_kl)
 
@@ -139,7 +147,7 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
   ADVANTAGES stage (GAE); and its info. `fused`: the scores of the passes
   that ran during the rollout (`scoring_passes.during`), not run here
   then. Reads the job's `source.prompt_len`, `c.rollout`, `preparer`,
-  `heads`, `rm_params` and `fused`."""
+  `heads`, `critic_heads`, `rm_params` and `fused`."""
   packed = batch_lib.pack(samples, job.source.prompt_len,
                           job.c.rollout.max_new_tokens, trainable=trainable)
   if fused is not None:
@@ -149,7 +157,7 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
     return batch, {**info, "response_len": packed.response_len}
   batch = job.preparer.put(packed)
   scores = job.heads.scores(job.rm_params, batch)
-  values = job.heads.values(critic_params, batch)
+  values = job.critic_heads.values(critic_params, batch)
   batch, info = job.preparer(params, ref, {**batch, "rewards": scores},
                              values)
   return batch, {**info, "response_len": packed.response_len}
@@ -192,29 +200,51 @@ def _check_reward_model_task(config, rm_config):
           "scores would not mean anything for this policy's answers")
 
 
+def _critic(rm_cfg, rm_graphdef, spec, *, seed: int, layout):
+  """(graphdef, init) of the critic: init maps the reward model's params
+  to the critic's; with a LoRA `spec`, fresh adapters on them (B zero: the
+  critic starts as the reward model), else the params themselves."""
+  if spec is None:
+    return rm_graphdef, lambda params: params
+
+  def init(params):
+    return lora.attach(rm_cfg, params, spec, seed=seed, layout=layout,
+                       model=reward_model.RewardModel)[2]
+  graphdef = lora.attach(rm_cfg, reward_model.abstract_params(rm_cfg)[1],
+                         spec, seed=seed, model=reward_model.RewardModel)[1]
+  return graphdef, init
+
+
 def build(config, timeline: Timeline | None = None) -> Job:
   """Validates, loads the reward model, builds actor, critic, rollout."""
   c = RLJob.from_config(config)
   source = sources.build(config, c)
   checks.check_rl_job(c, job="ppo", prompt_len=source.prompt_len)
   train_layout, rollout_layout = mesh_lib.layouts(c.mesh)
-  rm_config, rm_graphdef, rm_params, rm_step = rm.load_trained(
+  rm_config, rm_cfg, rm_graphdef, rm_params, rm_step = rm.load_trained(
       c.reward_model.workdir, train_layout)
   _check_reward_model_task(config, rm_config)
   p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
-  rl = c.rl
+  rl, spec = c.rl, c.lora.spec()
+  critic_graphdef, critic_init = _critic(rm_cfg, rm_graphdef, spec,
+                                         seed=c.seed + 1, layout=train_layout)
   fused = policy_lib.fused_scoring(c, p, source.prompt_len,
-                                   heads_graphdef=rm_graphdef)
+                                   heads_graphdef=rm_graphdef,
+                                   critic_graphdef=critic_graphdef)
   value_terms, value_weight = objectives.value_terms(rl.value_clip or None)
   return Job(
       c=c, source=source, graphdef=p.graphdef, params=p.params,
       train_layout=train_layout, actor=p.learner,
-      critic=Learner(rm_graphdef, train_layout,
+      critic=Learner(critic_graphdef, train_layout,
                      make_optimizer(c.critic.optim), terms_fn=value_terms,
-                     weight_fn=value_weight, micro_batches=rl.micro_batches),
+                     weight_fn=value_weight, micro_batches=rl.micro_batches,
+                     trainable=None if spec is None
+                     else reward_model.LORA_TRAINABLE),
       preparer=prepare.Preparer(p.learner, rl.advantage_config(
           c.rollout.samples_per_row)),
-      heads=ScalarHead(rm_graphdef, train_layout), rm_params=rm_params,
+      heads=ScalarHead(rm_graphdef, train_layout),
+      critic_heads=ScalarHead(critic_graphdef, train_layout),
+      critic_init=critic_init, rm_params=rm_params,
       rm_step=rm_step,
       tracked=RewardScorer(source.tokenizer, rl.tracked_rewards, None,
                            "zero") if rl.tracked_rewards else None,
@@ -239,7 +269,8 @@ def run(config, workdir: str):
                      job.source.sft_arrays, writer, verbose=verbose,
                      checkpoint_dir=sft_dir, stop=stop)
     return {**job.policy.fresh_states(params, "actor"),
-            "critic": critic_learner.init_state(copy(job.rm_params))}
+            "critic": critic_learner.init_state(
+                job.critic_init(copy(job.rm_params)))}
 
   def step(s, states):
     actor_state, critic_state, metrics = ppo_step(
@@ -254,7 +285,8 @@ def run(config, workdir: str):
         fresh=fresh, step=step, history=job.rollout.length_history,
         like=lambda: {
             **job.policy.fresh_states(job.params, "actor", copy=False),
-            "critic": critic_learner.init_state(job.rm_params)},
+            "critic": critic_learner.init_state(
+                job.critic_init(job.rm_params))},
         evaluate=lambda states: evaluate(job, states["actor"].params))
   finally:
     job.rollout.close()  # Held workers stop (and stop billing).

@@ -117,7 +117,8 @@ def build(config) -> Job:
 
 
 def load_trained(workdir: str, layout):
-  """(config, graphdef, params, step) of the last checkpoint of an rm job.
+  """(config, ModelConfig, graphdef, params, step) of the last checkpoint
+  of an rm job.
 
   Rebuilds the model from the job's saved config.json, so a consumer (PPO)
   needs only the workdir. The optimizer state is restored with the params
@@ -151,7 +152,7 @@ def load_trained(workdir: str, layout):
     raise MissingInputError(f"the reward-model run in {workdir!r} has no "
                             f"checkpoint yet: finish it with `{make}`")
   step, state, _ = restored
-  return config, graphdef, state.params, step
+  return config, cfg, graphdef, state.params, step
 
 
 def train_arrays(job: Job, step: int) -> dict:
