@@ -24,7 +24,12 @@ long-tail policies of `engine/long_tail.py`):
   ours        continuous + longest predicted first on the least-loaded
               replica (length history of one earlier epoch of the same
               prompts) + consolidation at R_t onto fewer replicas (KV moved)
-              + scoring fused into decoding.
+              + scoring fused into decoding;
+  rlhfless    RLHFless's assignment (each replica decodes its own run of
+              similar predicted lengths, the longest on replica 0) and
+              release (the block shrinks by its last replica once that
+              one is done, or cut at tau = `cut_tau`, its rows moved by KV)
+              + scoring fused into decoding on the released replicas.
 Wall time of the rollout+scoring phase: median over repeats, the modes
 interleaved repeat by repeat (the machine is shared), after two warm-up
 epochs per mode (the first fills the length history, both compile every
@@ -38,7 +43,8 @@ row-level policies with unit costs measured here on the same engines:
 calibration rollout with every row full and equal budgets after each
 repeat, prefills taken off), `prefill_s` (prefill + insert), `score_s`
 (one chunk on all replicas), `move_s` (the live run's consolidation time
-per move) and `score_overlap` (the fraction of a chunk on freed replicas
+per move; rlhfless's: per release) and `score_overlap` (the fraction of a
+chunk on freed replicas
 hidden behind tail decoding: ~0 here, 8 fake devices share 2 cores). It
 predicts the speedup of ours over static, the step counts (equal to the
 live driver's) and the idle fractions.
@@ -79,10 +85,12 @@ _R_T = flags.DEFINE_float("consolidate_below", 0.2, "R_t of ours.")
 _CHUNK = flags.DEFINE_integer("score_chunk", 8, "Samples per scoring chunk.")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _PPO = flags.DEFINE_bool("ppo", True, "Also the PPO step, fused or not.")
+_TAU = flags.DEFINE_float("cut_tau", 0.8, "tau of rlhfless's local cut.")
 
 PROMPT_LEN = 16
 REPLICAS = 8
-MODES = ("static", "continuous", "ours")
+MODES = ("static", "continuous", "ours", "rlhfless")
+SIZES = tuple(range(1, REPLICAS + 1))  # Engines rlhfless's releases use.
 
 
 def length_trace(n_prompts, G, max_new, median, seed):
@@ -229,6 +237,9 @@ def _tail_configs(chunk, r_t):
       "ours": LongTail(enabled=True, assignment="length",
                        consolidate_below=r_t, migration="kv", fusion=True,
                        score_chunk=chunk),
+      "rlhfless": LongTail(enabled=True, assignment="grouped",
+                           consolidate_below=0.0, cut_tau=_TAU.value,
+                           fusion=True, score_chunk=chunk),
   }
 
 
@@ -316,17 +327,17 @@ def main(argv):
   print(f"  warm-up done ({time.perf_counter() - t_start:.0f}s)", flush=True)
   ours = rollouts["ours"]
   prefill_s = _time_prefill(ours, params, requests[0])
-  for m in ours.engines.sizes:  # Warm-up of the calibration rollouts.
+  for m in SIZES:  # Warm-up of the calibration rollouts.
     _time_steps(ours, params, m, requests[0].tokens, prefill_s)
   # Timed runs, modes interleaved repeat by repeat (the machine is shared),
   # each repeat followed by a step-cost calibration of every engine size.
   runs = {name: [] for name in MODES}
-  step_times = {m: [] for m in ours.engines.sizes}
+  step_times = {m: [] for m in SIZES}
   for i in range(repeats):
     for name in MODES:
       runs[name].append(_run(rollouts[name], params, requests, scorer,
                              step=i))
-    for m in ours.engines.sizes:
+    for m in SIZES:
       step_times[m].append(_time_steps(ours, params, m, requests[0].tokens,
                                        prefill_s))
     print(f"  repeat {i + 1}: " + ", ".join(
@@ -340,6 +351,8 @@ def main(argv):
   score_s = timing.median_time(lambda: scorer.score(samples, layout))
   o_stats = live["ours"][1]
   move_s = o_stats["perf/move_s"] / max(1, o_stats["rollout/consolidations"])
+  l_stats = live["rlhfless"][1]
+  release_s = l_stats["perf/move_s"] / max(1, l_stats["rollout/releases"])
   tail_sizes = [m for m in ours.engines.sizes
                 if o_stats["rollout/consolidated_replicas"] <= m < REPLICAS]
   overlaps = {m: _score_overlap(ours, params, scorer, samples, m, step_s[m],
@@ -347,12 +360,18 @@ def main(argv):
   overlap = statistics.fmean(overlaps.values()) if overlaps else 0.0
 
   def simulate(step_s):
-    costs = sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
-                               score_s=score_s, move_s=move_s)
-    return sim_rows.simulate_policies(
-        trace, replicas=REPLICAS, rows_per_replica=rpr, costs=costs,
-        consolidate_below=_R_T.value, score_chunk=chunk,
-        score_overlap=overlap)
+    def costs(move_s):
+      return sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
+                                score_s=score_s, move_s=move_s)
+    args = dict(replicas=REPLICAS, rows_per_replica=rpr,
+                score_chunk=chunk, score_overlap=overlap)
+    out = sim_rows.simulate_policies(
+        trace, ("static", "continuous", "ours"), costs=costs(move_s),
+        consolidate_below=_R_T.value, **args)
+    out["rlhfless"] = sim_rows.simulate(
+        trace, policy="rlhfless", costs=costs(release_s),
+        consolidate_below=0.0, cut_tau=_TAU.value, **args)
+    return out
 
   sim = simulate(step_s)
   wall = {k: v[0] for k, v in live.items()}
@@ -365,10 +384,13 @@ def main(argv):
         "perf/rollout_wall_s"] for x, y in zip(runs[a], runs[b]))
 
   live_speedup = paired("static", "ours")
+  sims = [simulate({m: v[i] for m, v in step_times.items()})
+          for i in range(repeats)]
   sim_speedup = statistics.median(
-      r["static"].makespan / r["ours"].makespan for r in (
-          simulate({m: v[i] for m, v in step_times.items()})
-          for i in range(repeats)))
+      r["static"].makespan / r["ours"].makespan for r in sims)
+  live_rlhfless = paired("rlhfless", "ours")
+  sim_rlhfless = statistics.median(
+      r["rlhfless"].makespan / r["ours"].makespan for r in sims)
 
   lengths = trace.ravel()
   print(f"\ntrace: {n_prompts} prompts x G={G}, lengths median "
@@ -376,7 +398,7 @@ def main(argv):
         f"max {lengths.max()} (cap {M}); {REPLICAS} replicas x {rpr} rows; "
         f"median of {repeats}")
   head = (f"{'mode':<12}{'wall s':>8}{'sim s':>8}{'steps':>7}{'sim':>6}"
-          f"{'idle':>7}{'sim':>7}{'replicas':>9}{'sim':>5}{'moves':>6}"
+          f"{'idle':>7}{'sim':>7}{'replicas':>9}{'sim':>5}{'switch':>6}"
           f"{'sim':>5}{'chunks':>7}")
   print(head)
   print("-" * len(head))
@@ -387,7 +409,8 @@ def main(argv):
           f"{st['timeline_idle_fraction']:>7.3f}"
           f"{s.timeline_idle_fraction:>7.3f}"
           f"{st['rollout/consolidated_replicas']:>9}{s.final_replicas:>5}"
-          f"{st['rollout/consolidations']:>6}{s.consolidations:>5}"
+          f"{st['rollout/consolidations'] + st['rollout/releases']:>6}"
+          f"{s.consolidations + s.releases:>5}"
           f"{st['rollout/scoring_chunks']:>7}")
   print(f"unit costs: step_s {({m: round(v, 4) for m, v in step_s.items()})}"
         f", prefill {prefill_s:.4f}s, score chunk {score_s:.4f}s, "
@@ -395,6 +418,10 @@ def main(argv):
         f"{({m: round(v, 2) for m, v in overlaps.items()})}")
   print(f"speedup vs static: live {live_speedup:.2f}x, sim "
         f"{sim_speedup:.2f}x ({sim_speedup / live_speedup - 1:+.1%})")
+  print(f"ours vs rlhfless: live {live_rlhfless:.2f}x, sim "
+        f"{sim_rlhfless:.2f}x ({sim_rlhfless / live_rlhfless - 1:+.1%}); "
+        f"rlhfless released {l_stats['rollout/releases']} replicas, "
+        f"{l_stats['rollout/tail_moves']} samples cut and moved")
   ppo = None
   if _PPO.value:  # PPO: the passes fused into the tail, or after it.
     ppo = long_tail_ppo.run(
@@ -468,9 +495,16 @@ def main(argv):
       sim_steps={k: v.steps for k, v in sim.items()},
       consolidated_replicas=o_stats["rollout/consolidated_replicas"],
       tail_moves=o_stats["rollout/tail_moves"],
+      ours_vs_rlhfless=r3(live_rlhfless),
+      sim_ours_vs_rlhfless=r3(sim_rlhfless),
+      rlhfless_sim_rel_error=r3(sim_rlhfless / live_rlhfless - 1),
+      rlhfless_releases=l_stats["rollout/releases"],
+      rlhfless_cut_moves=l_stats["rollout/tail_moves"],
+      idle_fraction_rlhfless=r3(stats["rlhfless"]["timeline_idle_fraction"]),
       unit_costs=dict(step_s={m: round(v, 5) for m, v in step_s.items()},
                       prefill_s=round(prefill_s, 5),
                       score_s=round(score_s, 5), move_s=round(move_s, 5),
+                      release_s=round(release_s, 5),
                       score_overlap=r3(overlap)),
       prompts=n_prompts, samples_per_row=G, max_new_tokens=M,
       **ppo_json,

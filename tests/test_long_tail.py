@@ -93,10 +93,11 @@ def _rollout(setup, history=None, paged=None, **tail) -> LocalRollout:
   return lt
 
 
-def _run(setup, paged=None, **tail):
-  """(samples, device scores, metrics) of the long-tail rollout."""
+def _run(setup, paged=None, known=True, **tail):
+  """(samples, device scores, metrics) of the long-tail rollout; `known`:
+  the lengths are predicted from an earlier epoch (else all M / 2)."""
   history = LengthHistory(0.5)
-  for r in _requests():  # Pretend an earlier epoch: predictions exist.
+  for r in _requests() if known else ():  # An earlier epoch's lengths.
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
   lt = _rollout(setup, history, paged, **tail)
   samples = list(lt.run(_requests(), scorer=_Scorer(setup[0], setup[2])))
@@ -177,6 +178,50 @@ def test_static_and_fifo_keep_tokens(setup):
                       policy="static", costs=rows.UnitCosts(
                           {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, 0.0, 0.0))
   assert sim.steps == st["rollout/steps"]
+
+
+def test_rlhfless_assignment_releases_replicas_and_keeps_tokens(setup):
+  """RLHFless on the rows engine: each replica decodes its own run of
+  prompts (no length history: runs in prompt order) and the block shrinks
+  by one replica as its last finishes or cuts at tau (rows moved by KV);
+  the plain engine's tokens, every sample once, and the row simulator
+  replays the trace to the same steps and releases."""
+  samples, scores, st = _run(setup, assignment="grouped", cut_tau=0.5,
+                             consolidate_below=0.0, score_chunk=4,
+                             known=False)
+  assert st["rollout/releases"] >= 4
+  assert st["rollout/consolidations"] == 0
+  assert st["rollout/consolidated_replicas"] == 8 - st["rollout/releases"]
+  assert st["rollout/tail_moves"] > 0  # A cut moved rows.
+  _assert_same(samples, scores, setup[3])
+  trace = np.array([r.max_new_tokens_per_sample for r in _requests()])
+  sim = rows.simulate(trace, replicas=8, rows_per_replica=RPR,
+                      policy="rlhfless", consolidate_below=0.0, cut_tau=0.5,
+                      predicted=np.full(len(trace), M / 2),
+                      costs=rows.UnitCosts(lambda m: 1.0, 0.0, 0.0))
+  assert (sim.steps, sim.releases, sim.final_replicas) == (
+      st["rollout/steps"], st["rollout/releases"],
+      st["rollout/consolidated_replicas"])
+
+
+def test_rlhfless_admission_and_release_rules():
+  """Oracle by hand: the replicas of five prompts on two replicas (equal
+  predicted tokens a side, the longest on replica 0), the admission of a
+  free row's own prompts only, and when the last replica may leave."""
+  from rlhf_jax.sched import assignment, tail
+  assert assignment.replica_of([10, 1, 9, 2, 8], 2) == [0, 1, 0, 1, 1]
+  # Free rows 2, 3 (replica 1 of 2 rows each); pending: replicas 0, 1.
+  assert tail.grouped_admission([3, 2], [0, 1], 2) == (1, 2)
+  assert tail.grouped_admission([0], [1, 1], 2) is None
+  due = dict(replicas=2, queued=0, assigned=4, unfinished=1, live_rows=1,
+             free_rows_before=1, tau=0.75)
+  assert tail.release_due(**due)
+  assert not tail.release_due(**{**due, "queued": 1})
+  assert not tail.release_due(**{**due, "unfinished": 2})  # 0.5 < tau.
+  assert not tail.release_due(**{**due, "free_rows_before": 0})
+  assert tail.release_due(**{**due, "unfinished": 0, "live_rows": 0,
+                             "free_rows_before": 0, "assigned": 0})
+  assert not tail.release_due(**{**due, "replicas": 1})
 
 
 def test_cost_aware_replica_count(setup):

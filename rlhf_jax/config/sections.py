@@ -147,7 +147,8 @@ class LongTail:
   enabled: bool = False
   history_alpha: float = 0.5       # EWMA weight of the per-prompt lengths.
   admission: str = "continuous"    # "static" | "continuous"
-  assignment: str = "length"       # "fifo" | "length"
+  assignment: str = "length"       # "fifo" | "length" | "grouped" (RLHFless)
+  cut_tau: float = 0.8             # "grouped": finished fraction to cut at
   consolidate_below: float = 0.2   # R_t (unfinished fraction); 0: never
   migration: str = "kv"            # "kv" | "reprefill" | "auto"
   reprefill_max_tokens: int = 64   # "auto": re-prefill rows this short
@@ -161,15 +162,15 @@ class LongTail:
     if isinstance(self.replicas, str) and self.replicas.isdigit():
       object.__setattr__(self, "replicas", int(self.replicas))  # CLI "4".
     _one_of(self, "admission", ("static", "continuous"))
-    _one_of(self, "assignment", ("fifo", "length"))
+    _one_of(self, "assignment", ("fifo", "length", "grouped"))
     _in_range(self, "consolidate_below", 0.0, 1.0)
     _one_of(self, "migration", ("kv", "reprefill", "auto"))
     _positive_ints(self, "score_chunk")
     if not (self.replicas in ("all", "cost") or (
         isinstance(self.replicas, int) and self.replicas >= 1)):
       _fail(self, "replicas", "must be 'all', 'cost' or a count >= 1")
-    _in_range(self, "cost_lambda", 0.0, 1.0)
-    _in_range(self, "history_alpha", 0.0, 1.0)
+    for key in ("cost_lambda", "history_alpha", "cut_tau"):
+      _in_range(self, key, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

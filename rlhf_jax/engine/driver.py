@@ -121,6 +121,13 @@ class Controller:
     del driver, request
     return free_rows[0]
 
+  def admit(self, driver: "Driver", free_rows: list[int]
+            ) -> tuple[int, int] | None:
+    """The next admission: (index into `driver.pending`, the free row it
+    goes to), or None to admit nothing more now (default: the first
+    pending request, into `choose_row`'s row)."""
+    return 0, self.choose_row(driver, free_rows, driver.pending[0])
+
   def choose_replica(self, driver, replicas: list[int],
                      request: Request) -> int:
     """The data replica of the paged engine `request`'s group goes to,
@@ -251,8 +258,12 @@ class Driver:
     if self._admission == "static" and self.live:
       free = []
     while self.pending and free:
-      req = self.pending.popleft()
-      row = ctl.choose_row(self, free, req) if ctl else free[0]
+      pick = ctl.admit(self, free) if ctl else (0, free[0])
+      if pick is None:
+        break
+      i, row = pick
+      req = self.pending[i]
+      del self.pending[i]
       free.remove(row)
       self._admit(req, row, self._common, events)
     if self.live:

@@ -3,14 +3,21 @@
 RL response lengths are long-tailed: near the end of a rollout a few samples
 keep every replica stepping. Two pieces execute the decisions of
 `rlhf_jax/sched` (the same functions the row simulator `sim/rows.py` runs):
-  - `EngineSet`: an engine on every power-of-two prefix block of the rollout
-    layout's replicas (`parallel/submesh.split`), each with the same rows
+  - `EngineSet`: an engine on prefix blocks of the rollout layout's
+    replicas (`parallel/submesh.split`; built on first use: the
+    power-of-two blocks consolidation picks, and every size down from the
+    whole under RLHFless's release), each with the same rows
     per replica, so decode runs the same per-device program wherever a row
     is and tokens equal the plain run's; weights are viewed on a block
     without a copy.
   - `TailController`: a `Driver` controller that
       * puts each request into a free row of the least-loaded replica
-        (`sched.tail.least_loaded_row`; RLHFless assignment);
+        (`sched.tail.least_loaded_row`), or with `assignment="grouped"`
+        (RLHFless) onto its own replica's run of similar predicted lengths
+        (`sched.assignment.replica_of`, `sched.tail.grouped_admission`),
+        and releases the block's last replica once it finishes or its
+        finished fraction reaches tau (`sched.tail.release_due`: its
+        live rows move to free rows of the others, the local cut);
       * consolidates (RLHFuse R_t, `sched.tail.consolidation_due`): the live
         rows move onto the smallest block that holds them
         (`consolidation_block`, `remap_rows`), their KV moved or the samples
@@ -41,6 +48,7 @@ from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout
+from rlhf_jax.sched import assignment
 from rlhf_jax.sched import tail as tail_rules
 from rlhf_jax.timeline import Timeline, device_group
 
@@ -188,6 +196,9 @@ class TailController(Controller):
     self._score_free_at = timeline.now()
     self._decoded = False  # Set by `flush`: every replica is free.
     self.load = [0.0] * engines.replicas  # Predicted tokens admitted.
+    self.assigned = [0] * engines.replicas  # Samples admitted.
+    self.releases = 0
+    self._replica_of: dict[int, int] | None = None  # id(request) -> replica
 
   # ---------------------------------------------------------- assignment
   def choose_row(self, driver, free_rows, request):
@@ -196,9 +207,28 @@ class TailController(Controller):
       row = tail_rules.least_loaded_row(free_rows, self.load, rpr)
     else:
       row = free_rows[0]
-    self.load[row // rpr] += self.predict(request) * request.num_samples
-    self.admitted += request.num_samples
+    self._admitted(request, row)
     return row
+
+  def admit(self, driver, free_rows):
+    if self.tail.assignment != "grouped":
+      return super().admit(driver, free_rows)
+    if self._replica_of is None:  # Every request is pending at the start.
+      reqs = list(driver.pending)
+      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
+          [self.predict(r) for r in reqs], self.m)))
+    pick = tail_rules.grouped_admission(
+        free_rows, [self._replica_of[id(r)] for r in driver.pending],
+        self.o.rows_per_replica)
+    if pick is not None:
+      self._admitted(driver.pending[pick[0]], pick[1])
+    return pick
+
+  def _admitted(self, request, row):
+    r = row // self.o.rows_per_replica
+    self.load[r] += self.predict(request) * request.num_samples
+    self.assigned[r] += request.num_samples
+    self.admitted += request.num_samples
 
   # -------------------------------------------------------- accounting
   def _set_phase(self, r: int, phase: str, now: float) -> None:
@@ -237,17 +267,58 @@ class TailController(Controller):
             "rollout/moved_bytes": self.moved_bytes,
             "perf/move_s": self.move_s,
             "rollout/consolidations": self.consolidations,
+            "rollout/releases": self.releases,
             "rollout/scoring_chunks": self.chunks}
 
   # ------------------------------------------------------ consolidation
   def wants_switch(self, driver):
     G = driver.engine.samples_per_row
-    return tail_rules.consolidation_due(
+    return self._release_due(driver) or tail_rules.consolidation_due(
         len(driver.live), self.admitted, self.tail.consolidate_below,
         pending=bool(driver.pending), replicas=self.m,
         live_rows=len({s // G for s in driver.live}), no_gain=self._no_gain)
 
+  def _release_due(self, driver) -> bool:
+    """`tail_rules.release_due` of the block's last replica (RLHFless)."""
+    if self._replica_of is None:
+      return False
+    rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
+    last = self.m - 1
+    rows = {s // G for s in driver.live}
+    return tail_rules.release_due(
+        replicas=self.m,
+        queued=sum(self._replica_of[id(r)] == last for r in driver.pending),
+        assigned=self.assigned[last],
+        unfinished=sum(s // G // rpr == last for s in driver.live),
+        live_rows=sum(r // rpr == last for r in rows),
+        free_rows_before=last * rpr - sum(r < last * rpr for r in rows),
+        tau=self.tail.cut_tau)
+
+  def _release(self, driver):
+    """The block's last replica leaves: its live rows (the cut) move by KV
+    to free rows of the others; the engine of one replica fewer runs on."""
+    o, G = self.o, driver.engine.samples_per_row
+    m = self.m - 1
+    now = self.timeline.now()
+    row_map, _ = tail_rules.remap_rows(sorted({s // G for s in driver.live}),
+                                       m * o.rows_per_replica)
+    src, dst = driver.engine, o.engine(m)
+    state = migrate.move_rows(src, driver.state, dst, row_map)
+    moved = sum(1 for s in driver.live if row_map[s // G] != s // G)
+    driver.live = {row_map[s // G] * G + s % G: it
+                   for s, it in driver.live.items()}
+    driver.engine, driver.state = dst, state
+    driver.params = o.params_for(self.full_params, m)
+    self.moves += moved
+    self.moved_bytes += migrate.row_bytes(src) * sum(
+        1 for a, b in row_map.items() if a != b)
+    self.releases += 1
+    self._switched(now, state, m, f"release of replica {m}", moved, 0,
+                   release=True)
+
   def switch(self, driver):
+    if self._release_due(driver):
+      return self._release(driver)
     t, o = self.tail, self.o
     G = driver.engine.samples_per_row
     live_rows = sorted({s // G for s in driver.live})
@@ -290,12 +361,13 @@ class TailController(Controller):
     self._switched(now, state, m, f"{len(live_rows)} live rows",
                    moved + len(redo_samples), len(redo_samples))
 
-  def _switched(self, now, state, m, what, moved, reprefilled):
-    """Accounting of a consolidation that started at `now`."""
+  def _switched(self, now, state, m, what, moved, reprefilled, *,
+                release=False):
+    """Accounting of a consolidation (or release) that started at `now`."""
     jax.block_until_ready(state)
     end = self.timeline.now()
     self.move_s += end - now
-    self.consolidations += 1
+    self.consolidations += not release
     for r in range(self.o.replicas):
       self._set_phase(r, "repartition", now)
     for r in range(self.o.replicas):

@@ -132,7 +132,7 @@ class LocalRollout(Rollout):
       self.scores = {}
       self._metrics = self._driver_metrics(driver)
       return
-    if t.assignment == "length":
+    if t.assignment in ("length", "grouped"):
       order = assignment.longest_first(
           [self.predicted(r) for r in requests],
           [r.prompt_id for r in requests])

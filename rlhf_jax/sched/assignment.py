@@ -70,3 +70,15 @@ def longest_first_order(predicted: dict[int, float]) -> list[int]:
   """Dispatch order for a central queue: longest predicted groups first."""
   ids = list(predicted)
   return [ids[i] for i in longest_first([predicted[g] for g in ids], ids)]
+
+
+def replica_of(predicted: Sequence[float], replicas: int) -> list[int]:
+  """RLHFless's assignment on the rows engine: the replica of each prompt
+  (by index), from `length_grouped_split` (replica 0 gets the longest,
+  the last replicas the shortest, which finish and are released first)."""
+  split = length_grouped_split(dict(enumerate(predicted)), replicas)
+  out = [0] * len(predicted)
+  for r, ids in enumerate(split):
+    for i in ids:
+      out[i] = r
+  return out

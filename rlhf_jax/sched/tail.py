@@ -14,7 +14,10 @@ Row-level rules of our engine (`engine/long_tail.py` executes them, the row
 simulator `sim/rows.py` replays them): the replicas of the rollout layout
 hold rows of G samples; admission puts a prompt into the free row of the
 least-loaded replica, and consolidation moves the live rows onto the
-smallest power-of-two prefix block of replicas that holds them. The cluster
+smallest power-of-two prefix block of replicas that holds them. With
+RLHFless's assignment instead, each replica decodes its own run of
+similar predicted lengths (`grouped_admission`) and the block shrinks by
+one replica as the last one finishes or cuts (`release_due`). The cluster
 simulator (`sim/step.py`) models instances instead of rows and uses
 `should_consolidate` once per step with `consolidation_survivors`.
 """
@@ -120,6 +123,37 @@ def paged_consolidation_block(groups: int, samples: int, pages: int,
   fits = [m for m in sizes
           if m * R >= groups and m * S >= samples and m * P >= pages]
   return min(fits) if fits else current
+
+
+def grouped_admission(free_rows: Sequence[int], pending_replicas: Sequence[int],
+                      rows_per_replica: int) -> tuple[int, int] | None:
+  """RLHFless's admission (each prompt decodes on its own replica,
+  `assignment.replica_of`): (index into the pending prompts, free row) of
+  the lowest free row whose replica has a prompt pending, its first one;
+  None when no free row's replica has one (free rows of a replica whose
+  queue is empty stay free: they take only cut samples)."""
+  for row in sorted(free_rows):
+    r = row // rows_per_replica
+    for i, replica in enumerate(pending_replicas):
+      if replica == r:
+        return i, row
+  return None
+
+
+def release_due(*, replicas: int, queued: int, assigned: int, unfinished: int,
+                live_rows: int, free_rows_before: int, tau: float) -> bool:
+  """RLHFless's release of the block's last replica (our engine shrinks
+  from its end: replicas [0, m) -> [0, m - 1)), once no prompt is queued
+  for it and either it holds no live row, or the finished fraction of its
+  samples (`assigned` admitted, `unfinished` still decoding) reached `tau`
+  and its live rows fit the free rows of the replicas before it: the local
+  cut, its rows move there (`remap_rows`). tau >= 1: no cut."""
+  if replicas <= 1 or queued:
+    return False
+  if not live_rows:
+    return True
+  return (assigned > 0 and (assigned - unfinished) / assigned >= tau
+          and live_rows <= free_rows_before)
 
 
 def remap_rows(live_rows: Sequence[int], cap: int,

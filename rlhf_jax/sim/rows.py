@@ -22,6 +22,13 @@ deterministic, in simulated seconds, one host loop as in `engine/driver.py`:
     rows move (`move_s`) to the smallest power-of-two block of replicas
     [0, m) that holds them (rows below m * rows keep their index); again
     whenever fewer rows would fit a smaller block.
+  - "rlhfless": as "ours", but each prompt decodes on its own replica
+    (`sched.assignment.replica_of`: runs of similar predicted length, the
+    longest on replica 0; `sched.tail.grouped_admission`), and the block
+    shrinks by its last replica once no prompt is queued there and it is
+    done, or its finished fraction reached `cut_tau` and its live rows fit
+    the free rows before it (they move: `sched.tail.release_due`, one
+    `move_s`).
   - Scoring: chunks of `score_chunk` samples (rounded up to fill the
     scoring replicas) cost `score_s(n, L)` (L: the chunk's longest
     response), released by the live controller's
@@ -50,7 +57,7 @@ import numpy as np
 
 from rlhf_jax.sched import assignment, tail
 
-POLICIES = ("static", "continuous", "ours")
+POLICIES = ("static", "continuous", "ours", "rlhfless")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +88,7 @@ class SimResult:
   live_device_s: float    # same, stepping replicas only with a live row
   n_devices: int
   final_replicas: int
+  releases: int = 0       # "rlhfless": replicas released one by one
 
   @property
   def idle_fraction(self) -> float:
@@ -95,7 +103,8 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
              policy: str, costs: UnitCosts, consolidate_below: float = 0.2,
              score_chunk: int = 8, predicted: Sequence[float] | None = None,
              score_overlap: float = 1.0, fusion: bool | None = None,
-             devices_per_replica: int = 1) -> SimResult:
+             devices_per_replica: int = 1, cut_tau: float = 0.8
+             ) -> SimResult:
   """Simulates one rollout + scoring phase of `policy` on a length trace.
 
   Args:
@@ -103,7 +112,8 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     replicas: R, a power of two times an odd number (consolidation blocks
       are power-of-two divisors of R).
     rows_per_replica: rows (prompts) per replica.
-    policy: "static", "continuous" or "ours".
+    policy: "static", "continuous", "ours" or "rlhfless" (ours with
+      RLHFless's assignment and release instead of least-loaded rows).
     costs: measured unit costs.
     consolidate_below: R_t of "ours" (0: never consolidate).
     score_chunk: samples per scoring chunk.
@@ -114,6 +124,7 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     fusion: score chunks on freed replicas during the tail (default: for
       "ours" only); else everything after the decode.
     devices_per_replica: devices of one replica (tensor parallelism).
+    cut_tau: tau of "rlhfless"'s local cut.
 
   Returns:
     The phase's `SimResult`.
@@ -122,12 +133,15 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
   lengths = np.asarray(lengths_PxG, int)
   n_prompts, G = lengths.shape
-  ours, R, rpr = policy == "ours", replicas, rows_per_replica
+  ours, R, rpr = policy in ("ours", "rlhfless"), replicas, rows_per_replica
+  grouped = policy == "rlhfless"
   fusion = ours if fusion is None else fusion
   pred = np.asarray(lengths.mean(1) if predicted is None else predicted, float)
   order = (assignment.longest_first(pred, range(n_prompts)) if ours
            else list(range(n_prompts)))
   pending = collections.deque(order)
+  replica = assignment.replica_of(pred, R) if grouped else None
+  assigned, releases = [0] * R, 0   # samples admitted per replica
   sizes = tail.block_sizes(R)
   total, m, k = n_prompts * G, R, 0
   rows: dict[int, list[tuple[int, int]]] = {}  # row -> live samples'
@@ -189,17 +203,42 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     if pending and not (policy == "static" and rows):
       free = [r for r in range(m * rpr) if r not in rows]
       while pending and free:
-        p = pending.popleft()
-        row = tail.least_loaded_row(free, load, rpr) if ours else free[0]
+        if grouped:
+          pick = tail.grouped_admission(free, [replica[q] for q in pending],
+                                        rpr)
+          if pick is None:
+            break
+          p, row = pending[pick[0]], pick[1]
+          del pending[pick[0]]
+        else:
+          p = pending.popleft()
+          row = tail.least_loaded_row(free, load, rpr) if ours else free[0]
         free.remove(row)
         load[row // rpr] += pred[p] * G
+        assigned[row // rpr] += G
         rows[row] = [(k + int(x) - 1, int(x)) for x in lengths[p]]
         spend(costs.prefill_s, m, live_replicas())
     spend(costs.step(m), m, live_replicas())
     steps += 1
     finished(read(k))
     n_live = sum(len(v) for v in rows.values())
-    if ours and tail.consolidation_due(
+    last = m - 1
+    if grouped and rows and tail.release_due(
+        replicas=m, queued=sum(replica[q] == last for q in pending),
+        assigned=assigned[last],
+        unfinished=sum(len(v) for r, v in rows.items() if r // rpr == last),
+        live_rows=sum(r // rpr == last for r in rows),
+        free_rows_before=last * rpr - sum(r < last * rpr for r in rows),
+        tau=cut_tau):
+      finished(read(k + 1))  # As a consolidation: the step in flight.
+      if not rows:
+        continue
+      row_map, _ = tail.remap_rows(list(rows), last * rpr)
+      rows = {row_map[r]: v for r, v in rows.items()}
+      m, releases = last, releases + 1
+      spend(costs.move_s, R)
+      finished([])
+    elif ours and tail.consolidation_due(
         n_live, total, consolidate_below, pending=bool(pending), replicas=m,
         live_rows=len(rows), no_gain=no_gain):
       finished(read(k + 1))  # The switch first reads the step in flight.
@@ -218,7 +257,7 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
   makespan = max(c["t"], c["free_at"])
   dpr = devices_per_replica
   return SimResult(makespan, steps, moves, c["decode"], c["score"],
-                   c["busy"] * dpr, c["live"] * dpr, R * dpr, m)
+                   c["busy"] * dpr, c["live"] * dpr, R * dpr, m, releases)
 
 
 def simulate_policies(lengths_PxG, policies: Sequence[str] = POLICIES,
