@@ -366,7 +366,7 @@ def main(argv):
     args = dict(replicas=REPLICAS, rows_per_replica=rpr,
                 score_chunk=chunk, score_overlap=overlap)
     out = sim_rows.simulate_policies(
-        trace, ("static", "continuous", "ours"), costs=costs(move_s),
+        trace, costs=costs(move_s),
         consolidate_below=_R_T.value, **args)
     out["rlhfless"] = sim_rows.simulate(
         trace, policy="rlhfless", costs=costs(release_s),

@@ -112,3 +112,26 @@ def prompt_batch(requests):
       lengths_N=np.array([len(r.tokens) for r in requests]),
       tokens_NxP=np.stack([np.pad(r.tokens, (0, width - len(r.tokens)))
                            for r in requests]))
+
+
+def random_samples(rng, groups: int, group_size: int, prompt_lens,
+                   response_lens, vocab: int) -> list:
+  """Finished samples of `groups` prompts x `group_size` (G consecutive per
+  prompt, as `generate` returns them): prompt lengths drawn from
+  `prompt_lens` (a range, or one length per group), response lengths from
+  the range `response_lens`; random tokens in [1, vocab), sampler
+  log-probs in (-1, 0]."""
+  from rlhf_jax.engine.driver import Sample
+  out = []
+  for n in range(groups):
+    p = (prompt_lens[n] if not isinstance(prompt_lens, range)
+         else int(rng.integers(prompt_lens.start, prompt_lens.stop)))
+    prompt = rng.integers(1, vocab, p).astype(np.int32)
+    for g in range(group_size):
+      r = int(rng.integers(response_lens.start, response_lens.stop))
+      out.append(Sample(
+          prompt_id=n, sample_idx=g, prompt_tokens=prompt,
+          tokens=rng.integers(1, vocab, r).tolist(), logp=[0.0] * r,
+          logp_raw=(-rng.random(r)).tolist(), finish_reason="length",
+          weight_version=0))
+  return out

@@ -387,17 +387,10 @@ def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
   from rlhf_jax.rl import batch as batch_lib
   from rlhf_jax.rl import grouped
   from rlhf_jax.rl.scoring_passes import ScoringPasses
-  from rlhf_jax.engine.driver import Sample
 
   P, R, Gs = 48, 8, 4
-  rng = np.random.default_rng(3)
-  samples = []
-  for n, p in enumerate((40, 23)):
-    prompt = rng.integers(1, 64, p)
-    for g in range(Gs):
-      r = int(rng.integers(1, R - 1))
-      samples.append(Sample(n, g, prompt, list(rng.integers(1, 64, r)),
-                            [0.0] * r, [0.0] * r, "stop", 0))
+  samples = fakes.random_samples(np.random.default_rng(3), 2, Gs, (40, 23),
+                                 range(1, R - 1), 64)
   train = mesh_lib.train_layout(mesh8)
   graphdef, params = model_lib.init_params(CFG, 1, train)
   passes = ScoringPasses(graphdef, prompt_len=P, max_new=R,
@@ -424,7 +417,7 @@ def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
                                atol=1e-6, err_msg=f"grouped={grouped_chunk}")
   whole = samples[:Gs]  # The grouped training batch: its responses at 0.
   packed = batch_lib.pack(whole, P, R, group_size=Gs)
-  scores = {s.key: {"ref_logp": out["ref_logp"][0] * 0 + i}
+  scores = {s.key: {"ref_logp": np.full(R, i, np.float32)}
             for i, s in enumerate(whole)}
   laid = passes.assemble(whole, scores, packed)["ref_logp"]
   np.testing.assert_array_equal(

@@ -233,20 +233,11 @@ def test_on_policy_update_equals_the_update_after_an_old_logp_pass(
   from rlhf_jax.rl import batch as batch_lib
   from rlhf_jax.rl.learner import train_epochs
   from rlhf_jax.rl.prepare import AdvantageConfig, Preparer
-  from rlhf_jax.engine.driver import Sample
-
   layout, graphdef, params = model
   rng = np.random.default_rng(5)
   N, G, P, M = 4, 4, 6, 10
-  samples = []
-  for n in range(N):
-    prompt = rng.integers(1, CFG.vocab_size, rng.integers(3, P + 1))
-    for g in range(G):
-      r = int(rng.integers(2, M + 1))
-      samples.append(Sample(
-          n, g, prompt, list(rng.integers(1, CFG.vocab_size, r)),
-          logp=[0.0] * r, logp_raw=[0.0] * r, finish_reason="stop",
-          weight_version=0))
+  samples = fakes.random_samples(rng, N, G, range(3, P + 1),
+                                 range(2, M + 1), CFG.vocab_size)
   packed = batch_lib.pack(samples, P, M, group_size=G if share_prompt else 0)
   rewards = rng.random(N * G).astype(np.float32)
   current = rng.random(N * G) > 0.3

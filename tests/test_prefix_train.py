@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import fakes
-from rlhf_jax.engine.driver import Sample
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -39,18 +38,9 @@ GEMMA_LIKE = dataclasses.replace(
 
 def _samples(seed=0):
   """N groups of G samples; prompt lengths 1..P, response lengths 1..R."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for n in range(N):
-    prompt = rng.integers(1, TINY.vocab_size, rng.integers(1, P + 1))
-    for g in range(G):
-      r = int(rng.integers(1, R + 1))
-      out.append(Sample(
-          prompt_id=n, sample_idx=g, prompt_tokens=prompt.astype(np.int32),
-          tokens=rng.integers(1, TINY.vocab_size, r).tolist(),
-          logp=[0.0] * r, logp_raw=(-rng.random(r)).tolist(),
-          finish_reason="length", weight_version=0))
-  return out
+  return fakes.random_samples(np.random.default_rng(seed), N, G,
+                              range(1, P + 1), range(1, R + 1),
+                              TINY.vocab_size)
 
 
 def _rl_fields(samples, rng):

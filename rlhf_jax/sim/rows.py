@@ -70,7 +70,13 @@ class UnitCosts:
   move_s: float = 0.0                                   # one consolidation
 
   def step(self, m: int) -> float:
-    return self.step_s(m) if callable(self.step_s) else self.step_s[m]
+    if callable(self.step_s):
+      return self.step_s(m)
+    if m not in self.step_s:
+      raise ValueError(f"no step cost of the {m}-replica engine (step_s has "
+                       f"{sorted(self.step_s)}; rlhfless releases one "
+                       "replica at a time: give every count or a function)")
+    return self.step_s[m]
 
   def score(self, n: int, longest: int) -> float:
     return (self.score_s(n, longest) if callable(self.score_s)
@@ -260,7 +266,10 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
                    c["busy"] * dpr, c["live"] * dpr, R * dpr, m, releases)
 
 
-def simulate_policies(lengths_PxG, policies: Sequence[str] = POLICIES,
+def simulate_policies(lengths_PxG,
+                      policies: Sequence[str] = ("static", "continuous", "ours"),
                       **kwargs) -> dict[str, SimResult]:
-  """`simulate` for each policy on the same trace and costs."""
+  """`simulate` for each policy on the same trace and costs (by default
+  those whose engines are power-of-two blocks: "rlhfless" needs the step
+  cost of every replica count)."""
   return {p: simulate(lengths_PxG, policy=p, **kwargs) for p in policies}
