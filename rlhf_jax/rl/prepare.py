@@ -7,18 +7,19 @@ jitted function, shared by GRPO and PPO.
 
 Inside: old log-probs (the policy the samples came from, recomputed by the
 trainer; not on the on-policy path, `off_policy.on_policy`, where the loss
-anchors on its own and measures the mismatch), reference log-probs, the KL reward penalty (when the KL is not a
-loss term), the advantage estimator (a registered group estimator on the
-sequence rewards, or GAE on the critic's `values` for PPO), and the
-sampler-vs-trainer mismatch (`rl/off_policy.py`). The result holds what
-the policy loss (and the critic's value loss) read, the sampler's
-log-probs included; `info` (replicated) the sequence rewards (before the
-penalty), the sequence KL, the mismatch and, with GAE, the mean
-critic value and return. `from_scores` is the same stage when the forward
-passes already ran elsewhere (`rl/scoring_passes.py`: on the devices the
-long tail freed, while it decoded): only the advantages remain. Every
-layout of `rl/grouped.py` works (packed rows: sequence sums by segment,
-advantages laid out per token; GAE, PPO's, needs one sequence per row).
+anchors on its own and measures the mismatch), reference log-probs, the KL
+reward penalty (when the KL is not a loss term), the advantage estimator (a
+registered group estimator on the sequence rewards, or GAE on the critic's
+`values` for PPO), and the sampler-vs-trainer mismatch
+(`rl/off_policy.py`). The result holds what the policy loss (and the
+critic's value loss) read, the sampler's log-probs included; `info`
+(replicated) the sequence rewards (before the penalty), the sequence KL,
+the mismatch and, with GAE, the mean critic value and return. `from_scores`
+is the same stage when the forward passes already ran elsewhere
+(`rl/scoring_passes.py`: on the devices the long tail freed, while it
+decoded): only the advantages remain. Every layout of `rl/grouped.py` works
+(packed rows: sequence sums by segment, advantages laid out per token; GAE,
+PPO's, needs one sequence per row).
 
 Dimension letters: B sequences, T positions, N groups, G per group.
 """

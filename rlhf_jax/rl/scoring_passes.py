@@ -1,8 +1,8 @@
 """The step's forward passes over finished samples, on any layout (fusion).
 
 A training batch needs, per sample: the policy's log-probs of its tokens
-(old log-probs; not on the on-policy path), the reference's, and for PPO the reward model's score and
-the critic's values. Unfused, the step runs them after the rollout on the
+(old log-probs; not on the on-policy path), the reference's, and for PPO
+the reward model's score and the critic's values. Unfused, the step runs them after the rollout on the
 training layout (`rl/prepare.py`). Fused (RLHFuse's inter-stage fusion),
 `ScoringPasses` is the long-tail rollout's device `Scorer`: the tail
 controller (`engine/long_tail.TailController`) hands it chunks of samples
