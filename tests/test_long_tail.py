@@ -213,15 +213,15 @@ def test_rlhfless_admission_and_release_rules():
   # Free rows 2, 3 (replica 1 of 2 rows each); pending: replicas 0, 1.
   assert tail.grouped_admission([3, 2], [0, 1], 2) == (1, 2)
   assert tail.grouped_admission([0], [1, 1], 2) is None
-  due = dict(replicas=2, queued=0, assigned=4, unfinished=1, live_rows=1,
-             free_rows_before=1, tau=0.75)
-  assert tail.release_due(**due)
-  assert not tail.release_due(**{**due, "queued": 1})
-  assert not tail.release_due(**{**due, "unfinished": 2})  # 0.5 < tau.
-  assert not tail.release_due(**{**due, "free_rows_before": 0})
-  assert tail.release_due(**{**due, "unfinished": 0, "live_rows": 0,
-                             "free_rows_before": 0, "assigned": 0})
-  assert not tail.release_due(**{**due, "replicas": 1})
+  # Rows 0-1 on replica 0, 2-3 on the last; row -> samples decoding.
+  due = dict(replicas=2, rows_per_replica=2, queued=0, assigned=4,
+             tau=0.75)
+  assert tail.release_due({0: 2, 2: 1}, **due)  # 3 of 4 done, row 1 free.
+  assert not tail.release_due({0: 2, 2: 1}, **{**due, "queued": 1})
+  assert not tail.release_due({0: 2, 2: 2}, **due)  # 0.5 < tau.
+  assert not tail.release_due({0: 2, 1: 2, 2: 1}, **due)  # No free row.
+  assert tail.release_due({0: 2, 1: 2}, **{**due, "assigned": 0})  # Done.
+  assert not tail.release_due({0: 2, 2: 1}, **{**due, "replicas": 1})
 
 
 def test_cost_aware_replica_count(setup):

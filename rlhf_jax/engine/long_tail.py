@@ -33,6 +33,7 @@ The rollout that runs prompt batches through these is `rollout/local.py`.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -282,17 +283,12 @@ class TailController(Controller):
     """`tail_rules.release_due` of the block's last replica (RLHFless)."""
     if self._replica_of is None:
       return False
-    rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
-    last = self.m - 1
-    rows = {s // G for s in driver.live}
+    G, last = driver.engine.samples_per_row, self.m - 1
     return tail_rules.release_due(
-        replicas=self.m,
+        collections.Counter(s // G for s in driver.live), replicas=self.m,
+        rows_per_replica=self.o.rows_per_replica,
         queued=sum(self._replica_of[id(r)] == last for r in driver.pending),
-        assigned=self.assigned[last],
-        unfinished=sum(s // G // rpr == last for s in driver.live),
-        live_rows=sum(r // rpr == last for r in rows),
-        free_rows_before=last * rpr - sum(r < last * rpr for r in rows),
-        tau=self.tail.cut_tau)
+        assigned=self.assigned[last], tau=self.tail.cut_tau)
 
   def _release(self, driver):
     """The block's last replica leaves: its live rows (the cut) move by KV

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from rlhf_jax.rl.aggregation import masked_mean
@@ -119,10 +120,11 @@ def mismatch_sums(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
           "mismatch_tokens_sum": jnp.sum(mask)}
 
 
-def mismatch_of_sums(sums: dict) -> dict:
+def mismatch_of_sums(sums: dict, xp=jnp) -> dict:
   """"gap_max", "gap_mean" and "mismatch_kl" (per token) from
-  `mismatch_sums` (device or host values); 0 when no token is masked in."""
-  tokens = jnp.maximum(sums["mismatch_tokens_sum"], 1.0)
+  `mismatch_sums`; 0 when no token is masked in. `xp`: jnp, or np for host
+  values (no device op)."""
+  tokens = xp.maximum(sums["mismatch_tokens_sum"], 1.0)
   return {"gap_max": sums["mismatch_gap_max"],
           "gap_mean": sums["mismatch_gap_sum"] / tokens,
           "mismatch_kl": sums["mismatch_k3_sum"] / tokens}
@@ -147,7 +149,7 @@ def measured_in_updates(updates: list[dict]) -> tuple[dict, list[dict]]:
                                                     for m in updates)
           for k in keys}
   rest = [{k: v for k, v in m.items() if k not in keys} for m in updates]
-  return {k: float(v) for k, v in mismatch_of_sums(sums).items()}, rest
+  return {k: float(v) for k, v in mismatch_of_sums(sums, np).items()}, rest
 
 
 def alarm(metrics: dict, threshold_kl: float, *, step: int) -> dict:

@@ -140,20 +140,25 @@ def grouped_admission(free_rows: Sequence[int], pending_replicas: Sequence[int],
   return None
 
 
-def release_due(*, replicas: int, queued: int, assigned: int, unfinished: int,
-                live_rows: int, free_rows_before: int, tau: float) -> bool:
+def release_due(live: Mapping[int, int], *, replicas: int,
+                rows_per_replica: int, queued: int, assigned: int,
+                tau: float) -> bool:
   """RLHFless's release of the block's last replica (our engine shrinks
   from its end: replicas [0, m) -> [0, m - 1)), once no prompt is queued
   for it and either it holds no live row, or the finished fraction of its
-  samples (`assigned` admitted, `unfinished` still decoding) reached `tau`
-  and its live rows fit the free rows of the replicas before it: the local
-  cut, its rows move there (`remap_rows`). tau >= 1: no cut."""
+  samples (`assigned` admitted) reached `tau` and its live rows fit the
+  free rows of the replicas before it: the local cut, its rows move there
+  (`remap_rows`). `live`: row -> samples still decoding in it, over the
+  block's rows. tau >= 1: no cut."""
   if replicas <= 1 or queued:
     return False
-  if not live_rows:
+  cap = (replicas - 1) * rows_per_replica
+  mine = [n for r, n in live.items() if r >= cap]
+  if not mine:
     return True
-  return (assigned > 0 and (assigned - unfinished) / assigned >= tau
-          and live_rows <= free_rows_before)
+  free_before = cap - sum(r < cap for r in live)
+  return (assigned > 0 and (assigned - sum(mine)) / assigned >= tau
+          and len(mine) <= free_before)
 
 
 def remap_rows(live_rows: Sequence[int], cap: int,

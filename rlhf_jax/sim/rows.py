@@ -228,35 +228,26 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     steps += 1
     finished(read(k))
     n_live = sum(len(v) for v in rows.values())
-    last = m - 1
-    if grouped and rows and tail.release_due(
-        replicas=m, queued=sum(replica[q] == last for q in pending),
-        assigned=assigned[last],
-        unfinished=sum(len(v) for r, v in rows.items() if r // rpr == last),
-        live_rows=sum(r // rpr == last for r in rows),
-        free_rows_before=last * rpr - sum(r < last * rpr for r in rows),
-        tau=cut_tau):
-      finished(read(k + 1))  # As a consolidation: the step in flight.
-      if not rows:
-        continue
-      row_map, _ = tail.remap_rows(list(rows), last * rpr)
-      rows = {row_map[r]: v for r, v in rows.items()}
-      m, releases = last, releases + 1
-      spend(costs.move_s, R)
-      finished([])
-    elif ours and tail.consolidation_due(
+    release = grouped and rows and tail.release_due(
+        {r: len(v) for r, v in rows.items()}, replicas=m,
+        rows_per_replica=rpr, queued=sum(replica[q] == m - 1 for q in pending),
+        assigned=assigned[m - 1], tau=cut_tau)
+    if release or (ours and tail.consolidation_due(
         n_live, total, consolidate_below, pending=bool(pending), replicas=m,
-        live_rows=len(rows), no_gain=no_gain):
+        live_rows=len(rows), no_gain=no_gain)):
       finished(read(k + 1))  # The switch first reads the step in flight.
       if not rows:
         continue
-      target = tail.consolidation_block(len(rows), rpr, sizes, m)
+      target = (m - 1 if release
+                else tail.consolidation_block(len(rows), rpr, sizes, m))
       if target >= m:
         no_gain = len(rows)
         continue
       row_map, _ = tail.remap_rows(list(rows), target * rpr)
       rows = {row_map[r]: v for r, v in rows.items()}
-      m, moves = target, moves + 1
+      releases += bool(release)
+      moves += not release
+      m = target
       spend(costs.move_s, R)
       finished([])  # Samples that waited for freed replicas.
   finished([], decoded=True)
