@@ -18,6 +18,22 @@ from rlhf_jax.parallel import mesh as mesh_lib  # noqa: E402
 import fakes  # noqa: E402  (tests/ is on sys.path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_compilation_cache(tmp_path_factory):
+  """The jobs tests start as subprocesses share one XLA compilation cache per
+  run, so a rerun or a second process loads its programs instead of
+  compiling them again (same executables, same numbers). Set in os.environ
+  after `import jax` on purpose: JAX read its flags then, so this process
+  keeps compiling as before and only the children use the cache."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # Shared by the xdist workers of this run.
+  os.environ.update(
+      JAX_COMPILATION_CACHE_DIR=str(root / "xla_cache"),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
 @pytest.fixture(scope="session")
 def mesh8():
   """The 8-device training mesh (FSDP 8)."""

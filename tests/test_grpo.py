@@ -80,8 +80,7 @@ def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
   workdir = str(tmp_path / "run")
   env = dict(os.environ,
              XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+             JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "rlhf_jax.main",
          "--config=configs/tiny_grpo.py:runlocal", f"--workdir={workdir}",
          "--config.train.steps=6", "--config.eval.every=3"]

@@ -2,6 +2,7 @@
 changes none, joiners pull the current weights, stale samples never come
 back; the same over a local Ray cluster."""
 
+import os
 import time
 
 import jax
@@ -217,14 +218,13 @@ RAY_TIMEOUT_S = 300  # A shared 2-core machine: a slow answer is not a death.
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
   ray = pytest.importorskip("ray")
-  # The actors share a persistent compilation cache: an actor started
+  # The actors share the run's compilation cache (conftest): an actor started
   # mid-test loads what the first one compiled instead of compiling again.
-  cache = tmp_path_factory.mktemp("jax_cache")
-  env = {"JAX_COMPILATION_CACHE_DIR": str(cache),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  env = {k: v for k, v in os.environ.items()
+         if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+  assert env, "conftest sets the compilation cache"
   ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
            configure_logging=False, runtime_env={"env_vars": env})
   yield ray
