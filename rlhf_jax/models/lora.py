@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import LoraSpec, ModelConfig
 from rlhf_jax.models.transformer import Decoder
-from rlhf_jax.parallel.layout import Layout, use_layout
+from rlhf_jax.parallel.layout import Layout
 
 ADAPTERS = nnx.LoRAParam  # The filter of the trainable leaves.
 
@@ -83,17 +84,10 @@ def attach(cfg: ModelConfig, params, spec: LoraSpec, *, seed: int,
   starts as the base). `model`: the class `params` are of (`Decoder`; the
   critic's `reward_model.RewardModel`)."""
   lora_cfg = cfg.replace(lora=spec)
-  graphdef, abstract = nnx.split(
+  graphdef, _ = nnx.split(
       nnx.eval_shape(lambda: model(lora_cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
-  def init():  # The base weights drawn here are dead code to XLA.
-    state = nnx.split(model(lora_cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1]
-    return split(state)[0]
-
-  if layout is None:
-    adapters = jax.jit(init)()
-  else:
-    with use_layout(layout):
-      adapters = jax.jit(init, out_shardings=layout.param_shardings(
-          split(abstract)[0]))()
+  adapters = model_lib.random_params(
+      lambda rngs: model(lora_cfg, rngs=rngs), seed, layout,
+      select=lambda state: split(state)[0])
   return lora_cfg, graphdef, nnx.merge_state(adapters, params)

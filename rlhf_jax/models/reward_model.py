@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import _param
 from rlhf_jax.models.transformer import Decoder
-from rlhf_jax.parallel.layout import Layout, constrain, use_layout
+from rlhf_jax.parallel.layout import Layout, constrain
 
 
 class RewardModel(nnx.Module):
@@ -54,17 +55,10 @@ def abstract_params(cfg: ModelConfig):
 
 
 def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
-  """Random params, born sharded under `layout` (shapes first, then arrays)."""
-  graphdef, abstract = abstract_params(cfg)
-
-  def init():
-    return nnx.split(RewardModel(cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1]
-
-  if layout is None:
-    return graphdef, jax.jit(init)()
-  with use_layout(layout):
-    params = jax.jit(init, out_shardings=layout.param_shardings(abstract))()
-  return graphdef, params
+  """(graphdef, random params born sharded under `layout`)."""
+  graphdef, _ = abstract_params(cfg)
+  return graphdef, model_lib.random_params(
+      lambda rngs: RewardModel(cfg, rngs=rngs), seed, layout)
 
 
 def values(graphdef, params, tokens_BxT, positions_BxT, mask_BxT):
