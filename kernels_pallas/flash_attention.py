@@ -387,6 +387,26 @@ def _say_once(message: str) -> None:
     logging.info(message)
 
 
+def auto_impl(backend: str, q, k, *, self_attention: bool, causal: bool,
+              padded_rows: bool, return_lse: bool, softcap, static_window: bool,
+              packed: bool) -> str:
+  """What impl="auto" runs: the vendor kernel where it takes the call
+  (splash on TPU; cuDNN on GPU, which has fp16/bf16 kernels only), one
+  block of scores for short sequences, else the chunked jnp path."""
+  if q.shape[1] <= _ONE_BLOCK and k.shape[1] <= _ONE_BLOCK:
+    return "reference"  # All the scores are one block: no loop needed.
+  if packed:
+    return "chunked"  # Packed groups: a mask the vendor kernels cannot express.
+  if (backend == "tpu" and self_attention and causal and not return_lse
+      and static_window):
+    return "splash"
+  if (backend == "gpu" and self_attention and causal and padded_rows
+      and not return_lse and softcap is None and static_window
+      and q.dtype in (jnp.bfloat16, jnp.float16)):
+    return "cudnn"
+  return "chunked"
+
+
 def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, *, window=NO_WINDOW,
               softcap=None, scale=None, causal=True, q_sub=None, k_sub=None,
               impl: str = "auto", return_lse: bool = False,
@@ -408,20 +428,14 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, *, window=NO_WINDOW,
   if q_sub is not None and impl in ("splash", "cudnn"):
     raise ValueError(f"impl={impl!r} takes no sub-segments")
   if impl == "auto":
-    impl = "chunked"
-    if q.shape[1] <= _ONE_BLOCK and k.shape[1] <= _ONE_BLOCK:
-      impl = "reference"  # All the scores are one block: no loop needed.
-    elif q_sub is not None:
-      pass  # Packed groups: a mask the vendor kernels cannot express.
-    elif (backend == "tpu" and self_attention and causal and not return_lse
-          and static_window):
-      impl = "splash"
-    elif (backend == "gpu" and self_attention and causal and padded_rows
-          and not return_lse and softcap is None and static_window):
-      impl = "cudnn"
-    else:
+    impl = auto_impl(backend, q, k, self_attention=self_attention,
+                     causal=causal, padded_rows=padded_rows,
+                     return_lse=return_lse, softcap=softcap,
+                     static_window=static_window, packed=q_sub is not None)
+    if impl == "chunked":
       _say_once(f"attention: chunked jnp path on {backend} (self_attention="
-                f"{self_attention}, lse={return_lse}, softcap={softcap})")
+                f"{self_attention}, lse={return_lse}, softcap={softcap}, "
+                f"dtype={q.dtype})")
   if impl == "reference":
     out, lse = attention_reference(q, k, v, q_pos, k_pos, q_seg, k_seg,
                                    window=window, softcap=softcap,

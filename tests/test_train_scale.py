@@ -195,6 +195,30 @@ def test_splash_equals_reference_interpreted():
                                np.asarray(ref)[valid], atol=2e-5)
 
 
+def test_auto_attention_takes_cudnn_only_where_it_has_a_kernel():
+  """impl="auto" on a GPU: cuDNN flash attention for bf16/fp16 causal
+  padded rows, the chunked path for fp32 (cuDNN has no fp32 kernel: the
+  first fp32 forward on an H100 would fail), soft-caps and lse; splash on
+  TPU; one block of scores for short sequences on every backend."""
+  def pick(backend, dtype, T=512, **kw):
+    x = jax.ShapeDtypeStruct((1, T, 4, 64), dtype)
+    args = dict(self_attention=True, causal=True, padded_rows=True,
+                return_lse=False, softcap=None, static_window=True,
+                packed=False)
+    return fa.auto_impl(backend, x, x, **{**args, **kw})
+
+  assert pick("gpu", jnp.bfloat16) == "cudnn"
+  assert pick("gpu", jnp.float16) == "cudnn"
+  assert pick("gpu", jnp.float32) == "chunked"
+  assert pick("gpu", jnp.bfloat16, softcap=30.0) == "chunked"
+  assert pick("gpu", jnp.bfloat16, return_lse=True) == "chunked"
+  assert pick("gpu", jnp.bfloat16, padded_rows=False) == "chunked"
+  assert pick("tpu", jnp.float32) == "splash"
+  assert pick("tpu", jnp.bfloat16, packed=True) == "chunked"
+  assert pick("cpu", jnp.bfloat16) == "chunked"
+  assert pick("gpu", jnp.bfloat16, T=128) == "reference"
+
+
 def test_splash_train_attention_lowers_for_tpu_without_t_by_t():
   """The TPU path (what `impl="auto"` picks there) exported for a TPU from
   this CPU: forward and backward lower to Mosaic kernels (custom calls),
