@@ -1,15 +1,16 @@
 """Pallas (Triton) kernel for one part of paged decode attention, for GPU.
 
-One program per (segment, kv head). A segment is a group (its G members'
-queries against the group's prompt pages: M = G * H/N query rows, so the
-prompt is read once for all of them) or a slot (its H/N query rows against
-its own pages). The program walks the segment's page table up to its
-length, `pages_per_block` pages at a time, gathering those pages straight
-from the pool (no copy of the pool, no dense KV), with an online softmax in
-fp32. It returns the normalised output and the log-sum-exp per query row,
-so the caller merges the prompt, own and common parts exactly
+A segment is a group (its G members' queries against the group's prompt
+pages: M = G * H/N query rows, so the prompt is read once for all of them)
+or a slot (its H/N query rows against its own pages). One program per
+(segment, kv head, block of query rows, split of the keys): it walks its
+share of the segment's page table, `pages_per_block` pages at a time,
+gathering those pages straight from the pool (no copy of the pool, no
+dense KV), with an online softmax in fp32, and returns the normalised
+output and the log-sum-exp per query row; the splits of a segment merge
+exactly, and so do the prompt, own and common parts
 (`paged_decode_attention.py`). A segment of length 0 reads nothing and
-returns zeros and -inf.
+returns zeros and -inf. How many row blocks and splits: `launch_shape`.
 
 Runs on GPU (Triton), and on CPU in interpret mode (tests). The jnp
 reference is `paged_decode_attention_reference`.
@@ -26,27 +27,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from kernels_pallas.attention_parts import merge_parts
+
 NEG_INF = float("-inf")
 
 
 def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
-            lse_ref, *, scale, softcap, pages_per_block):
-  """q_ref [M, K]; k_ref, v_ref [L, P, T, K] (one kv head of the pool);
-  table_ref [A]; bounds_ref [3] (length, first key any row sees, layer);
-  row_lo_ref [M] (each row's first key); o_ref [M, K]; lse_ref [M]."""
+            lse_ref, *, scale, softcap, pages_per_block, num_splits):
+  """q_ref [Mb, K] (one block of a segment's query rows); k_ref, v_ref
+  [L, P, T, K] (one kv head of the pool); table_ref [A]; bounds_ref [3]
+  (length, first key any row sees, layer); row_lo_ref [Mb] (each row's
+  first key); o_ref [Mb, K] and lse_ref [Mb]: this split's part."""
   M, K = q_ref.shape
   T = k_ref.shape[2]
   block = pages_per_block * T
   length, first, layer = bounds_ref[0], bounds_ref[1], bounds_ref[2]
-  q = q_ref[...].astype(jnp.float32) * scale
+  # Dots in the pool's dtype with fp32 sums: bf16 tensor-core products
+  # (exact) for a bf16 pool, the probabilities rounded to bf16 for P.V as
+  # flash attention does; an fp32 pool asks for IEEE fp32, not Triton's
+  # default TF32 (~1e-3 off).
+  dtype = k_ref.dtype
+  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  q = q_ref[...].astype(dtype)
   row_lo = row_lo_ref[...]
 
   def body(b, carry):
     acc, m_prev, l_prev = carry
     pages = table_ref[pl.ds(b * pages_per_block, pages_per_block)]
-    k = k_ref[layer, pages].reshape(block, K).astype(jnp.float32)
-    v = v_ref[layer, pages].reshape(block, K).astype(jnp.float32)
-    s = plgpu.dot(q, k, trans_b=True)                             # [M, block]
+    k = k_ref[layer, pages].reshape(block, K)
+    v = v_ref[layer, pages].reshape(block, K)
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [M, blk]
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
     idx = b * block + jnp.arange(block)
@@ -56,12 +66,19 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
     m_safe = jnp.where(m_next == NEG_INF, 0.0, m_next)
     correction = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe[:, None])
-    acc = acc * correction[:, None] + plgpu.dot(p, v)
+    acc = acc * correction[:, None] + plgpu.dot(p.astype(dtype), v,
+                                                precision=precision)
     return acc, m_next, l_prev * correction + p.sum(axis=-1)
 
+  # This program's share of the segment's key blocks (flash-decoding: a
+  # long segment is walked by num_splits programs at once).
   blocks = (length + block - 1) // block
+  per_split = (blocks + num_splits - 1) // num_splits
+  split = pl.program_id(3)
+  hi = jnp.minimum(blocks, (split + 1) * per_split)
+  lo = jnp.minimum(jnp.maximum(first // block, split * per_split), hi)
   acc, m, l = lax.fori_loop(
-      jnp.minimum(first // block, blocks), blocks, body,
+      lo, hi, body,
       (jnp.zeros((M, K), jnp.float32), jnp.full((M,), NEG_INF, jnp.float32),
        jnp.zeros((M,), jnp.float32)))
   has_keys = l > 0
@@ -70,10 +87,28 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
   lse_ref[...] = jnp.where(has_keys, m + jnp.log(l_safe), NEG_INF)
 
 
+def launch_shape(X, N, M, A, *, pages_per_block=4, block_rows=32,
+                 target_programs=512, min_blocks_per_split=8):
+  """(row blocks, kv splits) of a call: a segment's M query rows in blocks
+  of `block_rows` (so that a program's q, accumulator and probabilities fit
+  its registers: a group's G*Q = 128 rows in one program spill), and its
+  page table walked by up to `num_splits` programs when X * N * row blocks
+  alone would leave the GPU's SMs idle (a few long shared prompts), each
+  walking at least `min_blocks_per_split` key blocks, so that the partial
+  outputs written stay small next to the keys read."""
+  row_blocks = max(1, M // block_rows) if M % block_rows == 0 else 1
+  programs = X * N * row_blocks
+  most = max(1, -(-A // pages_per_block) // min_blocks_per_split)
+  splits = 1
+  while splits * 2 <= most and programs * splits * 2 <= target_programs:
+    splits *= 2
+  return row_blocks, splits
+
+
 def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
                length_X, row_lo_XxM=None, *, layer, scale,
                logit_softcap=None, pages_per_block=4, interpret=False,
-               num_warps=4):
+               num_warps=4, block_rows=32, num_splits=None):
   """Attention of each segment's queries to its pages.
 
   Args:
@@ -89,6 +124,8 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
     pages_per_block: pages gathered per loop iteration.
     interpret: run the kernel in interpret mode (CPU).
     num_warps: Triton warps per program.
+    block_rows, num_splits: query rows per program and programs per
+      segment's keys; None: `launch_shape`'s.
 
   Returns:
     out [X, N, M, K] fp32 (zeros for an empty segment), lse [X, N, M] fp32.
@@ -96,6 +133,11 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
   X, N, M, K = q_XxNxMxK.shape
   L, _, P, T, _ = k_pages_LxNxPxTxK.shape
   A = table_XxA.shape[1]
+  row_blocks, splits = launch_shape(X, N, M, A,
+                                    pages_per_block=pages_per_block,
+                                    block_rows=block_rows)
+  splits = splits if num_splits is None else int(num_splits)
+  Mb = M // row_blocks
   if row_lo_XxM is None:
     row_lo_XxM = jnp.zeros((X, M), jnp.int32)
   row_lo_XxM = row_lo_XxM.astype(jnp.int32)
@@ -105,31 +147,39 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
   table = jnp.pad(table_XxA.astype(jnp.int32), ((0, 0), (0, pad)))
   table = jnp.clip(table, 0, P - 1)
   kernel = functools.partial(_kernel, scale=scale, softcap=logit_softcap,
-                             pages_per_block=pages_per_block)
+                             pages_per_block=pages_per_block,
+                             num_splits=splits)
   params = (None if interpret else
             plgpu.CompilerParams(num_warps=num_warps, num_stages=2))
-  return pl.pallas_call(
+  out, lse = pl.pallas_call(
       kernel,
-      grid=(X, N),
+      grid=(X, N, row_blocks, splits),
       in_specs=[
-          pl.BlockSpec((None, A + pad), lambda x, n: (x, 0)),
-          pl.BlockSpec((None, 3), lambda x, n: (x, 0)),
-          pl.BlockSpec((None, None, M, K), lambda x, n: (x, n, 0, 0)),
-          pl.BlockSpec((None, M), lambda x, n: (x, 0)),
-          pl.BlockSpec((L, None, P, T, K), lambda x, n: (0, n, 0, 0, 0)),
-          pl.BlockSpec((L, None, P, T, K), lambda x, n: (0, n, 0, 0, 0)),
+          pl.BlockSpec((None, A + pad), lambda x, n, r, s: (x, 0)),
+          pl.BlockSpec((None, 3), lambda x, n, r, s: (x, 0)),
+          pl.BlockSpec((None, None, Mb, K), lambda x, n, r, s: (x, n, r, 0)),
+          pl.BlockSpec((None, Mb), lambda x, n, r, s: (x, r)),
+          pl.BlockSpec((L, None, P, T, K),
+                       lambda x, n, r, s: (0, n, 0, 0, 0)),
+          pl.BlockSpec((L, None, P, T, K),
+                       lambda x, n, r, s: (0, n, 0, 0, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, M, K), lambda x, n: (x, n, 0, 0)),
-          pl.BlockSpec((None, None, M), lambda x, n: (x, n, 0)),
+          pl.BlockSpec((None, None, None, Mb, K),
+                       lambda x, n, r, s: (x, n, s, r, 0)),
+          pl.BlockSpec((None, None, None, Mb),
+                       lambda x, n, r, s: (x, n, s, r)),
       ],
-      out_shape=[jax.ShapeDtypeStruct((X, N, M, K), jnp.float32),
-                 jax.ShapeDtypeStruct((X, N, M), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((X, N, splits, M, K), jnp.float32),
+                 jax.ShapeDtypeStruct((X, N, splits, M), jnp.float32)],
       interpret=interpret,
       compiler_params=params,
       name="paged_decode_part",
   )(table, bounds, q_XxNxMxK, row_lo_XxM, k_pages_LxNxPxTxK,
     v_pages_LxNxPxTxK)
+  if splits == 1:
+    return out[:, :, 0], lse[:, :, 0]
+  return merge_parts([(out[:, :, i], lse[:, :, i]) for i in range(splits)])
 
 
 def rows_for_dot(m: int) -> int:

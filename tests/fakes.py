@@ -25,6 +25,16 @@ class Clock:
     self.t += 1.0
 
 
+def rollout_layout8(tensor: int):
+  """A rollout layout over the 8 fake CPU devices (8 / tensor replicas x
+  tensor); skips the test on an accelerator with fewer devices."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  if jax.device_count() < 8:
+    pytest.skip("needs the 8 fake CPU devices")
+  return mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=8), tensor)
+
+
 def copy_tree(tree):
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 

@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas import paged_decode_attention as pda
+from kernels_pallas import paged_decode_attention_gpu as gpu_kernel
+
+import fakes  # tests/ is on sys.path
 
 _op = jax.jit(pda.paged_decode_attention_reference,
               static_argnames=("scale", "logit_softcap", "return_lse",
@@ -158,28 +161,105 @@ def test_segment_merge_equals_one_softmax():
   assert (np.asarray(out[3]) == 0).all() and lse[3] == -np.inf
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
-@pytest.mark.parametrize("case", [
+KERNEL_CASES = [
     dict(seed=7, C=0), dict(seed=12, C=5, softcap=3.0),
     dict(seed=3, C=3, H=4, N=1, window=6),
     dict(seed=4, C=0, H=8, N=2, T=8, window=5),
-    dict(seed=5, C=2, A=6, B=9, window=13)])  # Several page blocks.
-def test_kernel_interpreted_equals_oracle(kernel, case):
-  """The Pallas GPU (Triton) and TPU (Mosaic) kernels, in interpret mode
-  here, against the fp64 oracle: ragged lengths, an empty group, a free
-  slot, GQA, soft-cap, common prefix, sliding windows that start inside
-  and before the prompt."""
+    dict(seed=5, C=2, A=6, B=9, window=13)]  # Several page blocks.
+
+
+def _check_kernel(kernel, case, *, interpret, dtype=jnp.float32, atol=2e-5):
   case = dict(case)
   softcap = case.pop("softcap", None)
   args, q, q_pos, dense = _case(case.pop("seed"), **case)
   for k in ("num_prompt_chunks", "num_own_chunks"):
     args.pop(k)
+  for k in ("q_SxHxK", "k_pages_LxNxPxTxK", "v_pages_LxNxPxTxK"):
+    args[k] = args[k].astype(dtype)
   out = jax.jit(functools.partial(
       pda.paged_decode_attention, impl="pallas", kernel=kernel,
-      interpret=True, logit_softcap=softcap))(**args)
+      interpret=interpret, logit_softcap=softcap))(**args)
+  if dtype != jnp.float32:  # The oracle sees the rounded inputs.
+    rounded = lambda x: np.asarray(  # noqa: E731
+        jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32),
+        np.float64)
+    q = rounded(q)
+    dense = [(rounded(k), rounded(v)) for k, v in dense]
   want = _oracle(q, q_pos, dense, softcap=softcap, window=case.get("window"))
-  np.testing.assert_allclose(np.asarray(out)[:-1], want, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:-1], want,
+                             atol=atol)
   assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_interpreted_equals_oracle(kernel, case):
+  """The Pallas GPU (Triton) and TPU (Mosaic) kernels, in interpret mode
+  here, against the fp64 oracle: ragged lengths, an empty group, a free
+  slot, GQA, soft-cap, common prefix, sliding windows that start inside
+  and before the prompt."""
+  _check_kernel(kernel, case, interpret=True)
+
+
+# Groups of 8 members x 4 query rows (M = 32): two row blocks of 16.
+SPLIT_CASES = [dict(seed=21, G=8, H=8, N=2, A=9, B=7, C=2, window=13),
+               dict(seed=22, G=8, H=8, N=2, A=9, B=7, softcap=3.0)]
+
+
+def _split_launch(X, N, M, A, **kw):
+  """Row blocks of 16 and 3 key splits, whatever the shapes."""
+  del X, N, A, kw
+  return max(1, M // 16), 3
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_gpu_kernel_row_blocks_and_key_splits_equal_oracle(case,
+                                                           monkeypatch):
+  """A segment's rows in blocks and its keys walked by 3 programs, whose
+  parts merge exactly (interpreted here)."""
+  monkeypatch.setattr(gpu_kernel, "launch_shape", _split_launch)
+  _check_kernel("gpu", case, interpret=True)
+
+
+# The engine's launch shape at Qwen2.5-1.5B's heads (12 query / 2 kv, so
+# 16 members x 6 rows = 96, padded to 128) and 2048-token prompts in pages
+# of 16: 4 row blocks of 32 and 4 key splits (`launch_shape`), unpatched.
+ENGINE_CASE = dict(seed=31, S=32, R=3, G=16, H=12, N=2, K=16, T=16, A=128,
+                   B=4)
+
+
+def test_gpu_kernel_at_the_engine_launch_shape():
+  """Two groups of 16 samples with prompts up to 2048 tokens: the
+  launch shape the H100 decode ran (interpreted here)."""
+  assert gpu_kernel.launch_shape(3, 2, 128, 128) == (4, 4)
+  _check_kernel("gpu", ENGINE_CASE, interpret=True)
+
+
+def test_launch_shape_of_the_engine_decode():
+  """Qwen2.5-1.5B decode, 16 prompts x G=16 over 256 slots, prompt 2048 in
+  pages of 16: a group's 16 x 6 query rows (padded to 128) in 4 blocks of
+  32 and its 128 prompt pages walked by 4 programs (8 blocks of 4 pages
+  each): 16 x 2 x 4 x 4 = 512 programs; each slot's own part: 1 x 1."""
+  assert gpu_kernel.launch_shape(16, 2, 128, 128) == (4, 4)
+  assert gpu_kernel.launch_shape(256, 2, 16, 34) == (1, 1)
+  assert gpu_kernel.launch_shape(1, 2, 16, 512) == (1, 16)  # One long slot.
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="compiles the Triton kernel: a GPU only")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", KERNEL_CASES + SPLIT_CASES + [ENGINE_CASE])
+def test_gpu_kernel_compiled_equals_oracle(case, dtype, monkeypatch):
+  """The same cases through the compiled Triton kernel on a GPU
+  (`JAX_PLATFORMS=cuda pytest ...`), fp32 and a bf16 pool; the split
+  cases with row blocks and key splits. Head dim 16 at least: Triton's
+  dot takes no dimension under 16."""
+  if case in SPLIT_CASES:
+    monkeypatch.setattr(gpu_kernel, "launch_shape", _split_launch)
+  bf16 = dtype == "bfloat16"
+  _check_kernel("gpu", {**case, "K": max(16, case.get("K", 8))},
+                interpret=False, dtype=jnp.dtype(dtype),
+                atol=2e-2 if bf16 else 2e-5)
 
 
 def _decode_shapes():
@@ -228,11 +308,6 @@ def test_gpu_kernel_lowers_for_cuda():
   assert exported.mlir_module().count(triton) == 2  # Prompt and own parts.
 
 
-def _rollout_layout(tensor):
-  from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  return mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=8), tensor)
-
-
 def _sharded_op(layout, **kw):
   """The dispatcher inside a jit with the rollout layout active, the pool
   and queries placed as the paged engine places them (heads over tensor)."""
@@ -270,7 +345,7 @@ def test_sharded_kernel_equals_oracle_on_8_devices(kernel):
   """Each kernel under shard_map over 4 replicas x tensor 2 (interpreted):
   each device runs its kv heads, with a common prefix and a traced window;
   the fp64 oracle's numbers."""
-  layout = _rollout_layout(2)
+  layout = fakes.rollout_layout8(2)
   args, q, q_pos, dense = _case(21, S=8, H=4, N=2, C=4, window=7)
   args.pop("num_prompt_chunks"), args.pop("num_own_chunks")
   args["window"] = jnp.asarray(7, jnp.int32)
@@ -287,7 +362,7 @@ def test_sharded_paged_kernel_lowers_for_tpu():
   each device on its replica's slots (16 of 64) and pages (128 of 512),
   its kv head (one of 2) and query heads (8 of 16)."""
   import re  # pylint: disable=g-import-not-at-top
-  layout = _rollout_layout(2)
+  layout = fakes.rollout_layout8(2)
   names = ("q_SxHxK", "k_pages_LxNxPxTxK", "v_pages_LxNxPxTxK", "slot_group_S",
            "slot_member_S", "group_slots_RxG", "group_pages_RxA",
            "group_len_R", "own_pages_SxB", "own_len_S")

@@ -23,6 +23,8 @@ import numpy as np
 from kernels_pallas import prefix_decode_attention as pda
 from kernels_pallas import prefix_decode_attention_tpu as pda_tpu
 
+import fakes  # tests/ is on sys.path
+
 _BACKEND = jax.default_backend()
 # Jitted once per shape: eager op-by-op dispatch costs seconds per new shape.
 _reference = jax.jit(
@@ -312,11 +314,6 @@ class DispatchTest(parameterized.TestCase):
     self.assertEqual([index(j, 16) for j in range(3)], [0, 1, 1])
 
 
-def _rollout_layout(tensor):
-  from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  return mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=8), tensor)
-
-
 def _decode_specs(layout, R, G, H, N, K, P, M, C, dtype):
   """Abstract decode-attention args with the rollout layout's shardings."""
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
@@ -348,7 +345,7 @@ def _with_layout(layout, **kw):
 def test_sharded_kernel_equals_reference_on_8_devices():
   """The kernel under shard_map over 4 replicas x tensor 2 (interpreted):
   each device its rows and heads, the same numbers as the reference."""
-  layout = _rollout_layout(2)
+  layout = fakes.rollout_layout8(2)
   R, G, H, N, K, P, M, C = 4, 2, 4, 2, 16, 13, 5, 6
   args = list(_make_inputs(7, R=R, G=G, H=H, N=N, K=K, P=P, M=M))
   rng = np.random.default_rng(7)
@@ -373,7 +370,7 @@ def test_sharded_kernel_lowers_for_tpu():
   kernels (prefix and suffix) inside one shard_map, each on its device's
   rows and heads."""
   import re  # pylint: disable=g-import-not-at-top
-  layout = _rollout_layout(2)
+  layout = fakes.rollout_layout8(2)
   R, G, H, N, K, P, M, C = 8, 4, 8, 2, 128, 2048, 512, 64
   specs = _decode_specs(layout, R, G, H, N, K, P, M, C, jnp.bfloat16)
   text = jax.export.export(_with_layout(layout, interpret=False),
