@@ -45,8 +45,9 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
   # Dots in the pool's dtype with fp32 sums: bf16 tensor-core products
   # (exact) for a bf16 pool, the probabilities rounded to bf16 for P.V as
   # flash attention does; an fp32 pool asks for IEEE fp32, not Triton's
-  # default TF32 (~1e-3 off).
-  dtype = k_ref.dtype
+  # default TF32 (~1e-3 off). A tensor-core dot needs every dimension >= 16:
+  # a smaller head dim (tiny test models) runs fp32 dots.
+  dtype = k_ref.dtype if K >= 16 else jnp.float32
   precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
   q = q_ref[...].astype(dtype)
   row_lo = row_lo_ref[...]
@@ -54,8 +55,8 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
   def body(b, carry):
     acc, m_prev, l_prev = carry
     pages = table_ref[pl.ds(b * pages_per_block, pages_per_block)]
-    k = k_ref[layer, pages].reshape(block, K)
-    v = v_ref[layer, pages].reshape(block, K)
+    k = k_ref[layer, pages].reshape(block, K).astype(dtype)
+    v = v_ref[layer, pages].reshape(block, K).astype(dtype)
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [M, blk]
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
