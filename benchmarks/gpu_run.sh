@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The [gpu] checks in one call on a machine with one GPU (docs/results.md,
+# "GPU"): correctness tests there, then `benchmarks.gpu`'s parts, each in its
+# own process under its own time limit, so one failure or overrun keeps the
+# others' results. Writes env+tests.log, <part>.log and <part>.json to DIR.
+#
+#   bash benchmarks/gpu_run.sh DIR [extra benchmarks.gpu flags, e.g. --quick]
+#
+# Packages the machine lacks travel as wheels in .whl/ (see the device
+# README); the repo root is put on PYTHONPATH (no install).
+set -u
+dir=${1:?usage: gpu_run.sh DIR [flags]}; shift
+mkdir -p "$dir"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+log=$dir/tests.log
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv 2>&1
+  python3 -c "import jax, flax, optax, sys; print(sys.version.split()[0], \
+'jax', jax.__version__, 'flax', flax.__version__, 'optax', \
+optax.__version__, jax.devices())"
+} >"$log" 2>&1
+# Nothing else is worth the device time if the package does not import.
+python3 -c "import benchmarks.gpu, rlhf_jax.engine.paged, rlhf_jax.rl.learner" \
+  >>"$log" 2>&1 || { echo "import failed" >>"$log"; cat "$log"; exit 1; }
+t0=$SECONDS
+# Correctness on the device: kernels (compiled Triton kernel vs fp64
+# oracle), HF parity (logits and greedy tokens of both engines against
+# transformers), model and trainer-scale paths; 8-device tests skip.
+# TESTS (paths or node ids, split on spaces) and PARTS (part:seconds;
+# empty: none) override what runs.
+JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout "${TESTS_S:-110}" python3 -m pytest -q -p no:cacheprovider \
+  -n "${TEST_WORKERS:-4}" -W ignore ${TESTS:-tests/test_kernels_paged.py \
+  tests/test_hf.py tests/test_model.py tests/test_train_scale.py \
+  tests/test_kernels_prefix.py} >>"$log" 2>&1
+echo "tests rc=$? in $((SECONDS - t0)) s" >>"$log"
+for part in ${PARTS-decode:230 train:130 repartition:50}; do
+  name=${part%%:*}; limit=${part##*:}; t0=$SECONDS
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout "$limit" python3 -m \
+    benchmarks.gpu --parts="$name" --json_out="$dir/$name.json" "$@" \
+    >"$dir/$name.log" 2>&1
+  echo "$name rc=$? in $((SECONDS - t0)) s" >>"$log"
+done
+cat "$log"
