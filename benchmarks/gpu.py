@@ -23,7 +23,9 @@ decode: the paged engine on one device, bf16 weights and KV. N prompts x
   waited for after): the device's step time. Bytes a step must read: the
   weights once plus each KV byte it attends to once (shared: N P + S t
   tokens at step t; repeated: S P + S t); TB/s = those bytes / step time;
-  of HBM = device TB/s / --hbm_tb_s.
+  of HBM = device TB/s / --hbm_tb_s. --profile: one mid-decode step runs
+  under `jax.profiler.trace`, and its device kernels are summed by name
+  (`kernel_times`): where a step's time goes.
 train: one GRPO policy update (`objectives.policy_learner`, clipped ratio +
   k3 KL, AdamW) on B sequences of T tokens (repeated layout), fp32 master
   weights, bf16 compute, layers scanned, --remat, the backend's flash
@@ -48,11 +50,16 @@ and benchmarks/results/gpu_h100.json.
 
 from __future__ import annotations
 
+import collections
 import gc
+import glob
+import gzip
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -87,6 +94,9 @@ _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Dense bf16 peak; 0: "
 _HBM = flags.DEFINE_float("hbm_tb_s", 0.0, "HBM bandwidth; 0: from the "
                           "device kind (H100 3.35, H200 4.8).")
 _OUT = flags.DEFINE_string("json_out", "", "Also write the JSON here.")
+_PROFILE = flags.DEFINE_bool("profile", True, "Decode: a profiler trace of "
+                             "one mid-decode step run alone, summed per "
+                             "device kernel (where the step's time goes).")
 
 # Datasheet peaks (dense bf16 TFLOP/s, HBM TB/s) by device kind substring.
 PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8)}
@@ -157,10 +167,19 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
   # dispatch). Those steps are left out of the pipelined step times.
   generate = engine.generate
 
+  profile = {}
+
   def sampled_generate(params, state, *args, **kwargs):
     if len(steps) % SAMPLE_EVERY != SAMPLE_EVERY - 1:
       return generate(params, state, *args, **kwargs)
     jax.block_until_ready(state)
+    if _PROFILE.value and not profile and len(steps) >= M // 2:
+      with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+          out = jax.block_until_ready(generate(params, state, *args,
+                                               **kwargs))
+        profile.update(kernel_times(log_dir), step=len(steps))
+      return out
     t0 = time.perf_counter()
     out = jax.block_until_ready(generate(params, state, *args, **kwargs))
     device_s.append((len(steps), time.perf_counter() - t0))
@@ -212,8 +231,42 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
       achieved_tb_s=float(np.median(bw)) / 1e12,
       device_tb_s=float(np.median(device_bw)) / 1e12,
       kv_bytes_reserved=engine.pool_bytes, weight_bytes=weight_bytes,
-      peak_bytes=_peak_bytes(),
+      peak_bytes=_peak_bytes(), profile=profile,
       tokens={s.key: s.tokens for s in samples})
+
+
+def kernel_times(log_dir: str, top: int = 12) -> dict:
+  """Device time by kernel name from the Perfetto trace `jax.profiler`
+  wrote under `log_dir`: the events of the device processes' stream
+  threads (raw kernels; the derived op and module lines would count them
+  again), or of every process where there is no device (CPU)."""
+  path = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"),
+                   recursive=True)[0]
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+  devices = {p for p, n in procs.items() if n.startswith("/device:")}
+  streams = {k for k, n in threads.items()
+             if k[0] in devices and "stream" in n.lower()}
+  totals = collections.Counter()
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    key = (e.get("pid"), e.get("tid"))
+    if (key in streams if streams else
+        (e.get("pid") in devices if devices else True)):
+      totals[e["name"]] += e.get("dur", 0.0) / 1e3  # us -> ms
+  return dict(kernel_ms=sum(totals.values()),
+              top=[(name, round(ms, 4)) for name, ms in
+                   totals.most_common(top)],
+              source="device streams" if streams else
+              "device" if devices else "host")
 
 
 def decode_part() -> dict:
@@ -245,6 +298,12 @@ def decode_part() -> dict:
             f"on the device alone), {r['achieved_tb_s']:.2f} TB/s, "
             f"{r['compile_steps']} compile steps "
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
+      if r["profile"]:
+        prof = r["profile"]
+        print(f"  profiled step {prof['step']}: {prof['kernel_ms']:.2f} ms "
+              f"of {prof['source']} time; top: " + "; ".join(
+                  f"{n[:60]} {ms:.2f}" for n, ms in prof["top"][:8]),
+              flush=True)
       print("  case " + json.dumps({k: v for k, v in r.items()
                                      if k != "tokens"}), flush=True)
       rows.append(r)
