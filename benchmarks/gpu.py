@@ -83,6 +83,9 @@ _IMPLS = flags.DEFINE_list("impls", None, "Decode attention: pallas, xla "
                            "(default: both on GPU/TPU, xla on CPU).")
 _VARIANTS = flags.DEFINE_list("variants", ["shared", "repeated"],
                               "Decode variants.")
+_DECODE_SCAN = flags.DEFINE_bool(
+    "decode_scan_layers", True, "Decode: layers under lax.scan (False: "
+    "unrolled, one kernel sequence per layer without a device loop).")
 _B = flags.DEFINE_integer("batch", 8, "Train: sequences per update.")
 _T = flags.DEFINE_integer("seq_len", 4096, "Train: tokens per sequence.")
 _MICRO = flags.DEFINE_integer("micro_batches", 2, "Train: micro-batches.")
@@ -274,7 +277,8 @@ def decode_part() -> dict:
   from rlhf_jax.parallel import mesh as mesh_lib
 
   _, hbm = _peaks()
-  cfg = _model_cfg(param_dtype="bfloat16", compute_dtype="bfloat16")
+  cfg = _model_cfg(param_dtype="bfloat16", compute_dtype="bfloat16",
+                   scan_layers=_DECODE_SCAN.value)
   layout = mesh_lib.rollout_layout(_one_device_mesh())
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   impls = _IMPLS.value or (["xla"] if jax.default_backend() == "cpu"
@@ -339,6 +343,7 @@ def decode_part() -> dict:
     r.pop("tokens")
     out[f"{r['impl']}.{r['variant']}"] = r
   out["setting"] = dict(model=_MODEL.value if not _QUICK.value else "quick",
+                        scan_layers=cfg.scan_layers,
                         params=cfg.num_params(), prompts=N, G=_G.value,
                         prompt_len=P, new_tokens=_M.value,
                         page_size=_PAGE.value)
