@@ -100,10 +100,10 @@ def test_presets_have_published_sizes():
 
 
 def test_random_init_takes_its_key_as_an_argument(mesh8, monkeypatch):
-  """The jitted init draws from a key argument, never a constant key: XLA
-  constant-folds a constant-key init (every weight a constant expression),
-  which took 2 min 12 s to compile for Qwen2.5-1.5B on an H100. The values
-  are those the constant-key init gave."""
+  """The jitted init draws from a key argument, never a constant key
+  (every weight a constant expression XLA may fold: the constant-key init
+  of Qwen2.5-1.5B compiled for 2 min 12 s on an H100). The values are
+  those the constant-key init gave."""
   real_jit, calls = jax.jit, []
 
   def spy(fn, **kw):
