@@ -178,9 +178,14 @@ def test_grpo_rl_step_share_prompt_matches_repeated():
         prompts)
   # Loss and gradient are exact over micro-batches; kl/entropy are means of
   # per-micro-batch means, and the two layouts split differently.
-  for k in ("rollout/reward_mean", "rollout/logprob_gap_mean", "train/loss",
-            "train/grad_norm"):
+  for k in ("rollout/reward_mean", "train/loss", "train/grad_norm"):
     np.testing.assert_allclose(out[True][k], out[False][k], rtol=1e-5,
                                atol=1e-7, err_msg=k)
+  # The sampler-vs-trainer gap is fp32 rounding in both layouts (~1e-7):
+  # its value there depends on the CPU's reduction order (this comparison
+  # at rtol 1e-5 failed on one machine with 1.5e-7 vs 5.2e-7, the same
+  # at the commit that had passed CI elsewhere), so both stay at rounding.
+  for share in (True, False):
+    assert abs(out[share]["rollout/logprob_gap_mean"]) < 2e-6, share
   assert out[True]["train/grad_norm"] > 1e-3
   assert out[True]["train/kl"] > 1e-4
