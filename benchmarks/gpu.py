@@ -164,17 +164,17 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
                 for i in range(N) for j in range(G)]
   driver = PagedDriver(engine, params)
   driver.start(requests, admission="static")  # Everything prefilled at once.
-  steps, samples, device_s = [], [], []
+  steps, samples, device_s, alone_steps, profile = [], [], [], set(), {}
   # Every SAMPLE_EVERY-th decode step runs alone: the device idle before it,
   # waited for after it; its time is the device's step time (plus one
-  # dispatch). Those steps are left out of the pipelined step times.
+  # dispatch). Those steps (and the profiled one) are left out of the
+  # pipelined step times.
   generate = engine.generate
-
-  profile = {}
 
   def sampled_generate(params, state, *args, **kwargs):
     if len(steps) % SAMPLE_EVERY != SAMPLE_EVERY - 1:
       return generate(params, state, *args, **kwargs)
+    alone_steps.add(len(steps))
     jax.block_until_ready(state)
     if _PROFILE.value and not profile and len(steps) >= M // 2:
       with tempfile.TemporaryDirectory() as log_dir:
@@ -192,12 +192,11 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
   t_run = time.perf_counter()
   while driver.busy:
     traces = sum(engine.trace_counts.values())
-    sampled = len(device_s)
     t0 = time.perf_counter()
     samples += driver.step()
     dt = time.perf_counter() - t0
     steps.append((dt, sum(engine.trace_counts.values()) != traces,
-                  len(device_s) != sampled))
+                  len(steps) in alone_steps))
   wall = time.perf_counter() - t_run
   if len(samples) != S or any(len(s.tokens) != M for s in samples):
     raise AssertionError(f"expected {S} samples of {M} tokens")
