@@ -36,6 +36,12 @@ def get_config(arg=None):
                          dataset_prompts=160000, prompt_len=200,
                          median_len=250.0, sigma=1.0, drift=0.0))
   c.policies = "baseline,rlhfuse"
+  # The inference stage is three forwards. The paper's workflow "involves six
+  # different tasks divided into three stages" (arXiv 2409.13221v3, section
+  # 1): the actor generates and passes the samples to the Reference, Critic
+  # and Reward models, then the actor and critic train. There is no actor
+  # inference task: the old log-probs come out of generation. The reward
+  # model is taken at the critic's size ([U]).
   c.cases = []
   for pair in arg.pairs.split(";"):
     actor, critic, gen_tp, actor_pp, critic_pp = _PAIRS[pair]
@@ -43,7 +49,7 @@ def get_config(arg=None):
       c.cases.append(dict(
           name=f"{pair}/{length}",
           setting=dict(model=actor, critic_model=critic, rollout_tp=gen_tp,
-                       scoring_models=[actor, actor, critic, critic],
+                       scoring_models=[actor, critic, critic],
                        train_pp=[actor_pp, critic_pp, 8],
                        max_response=int(length)),
           workload=dict(max_len=int(length))))
