@@ -49,6 +49,9 @@ and decodes with tensor parallelism N inside one replica.
 
 Prints a table, then one JSON line (last stdout line) with `decode_tok_s`
 (prefix rows, G=16, P=512) and `prefix_rows_speedup_g16_p512`.
+`--calibration_out=PATH` also fits the simulator's CPU decode costs to the
+measured steps (`sim/hardware.decode_calibration`) and writes them there;
+the simulator reads benchmarks/results/engine_costs_cpu.json.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.sim import hardware
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and new tokens.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Live samples in both variants.")
@@ -77,6 +81,11 @@ _REPEATS = flags.DEFINE_integer(
 _DEVICES = flags.DEFINE_integer(
     "devices", 0, "If > 0, force this many host devices and decode with "
     "tensor parallelism over them (default: the devices JAX sees, 1 used).")
+_CALIBRATION_OUT = flags.DEFINE_string(
+    "calibration_out", "", "If set, fit the simulator's CPU profile "
+    "(decode_mem_eff, step_overhead_s) to the measured steps and write it "
+    "here as JSON; the simulator reads "
+    "benchmarks/results/engine_costs_cpu.json (sim/hardware.cpu_profile).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Model override.")
 _EMBED_DIM = flags.DEFINE_integer("embed_dim", 256, "Model override.")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 8, "Model override.")
@@ -193,6 +202,24 @@ def _table(rows, M, S) -> str:
   return "\n".join(lines)
 
 
+def _write_calibration(cfg: ModelConfig, steps_by_kv, path: str) -> None:
+  """The simulator's CPU decode costs fitted to this run's steps."""
+  item = cfg.compute_jnp_dtype(0).itemsize
+  kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+  weight_bytes = cfg.num_params() * cfg.param_jnp_dtype(0).itemsize
+  fit = hardware.decode_calibration(weight_bytes, kv_bytes,
+                                    *zip(*steps_by_kv, strict=True))
+  worst = fit.pop("worst_rel_error")
+  with open(path, "w") as f:
+    json.dump({k: round(v, 6) for k, v in fit.items()}, f, indent=1)
+    f.write("\n")
+  print(f"CPU profile fit ({len(steps_by_kv)} step times, "
+        f"{jax.device_count()} device(s), {platform.machine()}): "
+        f"decode_mem_eff {fit['decode_mem_eff']:.3f} (of the profile's "
+        f"hbm_bw), step_overhead_s {fit['step_overhead_s'] * 1e3:.2f} ms, "
+        f"worst step off by {100 * worst:.0f}% -> {path}")
+
+
 def main(argv):
   del argv
   t_start = time.perf_counter()
@@ -214,7 +241,7 @@ def main(argv):
         f"devices used: {layout.mesh.size} of {jax.device_count()} "
         f"({jax.default_backend()}); quick={quick}", flush=True)
 
-  results = []
+  results, steps_by_kv = [], []
   rng = np.random.default_rng(0)
   for P in PROMPT_LENGTHS:
     prompts = rng.integers(0, cfg.vocab_size, (S, P)).astype(np.int32)
@@ -251,6 +278,11 @@ def main(argv):
           kv_ms_prefix=c * kv_pre, kv_ms_repeated=c * kv_rep, rest_ms=rest,
           speedup_bound=rep_ms / rest)
       results.append(row)
+      # (KV tokens read per step, median step s) for the CPU profile's fit;
+      # G=1's two variants are one configuration.
+      steps_by_kv.append((kv_rep, rep_ms / 1e3))
+      if G > 1:
+        steps_by_kv.append((kv_pre, pre_ms / 1e3))
       print(f"  G={G:>2} P={P:>3}: prefix {pre_ms:.2f} ms/step, repeated "
             f"{rep_ms:.2f} ms/step, speedup {row['speedup']:.2f}x "
             f"({time.perf_counter() - t_start:.0f}s)", flush=True)
@@ -259,6 +291,8 @@ def main(argv):
   print()
   print(_table(results, M, S))
   head = next(r for r in results if (r["G"], r["P"]) == HEADLINE)
+  if _CALIBRATION_OUT.value:
+    _write_calibration(cfg, steps_by_kv, _CALIBRATION_OUT.value)
   wall = time.perf_counter() - t_start
   print(f"wall time: {wall:.0f}s")
   print(json.dumps(dict(

@@ -1,5 +1,7 @@
 """The fluid decode instance against a step-by-step reference."""
 
+import os
+
 import pytest
 
 from rlhf_jax.sim import costs
@@ -106,6 +108,30 @@ def test_cpu_profile_calibration_hook(tmp_path):
   path.write_text('{"decode_eff": 0.3}')
   with pytest.raises(ValueError):
     hardware.cpu_profile(str(path))
+
+
+def test_decode_calibration_recovers_the_cost_models_terms():
+  """Step times made by `costs.decode_step_time` with a known efficiency
+  and overhead (batch 1: memory-bound) give those
+  back; one KV size cannot be fitted and is refused in one line."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.sim import costs, hardware  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.sim.models import get_model  # pylint: disable=g-import-not-at-top
+  base = hardware.cpu_profile(os.path.join(os.sep, "no", "such.json"))
+  true = dataclasses.replace(base, decode_mem_eff=0.27,
+                             step_overhead_s=0.0031)
+  model = get_model("tiny")
+  kv = [512, 4096, 16384, 65536]
+  step_s = [costs.decode_step_time(model, true, 1, 1, k) for k in kv]
+  fit = hardware.decode_calibration(model.weight_bytes,
+                                    model.kv_bytes_per_token, kv, step_s,
+                                    base=base)
+  assert fit["decode_mem_eff"] == pytest.approx(0.27, rel=0.01)
+  assert fit["step_overhead_s"] == pytest.approx(0.0031, rel=0.03)
+  assert fit["worst_rel_error"] < 0.01
+  with pytest.raises(ValueError, match="two or more KV sizes"):
+    hardware.decode_calibration(model.weight_bytes, model.kv_bytes_per_token,
+                                [512, 512], step_s[:2], base=base)
 
 
 def test_measured_step_cost_schedules_by_hand():

@@ -128,10 +128,10 @@ _CALIBRATABLE = ("peak_flops", "hbm_bw", "decode_mem_eff", "prefill_mfu",
 def cpu_profile(calibration_path: str | None = None) -> Hardware:
   """The CPU profile, overridden by measured engine costs when available.
 
-  The engine benchmark (written separately) is expected to dump a JSON object
-  whose keys are any subset of the Hardware fields in _CALIBRATABLE, e.g.
-  {"decode_mem_eff": 0.31, "step_overhead_s": 0.0012}. Unknown keys fail
-  loudly so a renamed field is noticed.
+  `python -m benchmarks.engine --calibration_out=PATH` writes the JSON
+  object (`decode_calibration`): any subset of the Hardware fields in
+  _CALIBRATABLE, e.g. {"decode_mem_eff": 0.31, "step_overhead_s": 0.0012}.
+  Unknown keys fail loudly so a renamed field is noticed.
 
   Args:
     calibration_path: JSON file; defaults to $RLHF_JAX_CPU_CALIBRATION or
@@ -152,6 +152,59 @@ def cpu_profile(calibration_path: str | None = None) -> Hardware:
   return dataclasses.replace(
       _CPU_DEFAULT, name="cpu_calibrated",
       **{k: float(v) for k, v in measured.items()})
+
+
+def decode_calibration(weight_bytes: float, kv_bytes_per_token: float,
+                       kv_tokens, step_s, base: Hardware = _CPU_DEFAULT
+                       ) -> dict[str, float]:
+  """`decode_mem_eff` and `step_overhead_s` of `base` from measured steps.
+
+  `costs.decode_step_time` of a memory-bound step is
+  (weights + kv_bytes_per_token * kv_tokens) / (hbm_bw * eff) + overhead.
+  Both terms are fitted to the measured (kv_tokens, step_s) pairs by least
+  squares of the relative error (overhead >= 0): a fine log grid of the
+  effective bandwidth hbm_bw * eff, refined by ternary search. That model
+  reads weights and KV at one bandwidth, so where the engine reads them at
+  different rates the fit is a compromise; `worst_rel_error` says how far
+  off it is.
+
+  Args:
+    weight_bytes: bytes of the measured model's weights.
+    kv_bytes_per_token: KV bytes of one token over all layers.
+    kv_tokens: KV tokens each measured step read (one per step time).
+    step_s: the measured step times, seconds.
+    base: the profile whose bandwidth the fraction refers to.
+
+  Returns:
+    {"decode_mem_eff", "step_overhead_s"} (what `cpu_profile` reads) and
+    "worst_rel_error" of the fitted model over the measured steps.
+  """
+  x, y = [float(v) for v in kv_tokens], [float(v) for v in step_s]
+  if len(x) != len(y) or len(set(x)) < 2 or min(y) <= 0:
+    raise ValueError("decode_calibration needs positive step times at two or "
+                     f"more KV sizes; got {len(set(x))} sizes, {len(y)} times")
+  read = [weight_bytes + kv_bytes_per_token * a for a in x]
+
+  def fit(bw):  # The best overhead at this bandwidth, and the loss.
+    w = [1 / t**2 for t in y]  # Relative error: weight 1 / y^2.
+    o = max(0.0, sum(wi * (t - r / bw)
+                     for wi, t, r in zip(w, y, read, strict=True)) / sum(w))
+    return o, sum(((r / bw + o) / t - 1) ** 2
+                  for t, r in zip(y, read, strict=True))
+
+  lo = min(read) / max(y)  # Slower than this leaves no step its time.
+  grid = [lo * 10 ** (i / 400) for i in range(2001)]  # lo .. lo * 1e5
+  i = min(range(len(grid)), key=lambda j: fit(grid[j])[1])
+  a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+  for _ in range(60):  # Ternary search between the best's neighbours.
+    m1, m2 = a + (b - a) / 3, b - (b - a) / 3
+    a, b = (a, m2) if fit(m1)[1] <= fit(m2)[1] else (m1, b)
+  bw = (a + b) / 2
+  overhead = fit(bw)[0]
+  worst = max(abs((r / bw + overhead) / t - 1)
+              for t, r in zip(y, read, strict=True))
+  return {"decode_mem_eff": bw / base.hbm_bw, "step_overhead_s": overhead,
+          "worst_rel_error": worst}
 
 
 def get_hardware(name: str | Hardware) -> Hardware:
