@@ -54,6 +54,8 @@ REPRODUCED = [
     # "0% (150 s: 49.7%)": the 200 s fault, then the 150 s one.
     ("rlboost_fault", 2, lambda H: [100 * H[2]["ours"], 150,
                                     100 * H[1]["ours"]]),
+    ("rlboost_seeding_ablation", 0, lambda H: [H[0]["ours"]]),
+    ("rlboost_seeding_ablation", 1, lambda H: [H[1]["ours"]]),
     ("rlhfless_testbed", 0, lambda H: [H[0]["ours"], *_range(H[0])]),
     ("rlhfless_testbed", 1, lambda H: _pct([H[1]["ours"], *_range(H[1])])),
     ("rlhfless_testbed", 2, lambda H: [100 * H[2]["ours"]]),

@@ -55,6 +55,31 @@ def test_every_sample_finishes_exactly_once(name, overrides):
     assert sum(r.counters.get("preemptions", 0) for r in results) > 0
 
 
+def test_without_seeding_the_training_cluster_only_trains():
+  """RLBoost's seeding ablation: T_seed fixed at 0 hands every request to
+  the remote instances, so no local engine decodes while one is held; a
+  burst of 3 of 4 preemptions brings substitutes back 50 s apart, and
+  every sample still finishes exactly once."""
+  no_seeding = policy_lib.get_policy(
+      "rlboost", t_init=0.0, seed_floor=0.0, eta=float("inf"),
+      seed_memory=False)
+  results = runner.run(SETTING, no_seeding, Workload(SPEC), 3,
+                       availability.static(4), fault=(1, 0.0, 3, 50.0))
+  for r in results:
+    batch_tokens = sum(n for _, _, _, n in Workload(SPEC).batch(r.step).samples)
+    assert r.gen_tokens == batch_tokens
+    assert r.t_seed == 0.0
+    local = [e for e in r.timeline if e["pid"] == "local" and e["dur"] > 0]
+    assert not local, local[:3]
+  # The burst, then one substitute every 50 s from the step's start.
+  pool = RemotePool(availability.static(4), price_per_s=0.0)
+  pool.apply_until(0.0)
+  pool.preempt_at(100.0, 3, 50.0)
+  got = [(e.time, e.kind) for e in pool.events[pool.cursor:]]
+  assert got == [(100.0, "remove")] * 3 + [(150.0, "add"), (200.0, "add"),
+                                           (250.0, "add")]
+
+
 def test_ledger_rejects_duplicates_and_short_samples():
   s = Sample(0, 0, 0, 10, 5, generated=5.0)
   ledger = SampleLedger([s])

@@ -35,10 +35,15 @@ class RemotePool:
       self.present.remove(event.iid)
     return event
 
-  def preempt_at(self, t: float, count: int):
-    """Schedules removal of `count` instances present now (a fault burst)."""
+  def preempt_at(self, t: float, count: int, readd_every_s: float = 0.0):
+    """Schedules removal of `count` instances present now (a fault burst);
+    with `readd_every_s`, a substitute for each arrives one at a time, that
+    many seconds apart after the burst."""
     victims = list(self.present)[:count]
     burst = [SpotEvent(t, iid, "remove") for iid in victims]
+    if readd_every_s > 0:
+      burst += [SpotEvent(t + k * readd_every_s, f"{iid}.sub", "add")
+                for k, iid in enumerate(victims, start=1)]
     pending = self.events[self.cursor:] + burst
     pending.sort(key=lambda e: (e.time, e.kind != "remove", e.iid))
     self.events = self.events[:self.cursor] + pending

@@ -23,7 +23,7 @@ class RunState:
 
 def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
         spot_events: list | None = None,
-        fault: tuple[int, float, int] | None = None) -> list:
+        fault: tuple | None = None) -> list:
   """Simulates `steps` RL steps; returns the per-step StepResults.
 
   Args:
@@ -32,9 +32,10 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
     workload: length source (same seed -> same lengths for every policy).
     steps: number of steps.
     spot_events: availability trace of remote instances (None = none).
-    fault: (step, seconds into the step, count): that many held remote
-      instances are preempted at once (RLBoost's fault-handling ablation),
-      and do not come back.
+    fault: (step, seconds into the step, count[, readd_every_s]): that many
+      held remote instances are preempted at once (RLBoost's fault-handling
+      ablation) and do not come back, or, with readd_every_s, substitutes
+      arrive one at a time that many seconds apart (its seeding ablation).
   """
   controller = None
   if policy.seeding:
@@ -48,7 +49,7 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
   results = []
   for step in range(steps):
     if fault is not None and fault[0] == step:
-      state.pool.preempt_at(state.clock + fault[1], fault[2])
+      state.pool.preempt_at(state.clock + fault[1], *fault[2:])
     batch = workload.batch(step)
     result = StepSimulator(setting, policy, batch, state, step).run()
     results.append(result)

@@ -306,10 +306,16 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
     self.ctx = self._mean_context(predicted)
     self._setup_local(predicted, self.ctx)
     self._setup_remote(self.ctx)
+    seeding = self.p.seeding and self.p.use_remote and self.remote
+    if seeding and self.state.controller.t_seed <= 0:
+      # No seeding window: the training cluster hands every request to the
+      # remote instances before any reaches its engines, and only trains.
+      self._seed_end(self.local_start)
+      seeding = False
     self._assign_initial(predicted)
     for inst in self.local:
       self._schedule(inst)
-    if self.p.seeding and self.p.use_remote and self.remote:
+    if seeding:
       self._push(self.local_start + self.state.controller.t_seed, "seed_end")
     if self.p.continuous_lb:
       self._push(self.t0 + self.p.lb_period_s, "lb")
