@@ -71,6 +71,7 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.sim import hardware
+from rlhf_jax.sim import models as sim_models
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and new tokens.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Live samples in both variants.")
@@ -203,11 +204,12 @@ def _table(rows, M, S) -> str:
 
 
 def _write_calibration(cfg: ModelConfig, steps_by_kv, path: str) -> None:
-  """The simulator's CPU decode costs fitted to this run's steps."""
-  item = cfg.compute_jnp_dtype(0).itemsize
-  kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
-  weight_bytes = cfg.num_params() * cfg.param_jnp_dtype(0).itemsize
-  fit = hardware.decode_calibration(weight_bytes, kv_bytes,
+  """The simulator's CPU decode costs fitted to this run's steps, in the
+  bytes the simulator counts for this model (`profile_of`: BF16), which is
+  how it will apply them to a live CPU model."""
+  profile = sim_models.profile_of(cfg)
+  fit = hardware.decode_calibration(profile.weight_bytes,
+                                    profile.kv_bytes_per_token,
                                     *zip(*steps_by_kv, strict=True))
   worst = fit.pop("worst_rel_error")
   with open(path, "w") as f:

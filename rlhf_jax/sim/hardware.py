@@ -160,17 +160,18 @@ def decode_calibration(weight_bytes: float, kv_bytes_per_token: float,
   """`decode_mem_eff` and `step_overhead_s` of `base` from measured steps.
 
   `costs.decode_step_time` of a memory-bound step is
-  (weights + kv_bytes_per_token * kv_tokens) / (hbm_bw * eff) + overhead.
-  Both terms are fitted to the measured (kv_tokens, step_s) pairs by least
-  squares of the relative error (overhead >= 0): a fine log grid of the
-  effective bandwidth hbm_bw * eff, refined by ternary search. That model
-  reads weights and KV at one bandwidth, so where the engine reads them at
-  different rates the fit is a compromise; `worst_rel_error` says how far
-  off it is.
+  (weights + kv_bytes_per_token * kv_tokens) / (hbm_bw * eff) + overhead,
+  linear in 1 / (hbm_bw * eff) and the overhead: both are fitted to the
+  measured (kv_tokens, step_s) pairs by least squares of the relative
+  error, the overhead held at 0 where the free fit makes it negative. That
+  model reads weights and KV at one bandwidth, so where the engine reads
+  them at different rates the fit is a compromise; `worst_rel_error` says
+  how far off it is.
 
   Args:
-    weight_bytes: bytes of the measured model's weights.
-    kv_bytes_per_token: KV bytes of one token over all layers.
+    weight_bytes: the measured model's weight bytes, as the simulator counts
+      them (`sim/models.profile_of`), so eff is relative to that count.
+    kv_bytes_per_token: KV bytes of one token over all layers, likewise.
     kv_tokens: KV tokens each measured step read (one per step time).
     step_s: the measured step times, seconds.
     base: the profile whose bandwidth the fraction refers to.
@@ -183,27 +184,23 @@ def decode_calibration(weight_bytes: float, kv_bytes_per_token: float,
   if len(x) != len(y) or len(set(x)) < 2 or min(y) <= 0:
     raise ValueError("decode_calibration needs positive step times at two or "
                      f"more KV sizes; got {len(set(x))} sizes, {len(y)} times")
-  read = [weight_bytes + kv_bytes_per_token * a for a in x]
-
-  def fit(bw):  # The best overhead at this bandwidth, and the loss.
-    w = [1 / t**2 for t in y]  # Relative error: weight 1 / y^2.
-    o = max(0.0, sum(wi * (t - r / bw)
-                     for wi, t, r in zip(w, y, read, strict=True)) / sum(w))
-    return o, sum(((r / bw + o) / t - 1) ** 2
-                  for t, r in zip(y, read, strict=True))
-
-  lo = min(read) / max(y)  # Slower than this leaves no step its time.
-  grid = [lo * 10 ** (i / 400) for i in range(2001)]  # lo .. lo * 1e5
-  i = min(range(len(grid)), key=lambda j: fit(grid[j])[1])
-  a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-  for _ in range(60):  # Ternary search between the best's neighbours.
-    m1, m2 = a + (b - a) / 3, b - (b - a) / 3
-    a, b = (a, m2) if fit(m1)[1] <= fit(m2)[1] else (m1, b)
-  bw = (a + b) / 2
-  overhead = fit(bw)[0]
-  worst = max(abs((r / bw + overhead) / t - 1)
-              for t, r in zip(y, read, strict=True))
-  return {"decode_mem_eff": bw / base.hbm_bw, "step_overhead_s": overhead,
+  # Relative residuals r_i * s / t_i + o / t_i - 1, with s = 1 / bandwidth.
+  u = [(weight_bytes + kv_bytes_per_token * a) / t
+       for a, t in zip(x, y, strict=True)]
+  v = [1 / t for t in y]
+  suu, svv, suv = (sum(a * b for a, b in zip(p, q, strict=True))
+                   for p, q in ((u, u), (v, v), (u, v)))
+  su, sv = sum(u), sum(v)
+  det = suu * svv - suv**2
+  s, overhead = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+  if overhead < 0:
+    s, overhead = su / suu, 0.0
+  if s <= 0:
+    raise ValueError("decode_calibration: step time does not grow with the "
+                     "bytes read: too noisy to fit")
+  worst = max(abs(a * s + b * overhead - 1)
+              for a, b in zip(u, v, strict=True))
+  return {"decode_mem_eff": 1 / (s * base.hbm_bw), "step_overhead_s": overhead,
           "worst_rel_error": worst}
 
 
