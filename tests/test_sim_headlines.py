@@ -41,12 +41,18 @@ def _range(h):
 REPRODUCED = [
     ("rlboost_qwen3_8b", 0, lambda H: [H[0]["ours"], *H[0]["per_case"]]),
     ("rlboost_qwen3_8b", 1, lambda H: _pct([H[1]["ours"], *H[1]["per_case"]])),
+    ("rlboost_qwen3_8b", 2, lambda H: [H[2]["ours"], *H[2]["per_case"]]),
+    ("rlboost_qwen3_8b", 3, lambda H: _pct([H[3]["ours"], *H[3]["per_case"]])),
     ("rlboost_qwen3_14b", 0, lambda H: [H[0]["ours"], *H[0]["per_case"]]),
     ("rlboost_qwen3_14b", 1,
      lambda H: _pct([H[1]["ours"], *H[1]["per_case"]])),
+    ("rlboost_qwen3_14b", 2,
+     lambda H: _pct([H[2]["ours"], *H[2]["per_case"]])),
     ("rlboost_qwen3_32b", 0, lambda H: [H[0]["ours"], *H[0]["per_case"]]),
     ("rlboost_qwen3_32b", 1,
      lambda H: _pct([H[1]["ours"], *H[1]["per_case"]])),
+    ("rlboost_qwen3_32b", 2,
+     lambda H: _pct([H[2]["ours"], *H[2]["per_case"]])),
     ("rlboost_static_spot", 0, lambda H: [H[0]["ours"]]),
     # The doc prints the change of the cost per token: -(the reduction).
     ("rlboost_static_spot", 1, lambda H: [-100 * H[1]["ours"]]),

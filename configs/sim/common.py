@@ -25,6 +25,7 @@ def base_config() -> ml_collections.ConfigDict:
       segment="none", max_instances=0, duration_s=4 * 3600.0, seed=0))
   c.policies = "baseline"
   c.policy_overrides = ml_collections.ConfigDict()
+  c.policy_runs = ml_collections.ConfigDict()  # alias -> own setting / pool.
   c.cases = [dict(name="default")]
   c.headlines = []
   c.steps = 20

@@ -12,7 +12,8 @@ engine and elastic workers will execute the same ones.
   actor_scaling   lambda-weighted latency/cost choice of the actor count
   tail            RLHFuse consolidation at R_t, RLHFless cut at tau
   offload         RLBoost T_seed controller, N_prem cap, JSQ-Theta dispatch,
-                  CONTINUOUSLB with the batching plateau
+                  CONTINUOUSLB with the batching plateau, Disagg.BAL's
+                  balanced reserved instance count
   pipeline        fused actor/critic pipeline problem, evaluator, bound
   pipeline_search schedule search for the fused pipeline
   staleness       async RL: when a batch may be drawn, when the rollout

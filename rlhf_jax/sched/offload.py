@@ -68,6 +68,24 @@ def cap_count(n: int, cap: float) -> int:
   return min(n, max(1, round(cap + 0.5)))
 
 
+def balanced_instance_count(candidates: Sequence[int],
+                            rollout_busy_s: Callable[[int], float],
+                            train_busy_s: Callable[[int], float]) -> int:
+  """Reserved rollout instances of a disaggregated job (Disagg.BAL's
+  resource optimizer, which "balances the workloads" of the two stages).
+
+  Balanced means each instance decodes for about as long as the trainer
+  trains (the same balance as Algorithm 1's N_prem cap with no seeding):
+  the count minimising the longer of the two busy times, the fewer on a
+  tie. Busy time, not the rollout's span: past some count the span is the
+  longest response's decode, which more instances cannot shorten.
+  """
+  if not candidates:
+    raise ValueError("no rollout instance count to choose from")
+  return min(candidates,
+             key=lambda n: (max(rollout_busy_s(n), train_busy_s(n)), n))
+
+
 @dataclasses.dataclass(frozen=True)
 class QueueView:
   """Pending (queued) and executing counts of one instance."""

@@ -143,12 +143,27 @@ def combined() -> Policy:
       remote_scoring=True)
 
 
+def disagg_bal() -> Policy:
+  """RLBoost's Disagg.BAL baseline (section 6.2, after StreamRL): reserved
+  rollout instances do all of the rollout, the training cluster only trains,
+  on micro-batches as responses stream in. Our reading of "lacks efficient
+  request migration and pull-based weight transfer": failed requests
+  restart, weights are pushed at the step's start. The instance count is
+  `offload.balanced_instance_count`'s, not the policy's.
+  """
+  return dataclasses.replace(
+      rlboost(), name="disagg_bal", t_init=0.0, seed_floor=0.0,
+      eta=float("inf"), seed_memory=False, remote_cap=False,
+      pull_weights=False, preemption_recovery="recompute")
+
+
 PRESETS = {
     "baseline": baseline,
     "rlhfuse": rlhfuse,
     "rlhfless": rlhfless,
     "rlboost": rlboost,
     "combined": combined,
+    "disagg_bal": disagg_bal,
 }
 
 

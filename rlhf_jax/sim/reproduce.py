@@ -5,10 +5,11 @@ run on each (the first is the reference), and `headlines`: a metric of one
 policy relative to another, averaged over cases, with the paper's number.
 """
 
+import dataclasses
 import math
 
 from rlhf_jax.sched import policy as policy_lib
-from rlhf_jax.sim import async_run, runner
+from rlhf_jax.sim import accounting, async_run, availability, runner
 from rlhf_jax.sim.setting import Setting
 from rlhf_jax.sim.workload import Workload, WorkloadSpec
 
@@ -44,7 +45,14 @@ def _policies(config) -> list:
 
 
 def run_case(config, case) -> dict[str, dict]:
-  """Runs every policy on one case; returns per-policy summaries."""
+  """Runs every policy on one case; returns per-policy summaries.
+
+  A policy listed in `config.policy_runs` may run on its own setting
+  (e.g. veRL.2x: twice the reserved devices) and its own remote pool
+  ('case': the case's trace; an int: that many reserved instances; or
+  'balanced': the count `runner.balanced_instances` picks), billed at
+  `remote_price`.
+  """
   setting_kw = dict(config.setting)
   setting_kw.update(case.get("setting", {}))
   workload_kw = dict(config.workload)
@@ -59,8 +67,24 @@ def run_case(config, case) -> dict[str, dict]:
   events = runner.spot_trace(spot, config.spot.max_instances,
                              config.spot.duration_s, config.spot.seed)
   fault = tuple(case["fault"]) if case.get("fault") else None
-  out = runner.compare(setting, _policies(config), spec, config.steps,
-                       events, warmup=config.warmup, fault=fault)
+  runs = config.get("policy_runs", {})
+  out = {}
+  for policy in _policies(config):
+    own = dict(runs.get(policy.name, {}))
+    policy_setting = dataclasses.replace(setting, **own.get("setting", {}))
+    pool = own.get("remote", "case")
+    policy_events = events
+    if pool == "balanced":
+      pool = runner.balanced_instances(
+          policy_setting, policy, spec, list(range(1, own["max_remote"] + 1)),
+          own["profile_steps"])
+    if pool != "case":
+      policy_events = availability.static(pool)
+    results = runner.run(policy_setting, policy, Workload(spec), config.steps,
+                         policy_events, fault)
+    out[policy.name] = accounting.summarize(results, config.warmup)
+    out[policy.name]["_results"] = results
+    out[policy.name]["remote_reserved"] = 0 if pool == "case" else pool
   if "async_rl" in config:  # Async RL on the reserved devices, no spot.
     a = config.async_rl
     out["async"] = async_run.summarize(async_run.run(

@@ -4,7 +4,7 @@ import dataclasses
 
 from rlhf_jax.sched import length_history, offload
 from rlhf_jax.sched.policy import Policy
-from rlhf_jax.sim import availability, accounting
+from rlhf_jax.sim import availability
 from rlhf_jax.sim.pool import RemotePool
 from rlhf_jax.sim.setting import Setting
 from rlhf_jax.sim.step import StepSimulator
@@ -64,17 +64,29 @@ def run(setting: Setting, policy: Policy, workload: Workload, steps: int,
   return results
 
 
-def compare(setting: Setting, policies: list[Policy], workload_spec, steps: int,
-            spot_events=None, warmup: int = 0,
-            fault=None) -> dict[str, dict]:
-  """Runs each policy on the same workload and trace; returns summaries."""
-  out = {}
-  for policy in policies:
-    results = run(setting, policy, Workload(workload_spec), steps,
-                  spot_events, fault)
-    out[policy.name] = accounting.summarize(results, warmup)
-    out[policy.name]["_results"] = results
-  return out
+def balanced_instances(setting: Setting, policy: Policy, workload_spec,
+                       candidates: list[int], steps: int) -> int:
+  """Reserved rollout instances for a disaggregated policy (Disagg.BAL).
+
+  A profiling run of `steps` steps (on the largest candidate pool) gives
+  the tokens generated and the trainer's busy seconds per step; an
+  instance's rollout work is its share of the tokens at the full-batch
+  decode rate of one instance (what a throughput profile gives), and
+  `offload.balanced_instance_count` picks the count.
+  """
+  results = run(setting, policy, Workload(workload_spec), steps,
+                availability.static(max(candidates)))
+  gen_tokens = sum(r.gen_tokens for r in results) / len(results)
+  train_s = sum(r.observation.t_train for r in results) / len(results)
+  mean_context = (workload_spec.prompt_len +
+                  gen_tokens / (workload_spec.prompts_per_step *
+                                workload_spec.group_size) / 2)
+  hw, tp = setting.remote_hw, setting.remote_devices
+  full_batch = setting.engine_slots(hw, tp, mean_context)
+  tokens_per_s = setting.decode_throughput(hw, tp, mean_context)(full_batch)
+  return offload.balanced_instance_count(
+      candidates, lambda n: gen_tokens / (n * tokens_per_s),
+      lambda n: train_s)
 
 
 def spot_trace(segment: str, max_instances: int, duration_s: float,
