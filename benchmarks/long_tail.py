@@ -56,7 +56,7 @@ Prints a table, then one JSON line (last stdout line) with
 repeats of paired ratios (static / ours of the same repeat; the sim with
 that repeat's step costs), so drift of the shared machine cancels.
 `--quick` (48 prompts, median of 3) took 351 s on the shared 2-core CPU
-on 2026-11-27, over the 3-minute target: the GRPO part 143 s (82 s of it
+on 2026-11-26, over the 3-minute target: the GRPO part 143 s (82 s of it
 the warm-up's compiles), the PPO part (`long_tail_ppo`) ~210 s, ~150 s of
 it compiling the unfused, chunked and fused steps before ~50 s of timed
 steps. Cutting that is open ([fuse]).
