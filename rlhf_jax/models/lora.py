@@ -77,6 +77,11 @@ def merged(params, spec: LoraSpec):
   return nnx.from_flat_state(out)
 
 
+def _adapters_of(params):
+  """The adapter half of `split` (a named function: a cache key)."""
+  return split(params)[0]
+
+
 def attach(cfg: ModelConfig, params, spec: LoraSpec, *, seed: int,
            layout: Layout | None = None, model=Decoder):
   """(LoRA cfg, its graphdef, base `params` + fresh adapters born on
@@ -87,7 +92,6 @@ def attach(cfg: ModelConfig, params, spec: LoraSpec, *, seed: int,
   graphdef, _ = nnx.split(
       nnx.eval_shape(lambda: model(lora_cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
-  adapters = model_lib.random_params(
-      lambda rngs: model(lora_cfg, rngs=rngs), seed, layout,
-      select=lambda state: split(state)[0])
+  adapters = model_lib.random_params(model, lora_cfg, seed, layout,
+                                     select=_adapters_of)
   return lora_cfg, graphdef, nnx.merge_state(adapters, params)

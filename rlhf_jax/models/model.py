@@ -7,6 +7,8 @@ inside the trace, so weights are never closed over as constants.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -25,36 +27,46 @@ def abstract_params(cfg: ModelConfig):
   return nnx.split(model, nnx.Param)
 
 
-def random_params(make, seed: int, layout: Layout | None = None,
+def random_params(model_cls, cfg, seed: int, layout: Layout | None = None,
                   select=None):
-  """The nnx.Param state of the module `make(rngs)` builds, drawn from
-  `seed` by a jitted init and born sharded under `layout`; `select` keeps
-  part of that state (the rest is dead code to XLA).
+  """The nnx.Param state of `model_cls(cfg, rngs=...)`, drawn from `seed`
+  by a jitted init and born sharded under `layout`; `select` (a
+  module-level function: it is part of the cache key) keeps part of that
+  state (the rest is dead code to XLA).
 
   The key is an argument of the jitted init, not a constant: with a
   constant key every weight is a constant expression that XLA may fold at
   compile time (the constant-key init of Qwen2.5-1.5B compiled for 2 min
-  12 s on an H100, docs/results.md). Same values either way.
+  12 s on an H100, docs/results.md). Same values either way, and one
+  compiled init serves every seed (a policy, its reference and rollout
+  copy are one compile, not three).
   """
+  init = _compiled_init(model_cls, cfg, layout, select)
+  with use_layout(layout) if layout is not None else contextlib.nullcontext():
+    return init(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_init(model_cls, cfg, layout: Layout | None, select):
+  """The jitted init of `random_params`, one per (class, config, layout,
+  selection)."""
   select = select or (lambda state: state)
 
   def init(key):
-    return select(nnx.split(make(nnx.Rngs(key)), nnx.Param)[1])
+    return select(nnx.split(model_cls(cfg, rngs=nnx.Rngs(key)), nnx.Param)[1])
 
-  key = jax.random.key(seed)
   if layout is None:
-    return jax.jit(init)(key)
-  abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))), nnx.Param)
-  with use_layout(layout):
-    return jax.jit(init, out_shardings=layout.param_shardings(
-        select(abstract[1])))(key)
+    return jax.jit(init)
+  abstract = nnx.split(
+      nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  return jax.jit(init, out_shardings=layout.param_shardings(
+      select(abstract[1])))
 
 
 def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
   """(graphdef, random params born sharded under `layout`)."""
   graphdef, _ = abstract_params(cfg)
-  return graphdef, random_params(lambda rngs: Decoder(cfg, rngs=rngs), seed,
-                                 layout)
+  return graphdef, random_params(Decoder, cfg, seed, layout)
 
 
 def forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, *,

@@ -57,8 +57,7 @@ def abstract_params(cfg: ModelConfig):
 def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
   """(graphdef, random params born sharded under `layout`)."""
   graphdef, _ = abstract_params(cfg)
-  return graphdef, model_lib.random_params(
-      lambda rngs: RewardModel(cfg, rngs=rngs), seed, layout)
+  return graphdef, model_lib.random_params(RewardModel, cfg, seed, layout)
 
 
 def values(graphdef, params, tokens_BxT, positions_BxT, mask_BxT):
