@@ -69,21 +69,22 @@ def cap_count(n: int, cap: float) -> int:
 
 
 def balanced_instance_count(candidates: Sequence[int],
-                            rollout_busy_s: Callable[[int], float],
-                            train_busy_s: Callable[[int], float]) -> int:
+                            rollout_work_s: Callable[[int], float],
+                            train_work_s: Callable[[int], float]) -> int:
   """Reserved rollout instances of a disaggregated job (Disagg.BAL's
   resource optimizer, which "balances the workloads" of the two stages).
 
-  Balanced means each instance decodes for about as long as the trainer
-  trains (the same balance as Algorithm 1's N_prem cap with no seeding):
-  the count minimising the longer of the two busy times, the fewer on a
-  tie. Busy time, not the rollout's span: past some count the span is the
-  longest response's decode, which more instances cannot shorten.
+  Balanced means an instance's share of the rollout work takes about as
+  long as the trainer's work: the count minimising the longer of the two,
+  the fewer on a tie. Work, not the rollout's span: past some count the
+  span is the longest response's decode, which more instances cannot
+  shorten (`sim.runner.balanced_instances` prices the work at one
+  engine's full-batch decode rate).
   """
   if not candidates:
     raise ValueError("no rollout instance count to choose from")
   return min(candidates,
-             key=lambda n: (max(rollout_busy_s(n), train_busy_s(n)), n))
+             key=lambda n: (max(rollout_work_s(n), train_work_s(n)), n))
 
 
 @dataclasses.dataclass(frozen=True)
