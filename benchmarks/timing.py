@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks."""
 
+import contextlib
 import statistics
 import time
 
@@ -17,3 +18,26 @@ def median_time(fn, n: int = 5) -> float:
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+class _CompileCount:
+  n = 0
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA compilations inside the block (JAX's backend-compile
+  monitoring event): `with count_compiles() as c: ...; c.n`."""
+  import jax
+  count = _CompileCount()
+
+  def on_event(event, duration_secs, **kwargs):
+    del duration_secs, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      count.n += 1
+
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    yield count
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
