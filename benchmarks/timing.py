@@ -20,16 +20,13 @@ def median_time(fn, n: int = 5) -> float:
   return statistics.median(times)
 
 
-class _CompileCount:
-  n = 0
-
-
 @contextlib.contextmanager
 def count_compiles():
   """Counts XLA compilations inside the block (JAX's backend-compile
   monitoring event): `with count_compiles() as c: ...; c.n`."""
+  import types
   import jax
-  count = _CompileCount()
+  count = types.SimpleNamespace(n=0)
 
   def on_event(event, duration_secs, **kwargs):
     del duration_secs, kwargs

@@ -12,8 +12,9 @@ def rlboost_config(model: str, reserved_devices: int, throughput: float,
   The section 6.2 baselines besides veRL: Disagg.BAL runs the rollout on
   reserved 2xH100 instances, as many as its resource optimizer balances
   against the training cluster (`offload.balanced_instance_count` over
-  1-16 [U], from a 3-step profile), billed at the on-demand price per GPU of the 8xH100 node ([U]: the
-  paper's Table 2 is an image; it averages prices across providers);
+  1-16 [U], from a 3-step profile), billed at the on-demand price per GPU
+  of the 8xH100 node ([U]: the paper's Table 2 is an image; it averages
+  prices across providers);
   veRL.2x is veRL on twice the reserved nodes (8B and 14B only).
 
   Args:

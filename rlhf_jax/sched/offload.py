@@ -70,7 +70,7 @@ def cap_count(n: int, cap: float) -> int:
 
 def balanced_instance_count(candidates: Sequence[int],
                             rollout_work_s: Callable[[int], float],
-                            train_work_s: Callable[[int], float]) -> int:
+                            train_work_s: float) -> int:
   """Reserved rollout instances of a disaggregated job (Disagg.BAL's
   resource optimizer, which "balances the workloads" of the two stages).
 
@@ -84,7 +84,7 @@ def balanced_instance_count(candidates: Sequence[int],
   if not candidates:
     raise ValueError("no rollout instance count to choose from")
   return min(candidates,
-             key=lambda n: (max(rollout_work_s(n), train_work_s(n)), n))
+             key=lambda n: (max(rollout_work_s(n), train_work_s), n))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,8 +85,7 @@ def balanced_instances(setting: Setting, policy: Policy, workload_spec,
   full_batch = setting.engine_slots(hw, tp, mean_context)
   tokens_per_s = setting.decode_throughput(hw, tp, mean_context)(full_batch)
   return offload.balanced_instance_count(
-      candidates, lambda n: gen_tokens / (n * tokens_per_s),
-      lambda n: train_s)
+      candidates, lambda n: gen_tokens / (n * tokens_per_s), train_s)
 
 
 def spot_trace(segment: str, max_instances: int, duration_s: float,
