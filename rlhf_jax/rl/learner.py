@@ -10,7 +10,6 @@ Dimension letters: B sequences, T length, U micro-batches.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -21,6 +20,7 @@ import optax
 from flax import nnx, struct
 
 from rlhf_jax import distributed
+from rlhf_jax.parallel import pacing
 from rlhf_jax.parallel.layout import Layout, constrain, use_layout
 from rlhf_jax.rl import grouped
 
@@ -30,13 +30,9 @@ TermsFn = Callable[[Any, Any, Batch], tuple[jax.Array, dict]]
 # weight_fn(batch) -> scalar normaliser of the whole batch (param-free).
 WeightFn = Callable[[Batch], jax.Array]
 
-# How many training passes (updates, streamed gradient sums) the host may
-# dispatch ahead of the devices. Enough to keep an accelerator fed; and it
-# keeps XLA's CPU client out of a deadlock: once a device holds 32 queued
-# computations, the next launch blocks one of the client's threads, and
-# with one thread per (fake) device a sharded program can then never gather
-# all its devices (a rendezvous abort after 40 s).
-MAX_AHEAD = 8
+# Training passes (updates, streamed gradient sums) the host may dispatch
+# ahead of the devices (`parallel/pacing.py`).
+MAX_AHEAD = pacing.MAX_AHEAD
 
 
 # Aux metrics are means over micro-batches, except those named "*_max"
@@ -134,7 +130,7 @@ class Learner:
     self._apply_jit = jax.jit(self._apply_fn, donate_argnums=(0, 1),
                               static_argnums=5)
     self._logprobs_jit = jax.jit(self._logprobs_fn)
-    self._ahead = collections.deque()  # An output of each dispatched pass.
+    self._pacer = pacing.Pacer(MAX_AHEAD)
     self._rows_jit = jax.jit(
         lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
 
@@ -230,9 +226,7 @@ class Learner:
     """Returns `out` once the pass `MAX_AHEAD` before this one is done
     (`marker`: one output of this pass, never donated), so the host never
     runs further ahead than that."""
-    self._ahead.append(marker)
-    if len(self._ahead) > MAX_AHEAD:
-      self._ahead.popleft().block_until_ready()
+    self._pacer.dispatched(marker)
     return out
 
   def _grads(self, params, batch: Batch, weight):

@@ -31,6 +31,11 @@ is the rollout copy itself, viewed on the scoring replicas without a copy
 host memory while the rollout decodes) are placed on each scoring layout
 once a step and freed by `end`.
 
+Each pass is its own program per scoring layout and chunk shape (the
+policy and the reference share the log-prob one), so a new chunk shape
+compiles only the passes whose inputs changed: the reward model and critic
+read the repeated rows alone, whatever layout the log-prob passes take.
+
 Dimension letters: B sequences, T positions (Tc a chunk's), N groups, G
 per group, R max new tokens.
 """
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -47,7 +53,7 @@ import numpy as np
 
 from rlhf_jax import distributed
 from rlhf_jax.models import reward_model
-from rlhf_jax.parallel import colocate, repartition, submesh
+from rlhf_jax.parallel import colocate, pacing, repartition, submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import grouped
@@ -55,6 +61,14 @@ from rlhf_jax.rl import grouped
 # What each pass writes: per token ([B, T]) or per sequence ([B]).
 PER_TOKEN = ("old_logp", "ref_logp", "values")
 _FIELDS = ("tokens", "positions", "attn_mask", "targets", "loss_mask")
+# The chunk arrays each kind of pass reads (its program's inputs).
+_INPUTS = {
+    "logp_grouped": ("prompt_tokens", "prompt_len", "response_tokens",
+                     "group", "slot"),
+    "logp_rows": _FIELDS + ("start",),
+    "rm": ("tokens", "positions", "attn_mask"),
+    "critic": ("tokens", "positions", "attn_mask", "start"),
+}
 
 
 class ScoringPasses:
@@ -92,6 +106,7 @@ class ScoringPasses:
     self._trees: dict[str, Any] = {}
     self._placed: dict[tuple, dict] = {}  # Per scoring layout.
     self._fns: dict[tuple, Any] = {}
+    self._pacer = pacing.Pacer()  # A flush dispatches every chunk at once.
 
   # ---------------------------------------------------------------- step
   def begin(self, **trees) -> None:
@@ -121,15 +136,21 @@ class ScoringPasses:
            tuple(layout.mesh.shape.items()))
     if key not in self._placed:
       self._placed[key] = self._place(layout)
-      self._fns[key] = self._fns.get(key) or jax.jit(
-          lambda trees, arrays, width, layout=layout: self._passes(
-              layout, trees, arrays, width), static_argnums=2)
     arrays = self._chunk_arrays(samples, layout)
     arrays = {k: distributed.put_global(v, layout.sharding(  # Multi-host too.
         ("batch",) + (None,) * (v.ndim - 1), v.shape))
               for k, v in arrays.items()}
-    width = _pow2_at_most(max(len(s.tokens) for s in samples), self.max_new)
-    out = self._fns[key](self._placed[key], arrays, width)
+    out = {}
+    for name, params in self._placed[key].items():
+      kind = name if name in ("rm", "critic") else (
+          "logp_grouped" if "group" in arrays else "logp_rows")
+      fn = self._fns.get((key, kind))
+      if fn is None:
+        fn = self._fns[(key, kind)] = jax.jit(functools.partial(
+            self._pass, kind, layout))
+      out[self.names[name]] = fn(params, {k: arrays[k]
+                                          for k in _INPUTS[kind]})
+      self._pacer.dispatched(out[self.names[name]])
     self.scored += len(samples)
     self.dispatched.append((list(samples), layout))
     return jax.tree.map(lambda x: x[:len(samples)], out)
@@ -207,34 +228,29 @@ class ScoringPasses:
                  slot=pad(slot))
     return out
 
-  def _passes(self, layout, trees, arrays, width):
-    """Every pass; per-token outputs response-aligned, [n, width]."""
+  def _pass(self, kind, layout, params, arrays):
+    """One pass over a chunk (one program per kind, layout and shapes; the
+    policy and the reference share theirs). Per-token outputs are
+    response-aligned: [n, Rc] grouped, [n, min(Tc, M)] from repeated rows."""
     def responses(x_BxT):  # Column j: the target of response token j.
-      cols = arrays["start"][:, None] + np.arange(width)[None]
-      return jnp.take_along_axis(x_BxT, jnp.minimum(cols, x_BxT.shape[1] - 1),
-                                 axis=1)
+      T = x_BxT.shape[1]
+      cols = arrays["start"][:, None] + np.arange(min(T, self.max_new))[None]
+      return jnp.take_along_axis(x_BxT, jnp.minimum(cols, T - 1), axis=1)
 
-    out = {}
     with use_layout(layout):
-      for name, params in trees.items():
-        if name in ("policy", "ref") and "group" in arrays:
-          fields = {k: arrays[k] for k in grouped.PROMPT_KEYS
-                    + ("response_tokens",)}
-          logp = grouped.token_logprobs_in_layout(self.graphdef, params,
-                                                  fields)  # [N, Gc, Rc]
-          out[self.names[name]] = logp[arrays["group"], arrays["slot"],
-                                       :width]
-        elif name in ("policy", "ref"):
-          out[self.names[name]] = responses(grouped.token_logprobs_in_layout(
-              self.graphdef, params, {k: arrays[k] for k in _FIELDS}))
-        else:
-          fn, graphdef = ((reward_model.score, self.heads_graphdef)
-                          if name == "rm" else
-                          (reward_model.values, self.critic_graphdef))
-          score = fn(graphdef, params, arrays["tokens"],
-                     arrays["positions"], arrays["attn_mask"])
-          out[self.names[name]] = score if name == "rm" else responses(score)
-    return out
+      if kind == "logp_grouped":
+        logp = grouped.token_logprobs_in_layout(self.graphdef, params, {
+            k: arrays[k] for k in grouped.PROMPT_KEYS + ("response_tokens",)})
+        return logp[arrays["group"], arrays["slot"]]  # [N, Gc, Rc] -> [n, Rc]
+      if kind == "logp_rows":
+        return responses(grouped.token_logprobs_in_layout(
+            self.graphdef, params, {k: arrays[k] for k in _FIELDS}))
+      fn, graphdef = ((reward_model.score, self.heads_graphdef)
+                      if kind == "rm" else
+                      (reward_model.values, self.critic_graphdef))
+      score = fn(graphdef, params, arrays["tokens"], arrays["positions"],
+                 arrays["attn_mask"])
+      return score if kind == "rm" else responses(score)
 
   # ------------------------------------------------------------ assemble
   def assemble(self, samples: Sequence, scores: dict,
