@@ -55,12 +55,13 @@ Prints a table, then one JSON line (last stdout line) with
 (sim / live - 1) and the per-mode numbers. Speedups are medians over
 repeats of paired ratios (static / ours of the same repeat; the sim with
 that repeat's step costs), so drift of the shared machine cancels.
-`--quick` (48 prompts, median of 3) took 351 s on the shared 2-core CPU
-on 2026-11-26, over the 3-minute target: the GRPO part 143 s (82 s of it
-the warm-up's compiles), the PPO part (`long_tail_ppo`) ~210 s, ~150 s of
-it compiling the unfused, chunked and fused steps before ~50 s of timed
-steps. Cutting that is open ([fuse]). A timed PPO step that compiled
-anything is run again (`ppo_reruns_after_compile` counts them).
+`--quick` (48 prompts, median of 3) took 286-304 s on the shared 2-core
+CPU on 2026-11-27 (351 s the day before), over the 3-minute target; ~112 s
+of it is compiling. The modes and the PPO step share one set of engines
+(each size compiles once), the scoring passes are one program each, and
+the PPO warm-up is one step per mode (the length history comes from the
+GRPO part). Cutting the rest is open ([fuse]). A timed PPO step that
+compiled anything is run again (`ppo_reruns_after_compile` counts them).
 """
 
 from __future__ import annotations
@@ -318,11 +319,14 @@ def main(argv):
               for p, row in enumerate(trace)]
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
   scorer = RefScorer(graphdef, ref, PROMPT_LEN + M, chunk)
+  # One set of engines for every mode and the PPO step: the modes run one
+  # after another (a rollout starts from a fresh decode state), and each
+  # engine size compiles once instead of once per mode.
+  engines = EngineSet(cfg, graphdef, layout, rows_per_replica=rpr,
+                      samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
+                      sampling=sampling)
   rollouts = {}
   for name, tail in _tail_configs(chunk, _R_T.value).items():
-    engines = EngineSet(cfg, graphdef, layout, rows_per_replica=rpr,
-                        samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
-                        sampling=sampling)
     lt = LocalRollout(engines, tail=tail, history=LengthHistory(1.0),
                       timeline=Timeline(None))
     for i in range(2):  # Epoch 1 fills the length history; both compile.
@@ -430,11 +434,9 @@ def main(argv):
   if _PPO.value:  # PPO: the passes fused into the tail, or after it.
     ppo = long_tail_ppo.run(
         cfg, graphdef, layout, train, lambda: LocalRollout(
-            EngineSet(cfg, graphdef, layout, rows_per_replica=rpr,
-                      samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
-                      sampling=sampling),
-            tail=_tail_configs(chunk, _R_T.value)["ours"],
-            history=LengthHistory(1.0), timeline=Timeline(None)),
+            engines, tail=_tail_configs(chunk, _R_T.value)["ours"],
+            history=ours.history,  # Filled by the runs above.
+            timeline=Timeline(None)),
         requests, prompt_len=PROMPT_LEN, max_new=M, group_size=G,
         repeats=repeats, log=lambda line: print(line, flush=True),
         sim_rollout=lambda score_s, fusion: sim_rows.simulate(

@@ -167,13 +167,15 @@ def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
   and paired ratios (unfused / fused of the same repeat); the simulator's
   step per mode: `sim_rollout(score_s, fusion)` (the row simulator's
   rollout with its chunks, `sim/rows.py`, at this run's unit costs) plus
-  the measured phases after it."""
+  the measured phases after it. `make_rollout()` gives the `ours`
+  rollout, its length history filled."""
   bench = PPOStep(cfg, graphdef, layout, train, make_rollout(),
                   prompt_len=prompt_len, max_new=max_new,
                   group_size=group_size)
-  for i in range(2):  # History, then every engine, move and chunk shape.
-    for mode in MODES:
-      bench.step(mode, requests, step=100 + 3 * i + MODES.index(mode))
+  # One warm-up step per mode compiles every engine, move and chunk shape
+  # it meets (`make_rollout`'s length history is already filled).
+  for mode in MODES:
+    bench.step(mode, requests, step=100 + MODES.index(mode))
   # A fused chunk's program depends on which replicas the tail freed and
   # on the chunk's shape, so a timed step can still meet one the warm-up
   # did not: such a step is run again (at most twice) and counted, since
