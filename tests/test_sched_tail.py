@@ -152,3 +152,23 @@ def test_lambda_argmin_references_the_largest_candidate():
   assert actor_scaling.lambda_argmin(table, 1.0) == 4   # Fastest.
   assert actor_scaling.lambda_argmin(table, 0.0) == 1   # Cheapest, smaller n.
   assert actor_scaling.lambda_argmin({1: (0.0, 0.0)}, 0.5) == 1  # No 0 / 0.
+
+
+def test_scoring_chunk_fills_then_keeps_freed_replicas_busy():
+  kw = dict(fusion=True, freed=True, decoded=False)
+  # 7 scoring replicas: a chunk of 8 is rounded up to 14 rows.
+  assert tail.scoring_chunk(20, 8, 7, in_flight=1, **kw) == 14
+  assert tail.scoring_chunk(13, 8, 7, in_flight=1, **kw) == 0  # Queued: wait.
+  assert tail.scoring_chunk(13, 8, 7, in_flight=0, **kw) == 13  # Else idle.
+  assert tail.scoring_chunk(1, 8, 7, in_flight=0, **kw) == 1
+  assert tail.scoring_chunk(0, 8, 7, in_flight=0, **kw) == 0
+  assert tail.scoring_chunk(30, 8, 7, in_flight=2, **kw) == 0  # Queue full.
+  # Before consolidation, or without fusion, samples wait for the decode.
+  assert tail.scoring_chunk(30, 8, 7, fusion=True, freed=False,
+                            decoded=False) == 0
+  assert tail.scoring_chunk(30, 8, 7, fusion=False, freed=True,
+                            decoded=False) == 0
+  assert tail.scoring_chunk(30, 8, 8, fusion=False, freed=True,
+                            decoded=True) == 8
+  assert tail.scoring_chunk(5, 8, 8, fusion=False, freed=True,
+                            decoded=True) == 5

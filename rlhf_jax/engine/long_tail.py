@@ -420,9 +420,10 @@ class TailController(Controller):
     self.chunks += 1
 
   def _poll_scores(self, now, block=False):
-    """Spans of the chunks done (all, waiting, with `block`). Outputs stay
-    on device until `flush`: reading them may be a collective, which every
-    process must reach at the same point."""
+    """Spans of the chunks done (all, waiting, with `block`). A chunk's
+    outputs are read as it is done when this process holds them whole;
+    else at `flush`: reading them is then a collective, which every process
+    must reach at the same point."""
     keep = []
     for chunk, out, start, reps in self.pending_scores:
       leaves = jax.tree.leaves(out)
@@ -433,6 +434,10 @@ class TailController(Controller):
         keep.append((chunk, out, start, reps))
         continue
       end = max(now, start)
+      if all(x.is_fully_addressable for x in leaves):
+        # One process reads it now, while the tail decodes, not at `flush`.
+        self._read(chunk, out)
+        self._outputs = [o for o in self._outputs if o[1] is not out]
       for r in reps:  # Replicas not decoding show the scoring span.
         if self._phase[r] != "rollout":
           self._set_phase(r, "scoring", max(start, self._since[r]))
@@ -448,11 +453,14 @@ class TailController(Controller):
       self._dispatch_due()
       self._poll_scores(self.timeline.now(), block=True)
       for chunk, out in self._outputs:  # Dispatch order on every process.
-        host = jax.tree.map(distributed.to_host, out)
-        for i, s in enumerate(chunk):
-          self.scores[s.key] = jax.tree.map(lambda a, i=i: a[i], host)
+        self._read(chunk, out)
       self._outputs = []
     return self.scores
+
+  def _read(self, chunk, out) -> None:
+    host = jax.tree.map(distributed.to_host, out)
+    for i, s in enumerate(chunk):
+      self.scores[s.key] = jax.tree.map(lambda a, i=i: a[i], host)
 
 
 class PagedTailController(TailController):

@@ -90,18 +90,19 @@ def scoring_chunk(buffered: int, chunk: int, shards: int, *, fusion: bool,
   `chunk` samples goes to them as soon as it fills, with at most
   `SCORING_IN_FLIGHT` chunks queued there (`in_flight`): a deeper queue
   would outlast the tail and keep the decode replicas waiting at the end.
-  Once the decode is over (`decoded`) every sample left goes, in chunks,
-  on every replica. A chunk is rounded up to a multiple of the scoring
-  replicas (`shards`) so its rows split evenly over them. Without fusion
+  When nothing is queued there, the freed replicas would idle, so what is
+  buffered goes at once. Once the decode is over (`decoded`) every sample
+  left goes, in chunks, on every replica. A chunk is rounded up to a
+  multiple of the scoring replicas (`shards`) so its rows split evenly over
+  them; a partial one is padded (`rl/scoring_passes.py`). Without fusion
   only `decoded` releases samples.
   """
   size = -(-chunk // shards) * shards
   if decoded:
     return min(size, buffered)
-  if (fusion and freed and buffered >= size
-      and in_flight < SCORING_IN_FLIGHT):
-    return size
-  return 0
+  if not (fusion and freed and in_flight < SCORING_IN_FLIGHT):
+    return 0
+  return size if buffered >= size else buffered * (in_flight == 0)
 
 
 def consolidation_block(rows_needed: int, rows_per_replica: int,
