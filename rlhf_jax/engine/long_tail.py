@@ -180,7 +180,8 @@ class TailController(Controller):
     self.idle_s = 0.0
     self.buffer: list[Sample] = []
     self.pending_scores: list[tuple[list[Sample], Any, float, tuple]] = []
-    self._outputs: list[tuple[list[Sample], Any]] = []  # Until `flush`.
+    # Chunks this process does not hold whole: read at `flush`.
+    self._outputs: list[tuple[list[Sample], Any]] = []
     self.scores: dict = {}
     self.step_times: dict[int, list[float]] = {}
     self._last = None
@@ -416,7 +417,8 @@ class TailController(Controller):
     out = self.scorer.score(chunk, layout)
     self.pending_scores.append((chunk, out, start, tuple(
         self.scoring_replicas())))
-    self._outputs.append((chunk, out))
+    if not _held_whole(out):
+      self._outputs.append((chunk, out))
     self.chunks += 1
 
   def _poll_scores(self, now, block=False):
@@ -434,10 +436,8 @@ class TailController(Controller):
         keep.append((chunk, out, start, reps))
         continue
       end = max(now, start)
-      if all(x.is_fully_addressable for x in leaves):
-        # One process reads it now, while the tail decodes, not at `flush`.
+      if _held_whole(out):  # Read now, while the tail decodes.
         self._read(chunk, out)
-        self._outputs = [o for o in self._outputs if o[1] is not out]
       for r in reps:  # Replicas not decoding show the scoring span.
         if self._phase[r] != "rollout":
           self._set_phase(r, "scoring", max(start, self._since[r]))
@@ -461,6 +461,11 @@ class TailController(Controller):
     host = jax.tree.map(distributed.to_host, out)
     for i, s in enumerate(chunk):
       self.scores[s.key] = jax.tree.map(lambda a, i=i: a[i], host)
+
+
+def _held_whole(out) -> bool:
+  """Whether this process holds every leaf of `out` (one process)."""
+  return all(x.is_fully_addressable for x in jax.tree.leaves(out))
 
 
 class PagedTailController(TailController):

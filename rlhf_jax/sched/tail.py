@@ -102,7 +102,9 @@ def scoring_chunk(buffered: int, chunk: int, shards: int, *, fusion: bool,
     return min(size, buffered)
   if not (fusion and freed and in_flight < SCORING_IN_FLIGHT):
     return 0
-  return size if buffered >= size else buffered * (in_flight == 0)
+  if buffered >= size:
+    return size
+  return buffered if in_flight == 0 else 0
 
 
 def consolidation_block(rows_needed: int, rows_per_replica: int,
