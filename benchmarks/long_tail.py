@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import time
 
@@ -109,9 +108,10 @@ def length_trace(n_prompts, G, max_new, median, seed):
 class RefScorer:
   """Reference-model log-prob of each response, one jitted forward a chunk.
 
-  The chunk is padded to [B, P + M] tokens, B the chunk size rounded up to a
-  multiple of the layout's replicas so the batch splits over them (a batch
-  that does not divide would run replicated on every device).
+  The chunk is padded to [B, P + M] tokens, B the rows of a full chunk
+  (`sched.tail.chunk_rows`: a multiple of the layout's replicas, so the
+  batch splits over them; a batch that does not divide would run
+  replicated on every device).
   """
 
   def __init__(self, graphdef, params, seq_len, chunk):
@@ -140,8 +140,8 @@ class RefScorer:
     if layout not in self.placed:
       self.placed[layout] = jax.device_put(
           self.params, layout.param_shardings(self.params))
-    n = layout.mesh.shape["data"]
-    B = math.ceil(self.chunk / n) * n
+    from rlhf_jax.sched import tail as tail_rules
+    B = tail_rules.chunk_rows(self.chunk, layout.mesh.shape["data"])
     toks = np.zeros((B, self.seq_len), np.int32)
     resp = np.zeros((B, self.seq_len), bool)
     for i, s in enumerate(samples):

@@ -141,13 +141,13 @@ class PPOStep:
     and fused steps, each timed alone; Tc the chunk length of L after the
     mean prompt."""
     import jax
+    from rlhf_jax.sched import tail as tail_rules
     self.passes.begin(policy=self.rollout_params, ref=self.ref, rm=self.rm,
                       critic=self.states[1].params)
     x, y = [], []
     for samples, layout in self.chunks["chunked"] + self.chunks["fused"]:
-      shards = layout.mesh.shape["data"]
-      x.append(-(-len(samples) // shards) * shards *
-               self.passes.chunk_length(samples))
+      x.append(tail_rules.chunk_rows(len(samples), layout.mesh.shape["data"])
+               * self.passes.chunk_length(samples))
       y.append(timing.median_time(
           lambda s=samples, l=layout: jax.tree.leaves(
               self.passes.score(s, l)), 3))

@@ -379,7 +379,8 @@ def test_on_policy_fusion_runs_with_a_quantized_rollout_copy():
 def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
     mesh8, monkeypatch):
   """[fuse] A chunk of long prompts with short responses takes the grouped
-  layout (each prompt once for its samples there, partial groups padded);
+  layout (each prompt once for its samples there, partial groups padded
+  to a power of two of slots);
   the reference's log-probs it gives, and those of the repeated rows,
   equal a full-length forward of the training batch's rows, laid out in
   the repeated and the grouped batch."""
@@ -395,7 +396,8 @@ def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
   graphdef, params = model_lib.init_params(CFG, 1, train)
   passes = ScoringPasses(graphdef, prompt_len=P, max_new=R,
                          with_policy=False)
-  chunk = samples[1:3] + samples[4:]  # Partial groups: 2 and 4 samples.
+  # Partial groups of 3 and 2 samples: 4 slots, one padded.
+  chunk = samples[1:4] + samples[5:7]
   layout = mesh_lib.rollout_layout(mesh8)
   repeated = batch_lib.pack(chunk, P, R)
   with use_layout(train):

@@ -172,3 +172,18 @@ def test_scoring_chunk_fills_then_keeps_freed_replicas_busy():
                             decoded=True) == 8
   assert tail.scoring_chunk(5, 8, 8, fusion=False, freed=True,
                             decoded=True) == 5
+
+
+def test_chunk_rows_split_evenly_and_stay_few():
+  # 3 scoring replicas: a chunk of 8 fills 12 rows (4 per replica).
+  assert tail.scoring_chunk(30, 8, 3, fusion=True, freed=True,
+                            decoded=False) == 12
+  for shards in (1, 3, 6, 7, 8):
+    rows = {n: tail.chunk_rows(n, shards) for n in range(1, 65)}
+    for n, r in rows.items():
+      per_replica = r // shards
+      assert r % shards == 0 and r >= n
+      assert per_replica & (per_replica - 1) == 0  # A power of two.
+      assert (per_replica == 1) or (per_replica // 2) * shards < n  # Tight.
+    # Chunks of 1..64 samples: 7 or fewer row counts, not one per size.
+    assert len(set(rows.values())) <= 7

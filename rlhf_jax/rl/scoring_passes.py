@@ -57,6 +57,7 @@ from rlhf_jax.parallel import colocate, pacing, repartition, submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import grouped
+from rlhf_jax.sched import tail as tail_rules
 
 # What each pass writes: per token ([B, T]) or per sequence ([B]).
 PER_TOKEN = ("old_logp", "ref_logp", "values")
@@ -189,15 +190,18 @@ class ScoringPasses:
         samples) * self.chunk_length(samples)
 
   def _chunk_arrays(self, samples, layout) -> dict:
-    """The chunk's host arrays, rows padded to a multiple of the layout's
-    replicas: the repeated rows packed as the training batch is, cut to
-    `chunk_length` (the reward model and critic, and the log-prob passes
-    unless `runs_grouped`), with each sample's first response target
-    ("start"); or / and the grouped layout (each prompt once, its samples
-    of the chunk in slots; "group" and "slot" of each sample)."""
+    """The chunk's host arrays, rows padded to `sched.tail.chunk_rows` of
+    the layout's replicas: the repeated rows packed as the training batch
+    is, cut to `chunk_length` (the reward model and critic, and the
+    log-prob passes unless `runs_grouped`), with each sample's first
+    response target ("start"); or / and the grouped layout (each prompt
+    once, its samples of the chunk in a power of two of slots; "group" and
+    "slot" of each sample). Every length is a power of two too, so a run
+    meets a few shapes per layout, however its chunks fill."""
     shards = layout.mesh.shape["data"]
     pad = lambda x: np.pad(  # noqa: E731
-        x, [(0, -len(x) % shards)] + [(0, 0)] * (x.ndim - 1))
+        x, [(0, tail_rules.chunk_rows(len(x), shards) - len(x))]
+        + [(0, 0)] * (x.ndim - 1))
     grouped_passes = self.runs_grouped(samples)
     out = {}
     if not grouped_passes or {"rm", "critic"} & set(self.names):
@@ -218,7 +222,8 @@ class ScoringPasses:
       Rc = _pow2_at_most(max(len(s.tokens) for s in samples), self.max_new)
       prompts = np.zeros((len(order), Pc), np.int32)
       prompt_len = np.ones(len(order), np.int32)  # Padding rows: 1 token.
-      responses = np.zeros((len(order), int(slot.max()) + 1, Rc), np.int32)
+      Gc = 1 << int(slot.max()).bit_length()  # Slots: a power of two.
+      responses = np.zeros((len(order), Gc, Rc), np.int32)
       for b, s in enumerate(samples):
         p = len(s.prompt_tokens)
         prompts[group[b], :p], prompt_len[group[b]] = s.prompt_tokens, p

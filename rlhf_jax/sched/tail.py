@@ -93,11 +93,11 @@ def scoring_chunk(buffered: int, chunk: int, shards: int, *, fusion: bool,
   When nothing is queued there, the freed replicas would idle, so what is
   buffered goes at once. Once the decode is over (`decoded`) every sample
   left goes, in chunks, on every replica. A chunk is rounded up to a
-  multiple of the scoring replicas (`shards`) so its rows split evenly over
-  them; a partial one is padded (`rl/scoring_passes.py`). Without fusion
-  only `decoded` releases samples.
+  size of `chunk_rows` so it fills the rows it is padded to; a partial one
+  is padded (`rl/scoring_passes.py`). Without fusion only `decoded`
+  releases samples.
   """
-  size = -(-chunk // shards) * shards
+  size = chunk_rows(chunk, shards)
   if decoded:
     return min(size, buffered)
   if not (fusion and freed and in_flight < SCORING_IN_FLIGHT):
@@ -105,6 +105,13 @@ def scoring_chunk(buffered: int, chunk: int, shards: int, *, fusion: bool,
   if buffered >= size:
     return size
   return buffered if in_flight == 0 else 0
+
+
+def chunk_rows(n: int, shards: int) -> int:
+  """Rows a scoring chunk of n samples is padded to: `shards` (the scoring
+  replicas, so rows split evenly) times a power of two, so that chunks of
+  every size meet O(log n) row counts, each a compiled program."""
+  return shards * (1 << (-(-n // shards) - 1).bit_length())
 
 
 def consolidation_block(rows_needed: int, rows_per_replica: int,
