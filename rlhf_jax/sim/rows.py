@@ -30,8 +30,8 @@ deterministic, in simulated seconds, one host loop as in `engine/driver.py`:
     the free rows before it (they move: `sched.tail.release_due`, one
     `move_s`).
   - Scoring: chunks of `score_chunk` samples (rounded up to fill the
-    rows they are padded to on the scoring replicas) cost `score_s(n, L)` (L: the chunk's longest
-    response), released by the live controller's
+    rows they are padded to on the scoring replicas) cost `score_s(n, L)`
+    (L: the chunk's longest response), released by the live controller's
     rule (`sched.tail.scoring_chunk`). Static and continuous score
     everything after the last sample, on every replica; ours (fusion)
     holds finished samples while every replica decodes, then scores a
