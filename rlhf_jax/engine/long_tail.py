@@ -251,7 +251,7 @@ class TailController(Controller):
     for r in range(self.m):
       self._set_phase(r, "rollout" if r in busy else "idle", now)
     self._poll_scores(now)
-    self._dispatch_due()  # A queue slot may have freed.
+    self._dispatch_due()  # Samples that finished, or a freed queue slot.
 
   def _busy_replicas(self, driver) -> set[int]:
     rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
@@ -375,7 +375,8 @@ class TailController(Controller):
         end - now)
     self.m = m
     self._last = None
-    self._dispatch_due()  # Finished samples waited for freed replicas.
+    # Finished samples waiting for the freed replicas go in the next
+    # `after_step`, once the tail's next decode step is dispatched.
 
   # ------------------------------------------------------------ fusion
   def scoring_layout(self) -> Layout:
@@ -392,11 +393,15 @@ class TailController(Controller):
     return list(range(self.m, self.o.replicas))
 
   def finished(self, sample):
-    """A sample finished: buffer it for the scorer, dispatch what is due."""
-    if self.scorer is None:
-      return
-    self.buffer.append(sample)
-    self._dispatch_due()
+    """A sample finished: buffer it for the scorer.
+
+    Chunks are dispatched in `after_step`, right after a decode step is:
+    a chunk's host work (packing, transfers, four launches) takes longer
+    than a tail decode step, and the tail is the critical path, so the
+    device decodes while the host dispatches instead of waiting for it.
+    """
+    if self.scorer is not None:
+      self.buffer.append(sample)
 
   def _dispatch_due(self):
     """Chunks of the buffer `sched.tail.scoring_chunk` releases."""
