@@ -167,6 +167,40 @@ def test_consolidation_keeps_tokens(setup, migration, assignment):
   _assert_same(samples, scores, setup[3])
 
 
+def test_scoring_chunks_go_out_after_a_decode_step(setup, monkeypatch):
+  """While the tail decodes, a chunk is dispatched only right after a
+  decode step is (its host work hides behind the device's step): never
+  as a sample finishes, nor as a consolidation ends."""
+  from rlhf_jax.engine import long_tail
+  events = []
+
+  def logged(name, fn):
+    def call(*args, **kwargs):
+      events.append(name)  # On entry: what `fn` dispatches comes after.
+      return fn(*args, **kwargs)
+    return call
+
+  monkeypatch.setattr(Engine, "generate", logged("generate", Engine.generate))
+  for name in ("finished", "_switched"):
+    monkeypatch.setattr(long_tail.TailController, name,
+                        logged(name, getattr(long_tail.TailController, name)))
+  scorer = _Scorer(setup[0], setup[2])
+  monkeypatch.setattr(scorer, "score", logged("score", scorer.score))
+  history = LengthHistory(0.5)
+  for r in _requests():
+    history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
+  lt = _rollout(setup, history, consolidate_below=0.5, score_chunk=2)
+  samples = list(lt.run(_requests(), scorer=scorer))
+  _assert_same(samples, lt.scores, setup[3])
+  # Up to the last sample's finish: the decode (then `flush` scores the
+  # rest on every replica).
+  decoding = events[:len(events) - events[::-1].index("finished")]
+  assert "_switched" in decoding and "score" in decoding, events
+  for i, e in enumerate(decoding):
+    if e == "score":  # Its decode step (or that step's other chunks).
+      assert decoding[i - 1] in ("generate", "score"), decoding[:i + 1]
+
+
 def test_static_and_fifo_keep_tokens(setup):
   samples, scores, st = _run(setup, admission="static", assignment="fifo",
                              consolidate_below=0.0, fusion=False)
