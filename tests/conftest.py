@@ -28,26 +28,19 @@ import fakes  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """One XLA compilation cache per test run, shared by the xdist workers,
-  the jobs tests start as subprocesses and the Ray actors: a program that
-  another test (or the run before a resume) already compiled is loaded
-  instead of compiled again. The cache is keyed on the program, its
-  compile options and the devices, so a hit is the same executable and
-  gives the same numbers; it starts empty on every run, so no test sees a
-  stale one."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
+def subprocess_compilation_cache(tmp_path_factory):
+  """The jobs tests start as subprocesses share one XLA compilation cache per
+  run, so a rerun or a second process loads its programs instead of
+  compiling them again (same executables, same numbers). Set in os.environ
+  after `import jax` on purpose: JAX read its flags then, so this process
+  keeps compiling as before and only the children use the cache."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent  # Shared by the xdist workers of this run.
-  os.environ.update(  # The children read these when they import JAX.
+  os.environ.update(
       JAX_COMPILATION_CACHE_DIR=str(root / "xla_cache"),
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  jax.config.update("jax_compilation_cache_dir", str(root / "xla_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  cc.reset_cache()  # Checked again at the next compile, with the dir set.
 
 
 @pytest.fixture(scope="session")
