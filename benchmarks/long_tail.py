@@ -135,7 +135,8 @@ class RefScorer:
     self._jit = jax.jit(score)
 
   def score(self, samples, layout):
-    """Dispatches the chunk on `layout`; returns [len(samples)] log-probs."""
+    """Dispatches the chunk on `layout`; returns [rows] log-probs, row i
+    `samples[i]` (the padding rows left in, as `ScoringPasses.score`)."""
     jax = self._jax
     if layout not in self.placed:
       self.placed[layout] = jax.device_put(
@@ -151,7 +152,7 @@ class RefScorer:
       resp[i, P:seq.size] = True
     sharding = layout.sharding(("batch", None), toks.shape)
     toks, resp = jax.device_put((toks, resp), sharding)
-    return self._jit(self.placed[layout], toks, resp)[:len(samples)]
+    return self._jit(self.placed[layout], toks, resp)
 
 
 # ------------------------------------------------------------ unit costs

@@ -56,7 +56,8 @@ from rlhf_jax.timeline import Timeline, device_group
 
 class Scorer(Protocol):
   def score(self, samples: Sequence[Sample], layout: Layout) -> Any:
-    """Dispatches scoring of `samples` on `layout`; returns device arrays."""
+    """Dispatches scoring of `samples` on `layout`; returns device arrays
+    whose row i (leading axis) is `samples[i]`, padding rows after."""
 
 
 class EngineSet:

@@ -129,8 +129,10 @@ class ScoringPasses:
   # -------------------------------------------------------------- passes
   def score(self, samples: Sequence, layout: Layout) -> dict:
     """Dispatches every pass over `samples` on `layout`; returns device
-    arrays: per token [n, Rc] (response token j at column j) and the
-    reward model's [n]."""
+    arrays whose row i is `samples[i]`: per token [rows, Rc] (response
+    token j at column j) and the reward model's [rows]. rows >= n: the
+    chunk's padding rows are left in (cutting them off would be one more
+    launch per pass, on the host's path between two decode steps)."""
     if not self._trees:
       raise RuntimeError("ScoringPasses.score before begin()")
     key = (tuple(d.id for d in submesh.devices_of(layout)),
@@ -154,7 +156,7 @@ class ScoringPasses:
       self._pacer.dispatched(out[self.names[name]])
     self.scored += len(samples)
     self.dispatched.append((list(samples), layout))
-    return jax.tree.map(lambda x: x[:len(samples)], out)
+    return out
 
   def _place(self, layout: Layout) -> dict:
     placed = {}
