@@ -55,13 +55,14 @@ Prints a table, then one JSON line (last stdout line) with
 (sim / live - 1) and the per-mode numbers. Speedups are medians over
 repeats of paired ratios (static / ours of the same repeat; the sim with
 that repeat's step costs), so drift of the shared machine cancels.
-`--quick` (48 prompts, median of 3) took 286-304 s on the shared 2-core
-CPU on 2026-11-27 (351 s the day before), over the 3-minute target; ~112 s
-of it is compiling. The modes and the PPO step share one set of engines
-(each size compiles once), the scoring passes are one program each, and
-the PPO warm-up is one step per mode (the length history comes from the
-GRPO part). Cutting the rest is open ([fuse]). A timed PPO step that
-compiled anything is run again (`ppo_reruns_after_compile` counts them).
+`--quick` (48 prompts, median of 3; the PPO step's chunked mode left
+out, `--ppo_chunked` puts it back) took 169 s twice on the shared 2-core
+CPU on 2026-11-27 (with the chunked mode 155-197 s that day, 286-304 s
+on busier hours); ~60 s of it is compiling. The modes and the PPO step
+share one set of engines (each size compiles once), the scoring passes
+are one program each, and the PPO warm-up is one step per mode (the
+length history comes from the GRPO part). A timed PPO step that compiled
+anything is run again (`ppo_reruns_after_compile` counts them).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ _CHUNK = flags.DEFINE_integer("score_chunk", 8, "Samples per scoring chunk.")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _PPO = flags.DEFINE_bool("ppo", True, "Also the PPO step, fused or not.")
 _TAU = flags.DEFINE_float("cut_tau", 0.8, "tau of rlhfless's local cut.")
+_PPO_CHUNKED = flags.DEFINE_bool(
+    "ppo_chunked", None, "Also the PPO step's chunked mode (unfused -> fused "
+    "split into chunking and overlap); default: not with --quick.")
 
 PROMPT_LEN = 16
 REPLICAS = 8
@@ -440,6 +444,8 @@ def main(argv):
             timeline=Timeline(None)),
         requests, prompt_len=PROMPT_LEN, max_new=M, group_size=G,
         repeats=repeats, log=lambda line: print(line, flush=True),
+        chunked=(not _QUICK.value if _PPO_CHUNKED.value is None
+                 else _PPO_CHUNKED.value),
         sim_rollout=lambda score_s, fusion: sim_rows.simulate(
             trace, replicas=REPLICAS, rows_per_replica=rpr, policy="ours",
             costs=sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
@@ -454,12 +460,14 @@ def main(argv):
             f"{m['rollout_s']:>9.2f}{m['sim_rollout_s']:>6.2f}"
             f"{m['scoring_s']:>9.2f}{m['train_s']:>7.2f}"
             f"{m['idle_fraction']:>7.3f}{m['chunks']:>7.0f}")
+    split = ("" if "fused_vs_chunked" not in ppo else
+             f"; chunked vs unfused {ppo['chunked_vs_unfused']:.2f}x, fused "
+             f"vs chunked {ppo['fused_vs_chunked']:.2f}x")
     print(f"ppo step speedup vs unfused: live {ppo['speedup_vs_unfused']:.2f}x"
           f", sim {ppo['sim_speedup_vs_unfused']:.2f}x "
-          f"({ppo['sim_rel_error']:+.1%}); chunked vs unfused "
-          f"{ppo['chunked_vs_unfused']:.2f}x, fused vs chunked "
-          f"{ppo['fused_vs_chunked']:.2f}x; chunk cost fit {ppo['chunk_fit']}"
-          f"; timed steps run again after a compile: {ppo['reruns']}")
+          f"({ppo['sim_rel_error']:+.1%}){split}; chunk cost fit "
+          f"{ppo['chunk_fit']}; timed steps run again after a compile: "
+          f"{ppo['reruns']}")
   bench_wall = time.perf_counter() - t_start
   print(f"wall time: {bench_wall:.0f}s")
 
@@ -471,8 +479,8 @@ def main(argv):
       ppo_step_idle_fraction=r3(ppo["modes"]["fused"]["idle_fraction"]),
       ppo_step_idle_fraction_unfused=r3(
           ppo["modes"]["unfused"]["idle_fraction"]),
-      ppo_chunked_vs_unfused=r3(ppo["chunked_vs_unfused"]),
-      ppo_fused_vs_chunked=r3(ppo["fused_vs_chunked"]),
+      **{f"ppo_{k}": r3(ppo[k]) for k in ("chunked_vs_unfused",
+                                          "fused_vs_chunked") if k in ppo},
       ppo_sim_step_speedup_vs_unfused=r3(ppo["sim_speedup_vs_unfused"]),
       ppo_sim_rel_error=r3(ppo["sim_rel_error"]),
       ppo_step_s={k: r3(v["wall_s"]) for k, v in ppo["modes"].items()},

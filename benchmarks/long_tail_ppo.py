@@ -20,7 +20,7 @@ consolidation:
            the consolidated tail frees (`rollout.long_tail.fusion`).
 
 unfused -> fused is what the trainer's option changes; chunked -> fused is
-the overlap alone. The rollout copy and the training params are separate
+the overlap alone (`chunked=False` leaves that mode out: `--quick`). The rollout copy and the training params are separate
 arrays here (no repartition in either mode). Idle fraction of the step:
 `Timeline.device_seconds`, idle over all device-seconds of the step (the
 controller's per-replica spans inside the rollout, where a replica with no
@@ -137,15 +137,15 @@ class PPOStep:
 
   def chunk_cost(self, requests):
     """(n, L) -> seconds of a chunk of n samples whose longest response
-    has L tokens: a + b * n * Tc, fitted to the chunks of the last chunked
-    and fused steps, each timed alone; Tc the chunk length of L after the
+    has L tokens: a + b * n * Tc, fitted to the chunks of the last step
+    of each mode that ran them (chunked, fused), each timed alone; Tc the chunk length of L after the
     mean prompt."""
     import jax
     from rlhf_jax.sched import tail as tail_rules
     self.passes.begin(policy=self.rollout_params, ref=self.ref, rm=self.rm,
                       critic=self.states[1].params)
     x, y = [], []
-    for samples, layout in self.chunks["chunked"] + self.chunks["fused"]:
+    for samples, layout in sum(self.chunks.values(), []):
       x.append(tail_rules.chunk_rows(len(samples), layout.mesh.shape["data"])
                * self.passes.chunk_length(samples))
       y.append(timing.median_time(
@@ -162,30 +162,33 @@ class PPOStep:
 
 
 def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
-        max_new, group_size, repeats, sim_rollout, log=print) -> dict:
+        max_new, group_size, repeats, sim_rollout, chunked=True,
+        log=print) -> dict:
   """Warm-up, then `repeats` PPO steps per mode, interleaved; the medians
   and paired ratios (unfused / fused of the same repeat); the simulator's
   step per mode: `sim_rollout(score_s, fusion)` (the row simulator's
   rollout with its chunks, `sim/rows.py`, at this run's unit costs) plus
   the measured phases after it. `make_rollout()` gives the `ours`
-  rollout, its length history filled."""
+  rollout, its length history filled. Without `chunked`, unfused and
+  fused only (no `fused_vs_chunked`, `chunked_vs_unfused`)."""
+  modes = MODES if chunked else ("unfused", "fused")
   bench = PPOStep(cfg, graphdef, layout, train, make_rollout(),
                   prompt_len=prompt_len, max_new=max_new,
                   group_size=group_size)
   # One warm-up step per mode compiles every engine, move and chunk shape
   # it meets (`make_rollout`'s length history is already filled).
-  for mode in MODES:
+  for mode in modes:
     bench.step(mode, requests, step=100 + MODES.index(mode))
   # A fused chunk's program depends on which replicas the tail freed and
   # on the chunk's shape, so a timed step can still meet one the warm-up
   # did not: such a step is run again (at most twice) and counted, since
   # in a long run each program compiles once and the steady state is what
   # is compared.
-  runs = {m: [] for m in MODES}
-  rerun = dict.fromkeys(MODES, 0)
+  runs = {m: [] for m in modes}
+  rerun = dict.fromkeys(modes, 0)
   step = 1000
   for i in range(repeats):
-    for mode in MODES:
+    for mode in modes:
       for attempt in range(3):
         step += 1
         with timing.count_compiles() as compiles:
@@ -210,8 +213,8 @@ def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
     m["sim_wall_s"] = m["sim_rollout_s"] + m["scoring_s"] + m["train_s"]
   sim_speedup = med["unfused"]["sim_wall_s"] / med["fused"]["sim_wall_s"]
   live = paired("unfused", "fused")
-  return dict(modes=med, speedup_vs_unfused=live, reruns=rerun,
-              fused_vs_chunked=paired("chunked", "fused"),
-              chunked_vs_unfused=paired("unfused", "chunked"),
+  split = dict(fused_vs_chunked=paired("chunked", "fused"),
+               chunked_vs_unfused=paired("unfused", "chunked")) if chunked else {}
+  return dict(modes=med, speedup_vs_unfused=live, reruns=rerun, **split,
               sim_speedup_vs_unfused=sim_speedup,
               sim_rel_error=sim_speedup / live - 1, chunk_fit=fit)
