@@ -12,8 +12,12 @@ would be ~1e-3 off.
 
 import os
 
+# XLA:CPU's concurrency-optimized scheduler off: with it, programs loaded from
+# the compilation cache (below) deadlock in their collectives; see
+# `compilation_cache`.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,19 +32,33 @@ import fakes  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def subprocess_compilation_cache(tmp_path_factory):
-  """The jobs tests start as subprocesses share one XLA compilation cache per
-  run, so a rerun or a second process loads its programs instead of
-  compiling them again (same executables, same numbers). Set in os.environ
-  after `import jax` on purpose: JAX read its flags then, so this process
-  keeps compiling as before and only the children use the cache."""
+def compilation_cache(tmp_path_factory):
+  """One XLA compilation cache per test run, shared by the xdist workers and
+  the jobs tests start as subprocesses: a program another test (or the run
+  before a resume) already compiled is loaded instead of compiled again.
+  The cache is keyed on the program, its compile options, XLA_FLAGS and the
+  devices, so a hit is the same executable; it starts empty on every run.
+
+  The subprocesses inherit this process's XLA_FLAGS (8 devices, XLA:CPU's
+  concurrency-optimized scheduler off). With that scheduler on, a sharded
+  program loaded from the cache can
+  deadlock in its first collectives (seen with jax 0.10.2:
+  `gsm8k_grpo:runlocal` run twice on one cache aborts every time in the
+  train step, 5 devices waiting in an all-reduce and 3 in the all-gather
+  before it, the same launch; with the flag 3 of 3 warm runs pass, 33 s
+  cold, 12 s warm)."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent  # Shared by the xdist workers of this run.
-  os.environ.update(
+  os.environ.update(  # The children read these when they import JAX.
       JAX_COMPILATION_CACHE_DIR=str(root / "xla_cache"),
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  jax.config.update("jax_compilation_cache_dir", str(root / "xla_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  cc.reset_cache()  # Checked again at the next compile, with the dir set.
 
 
 @pytest.fixture(scope="session")

@@ -91,8 +91,7 @@ class SigtermWhen:
 
 def run_main(args, timeout=600) -> subprocess.CompletedProcess:
   """`python -m rlhf_jax.main ARGS` on 8 CPU devices, output captured."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "rlhf_jax.main", *args],
                         cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=timeout)

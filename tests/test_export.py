@@ -29,8 +29,7 @@ from rlhf_jax.models import hf, hf_config
 from rlhf_jax.models import model as model_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-           JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 def _arrays(params) -> dict:
