@@ -20,8 +20,9 @@ consolidation:
            the consolidated tail frees (`rollout.long_tail.fusion`).
 
 unfused -> fused is what the trainer's option changes; chunked -> fused is
-the overlap alone (`chunked=False` leaves that mode out: `--quick`). The rollout copy and the training params are separate
-arrays here (no repartition in either mode). Idle fraction of the step:
+the overlap alone (`chunked=False` leaves that mode out: `--quick`). The
+rollout copy and the training params are separate arrays here (no
+repartition in either mode). Idle fraction of the step:
 `Timeline.device_seconds`, idle over all device-seconds of the step (the
 controller's per-replica spans inside the rollout, where a replica with no
 live sample that is not scoring is idle; the passes and the update after
@@ -138,8 +139,8 @@ class PPOStep:
   def chunk_cost(self, requests):
     """(n, L) -> seconds of a chunk of n samples whose longest response
     has L tokens: a + b * n * Tc, fitted to the chunks of the last step
-    of each mode that ran them (chunked, fused), each timed alone; Tc the chunk length of L after the
-    mean prompt."""
+    of each mode that ran them (chunked, fused), each timed alone; Tc the
+    chunk length of L after the mean prompt."""
     import jax
     from rlhf_jax.sched import tail as tail_rules
     self.passes.begin(policy=self.rollout_params, ref=self.ref, rm=self.rm,
@@ -213,8 +214,10 @@ def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
     m["sim_wall_s"] = m["sim_rollout_s"] + m["scoring_s"] + m["train_s"]
   sim_speedup = med["unfused"]["sim_wall_s"] / med["fused"]["sim_wall_s"]
   live = paired("unfused", "fused")
-  split = dict(fused_vs_chunked=paired("chunked", "fused"),
-               chunked_vs_unfused=paired("unfused", "chunked")) if chunked else {}
+  split = {}
+  if chunked:  # unfused -> fused split into the chunking and the overlap.
+    split = dict(fused_vs_chunked=paired("chunked", "fused"),
+                 chunked_vs_unfused=paired("unfused", "chunked"))
   return dict(modes=med, speedup_vs_unfused=live, reruns=rerun, **split,
               sim_speedup_vs_unfused=sim_speedup,
               sim_rel_error=sim_speedup / live - 1, chunk_fit=fit)
