@@ -27,14 +27,16 @@ import time
 
 from absl import app
 from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer launches.")
 
 
-def _program(jax, jnp, devices, rows):
+def _program(devices, rows):
   """A jitted 4-matmul program on `devices` and a call of it."""
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.array(devices), ("d",))
   x_RxD = jax.device_put(jnp.ones((len(devices) * rows, 512)),
                          NamedSharding(mesh, P("d")))
@@ -46,11 +48,8 @@ def _program(jax, jnp, devices, rows):
 
 def main(argv):
   del argv
-  import jax
-  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_num_cpu_devices", 8)  # Before the backend starts.
   jax.config.update("jax_platforms", "cpu")
-  import jax.numpy as jnp
-
   devs = jax.devices()
   n = 10 if _QUICK.value else 20
   sets = {"0": [0], "7": [7], "0-3": [0, 1, 2, 3], "4-7": [4, 5, 6, 7],
@@ -58,7 +57,7 @@ def main(argv):
   print(f"{'devices':<9}{'launch ms':>11}{'run ms':>9}{'launch/run':>12}")
   fractions = {}
   for name, ids in sets.items():
-    call = _program(jax, jnp, [devs[i] for i in ids], 64)
+    call = _program([devs[i] for i in ids], 64)
     launch, run = [], []
     for _ in range(n):
       t0 = time.perf_counter()
@@ -71,8 +70,8 @@ def main(argv):
     fractions[name] = round(la / ru, 3)
     print(f"{name:<9}{1e3 * la:>11.2f}{1e3 * ru:>9.2f}{la / ru:>12.2f}")
 
-  decode = _program(jax, jnp, [devs[0]], 8)
-  chunk = _program(jax, jnp, devs[1:], 64)
+  decode = _program([devs[0]], 8)
+  chunk = _program(devs[1:], 64)
   steps, every = 200, 5
 
   def rollout(launch_chunk):
