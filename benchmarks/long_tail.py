@@ -94,6 +94,9 @@ _TAU = flags.DEFINE_float("cut_tau", 0.8, "tau of rlhfless's local cut.")
 _PPO_CHUNKED = flags.DEFINE_bool(
     "ppo_chunked", None, "Also the PPO step's chunked mode (unfused -> fused "
     "split into chunking and overlap); default: not with --quick.")
+_PPO_PACK = flags.DEFINE_integer(
+    "ppo_pack_length", 0, "The PPO step's training batch in packed rows of "
+    "this many tokens (rl.pack_length; 0: padded rows).")
 
 PROMPT_LEN = 16
 REPLICAS = 8
@@ -291,7 +294,7 @@ def _summary(lt, runs, requests):
 def main(argv):
   del argv
   import jax
-  jax.config.update("jax_num_cpu_devices", REPLICAS)
+  timing.fake_cpu_devices(REPLICAS)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Request
   from rlhf_jax.engine.long_tail import EngineSet
@@ -446,6 +449,7 @@ def main(argv):
         repeats=repeats, log=lambda line: print(line, flush=True),
         chunked=(not _QUICK.value if _PPO_CHUNKED.value is None
                  else _PPO_CHUNKED.value),
+        pack_length=_PPO_PACK.value,
         sim_rollout=lambda score_s, fusion: sim_rows.simulate(
             trace, replicas=REPLICAS, rows_per_replica=rpr, policy="ours",
             costs=sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
@@ -524,7 +528,7 @@ def main(argv):
                       release_s=round(release_s, 5),
                       score_overlap=r3(overlap)),
       prompts=n_prompts, samples_per_row=G, max_new_tokens=M,
-      **ppo_json,
+      ppo_pack_length=_PPO_PACK.value, **ppo_json,
       repeats=repeats, quick=_QUICK.value, bench_wall_s=round(bench_wall, 1))))
 
 

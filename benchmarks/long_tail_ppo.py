@@ -8,7 +8,8 @@ step is the rollout, the passes (policy and reference log-probs of every
 token, the reward model's score, the critic's values), the ADVANTAGES
 stage (GAE) and one update of the actor and of the critic on the training
 layout (FSDP over the 8 devices). The batch is built by the trainer's own
-`trainers/ppo.train_batch`. Three modes on the same trace, the same
+`trainers/ppo.train_batch` (`pack_length`, `--ppo_pack_length`: in packed
+rows, `rl.pack_length`). Three modes on the same trace, the same
 consolidation:
 
   unfused  the trainer without fusion: the passes over the whole batch
@@ -46,7 +47,7 @@ class PPOStep:
   """The models, learners and one `LocalRollout` of the PPO modes."""
 
   def __init__(self, cfg, graphdef, layout, train, rollout, *, prompt_len,
-               max_new, group_size):
+               max_new, group_size, pack_length=0):
     import jax
     from rlhf_jax.config import sections
     from rlhf_jax.models import model as model_lib
@@ -65,7 +66,8 @@ class PPOStep:
     heads_graphdef, self.rm = reward_model.init_params(cfg, 2, train)
     _, critic = reward_model.init_params(cfg, 3, train)
     rl = sections.RL(advantage="gae", policy_loss="ppo", kl_coef=0.05,
-                     kl_estimator="k1", kl_in_loss=False, share_prompt=False)
+                     kl_estimator="k1", kl_in_loss=False, share_prompt=False,
+                     pack_length=pack_length)
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-5))
     self.actor = objectives.policy_learner(
         graphdef, train, rl.policy_loss_config(max_len=max_new), optimizer,
@@ -82,8 +84,9 @@ class PPOStep:
     heads = ScalarHead(heads_graphdef, train)
     self.job = types.SimpleNamespace(
         source=types.SimpleNamespace(prompt_len=prompt_len),
-        c=types.SimpleNamespace(rollout=types.SimpleNamespace(
-            max_new_tokens=max_new)),
+        c=types.SimpleNamespace(rl=rl, rollout=types.SimpleNamespace(
+            max_new_tokens=max_new, samples_per_row=group_size)),
+        actor=self.actor,
         preparer=prepare.Preparer(self.actor, rl.advantage_config(
             group_size)),
         heads=heads, critic_heads=heads, rm_params=self.rm,
@@ -164,18 +167,20 @@ class PPOStep:
 
 def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
         max_new, group_size, repeats, sim_rollout, chunked=True,
-        log=print) -> dict:
+        pack_length=0, log=print) -> dict:
   """Warm-up, then `repeats` PPO steps per mode, interleaved; the medians
   and paired ratios (unfused / fused of the same repeat); the simulator's
   step per mode: `sim_rollout(score_s, fusion)` (the row simulator's
   rollout with its chunks, `sim/rows.py`, at this run's unit costs) plus
   the measured phases after it. `make_rollout()` gives the `ours`
   rollout, its length history filled. Without `chunked`, unfused and
-  fused only (no `fused_vs_chunked`, `chunked_vs_unfused`)."""
+  fused only (no `fused_vs_chunked`, `chunked_vs_unfused`). `pack_length`:
+  the training batch in packed rows of that many tokens (`rl.pack_length`)
+  in every mode."""
   modes = MODES if chunked else ("unfused", "fused")
   bench = PPOStep(cfg, graphdef, layout, train, make_rollout(),
                   prompt_len=prompt_len, max_new=max_new,
-                  group_size=group_size)
+                  group_size=group_size, pack_length=pack_length)
   # One warm-up step per mode compiles every engine, move and chunk shape
   # it meets (`make_rollout`'s length history is already filled).
   for mode in modes:

@@ -1,8 +1,25 @@
 """Timing helpers shared by the benchmarks."""
 
 import contextlib
+import os
 import statistics
 import time
+
+# XLA:CPU's concurrency-optimized scheduler can run a sharded program's
+# collectives in different orders on different fake devices, which
+# deadlocks their rendezvous (docs/architecture.md); the tests turn it off
+# too (tests/conftest.py).
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def fake_cpu_devices(n: int) -> None:
+  """n fake CPU devices for this process, with `CPU_SCHEDULER_FLAG`. Call
+  before anything starts JAX's CPU backend (XLA reads XLA_FLAGS then)."""
+  import jax
+  flags = os.environ.get("XLA_FLAGS", "")
+  if CPU_SCHEDULER_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
+  jax.config.update("jax_num_cpu_devices", n)
 
 
 def median_time(fn, n: int = 5) -> float:

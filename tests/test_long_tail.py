@@ -336,13 +336,15 @@ def test_long_tail_config_errors_name_the_key(key, value, match):
 
 
 @pytest.mark.slow
-def test_fused_grpo_step_equals_the_unfused_step(mesh8):
-  """[fuse] tiny_grpo (grouped layout, KL loss, one update a step: no
-  old-log-prob pass, `off_policy.on_policy`) with the tail consolidated:
-  the reference pass runs on the freed replicas as samples finish, and the
-  step's numbers equal those of the same step with the pass after the
-  rollout (the same job without its passes); every sample is scored once.
-  (The PPO test in test_ppo_trainer.py runs the policy's pass fused.)"""
+@pytest.mark.parametrize("pack_length", [0, 40])
+def test_fused_grpo_step_equals_the_unfused_step(mesh8, pack_length):
+  """[fuse] tiny_grpo (grouped layout, or packed rows with shared prompts;
+  KL loss, one update a step: no old-log-prob pass, `off_policy.on_policy`)
+  with the tail consolidated: the reference pass runs on the freed replicas
+  as samples finish, and the step's numbers equal those of the same step
+  with the pass after the rollout (the same job without its passes); every
+  sample is scored once. (The PPO test in test_ppo_trainer.py runs the
+  policy's pass fused.)"""
   del mesh8
   import dataclasses
 
@@ -353,7 +355,7 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
   c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
                              score_chunk=4)
   c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
-  c.rl.num_minibatches = 1
+  c.rl.update(num_minibatches=1, pack_length=pack_length)
   fused = grpo.build(c)
   assert fused.fused is not None
   assert list(fused.fused.names) == ["ref"]  # No old-log-prob pass.
@@ -374,7 +376,6 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8):
 @pytest.mark.parametrize("key,value", [
     ("rollout.long_tail.fusion", False),
     ("lora.rank", 4),                 # A merged rollout copy.
-    ("rl.pack_length", 64),           # Packed rows.
     ("rl.dynamic_sampling", True),    # Scored per refill round.
     ("rollout.quantize", "int8"),     # Old log-probs need the trainer's.
 ])

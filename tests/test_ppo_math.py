@@ -182,6 +182,68 @@ class CriticTest(_Base):
     np.testing.assert_allclose(critic.last_token_rewards(s, m),
                                np_last_token(s, m))
 
+  def test_ppo_targets_on_packed_rows_equal_one_sequence_per_row(self):
+    """Sequences packed back to back in rows (`seq` ids, -1 between and
+    after them, as `rl/packing.py` writes them) get the oracle's targets of
+    each sequence alone: GAE restarts at every sequence, the score sits at
+    each one's last token, the KL sums per sequence, the whitening is over
+    all valid tokens."""
+    B, T = 6, 7
+    m = spans(self.rng, B, T)
+    m[1, 2] = 0  # A hole (an environment's tokens): an episode end too.
+    scores = self.rng.normal(size=B).astype(np.float32)
+    logp = -self.rng.uniform(size=(B, T)).astype(np.float32)
+    ref = -self.rng.uniform(size=(B, T)).astype(np.float32)
+    v = self.rng.normal(size=(B, T)).astype(np.float32)
+    # Each sequence's span (first to last valid token, its hole inside),
+    # into rows of 12: [seq 0 | seq 1 | gap], [seq 2 | seq 3 | seq 4], ...
+    W, L = 3, 12
+    seq = np.full((W, L), -1, np.int32)
+    at = {}  # b -> (row, column) of its span's first token.
+    w, col = 0, 0
+    for b in range(B):
+      valid = np.flatnonzero(m[b])
+      if not len(valid):
+        continue
+      n = valid[-1] - valid[0] + 1
+      if col + n > L:
+        w, col = w + 1, 0
+      at[b] = (w, col)
+      seq[w, col:col + n] = b
+      col += n + (b == 1)  # A padding cell after sequence 1.
+    packed = {k: np.zeros((W, L), np.float32) for k in ("m", "lp", "rf", "v")}
+    for b, (w, col) in at.items():
+      lo, hi = np.flatnonzero(m[b])[[0, -1]]
+      for name, x in (("m", m), ("lp", logp), ("rf", ref), ("v", v)):
+        packed[name][w, col:col + hi - lo + 1] = x[b, lo:hi + 1]
+    seq_sums = lambda x: jax.ops.segment_sum(  # pylint: disable=g-long-lambda
+        jnp.ravel(x), jnp.where(jnp.ravel(seq) >= 0, jnp.ravel(seq), B),
+        num_segments=B, mode="drop")
+    out = jax.jit(functools.partial(
+        critic.ppo_targets, kl_coef=0.1, kl_estimator="k1", gamma=0.9,
+        lam=0.8, whiten=True, seq_BxT=seq, sequence_sums=seq_sums))(
+            scores, packed["lp"], packed["rf"], packed["v"], packed["m"])
+    r = -0.1 * (logp - ref) * m
+    for b in at:
+      for t in np.flatnonzero(m[b]):  # Last token of each valid span.
+        if t + 1 == T or not m[b, t + 1]:
+          r[b, t] += scores[b]
+    want_adv, want_ret = np_gae(r, v, m, 0.9, 0.8)
+    sel = m > 0
+    want_adv = np.where(sel, (want_adv - want_adv[sel].mean()) / np.sqrt(
+        want_adv[sel].var() + 1e-8), 0.0)
+    for b, (w, col) in at.items():
+      lo, hi = np.flatnonzero(m[b])[[0, -1]]
+      got = slice(col, col + hi - lo + 1)
+      for key, want in (("advantages", want_adv), ("returns", want_ret),
+                        ("token_rewards", r)):
+        np.testing.assert_allclose(out[key][w, got], want[b, lo:hi + 1],
+                                   rtol=1e-4, atol=1e-5, err_msg=f"{key} {b}")
+    np.testing.assert_allclose(out["kl"], ((logp - ref) * m).sum(1),
+                               rtol=1e-5, atol=1e-6)
+    self.assertEqual(float(np.abs(np.asarray(out["advantages"])[
+        packed["m"] == 0]).max()), 0.0)
+
 
 # ---------------------------------------------------------- REINFORCE++ ---
   @parameterized.parameters((0.0,), (0.1,))

@@ -132,7 +132,8 @@ def test_reward_model_of_another_answer_format_is_refused(rm_workdir):
     ("rl.policy_loss", "nope", "config.rl.policy_loss"),
     ("rl.advantage", "grpo", "config.rl.advantage='grpo': the PPO job"),
     ("rl.stream", True, "config.rl.stream is GRPO-only"),
-    ("rl.pack_length", 64, "config.rl.pack_length is GRPO-only"),
+    ("rl.share_prompt", True, "share_prompt=True needs packed rows"),
+    ("rl.pack_length", 8, "shorter than one sequence"),
     ("train.prompts_per_step", 3, "data shards"),
 ])
 def test_config_errors(key, value, message):
@@ -349,3 +350,69 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
                     d.group != s.group and d.start < s.start < d.end
                     for d in decode)]
   assert overlapped, [(s.group, s.phase, s.start, s.end) for s in spans]
+
+
+def test_packed_rows_equal_the_padded_step(rm_workdir):
+  """`rl.pack_length`: the batch in packed rows (several sequences a row,
+  padding neither computed nor trained; GAE restarts at each sequence),
+  alone, with shared prompts, and fused into the consolidated tail, gives
+  the padded step's returns, values, KL, losses and gradient norms (one
+  update on the whole batch, so both train on the same tokens)."""
+  import dataclasses
+
+  import jax
+
+  import fakes
+
+  def config(**extra):
+    return _config(rm_workdir, **{"rl.ppo_epochs": 1,
+                                  "rl.num_minibatches": 1, **extra})
+
+  plain = ppo.build(config())
+  prompts = next(plain.source.iterator)
+  ref = jax.tree.map(lambda x: x * 1.05, plain.params)
+
+  def step(job):
+    return ppo.ppo_step(
+        job, 1, job.actor.init_state(fakes.copy_tree(plain.params)),
+        job.critic.init_state(fakes.copy_tree(plain.rm_params)), ref,
+        prompts)[2]
+
+  fused = config(**{"rl.pack_length": 32, "rl.share_prompt": True,
+                    "rollout.num_rows": 16})
+  fused.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
+                                 score_chunk=4)
+  variants = {
+      "packed": config(**{"rl.pack_length": 32}),
+      "shared_prompts": config(**{"rl.pack_length": 32,
+                                  "rl.share_prompt": True}),
+      "fused": fused}
+  want = step(plain)
+  for name, c in variants.items():
+    job = ppo.build(c)
+    assert (job.fused is not None) == (name == "fused")
+    got = step(job)
+    for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
+              "rollout/value_mean", "train/loss", "train/grad_norm",
+              "critic/loss", "critic/value_error"):
+      np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6,
+                                 err_msg=f"{name}: {k}")
+    if name == "fused":
+      assert got["rollout/scoring_chunks"] >= 1
+  # The packed batch: rows of several sequences, fewer cells than padded.
+  from rlhf_jax.rollout.base import generate
+  co = plain.colocation
+  rollout_params = co.to_rollout(fakes.copy_tree(plain.params))
+  plain.rollout.set_weights(rollout_params, co.version)
+  samples = generate(plain.rollout, prompts, plain.c.rollout.samples_per_row,
+                     seed=5).samples
+  params, keep = co.to_train(rollout_params), np.ones(len(samples), bool)
+  job = ppo.build(variants["shared_prompts"])
+  packed, _ = ppo.train_batch(job, samples, keep, params, ref,
+                              plain.rm_params)
+  padded, _ = ppo.train_batch(plain, samples, keep, params, ref,
+                              plain.rm_params)
+  assert "seg" in packed and "seg" not in padded
+  assert packed["tokens"].size < padded["tokens"].size
+  assert float(np.sum(packed["loss_mask"])) == float(
+      np.sum(padded["loss_mask"]))

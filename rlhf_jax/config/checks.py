@@ -181,17 +181,15 @@ def _check_ppo(c: RLJob) -> None:
                       "trains a critic and uses 'gae'")
   if c.critic is None:
     raise ConfigError("the PPO job needs a config.critic section")
-  if rl.share_prompt:
-    raise ConfigError("config.rl.share_prompt=True is not implemented for "
-                      "PPO (the critic reads the repeated layout); set it "
-                      "to False")
+  if rl.share_prompt and not rl.pack_length:
+    raise ConfigError("config.rl.share_prompt=True needs packed rows for "
+                      "PPO (rl.pack_length > 0: the critic reads the "
+                      "repeated or packed layout, not the grouped one); "
+                      "set one, or share_prompt=False")
   for key in ("stream", "dynamic_sampling"):
     if getattr(rl, key):
       raise ConfigError(f"config.rl.{key} is GRPO-only: PPO's GAE and "
                         "whitening need the whole batch")
-  if rl.pack_length:
-    raise ConfigError("config.rl.pack_length is GRPO-only: PPO's critic "
-                      "and GAE read one sequence per row")
   if rl.rewards:
     raise ConfigError("config.rl.rewards: PPO trains on its reward model's "
                       "score; use config.rl.tracked_rewards to log others")
@@ -199,7 +197,7 @@ def _check_ppo(c: RLJob) -> None:
 
 def _check_packing(c: RLJob, prompt_len: int) -> None:
   """Packed rows (rl/packing.py) hold any sequence; the loss needs to tell
-  sequences apart, which GSPO's row ratio and PPO's critic do not."""
+  sequences apart, which GSPO's row ratio does not."""
   rl, ro = c.rl, c.rollout
   need = prompt_len + ro.max_new_tokens
   if rl.pack_length < need:

@@ -34,9 +34,12 @@ class RewardModel(nnx.Module):
     self.value_bias = _param(None, (), (), jnp.float32,
                              value=jnp.zeros((), jnp.float32))
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxT):
-    """Values [B, T] fp32: the head applied to every position's state."""
-    h_BxTxD = self.decoder.hidden_states(tokens_BxT, positions_BxT, mask_BxT)
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxT, *, segments=None,
+               subs=None):
+    """Values [B, T] fp32: the head applied to every position's state (of
+    right-padded rows, or of packed rows: `Decoder.hidden_states`)."""
+    h_BxTxD = self.decoder.hidden_states(tokens_BxT, positions_BxT, mask_BxT,
+                                         segments=segments, subs=subs)
     v_BxT = jnp.einsum("btd,d->bt", h_BxTxD.astype(jnp.float32),
                        self.value_head[...]) + self.value_bias[...]
     return constrain(v_BxT, ("batch", "length"))
@@ -63,6 +66,18 @@ def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
 def values(graphdef, params, tokens_BxT, positions_BxT, mask_BxT):
   """Per-position values [B, T] fp32 (critic use)."""
   return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT)
+
+
+def batch_values(graphdef, params, batch: dict) -> jax.Array:
+  """Per-position values of a training batch: [B, T] of right-padded rows,
+  [W, L] of packed ones (`rl/packing.py`: "seg", and "sub" with shared
+  prompts)."""
+  if "seg" in batch:
+    return nnx.merge(graphdef, params)(
+        batch["tokens"], batch["positions"], None, segments=batch["seg"],
+        subs=batch.get("sub"))
+  return values(graphdef, params, batch["tokens"], batch["positions"],
+                batch["attn_mask"])
 
 
 def last_index(mask_BxT: jax.Array) -> jax.Array:

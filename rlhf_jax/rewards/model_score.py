@@ -29,7 +29,7 @@ class ScalarHead:
     return self._scores(params, batch)
 
   def values(self, params, batch) -> jax.Array:
-    """[B, T] fp32: the value at every position."""
+    """[B, T] fp32: the value at every position ([W, L] of packed rows)."""
     return self._values(params, batch)
 
   def _scores_fn(self, params, batch):
@@ -40,5 +40,4 @@ class ScalarHead:
 
   def _values_fn(self, params, batch):
     with use_layout(self.layout):
-      return reward_model.values(self.graphdef, params, batch["tokens"],
-                                 batch["positions"], batch["attn_mask"])
+      return reward_model.batch_values(self.graphdef, params, batch)

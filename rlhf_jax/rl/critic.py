@@ -2,11 +2,14 @@
 
 Dimension letters: B sequences, T positions.
 
-Masks are [B, T] with 1 on response tokens. The valid tokens of a row are
-assumed contiguous (the response span of a right-padded sequence, possibly
-after prompt positions that are masked out): the position after the last
-valid token is terminal, so nothing is bootstrapped from padding. A hole in
-the middle of a row would also be treated as an episode end.
+Masks are [B, T] with 1 on response tokens. The valid tokens of a
+sequence are assumed contiguous (the response span of a right-padded
+sequence, possibly after prompt positions that are masked out): the
+position after the last valid token is terminal, so nothing is bootstrapped
+from padding. A hole in the middle of a response would also be treated as
+an episode end. Packed rows (`rl/packing.py`) hold several sequences per
+row: `seq_BxT` (the sequence of each token, -1 off them) tells where one
+ends and the next begins, so the same functions run on them unchanged.
 
 All functions are pure jnp, jittable, fp32 and carry no model imports.
 `ppo_targets` chains them into what one PPO step trains on.
@@ -55,22 +58,35 @@ def masked_whiten(
   return jnp.where(mask > 0, out, 0.0)
 
 
+def continues(mask_BxT: jax.Array, seq_BxT: jax.Array | None = None
+              ) -> jax.Array:
+  """[B, T] fp32: 1 where the next token is a valid token of the same
+  sequence (`seq_BxT` of packed rows; None: one sequence per row)."""
+  next_m_BxT = jnp.pad(_f32(mask_BxT)[:, 1:], ((0, 0), (0, 1)))
+  if seq_BxT is None:
+    return next_m_BxT
+  same_BxT = jnp.pad(seq_BxT[:, 1:] == seq_BxT[:, :-1], ((0, 0), (0, 1)))
+  return next_m_BxT * same_BxT
+
+
 def discounted_returns(
-    rewards_BxT: jax.Array, mask_BxT: jax.Array, *, gamma: float = 1.0
+    rewards_BxT: jax.Array, mask_BxT: jax.Array, *, gamma: float = 1.0,
+    seq_BxT: jax.Array | None = None,
 ) -> jax.Array:
   """G_t = r_t + gamma * G_{t+1}, reset after the last valid token.
 
   Args:
     rewards_BxT: [B, T] per-token rewards.
-    mask_BxT: [B, T] 1 on response tokens (contiguous per row).
+    mask_BxT: [B, T] 1 on response tokens (contiguous per sequence).
     gamma: discount.
+    seq_BxT: packed rows' sequence ids (None: one sequence per row).
 
   Returns:
     [B, T] fp32 returns, 0 where the mask is 0.
   """
   r_BxT = _f32(rewards_BxT)
   m_BxT = _f32(mask_BxT)
-  next_m_BxT = jnp.pad(m_BxT[:, 1:], ((0, 0), (0, 1)))
+  next_m_BxT = continues(mask_BxT, seq_BxT)
 
   def body(g_next_B, xs):
     r_B, m_B, next_m_B = xs
@@ -90,6 +106,7 @@ def gae(
     *,
     gamma: float = 1.0,
     lam: float = 0.95,
+    seq_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Generalised advantage estimation (Schulman et al. 2016).
 
@@ -101,9 +118,10 @@ def gae(
     rewards_BxT: [B, T] per-token rewards (e.g. -beta * KL_t, plus the
       reward-model score at the last valid token).
     values_BxT: [B, T] critic values V(s_t) of the sampling-time critic.
-    mask_BxT: [B, T] 1 on response tokens (contiguous per row).
+    mask_BxT: [B, T] 1 on response tokens (contiguous per sequence).
     gamma: discount.
     lam: GAE lambda (1 = Monte-Carlo return - V, 0 = one-step TD).
+    seq_BxT: packed rows' sequence ids (None: one sequence per row).
 
   Returns:
     (advantages_BxT, returns_BxT), fp32, 0 where the mask is 0.
@@ -111,7 +129,7 @@ def gae(
   r_BxT = jax.lax.stop_gradient(_f32(rewards_BxT))
   v_BxT = jax.lax.stop_gradient(_f32(values_BxT))
   m_BxT = _f32(mask_BxT)
-  next_m_BxT = jnp.pad(m_BxT[:, 1:], ((0, 0), (0, 1)))
+  next_m_BxT = continues(mask_BxT, seq_BxT)
   next_v_BxT = jnp.pad(v_BxT[:, 1:], ((0, 0), (0, 1))) * next_m_BxT
   delta_BxT = r_BxT + gamma * next_v_BxT - v_BxT
 
@@ -175,21 +193,26 @@ def value_loss(
 
 
 def last_token_rewards(
-    scores_B: jax.Array, mask_BxT: jax.Array
+    scores_B: jax.Array, mask_BxT: jax.Array,
+    seq_BxT: jax.Array | None = None,
 ) -> jax.Array:
-  """Places a per-sequence score at the last valid token of each row.
+  """Places a per-sequence score at the last valid token of each sequence.
 
   Args:
     scores_B: [B] sequence scores (e.g. reward-model outputs).
-    mask_BxT: [B, T] 1 on response tokens (contiguous per row).
+    mask_BxT: [B, T] 1 on response tokens (contiguous per sequence).
+    seq_BxT: packed rows' sequence ids (None: row b is sequence b).
 
   Returns:
-    [B, T] fp32 per-token rewards; rows without valid tokens are all 0.
+    [B, T] fp32 per-token rewards; sequences without valid tokens get none.
   """
   m_BxT = _f32(mask_BxT)
-  next_m_BxT = jnp.pad(m_BxT[:, 1:], ((0, 0), (0, 1)))
-  is_last_BxT = (m_BxT > 0) & (next_m_BxT == 0)
-  return jnp.where(is_last_BxT, _f32(scores_B)[:, None], 0.0)
+  is_last_BxT = (m_BxT > 0) & (continues(mask_BxT, seq_BxT) == 0)
+  if seq_BxT is None:
+    score_BxT = _f32(scores_B)[:, None]
+  else:
+    score_BxT = _f32(scores_B)[jnp.maximum(seq_BxT, 0)]
+  return jnp.where(is_last_BxT, score_BxT, 0.0)
 
 
 def ppo_targets(
@@ -204,6 +227,8 @@ def ppo_targets(
     gamma: float = 1.0,
     lam: float = 0.95,
     whiten: bool = True,
+    seq_BxT: jax.Array | None = None,
+    sequence_sums=None,
 ) -> dict[str, jax.Array]:
   """InstructGPT-style PPO targets from one rollout.
 
@@ -223,17 +248,20 @@ def ppo_targets(
     gamma: discount.
     lam: GAE lambda.
     whiten: whiten the advantages.
+    seq_BxT: packed rows' sequence ids (None: row b is sequence b); then
+      `sequence_sums` ([B, T] -> [B], `grouped.sequence_sums`) too.
 
   Returns:
     {"advantages", "returns", "token_rewards"} [B, T] and "kl" [B] (the
     sequence KL estimate), fp32.
   """
-  rewards_BxT = last_token_rewards(scores_B, mask_BxT)
+  rewards_BxT = last_token_rewards(scores_B, mask_BxT, seq_BxT)
   rewards_BxT, kl_B = kl_reward_penalty(rewards_BxT, logp_BxT, ref_logp_BxT,
                                         mask_BxT, beta=kl_coef,
-                                        estimator=kl_estimator)
+                                        estimator=kl_estimator,
+                                        sequence_sums=sequence_sums)
   adv_BxT, ret_BxT = gae(rewards_BxT, values_BxT, mask_BxT, gamma=gamma,
-                         lam=lam)
+                         lam=lam, seq_BxT=seq_BxT)
   if whiten:
     adv_BxT = masked_whiten(adv_BxT, mask_BxT)
   return {"advantages": adv_BxT, "returns": ret_BxT,

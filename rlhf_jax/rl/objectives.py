@@ -151,13 +151,12 @@ def reward_model_terms():
 def value_terms(clip_range: float | None):
   """PPO's clipped value loss, token-mean over loss_mask (the critic).
 
-  The batch also holds old_values and returns [B, T] (GAE targets); values
-  are read at the positions whose next token is a response token, the same
-  positions as the policy's log-probs.
+  The batch also holds old_values and returns [B, T] (GAE targets; [W, L]
+  in packed rows); values are read at the positions whose next token is a
+  response token, the same positions as the policy's log-probs.
   """
   def terms(graphdef, params, mb):
-    v = reward_model.values(graphdef, params, mb["tokens"], mb["positions"],
-                            mb["attn_mask"])
+    v = reward_model.batch_values(graphdef, params, mb)
     loss, m = critic.value_loss(v, mb["old_values"], mb["returns"],
                                 mb["loss_mask"], clip_range=clip_range)
     return jnp.sum(loss), m

@@ -19,7 +19,7 @@ is the same stage when the forward passes already ran elsewhere
 (`rl/scoring_passes.py`: on the devices the long tail freed, while it
 decoded): only the advantages remain. Every layout of `rl/grouped.py` works
 (packed rows: sequence sums by segment, advantages laid out per token; GAE,
-PPO's, needs one sequence per row).
+PPO's, restarts where a row's next sequence begins).
 
 Dimension letters: B sequences, T positions, N groups, G per group.
 """
@@ -144,14 +144,14 @@ class Preparer:
       out = {"ref_logp": ref_logp}
       if old_logp is not None:
         out["old_logp"] = old_logp
-      if c.estimator == "gae":
-        if grouped.is_packed(batch):
-          raise ValueError("GAE (PPO) takes one sequence per row: set "
-                           "rl.pack_length = 0")
-        t = critic.ppo_targets(rewards, *rows[:2], values, rows[2],
-                               kl_coef=c.kl_penalty,
-                               kl_estimator=c.kl_estimator, gamma=c.gamma,
-                               lam=c.lam, whiten=c.whiten)
+      if c.estimator == "gae":  # Packed rows: reset where `seq` changes.
+        packed = grouped.is_packed(batch)
+        t = critic.ppo_targets(
+            rewards, *rows[:2], values, rows[2], kl_coef=c.kl_penalty,
+            kl_estimator=c.kl_estimator, gamma=c.gamma, lam=c.lam,
+            whiten=c.whiten, seq_BxT=batch["seq"] if packed else None,
+            sequence_sums=(lambda x: grouped.sequence_sums(x, batch, B))
+            if packed else None)
         kl = t["kl"]
         out.update(advantages=t["advantages"], returns=t["returns"],
                    old_values=values)

@@ -264,7 +264,8 @@ class ScoringPasses:
                packed: batch_lib.PackedBatch) -> dict:
     """Host arrays of every pass for the training batch `packed` (of
     `samples`, in order): per token laid out like its `loss_mask`
-    (repeated [B, T] or grouped [N, G, R]), reward-model scores [B].
+    (repeated [B, T], grouped [N, G, R] or packed rows [W, L]),
+    reward-model scores [B].
     Raises if a sample was not scored."""
     missing = [s.key for s in samples if s.key not in scores]
     if missing:
@@ -335,8 +336,18 @@ def _like_mask(responses, samples, packed) -> np.ndarray:
   `packed.arrays["loss_mask"]` (0 elsewhere)."""
   mask = packed.arrays["loss_mask"]
   if grouped.is_packed(packed.arrays):
-    raise ValueError("fused scoring does not build packed rows "
-                     "(rl.pack_length > 0)")
+    # Sample b's response token j: the j-th cell of `seq == b` (one row,
+    # in order); samples that train nothing have no cells.
+    seq = packed.arrays["seq"].ravel()
+    cells = np.flatnonzero(seq >= 0)
+    cells = cells[np.argsort(seq[cells], kind="stable")]
+    count = np.bincount(seq[cells], minlength=len(samples))
+    out = np.zeros(mask.size, np.float32)
+    out[cells] = np.concatenate(
+        [np.zeros(0, np.float32)] +
+        [np.asarray(values[:count[b]], np.float32)
+         for b, values in enumerate(responses) if count[b]])
+    return out.reshape(mask.shape)
   out = np.zeros((len(samples), mask.shape[-1]), np.float32)
   for b, (s, values) in enumerate(zip(samples, responses)):
     # Repeated rows: response token j is target p - 1 + j; grouped: j.

@@ -113,7 +113,6 @@ def _unfused_because(c, p: Policy) -> str | None:
       (c.asynchronous.enabled, "asynchronous RL"),
       (c.rl.stream or c.rl.dynamic_sampling,
        "rl.stream and rl.dynamic_sampling score per part or round"),
-      (c.rl.pack_length > 0, "packed rows (rl.pack_length > 0)"),
       (p.lora_spec is not None,
        "LoRA: the reference is the policy's base, not a copy of its own"),
       # Off the on-policy path the old log-probs come from the rollout copy.

@@ -48,7 +48,7 @@ from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rewards.model_score import ScalarHead
 from rlhf_jax.rewards.scoring import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
-from rlhf_jax.rl import objectives, prepare, scoring_passes
+from rlhf_jax.rl import objectives, packing, prepare, scoring_passes
 from rlhf_jax.rl.learner import Learner, TrainState, make_optimizer
 from rlhf_jax.rl.learner import train_epochs
 from rlhf_jax.rollout.base import Rollout, generate, step_seed
@@ -148,19 +148,32 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
   that ran during the rollout (`scoring_passes.during`), not run here
   then. Reads the job's `source.prompt_len`, `c.rollout`, `preparer`,
   `heads`, `critic_heads`, `rm_params` and `fused`."""
-  packed = batch_lib.pack(samples, job.source.prompt_len,
-                          job.c.rollout.max_new_tokens, trainable=trainable)
+  c, rl = job.c, job.c.rl
+  repeated = batch_lib.pack(samples, job.source.prompt_len,
+                            c.rollout.max_new_tokens, trainable=trainable)
+  packed = repeated
+  if rl.pack_length:  # Rows of several sequences, padding not trained.
+    packed = batch_lib.pack(
+        samples, job.source.prompt_len, c.rollout.max_new_tokens,
+        group_size=c.rollout.samples_per_row if rl.share_prompt else 0,
+        trainable=trainable, slots=packing.Slots(
+            rl.pack_length, rl.num_minibatches, rl.micro_batches,
+            job.actor.layout.shards("batch")))
+  out = {"response_len": packed.response_len}
   if fused is not None:
     per_token = job.fused.assemble(samples, fused, packed)
     batch = job.preparer.put(packed, rewards=per_token.pop("rewards"))
     batch, info = job.preparer.from_scores(batch, per_token)
-    return batch, {**info, "response_len": packed.response_len}
+    return batch, {**info, **out}
+  # The reward model reads each sequence whole, last token included, which
+  # a packed row does not hold (its last token is only a target).
+  scores = job.heads.scores(job.rm_params, job.actor.put_batch(
+      repeated.arrays))
   batch = job.preparer.put(packed)
-  scores = job.heads.scores(job.rm_params, batch)
   values = job.critic_heads.values(critic_params, batch)
   batch, info = job.preparer(params, ref, {**batch, "rewards": scores},
                              values)
-  return batch, {**info, "response_len": packed.response_len}
+  return batch, {**info, **out}
 
 
 def evaluate(job: Job, actor_params) -> dict:
