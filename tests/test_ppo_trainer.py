@@ -355,9 +355,11 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
 def test_packed_rows_equal_the_padded_step(rm_workdir):
   """`rl.pack_length`: the batch in packed rows (several sequences a row,
   padding neither computed nor trained; GAE restarts at each sequence),
-  alone, with shared prompts, and fused into the consolidated tail, gives
-  the padded step's returns, values, KL, losses and gradient norms (one
-  update on the whole batch, so both train on the same tokens)."""
+  with shared prompts (a response's first cell directly follows its
+  sibling's last one, so only `seq` tells them apart), and without them
+  fused into the consolidated tail, gives the padded step's returns, values, KL, losses
+  and gradient norms (one update on the whole batch, so both train on the
+  same tokens)."""
   import dataclasses
 
   import jax
@@ -378,18 +380,17 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
         job.critic.init_state(fakes.copy_tree(plain.rm_params)), ref,
         prompts)[2]
 
-  fused = config(**{"rl.pack_length": 32, "rl.share_prompt": True,
-                    "rollout.num_rows": 16})
+  fused = config(**{"rl.pack_length": 32, "rollout.num_rows": 16})
   fused.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
                                  score_chunk=4)
   variants = {
-      "packed": config(**{"rl.pack_length": 32}),
       "shared_prompts": config(**{"rl.pack_length": 32,
                                   "rl.share_prompt": True}),
       "fused": fused}
   want = step(plain)
+  jobs = {}
   for name, c in variants.items():
-    job = ppo.build(c)
+    job = jobs[name] = ppo.build(c)
     assert (job.fused is not None) == (name == "fused")
     got = step(job)
     for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
@@ -407,9 +408,8 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
   samples = generate(plain.rollout, prompts, plain.c.rollout.samples_per_row,
                      seed=5).samples
   params, keep = co.to_train(rollout_params), np.ones(len(samples), bool)
-  job = ppo.build(variants["shared_prompts"])
-  packed, _ = ppo.train_batch(job, samples, keep, params, ref,
-                              plain.rm_params)
+  packed, _ = ppo.train_batch(jobs["shared_prompts"], samples, keep, params,
+                              ref, plain.rm_params)
   padded, _ = ppo.train_batch(plain, samples, keep, params, ref,
                               plain.rm_params)
   assert "seg" in packed and "seg" not in padded
