@@ -408,10 +408,15 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
   samples = generate(plain.rollout, prompts, plain.c.rollout.samples_per_row,
                      seed=5).samples
   params, keep = co.to_train(rollout_params), np.ones(len(samples), bool)
-  packed, _ = ppo.train_batch(jobs["shared_prompts"], samples, keep, params,
-                              ref, plain.rm_params)
-  padded, _ = ppo.train_batch(plain, samples, keep, params, ref,
-                              plain.rm_params)
+  keep[3] = False  # Left out of the rows, yet scored.
+  packed, packed_info = ppo.train_batch(jobs["shared_prompts"], samples,
+                                        keep, params, ref, plain.rm_params)
+  padded, padded_info = ppo.train_batch(plain, samples, keep, params, ref,
+                                        plain.rm_params)
+  # The reward model reads packed rows too, each sequence to its last token.
+  np.testing.assert_allclose(packed_info["rewards"], padded_info["rewards"],
+                             rtol=1e-5, atol=1e-6)
+  assert np.ptp(np.asarray(padded_info["rewards"])) > 1e-4
   assert "seg" in packed and "seg" not in padded
   assert packed["tokens"].size < padded["tokens"].size
   assert float(np.sum(packed["loss_mask"])) == float(

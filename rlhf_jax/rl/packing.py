@@ -150,6 +150,17 @@ def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
   return a, sampler_logp
 
 
+def with_last_token(samples: Sequence) -> list:
+  """The samples with one padding target appended. `pack` writes every
+  token of a sequence but its last, which is only a target; packed, these
+  hold every token of the originals, the last one in each sequence's last
+  `seq` cell: what a reward model reads (`reward_model.packed_score`)."""
+  return [dataclasses.replace(
+      s, tokens=list(s.tokens) + [0],
+      logp_raw=np.zeros(len(s.tokens) + 1, np.float32), env_mask=None)
+          for s in samples]
+
+
 def trained_tokens(sample) -> np.ndarray:
   """[len(sample.tokens)] float32: 1 at sampled tokens, 0 at the ones a
   multi-turn environment appended (`Sample.env_mask`): never trained."""

@@ -149,27 +149,30 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
   then. Reads the job's `source.prompt_len`, `c.rollout`, `preparer`,
   `heads`, `critic_heads`, `rm_params` and `fused`."""
   c, rl = job.c, job.c.rl
-  repeated = batch_lib.pack(samples, job.source.prompt_len,
-                            c.rollout.max_new_tokens, trainable=trainable)
-  packed = repeated
+  P, M = job.source.prompt_len, c.rollout.max_new_tokens
+  slots = group_size = None
   if rl.pack_length:  # Rows of several sequences, padding not trained.
-    packed = batch_lib.pack(
-        samples, job.source.prompt_len, c.rollout.max_new_tokens,
-        group_size=c.rollout.samples_per_row if rl.share_prompt else 0,
-        trainable=trainable, slots=packing.Slots(
-            rl.pack_length, rl.num_minibatches, rl.micro_batches,
-            job.actor.layout.shards("batch")))
+    shards = job.actor.layout.shards("batch")
+    slots = packing.Slots(rl.pack_length, rl.num_minibatches,
+                          rl.micro_batches, shards)
+    group_size = c.rollout.samples_per_row if rl.share_prompt else 0
+  packed = batch_lib.pack(samples, P, M, group_size=group_size or 0,
+                          trainable=trainable, slots=slots)
   out = {"response_len": packed.response_len}
   if fused is not None:
     per_token = job.fused.assemble(samples, fused, packed)
     batch = job.preparer.put(packed, rewards=per_token.pop("rewards"))
     batch, info = job.preparer.from_scores(batch, per_token)
     return batch, {**info, **out}
-  # The reward model reads each sequence whole, last token included, which
-  # a packed row does not hold (its last token is only a target).
-  scores = job.heads.scores(job.rm_params, job.actor.put_batch(
-      repeated.arrays))
   batch = job.preparer.put(packed)
+  if slots is None:
+    scores = job.heads.scores(job.rm_params, batch)
+  else:  # Every sample, each with its last token (a packed row has not).
+    whole = batch_lib.pack(packing.with_last_token(samples), P, M + 1,
+                           group_size=group_size,
+                           slots=packing.Slots(rl.pack_length, shards=shards))
+    scores = job.heads.packed_scores(
+        job.rm_params, job.actor.put_batch(whole.arrays), len(samples))
   values = job.critic_heads.values(critic_params, batch)
   batch, info = job.preparer(params, ref, {**batch, "rewards": scores},
                              values)
