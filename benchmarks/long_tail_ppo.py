@@ -79,7 +79,8 @@ class PPOStep:
                    self.critic.init_state(critic)]
     self.passes = ScoringPasses(
         graphdef, prompt_len=prompt_len, max_new=max_new,
-        heads_graphdef=heads_graphdef, with_rm=True, with_critic=True)
+        heads_graphdef=heads_graphdef, with_rm=True, with_critic=True,
+        pack=pack_length > 0)
     # What `ppo.train_batch` reads of a job.
     heads = ScalarHead(heads_graphdef, train)
     self.job = types.SimpleNamespace(

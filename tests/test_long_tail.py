@@ -416,9 +416,9 @@ def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
   """[fuse] A chunk of long prompts with short responses takes the grouped
   layout (each prompt once for its samples there, partial groups padded
   to a power of two of slots);
-  the reference's log-probs it gives, and those of the repeated rows,
-  equal a full-length forward of the training batch's rows, laid out in
-  the repeated and the grouped batch."""
+  the reference's log-probs it gives, and those of the repeated rows and
+  of packed rows, equal a full-length forward of the training batch's
+  rows, laid out in the repeated and the grouped batch."""
   from rlhf_jax.parallel.layout import use_layout
   from rlhf_jax.rl import batch as batch_lib
   from rlhf_jax.rl import grouped
@@ -440,7 +440,19 @@ def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
                                 static_argnums=0)(graphdef, params,
                                                   repeated.arrays))
   mask = repeated.arrays["loss_mask"]
-  assert passes.runs_grouped(chunk)
+  # In packed rows (`pack`, the training batch's layout with
+  # rl.pack_length): several samples a row, the same log-probs.
+  packed_passes = ScoringPasses(graphdef, prompt_len=P, max_new=R,
+                                with_policy=False, pack=True)
+  packed_passes.begin(ref=params)
+  out = jax.device_get(packed_passes.score(chunk, layout))
+  packed_passes.end()
+  got = packed_passes.assemble(chunk, {
+      s.key: {"ref_logp": out["ref_logp"][i]} for i, s in enumerate(chunk)},
+                               repeated)["ref_logp"]
+  np.testing.assert_allclose(got * mask, oracle * mask, rtol=1e-5, atol=1e-6,
+                             err_msg="packed")
+  assert passes.runs_grouped(chunk) and not packed_passes.runs_grouped(chunk)
   for grouped_chunk in (True, False):
     monkeypatch.setattr(ScoringPasses, "runs_grouped",
                         lambda self, s, g=grouped_chunk: g)

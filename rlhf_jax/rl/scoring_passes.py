@@ -23,7 +23,10 @@ log-prob passes run each prompt of the chunk once for its samples there
 instead (the grouped layout, `models/grouped.py`; partial groups padded to
 the chunk's largest) when that computes fewer token positions
 (`runs_grouped`: long prompts, several samples of one prompt); the reward
-model and critic always read the repeated rows. Every per-token output is
+model and critic always read the repeated rows. With `pack` (the training
+batch in packed rows, `rl.pack_length`) every pass reads the chunk in
+packed rows instead (several samples a row, each to its last token, which
+the reward model reads: `packing.with_last_token`). Every per-token output is
 response-aligned (column j: response token j), which `assemble` lays out
 as the training batch's loss mask. The policy
 is the rollout copy itself, viewed on the scoring replicas without a copy
@@ -57,6 +60,7 @@ from rlhf_jax.parallel import colocate, pacing, repartition, submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import grouped
+from rlhf_jax.rl import packing
 from rlhf_jax.sched import tail as tail_rules
 
 # What each pass writes: per token ([B, T]) or per sequence ([B]).
@@ -69,6 +73,11 @@ _INPUTS = {
     "logp_rows": _FIELDS + ("start",),
     "rm": ("tokens", "positions", "attn_mask"),
     "critic": ("tokens", "positions", "attn_mask", "start"),
+    # Packed rows (`pack`): "take" [rows, Rc] and "last" [rows] are the flat
+    # cells of each sample's response targets and of its last token.
+    "logp_packed": ("tokens", "positions", "seg", "targets", "take"),
+    "rm_packed": ("tokens", "positions", "seg", "last"),
+    "critic_packed": ("tokens", "positions", "seg", "take"),
 }
 
 
@@ -78,7 +87,8 @@ class ScoringPasses:
   def __init__(self, graphdef, *, prompt_len: int, max_new: int,
                with_policy: bool = True, with_ref: bool = True,
                heads_graphdef=None, critic_graphdef=None,
-               with_rm: bool = False, with_critic: bool = False):
+               with_rm: bool = False, with_critic: bool = False,
+               pack: bool = False):
     """
     Args:
       graphdef: the policy's (and reference's) graph.
@@ -89,12 +99,15 @@ class ScoringPasses:
       heads_graphdef: the scalar-head graph of the reward model (and of the
         critic, unless `critic_graphdef`: a LoRA critic's).
       with_rm, with_critic: run the reward model's score / critic's values.
+      pack: every pass reads the chunk in packed rows (`rl/packing.py`, as
+        the training batch with `rl.pack_length`), not one row a sample.
     """
     if (with_rm or with_critic) and heads_graphdef is None:
       raise ValueError("reward-model and critic passes need heads_graphdef")
     self.graphdef, self.heads_graphdef = graphdef, heads_graphdef
     self.critic_graphdef = critic_graphdef or heads_graphdef
     self.prompt_len, self.max_new = prompt_len, max_new
+    self.pack = pack
     self.names = {"policy": "old_logp"} if with_policy else {}
     if with_ref:
       self.names["ref"] = "ref_logp"
@@ -147,6 +160,8 @@ class ScoringPasses:
     for name, params in self._placed[key].items():
       kind = name if name in ("rm", "critic") else (
           "logp_grouped" if "group" in arrays else "logp_rows")
+      if self.pack:
+        kind = ("logp" if name in ("policy", "ref") else name) + "_packed"
       fn = self._fns.get((key, kind))
       if fn is None:
         fn = self._fns[(key, kind)] = jax.jit(functools.partial(
@@ -188,8 +203,8 @@ class ScoringPasses:
     positions than the repeated rows (n x Tc). A chunk mixes whole and
     partial groups, so either can win."""
     log_prob_passes = {"policy", "ref"} & set(self.names)
-    return bool(log_prob_passes) and self.grouped_positions(samples) < len(
-        samples) * self.chunk_length(samples)
+    return bool(log_prob_passes) and not self.pack and self.grouped_positions(
+        samples) < len(samples) * self.chunk_length(samples)
 
   def _chunk_arrays(self, samples, layout) -> dict:
     """The chunk's host arrays, rows padded to `sched.tail.chunk_rows` of
@@ -204,6 +219,8 @@ class ScoringPasses:
     pad = lambda x: np.pad(  # noqa: E731
         x, [(0, tail_rules.chunk_rows(len(x), shards) - len(x))]
         + [(0, 0)] * (x.ndim - 1))
+    if self.pack:
+      return self._packed_arrays(samples, shards, pad)
     grouped_passes = self.runs_grouped(samples)
     out = {}
     if not grouped_passes or {"rm", "critic"} & set(self.names):
@@ -235,6 +252,29 @@ class ScoringPasses:
                  slot=pad(slot))
     return out
 
+  def _packed_arrays(self, samples, shards, pad) -> dict:
+    """The chunk in packed rows of `chunk_length` tokens, each sample with
+    its last token (`packing.with_last_token`: the reward model reads it),
+    rows dealt evenly to the layout's `shards`; "take" [rows, Rc]: the flat
+    cell of each sample's response target j (Rc = min(Tc, M)), "last"
+    [rows]: of its last token (padding rows: cell 0)."""
+    Tc = self.chunk_length(samples)
+    arrays, _ = packing.pack(packing.with_last_token(samples),
+                             packing.Slots(Tc, shards=shards))
+    seq = arrays["seq"].reshape(-1)
+    cells = np.flatnonzero(seq >= 0)
+    cells = cells[np.argsort(seq[cells], kind="stable")]  # By sample.
+    first = np.searchsorted(seq[cells], np.arange(len(samples)))
+    Rc = min(Tc, self.max_new)
+    take = np.zeros((len(samples), Rc), np.int32)
+    last = np.zeros(len(samples), np.int32)
+    for i, s in enumerate(samples):
+      n = len(s.tokens)  # Its cells: targets r_0 .. r_{n-1}, then padding.
+      take[i, :n] = cells[first[i]:first[i] + n]
+      last[i] = cells[first[i] + n]  # Holds r_{n-1} (the prompt's last, n = 0).
+    out = {k: arrays[k] for k in ("tokens", "positions", "seg", "targets")}
+    return {**out, "take": pad(take), "last": pad(last)}
+
   def _pass(self, kind, layout, params, arrays):
     """One pass over a chunk (one program per kind, layout and shapes; the
     policy and the reference share theirs). Per-token outputs are
@@ -245,6 +285,14 @@ class ScoringPasses:
       return jnp.take_along_axis(x_BxT, jnp.minimum(cols, T - 1), axis=1)
 
     with use_layout(layout):
+      if kind.endswith("_packed"):  # [W, Tc] -> each sample's cells.
+        rows = {k: arrays[k] for k in ("tokens", "positions", "seg",
+                                       "targets") if k in arrays}
+        x = (grouped.token_logprobs_in_layout(self.graphdef, params, rows)
+             if kind == "logp_packed" else reward_model.batch_values(
+                 self.heads_graphdef if kind == "rm_packed"
+                 else self.critic_graphdef, params, rows)).reshape(-1)
+        return x[arrays["last" if kind == "rm_packed" else "take"]]
       if kind == "logp_grouped":
         logp = grouped.token_logprobs_in_layout(self.graphdef, params, {
             k: arrays[k] for k in grouped.PROMPT_KEYS + ("response_tokens",)})

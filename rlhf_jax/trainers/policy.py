@@ -143,4 +143,4 @@ def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None,
       with_policy=not off_policy.on_policy(c.rl),
       heads_graphdef=heads_graphdef, critic_graphdef=critic_graphdef,
       with_rm=heads_graphdef is not None,
-      with_critic=heads_graphdef is not None)
+      with_critic=heads_graphdef is not None, pack=c.rl.pack_length > 0)
