@@ -150,6 +150,16 @@ def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
   return a, sampler_logp
 
 
+def cells_by_sequence(seq: np.ndarray, num_seqs: int):
+  """(cells, start): the flat cells of packed rows whose `seq` is >= 0,
+  grouped by sequence and in row order within one (a sequence sits in one
+  row); sequence b's are cells[start[b]:start[b + 1]]."""
+  seq = seq.reshape(-1)
+  cells = np.flatnonzero(seq >= 0)
+  cells = cells[np.argsort(seq[cells], kind="stable")]
+  return cells, np.searchsorted(seq[cells], np.arange(num_seqs + 1))
+
+
 def with_last_token(samples: Sequence) -> list:
   """The samples with one padding target appended. `pack` writes every
   token of a sequence but its last, which is only a target; packed, these

@@ -261,17 +261,15 @@ class ScoringPasses:
     Tc = self.chunk_length(samples)
     arrays, _ = packing.pack(packing.with_last_token(samples),
                              packing.Slots(Tc, shards=shards))
-    seq = arrays["seq"].reshape(-1)
-    cells = np.flatnonzero(seq >= 0)
-    cells = cells[np.argsort(seq[cells], kind="stable")]  # By sample.
-    first = np.searchsorted(seq[cells], np.arange(len(samples)))
-    Rc = min(Tc, self.max_new)
-    take = np.zeros((len(samples), Rc), np.int32)
+    cells, start = packing.cells_by_sequence(arrays["seq"], len(samples))
+    take = np.zeros((len(samples), min(Tc, self.max_new)), np.int32)
     last = np.zeros(len(samples), np.int32)
     for i, s in enumerate(samples):
-      n = len(s.tokens)  # Its cells: targets r_0 .. r_{n-1}, then padding.
-      take[i, :n] = cells[first[i]:first[i] + n]
-      last[i] = cells[first[i] + n]  # Holds r_{n-1} (the prompt's last, n = 0).
+      # Its n + 1 cells hold targets r_0 .. r_{n-1} and the padding one;
+      # the last holds r_{n-1} (the prompt's last token when n = 0).
+      n, at = len(s.tokens), start[i]
+      take[i, :n] = cells[at:at + n]
+      last[i] = cells[at + n]
     out = {k: arrays[k] for k in ("tokens", "positions", "seg", "targets")}
     return {**out, "take": pad(take), "last": pad(last)}
 
@@ -384,17 +382,14 @@ def _like_mask(responses, samples, packed) -> np.ndarray:
   `packed.arrays["loss_mask"]` (0 elsewhere)."""
   mask = packed.arrays["loss_mask"]
   if grouped.is_packed(packed.arrays):
-    # Sample b's response token j: the j-th cell of `seq == b` (one row,
-    # in order); samples that train nothing have no cells.
-    seq = packed.arrays["seq"].ravel()
-    cells = np.flatnonzero(seq >= 0)
-    cells = cells[np.argsort(seq[cells], kind="stable")]
-    count = np.bincount(seq[cells], minlength=len(samples))
+    # Sample b's response token j: its j-th cell; samples that train
+    # nothing have none.
+    cells, start = packing.cells_by_sequence(packed.arrays["seq"],
+                                             len(samples))
     out = np.zeros(mask.size, np.float32)
-    out[cells] = np.concatenate(
-        [np.zeros(0, np.float32)] +
-        [np.asarray(values[:count[b]], np.float32)
-         for b, values in enumerate(responses) if count[b]])
+    for b, values in enumerate(responses):
+      n = start[b + 1] - start[b]
+      out[cells[start[b]:start[b + 1]]] = values[:n]
     return out.reshape(mask.shape)
   out = np.zeros((len(samples), mask.shape[-1]), np.float32)
   for b, (s, values) in enumerate(zip(samples, responses)):
