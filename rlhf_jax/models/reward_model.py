@@ -104,13 +104,8 @@ def score(graphdef, params, tokens_BxT, positions_BxT, mask_BxT):
   return jnp.take_along_axis(v_BxT, idx_B[:, None], axis=1)[:, 0]
 
 
-def packed_score(graphdef, params, batch: dict, num_seqs: int) -> jax.Array:
-  """Sequence scores [num_seqs] fp32 of packed rows that hold every token
-  (`packing.with_last_token`): the value at each sequence's last `seq`
-  cell, its last real token."""
-  v = batch_values(graphdef, params, batch).reshape(-1)
-  seq = batch["seq"].reshape(-1)
-  last_B = jax.ops.segment_max(
-      jnp.arange(seq.size), jnp.where(seq >= 0, seq, num_seqs),
-      num_segments=num_seqs, mode="drop")
-  return v[last_B]
+def packed_score(graphdef, params, batch: dict, last) -> jax.Array:
+  """Sequence scores fp32 of packed rows that hold every token
+  (`packing.with_last_token`): the value at each flat cell of `last`
+  (`packing.last_cells`: each sequence's last real token)."""
+  return batch_values(graphdef, params, batch).reshape(-1)[last]

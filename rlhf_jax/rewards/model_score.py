@@ -23,17 +23,17 @@ class ScalarHead:
     self.graphdef, self.layout = graphdef, layout
     self._scores = jax.jit(self._scores_fn)
     self._values = jax.jit(self._values_fn)
-    self._packed_scores = jax.jit(self._packed_scores_fn,
-                                  static_argnums=(2,))
+    self._packed_scores = jax.jit(self._packed_scores_fn)
 
   def scores(self, params, batch) -> jax.Array:
     """[B] fp32: the value at each row's last real token (attn_mask)."""
     return self._scores(params, batch)
 
-  def packed_scores(self, params, batch, num_seqs: int) -> jax.Array:
-    """[num_seqs] fp32 of packed rows holding every token
-    (`packing.with_last_token`): the value at each sequence's last one."""
-    return self._packed_scores(params, batch, num_seqs)
+  def packed_scores(self, params, batch, last) -> jax.Array:
+    """[B] fp32 of packed rows holding every token
+    (`packing.with_last_token`): the value at each sequence's last one,
+    the flat cells `last` [B] (`packing.last_cells`)."""
+    return self._packed_scores(params, batch, last)
 
   def values(self, params, batch) -> jax.Array:
     """[B, T] fp32: the value at every position ([W, L] of packed rows)."""
@@ -45,9 +45,9 @@ class ScalarHead:
                                batch["positions"], batch["attn_mask"])
       return constrain(s_B, ("batch",))
 
-  def _packed_scores_fn(self, params, batch, num_seqs):
+  def _packed_scores_fn(self, params, batch, last):
     with use_layout(self.layout):
-      s_B = reward_model.packed_score(self.graphdef, params, batch, num_seqs)
+      s_B = reward_model.packed_score(self.graphdef, params, batch, last)
       return jax.lax.with_sharding_constraint(s_B, self.layout.replicated())
 
   def _values_fn(self, params, batch):

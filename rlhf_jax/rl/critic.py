@@ -8,8 +8,8 @@ sequence, possibly after prompt positions that are masked out): the
 position after the last valid token is terminal, so nothing is bootstrapped
 from padding. A hole in the middle of a response would also be treated as
 an episode end. Packed rows (`rl/packing.py`) hold several sequences per
-row: `seq_BxT` (the sequence of each token, -1 off them) tells where one
-ends and the next begins, so the same functions run on them unchanged.
+row: `seq_BxT` (the sequence of each token, -1 off them) tells GAE and
+`ppo_targets` where one ends and the next begins.
 
 All functions are pure jnp, jittable, fp32 and carry no model imports.
 `ppo_targets` chains them into what one PPO step trains on.
@@ -70,23 +70,21 @@ def continues(mask_BxT: jax.Array, seq_BxT: jax.Array | None = None
 
 
 def discounted_returns(
-    rewards_BxT: jax.Array, mask_BxT: jax.Array, *, gamma: float = 1.0,
-    seq_BxT: jax.Array | None = None,
+    rewards_BxT: jax.Array, mask_BxT: jax.Array, *, gamma: float = 1.0
 ) -> jax.Array:
   """G_t = r_t + gamma * G_{t+1}, reset after the last valid token.
 
   Args:
     rewards_BxT: [B, T] per-token rewards.
-    mask_BxT: [B, T] 1 on response tokens (contiguous per sequence).
+    mask_BxT: [B, T] 1 on response tokens (contiguous per row).
     gamma: discount.
-    seq_BxT: packed rows' sequence ids (None: one sequence per row).
 
   Returns:
     [B, T] fp32 returns, 0 where the mask is 0.
   """
   r_BxT = _f32(rewards_BxT)
   m_BxT = _f32(mask_BxT)
-  next_m_BxT = continues(mask_BxT, seq_BxT)
+  next_m_BxT = continues(mask_BxT)
 
   def body(g_next_B, xs):
     r_B, m_B, next_m_B = xs

@@ -160,11 +160,19 @@ def cells_by_sequence(seq: np.ndarray, num_seqs: int):
   return cells, np.searchsorted(seq[cells], np.arange(num_seqs + 1))
 
 
+def last_cells(seq: np.ndarray, num_seqs: int) -> np.ndarray:
+  """[num_seqs] int32: the flat cell of each sequence's last `seq` cell
+  (every sequence must have one: `with_last_token` rows)."""
+  cells, start = cells_by_sequence(seq, num_seqs)
+  return cells[start[1:] - 1].astype(np.int32)
+
+
 def with_last_token(samples: Sequence) -> list:
   """The samples with one padding target appended. `pack` writes every
   token of a sequence but its last, which is only a target; packed, these
   hold every token of the originals, the last one in each sequence's last
-  `seq` cell: what a reward model reads (`reward_model.packed_score`)."""
+  `seq` cell (`last_cells`): what a reward model reads
+  (`reward_model.packed_score`)."""
   return [dataclasses.replace(
       s, tokens=list(s.tokens) + [0],
       logp_raw=np.zeros(len(s.tokens) + 1, np.float32), env_mask=None)

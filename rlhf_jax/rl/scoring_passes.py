@@ -263,15 +263,11 @@ class ScoringPasses:
                              packing.Slots(Tc, shards=shards))
     cells, start = packing.cells_by_sequence(arrays["seq"], len(samples))
     take = np.zeros((len(samples), min(Tc, self.max_new)), np.int32)
-    last = np.zeros(len(samples), np.int32)
-    for i, s in enumerate(samples):
-      # Its n + 1 cells hold targets r_0 .. r_{n-1} and the padding one;
-      # the last holds r_{n-1} (the prompt's last token when n = 0).
-      n, at = len(s.tokens), start[i]
-      take[i, :n] = cells[at:at + n]
-      last[i] = cells[at + n]
+    for i, s in enumerate(samples):  # Its first n cells: r_0 .. r_{n-1}.
+      take[i, :len(s.tokens)] = cells[start[i]:start[i] + len(s.tokens)]
     out = {k: arrays[k] for k in ("tokens", "positions", "seg", "targets")}
-    return {**out, "take": pad(take), "last": pad(last)}
+    return {**out, "take": pad(take), "last": pad(packing.last_cells(
+        arrays["seq"], len(samples)))}
 
   def _pass(self, kind, layout, params, arrays):
     """One pass over a chunk (one program per kind, layout and shapes; the

@@ -150,13 +150,13 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
   `heads`, `critic_heads`, `rm_params` and `fused`."""
   c, rl = job.c, job.c.rl
   P, M = job.source.prompt_len, c.rollout.max_new_tokens
-  slots = group_size = None
-  if rl.pack_length:  # Rows of several sequences, padding not trained.
-    shards = job.actor.layout.shards("batch")
-    slots = packing.Slots(rl.pack_length, rl.num_minibatches,
-                          rl.micro_batches, shards)
-    group_size = c.rollout.samples_per_row if rl.share_prompt else 0
-  packed = batch_lib.pack(samples, P, M, group_size=group_size or 0,
+  shards = job.actor.layout.shards("batch")
+  slots = packing.Slots(  # Rows of several sequences: padding not trained.
+      rl.pack_length, rl.num_minibatches, rl.micro_batches,
+      shards) if rl.pack_length else None
+  # Shared prompts need packed rows here (`checks`: not the grouped layout).
+  group_size = c.rollout.samples_per_row if rl.share_prompt else 0
+  packed = batch_lib.pack(samples, P, M, group_size=group_size,
                           trainable=trainable, slots=slots)
   out = {"response_len": packed.response_len}
   if fused is not None:
@@ -172,7 +172,8 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
                            group_size=group_size,
                            slots=packing.Slots(rl.pack_length, shards=shards))
     scores = job.heads.packed_scores(
-        job.rm_params, job.actor.put_batch(whole.arrays), len(samples))
+        job.rm_params, job.actor.put_batch(whole.arrays),
+        packing.last_cells(whole.arrays["seq"], len(samples)))
   values = job.critic_heads.values(critic_params, batch)
   batch, info = job.preparer(params, ref, {**batch, "rewards": scores},
                              values)
