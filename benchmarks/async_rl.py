@@ -47,6 +47,8 @@ import numpy as np
 from absl import app
 from absl import flags
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and steps.")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 1 (--quick) or 3.")
 _STEPS = flags.DEFINE_integer("steps", 0, "RL steps a run; 0: 8 or 12.")
@@ -162,7 +164,7 @@ def _simulated_ratio(sync: dict, asyn: dict, steps: int) -> float:
 def main(argv):
   del argv
   import jax
-  jax.config.update("jax_num_cpu_devices", 8)
+  timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
 
   steps = _STEPS.value or (8 if _QUICK.value else 12)

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer launches.")
 
 
@@ -48,7 +50,7 @@ def _program(devices, rows):
 
 def main(argv):
   del argv
-  jax.config.update("jax_num_cpu_devices", 8)  # Before the backend starts.
+  timing.fake_cpu_devices(8)  # Before the backend starts.
   jax.config.update("jax_platforms", "cpu")
   devs = jax.devices()
   n = 10 if _QUICK.value else 20

@@ -143,7 +143,7 @@ def main(argv):
   del argv
   import jax
   from flax import nnx
-  jax.config.update("jax_num_cpu_devices", 8)
+  timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Driver, Request
   from rlhf_jax.engine.engine import Engine

@@ -65,6 +65,7 @@ from absl import flags
 import jax
 import numpy as np
 
+from benchmarks import timing
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
@@ -226,7 +227,7 @@ def main(argv):
   del argv
   t_start = time.perf_counter()
   if _DEVICES.value > 0:  # Before anything initialises the CPU backend.
-    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
+    timing.fake_cpu_devices(_DEVICES.value)
   quick = _QUICK.value
   M = _MAX_NEW.value or (32 if quick else 64)
   repeats = _REPEATS.value or (3 if quick else 7)

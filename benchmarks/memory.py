@@ -50,6 +50,8 @@ import time
 from absl import app
 from absl import flags
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "One preset; baseline on the small "
                            "model only (< 3 minutes).")
 _PRESETS = flags.DEFINE_list("presets", None, "Model presets (default: "
@@ -180,7 +182,7 @@ def _configs(preset: str):
 def main(argv):
   del argv
   import jax
-  jax.config.update("jax_num_cpu_devices", _DEVICES)
+  timing.fake_cpu_devices(_DEVICES)
   jax.config.update("jax_platforms", "cpu")
   t_start = time.perf_counter()
   presets = _PRESETS.value or (["qwen2.5-7b"] if _QUICK.value

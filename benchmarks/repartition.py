@@ -54,6 +54,8 @@ from absl import app
 from absl import flags
 import jax
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats (< 3 minutes).")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0 means 3 (--quick) or 7.")
 _LAYOUTS = flags.DEFINE_string(
@@ -233,7 +235,7 @@ def main(argv):
   from benchmarks import cpu_allocator
 
   cpu_allocator.reexec_with_retained_memory()
-  jax.config.update("jax_num_cpu_devices", 8)
+  timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.models.config import ModelConfig
 

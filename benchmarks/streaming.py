@@ -34,6 +34,8 @@ import sys
 from absl import app
 from absl import flags
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats.")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 5 (--quick) or 9.")
 _PROMPTS = flags.DEFINE_integer("prompts", 32, "Prompts per step.")
@@ -71,7 +73,7 @@ def _phases(co, step: int) -> dict:
 def main(argv):
   del argv
   import jax
-  jax.config.update("jax_num_cpu_devices", 8)
+  timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
   import jax.numpy as jnp
 

@@ -20,6 +20,18 @@ os.environ["XLA_FLAGS"] = (
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On CPU the tests compile with XLA's backend optimizations off (LLVM -O0, no
+# expensive passes), here and in every job a test starts (they read the
+# variable when they import JAX): the test programs are small and run a few
+# times, so compiling is most of a test's time (a profiled packing test: 38
+# of 57 s in `backend_compile`); the whole suite took 26:35 instead of 31:38
+# (-n 2, 2026-11-27). The same mode everywhere on purpose: results of the two
+# modes differ in the last bits, and resume tests compare a job run here
+# with one run as a subprocess to 1e-6. Tests marked `xla_optimized` (many
+# steps of one self-contained job: mostly running, not compiling) keep them.
+_NO_BACKEND_OPTIMIZATION = os.environ["JAX_PLATFORMS"] == "cpu"
+if _NO_BACKEND_OPTIMIZATION:
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402
@@ -59,6 +71,21 @@ def compilation_cache(tmp_path_factory):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   cc.reset_cache()  # Checked again at the next compile, with the dir set.
+
+
+@pytest.fixture(autouse=True)
+def xla_optimized(request):
+  """Backend optimizations on for a test marked `xla_optimized`, in this
+  process and in the jobs it starts (see `_NO_BACKEND_OPTIMIZATION`)."""
+  if (not _NO_BACKEND_OPTIMIZATION
+      or request.node.get_closest_marker("xla_optimized") is None):
+    yield
+    return
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", True)
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,7 @@ def test_bf16_rollout_copy_samples_what_fp32_weights_would(mesh8, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized
 def test_bf16_grpo_reward_rises(mesh8, tmp_path):
   """60 GRPO steps of the runlocal job in bf16 compute: the sampled reward
   of the last 10 steps beats the first 10 (as the fp32 job's does)."""

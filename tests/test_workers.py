@@ -181,6 +181,7 @@ def test_availability_trace_replay(pool):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized
 def test_zero_workers_runs_trainer_only_and_learns(mesh8, tmp_path):
   """The elastic job with `rollout.workers.num=0`: no manager, the rollout
   on the trainer's own mesh (colocated), and the sampled reward rises."""
