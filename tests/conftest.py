@@ -24,8 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # expensive passes), here and in every job a test starts (they read the
 # variable when they import JAX): the test programs are small and run a few
 # times, so compiling is most of a test's time (a profiled packing test: 38
-# of 57 s in `backend_compile`); the whole suite took 26:35 instead of 31:38
-# (-n 2, 2026-11-27). The same mode everywhere on purpose: results of the two
+# of 57 s in `backend_compile`); a clean-clone `.ci/run` took 23:18 in pytest
+# instead of 29:02 (2 cores, 2026-11-28). The same mode everywhere on purpose: results of the two
 # modes differ in the last bits, and resume tests compare a job run here
 # with one run as a subprocess to 1e-6. Tests marked `xla_optimized` (many
 # steps of one self-contained job: mostly running, not compiling) keep them.
