@@ -177,11 +177,25 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
     alone_steps.add(len(steps))
     jax.block_until_ready(state)
     if _PROFILE.value and not profile and len(steps) >= M // 2:
+      # A profiler that fails must not cost the case's timings.
       with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-          out = jax.block_until_ready(generate(params, state, *args,
-                                               **kwargs))
-        profile.update(kernel_times(log_dir), step=len(steps))
+        try:
+          jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+          tracing = True
+        except Exception as e:  # pylint: disable=broad-except
+          profile.update(error=f"start: {type(e).__name__}: {e}"[:300])
+          tracing = False
+        out = jax.block_until_ready(generate(params, state, *args,
+                                             **kwargs))
+        try:
+          if tracing:
+            jax.profiler.stop_trace()
+            profile.update(kernel_times(log_dir))
+        except Exception as e:  # pylint: disable=broad-except
+          profile.update(error=f"{type(e).__name__}: {e}"[:300])
+        profile.update(step=len(steps))
+        if "error" in profile:
+          print(f"  profile failed: {profile['error']}", flush=True)
       return out
     t0 = time.perf_counter()
     out = jax.block_until_ready(generate(params, state, *args, **kwargs))
@@ -256,7 +270,7 @@ def kernel_times(log_dir: str, top: int = 12) -> dict:
   devices = {p for p, n in procs.items() if n.startswith("/device:")}
   streams = {k for k, n in threads.items()
              if k[0] in devices and "stream" in n.lower()}
-  totals = collections.Counter()
+  totals, launches = collections.Counter(), 0
   for e in events:
     if e.get("ph") != "X":
       continue
@@ -264,7 +278,8 @@ def kernel_times(log_dir: str, top: int = 12) -> dict:
     if (key in streams if streams else
         (e.get("pid") in devices if devices else True)):
       totals[e["name"]] += e.get("dur", 0.0) / 1e3  # us -> ms
-  return dict(kernel_ms=sum(totals.values()),
+      launches += 1
+  return dict(kernel_ms=sum(totals.values()), kernels=launches,
               top=[(name, round(ms, 4)) for name, ms in
                    totals.most_common(top)],
               source="device streams" if streams else
@@ -301,10 +316,11 @@ def decode_part() -> dict:
             f"on the device alone), {r['achieved_tb_s']:.2f} TB/s, "
             f"{r['compile_steps']} compile steps "
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
-      if r["profile"]:
+      if r["profile"] and "error" not in r["profile"]:
         prof = r["profile"]
         print(f"  profiled step {prof['step']}: {prof['kernel_ms']:.2f} ms "
-              f"of {prof['source']} time; top: " + "; ".join(
+              f"of {prof['source']} time in {prof['kernels']} kernels; "
+              "top: " + "; ".join(
                   f"{n[:60]} {ms:.2f}" for n, ms in prof["top"][:8]),
               flush=True)
       print("  case " + json.dumps({k: v for k, v in r.items()

@@ -39,11 +39,15 @@ JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
   tests/test_hf.py tests/test_model.py tests/test_train_scale.py \
   tests/test_kernels_prefix.py} >>"$log" 2>&1
 echo "tests rc=$? in $((SECONDS - t0)) s" >>"$log"
+# A part may carry its own flags after '+': train+--remat=dots:65 runs the
+# train part with --remat=dots for at most 65 s, logged as train_remat-dots.
 for part in ${PARTS-decode:230 train:130 repartition:50}; do
-  name=${part%%:*}; limit=${part##*:}; t0=$SECONDS
+  spec=${part%:*}; limit=${part##*:}; name=${spec%%+*}; t0=$SECONDS
+  own=(); [[ $spec == *+* ]] && IFS=+ read -ra own <<<"${spec#*+}"
+  label=$(printf %s "$spec" | sed 's/+--/_/g; s/=/-/g; s/[^A-Za-z0-9_.-]/_/g')
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout "$limit" python3 -m \
-    benchmarks.gpu --parts="$name" --json_out="$dir/$name.json" "$@" \
-    >"$dir/$name.log" 2>&1
-  echo "$name rc=$? in $((SECONDS - t0)) s" >>"$log"
+    benchmarks.gpu --parts="$name" --json_out="$dir/$label.json" \
+    "${own[@]}" "$@" >"$dir/$label.log" 2>&1
+  echo "$label rc=$? in $((SECONDS - t0)) s" >>"$log"
 done
 cat "$log"

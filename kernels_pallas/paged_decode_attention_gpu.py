@@ -88,19 +88,22 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
   lse_ref[...] = jnp.where(has_keys, m + jnp.log(l_safe), NEG_INF)
 
 
-def launch_shape(X, N, M, A, *, pages_per_block=4, block_rows=32,
+def launch_shape(X, N, M, A, *, pages_per_block=4, block_rows=128,
                  target_programs=512, min_blocks_per_split=8):
   """(row blocks, key splits) of a call.
 
-  A segment's M query rows go in blocks of `block_rows`, so that a
-  program's q, accumulator and probabilities fit its registers (a group's
-  G*Q = 128 rows at head dim 128 need 128 fp32 registers a thread for the
-  accumulator alone at 4 warps). Its page table is walked by several
-  programs (splits, powers of two) while X * N * row blocks programs would
-  leave the GPU's SMs idle (a few long shared prompts), each walking at
-  least `min_blocks_per_split` key blocks, so that the partial outputs
-  written stay small next to the keys read. On the H100 this took shared
-  decode from 15.3k to 26.8k tok/s (docs/results.md)."""
+  A segment's M query rows go in blocks of `block_rows`: up to 128 rows
+  a program, so that a group's keys and values are read once for all its
+  G*Q rows (a program of 128 rows at head dim 128 runs 8 warps,
+  `warps_for`, for its fp32 accumulator's registers). Its page table is
+  walked by several programs (splits, powers of two) while X * N * row
+  blocks programs would leave the GPU's SMs idle (a few long shared
+  prompts), each walking at least `min_blocks_per_split` key blocks, so
+  that the partial outputs written stay small next to the keys read.
+  Measured on an H200 at Qwen2.5-1.5B's decode shapes
+  (`benchmarks.paged_kernel`; docs/results.md): a group's prompt part
+  took 116 us in 4 blocks of 32 rows at 4 warps and 52 us in one block
+  of 128 at 8 warps."""
   row_blocks = max(1, M // block_rows) if M % block_rows == 0 else 1
   programs = X * N * row_blocks
   most = max(1, -(-A // pages_per_block) // min_blocks_per_split)
@@ -110,10 +113,17 @@ def launch_shape(X, N, M, A, *, pages_per_block=4, block_rows=32,
   return row_blocks, splits
 
 
+def warps_for(rows: int) -> int:
+  """Triton warps of a program holding `rows` query rows: 8 from 64 rows
+  (the accumulator's registers spread over twice the threads), else 4 (a
+  slot's few rows: more programs resident per SM)."""
+  return 8 if rows >= 64 else 4
+
+
 def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
                length_X, row_lo_XxM=None, *, layer, scale,
                logit_softcap=None, pages_per_block=4, interpret=False,
-               num_warps=4, block_rows=32, num_splits=None):
+               num_warps=None, block_rows=128, num_splits=None):
   """Attention of each segment's queries to its pages.
 
   Args:
@@ -128,7 +138,7 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
     scale, logit_softcap: logit scale and optional soft-cap.
     pages_per_block: pages gathered per loop iteration.
     interpret: run the kernel in interpret mode (CPU).
-    num_warps: Triton warps per program.
+    num_warps: Triton warps per program; None: `warps_for`'s.
     block_rows, num_splits: query rows per program and programs per
       segment's keys; None: `launch_shape`'s.
 
@@ -154,6 +164,7 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
   kernel = functools.partial(_kernel, scale=scale, softcap=logit_softcap,
                              pages_per_block=pages_per_block,
                              num_splits=splits)
+  num_warps = warps_for(Mb) if num_warps is None else num_warps
   params = (None if interpret else
             plgpu.CompilerParams(num_warps=num_warps, num_stages=2))
   out, lse = pl.pallas_call(

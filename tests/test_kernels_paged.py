@@ -223,24 +223,26 @@ def test_gpu_kernel_row_blocks_and_key_splits_equal_oracle(case,
 
 # The engine's launch shape at Qwen2.5-1.5B's heads (12 query / 2 kv, so
 # 16 members x 6 rows = 96, padded to 128) and 2048-token prompts in pages
-# of 16: 4 row blocks of 32 and 4 key splits (`launch_shape`), unpatched.
+# of 16: one row block of 128 and 4 key splits (`launch_shape`), unpatched.
 ENGINE_CASE = dict(seed=31, S=32, R=3, G=16, H=12, N=2, K=16, T=16, A=128,
                    B=4)
 
 
 def test_gpu_kernel_at_the_engine_launch_shape():
   """Two groups of 16 samples with prompts up to 2048 tokens: the
-  launch shape the H100 decode ran (interpreted here)."""
-  assert gpu_kernel.launch_shape(3, 2, 128, 128) == (4, 4)
+  launch shape the GPU decode runs (interpreted here)."""
+  assert gpu_kernel.launch_shape(3, 2, 128, 128) == (1, 4)
   _check_kernel("gpu", ENGINE_CASE, interpret=True)
 
 
 def test_launch_shape_of_the_engine_decode():
   """Qwen2.5-1.5B decode, 16 prompts x G=16 over 256 slots, prompt 2048 in
-  pages of 16: a group's 16 x 6 query rows (padded to 128) in 4 blocks of
-  32 and its 128 prompt pages walked by 4 programs (8 blocks of 4 pages
-  each): 16 x 2 x 4 x 4 = 512 programs; each slot's own part: 1 x 1."""
-  assert gpu_kernel.launch_shape(16, 2, 128, 128) == (4, 4)
+  pages of 16: a group's 16 x 6 query rows (padded to 128) in one program
+  of 8 warps and its 128 prompt pages walked by 4 programs (8 blocks of 4
+  pages each): 16 x 2 x 1 x 4 = 128 programs; each slot's own part: 1 x 1
+  at 4 warps."""
+  assert gpu_kernel.launch_shape(16, 2, 128, 128) == (1, 4)
+  assert gpu_kernel.warps_for(128) == 8 and gpu_kernel.warps_for(16) == 4
   assert gpu_kernel.launch_shape(256, 2, 16, 34) == (1, 1)
   assert gpu_kernel.launch_shape(1, 2, 16, 512) == (1, 16)  # One long slot.
 
