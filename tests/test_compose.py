@@ -25,7 +25,9 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   """configs/gsm8k_grpo.py:runlocal (a ChatML system turn in front of every
   prompt) with the common prefix stored once, the long-tail policies on the
   trainer's engine while it seeds, and 2 local elastic workers, on either
-  engine; the plain run is on the rows engine."""
+  engine; the plain run is on the rows engine. On the paged engine the
+  rollout also runs its layers unrolled (`rollout.scan_layers=False`, the
+  trainer's engine and the workers'); the plain run scans them."""
   del mesh8
   from configs import gsm8k_grpo
   from rlhf_jax.data import sources
@@ -34,7 +36,8 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   c = sources.prepare(gsm8k_grpo.get_config("runlocal"), str(tmp_path))
   assert c.rollout.max_common_length > 0
   # Long responses with a tail: the untrained model rarely stops early.
-  c.rollout.update(max_new_tokens=12, max_seq_len=80, engine=engine)
+  c.rollout.update(max_new_tokens=12, max_seq_len=80, engine=engine,
+                   scan_layers=engine == "rows")
   c.rollout.long_tail.update(enabled=True, consolidate_below=0.6)
   # The trainer's engine seeds and never hands off in this short rollout:
   # it decodes beside the workers (its long-tail policies on), the workers
@@ -62,3 +65,5 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
       h.worker.engine for h in job.rollout.manager.handles.values()]
   assert len(engines) == 3 and {type(e).__name__ for e in engines} == {
       "PagedEngine" if engine == "paged" else "Engine"}
+  assert {e.cfg.scan_layers for e in engines} == {engine == "rows"}
+  assert job.cfg.scan_layers  # The trainer and the plain run scan.

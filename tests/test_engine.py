@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -9,6 +10,7 @@ from rlhf_jax.engine.driver import Driver, Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
+from rlhf_jax.models import rollout_copy
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
@@ -31,9 +33,9 @@ def _prompts(n=5, seed=0):
 
 
 def _run(model, layout, requests, *, rows, per_row, sampling=SAMPLED,
-         buckets=(8, 16)):
+         buckets=(8, 16), cfg=CFG):
   graphdef, params = model
-  engine = Engine(CFG, graphdef, layout, num_rows=rows,
+  engine = Engine(cfg, graphdef, layout, num_rows=rows,
                   samples_per_row=per_row, prefill_buckets=buckets,
                   sampling=sampling)
   driver = Driver(engine, mesh_lib.to_layout(params, layout))
@@ -95,6 +97,32 @@ def test_sharded_rollout_equals_one_device(model, mesh8, mesh1):
   single, *_ = _run(model, mesh_lib.rollout_layout(mesh1),
                     _grouped(prompts, g), rows=4, per_row=g)
   _assert_same(sharded, single)
+
+
+def test_unrolled_rollout_layers_sample_what_the_scan_samples(model, mesh8):
+  """rollout.scan_layers=False (`rollout_copy.rollout_model`): the same
+  stacked params run as a Python loop over the layers, with no scan left
+  in the model; its samples and log-probs equal the scanned model's."""
+  graphdef, params = model
+  cfg, unrolled, weights = rollout_copy.rollout_model(CFG, graphdef,
+                                                      scan_layers=False)
+  assert weights is None and not cfg.scan_layers and CFG.scan_layers
+  tokens = np.ones((2, 8), np.int32)
+  positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+  mask = np.ones((2, 8), bool)
+
+  def primitives(g):
+    jaxpr = jax.make_jaxpr(lambda p: model_lib.forward(
+        g, p, tokens, positions, mask))(params)
+    return {str(e.primitive) for e in jaxpr.jaxpr.eqns}
+  assert "scan" in primitives(graphdef)
+  assert "scan" not in primitives(unrolled)
+  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
+  requests = _grouped(_prompts(4, seed=5), 2)
+  scanned, *_ = _run(model, layout, requests, rows=4, per_row=2)
+  looped, *_ = _run((unrolled, params), layout, requests, rows=4, per_row=2,
+                    cfg=cfg)
+  _assert_same(scanned, looped)
 
 
 def test_generate_compiles_once_over_50_steps(model, mesh8):

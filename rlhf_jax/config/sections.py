@@ -250,6 +250,10 @@ class Rollout:
   # "fp8" (per-channel scales; models/rollout_copy.py); "none": the
   # compute dtype.
   quantize: str = "none"
+  # How prefill and decode run the stacked layers: False, a Python loop
+  # instead of `lax.scan` (no per-layer weight-slice copies on GPU: decode
+  # 1.15x at 1.5B on an H200; its programs compile ~10x longer).
+  scan_layers: bool = True
   long_tail: LongTail = dataclasses.field(default_factory=LongTail)
   workers: Workers = dataclasses.field(default_factory=Workers)
 

@@ -10,6 +10,7 @@ from absl import logging
 from rlhf_jax.config import sections
 from rlhf_jax.engine.driver import Driver, Request
 from rlhf_jax.models import model as model_lib
+from rlhf_jax.models import rollout_copy
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rollout import build as rollout_build
 
@@ -23,6 +24,8 @@ def run(config, workdir: str):
       sections.from_dict(sections.Mesh, config.mesh, "mesh"))
   graphdef, params = model_lib.init_params(cfg, config.seed, train)
   params = mesh_lib.to_layout(params, rollout)
+  cfg, graphdef, _ = rollout_copy.rollout_model(cfg, graphdef,
+                                                scan_layers=ro.scan_layers)
   engine = rollout_build.engine(ro, cfg, graphdef, rollout)
   rng = np.random.default_rng(config.seed)
   g = ro.samples_per_row

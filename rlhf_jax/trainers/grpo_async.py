@@ -150,7 +150,8 @@ def build_side(c, policy, source, layout) -> AsyncSide:
     backend = WorkerBackend(policy.rollout.manager)
   else:
     backend = PagedBackend(rollout_build.engines(
-        c.rollout, policy.cfg, policy.graphdef, layout, source.stop_ids))
+        c.rollout, policy.rollout_cfg, policy.rollout_graphdef, layout,
+        source.stop_ids))
   a = c.asynchronous
   batch_groups = c.train.prompts_per_step
   rollout = AsyncRollout(

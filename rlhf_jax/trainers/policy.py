@@ -38,6 +38,8 @@ class Policy:
   """The policy model, its learner, layout switch and rollouts."""
   cfg: Any                  # ModelConfig (no adapters).
   graphdef: Any             # The plain model (SFT, export).
+  rollout_cfg: Any          # What the rollout engines run
+  rollout_graphdef: Any     # (`rollout_copy.rollout_model`).
   params: Any               # Initial weights (random or HF), before SFT.
   learner: Learner
   colocation: colocate.Colocation
@@ -93,14 +95,17 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
       micro_batches=c.rl.micro_batches,
       trainable=None if spec is None else lora.ADAPTERS)
   rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
-      cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize)
+      cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize,
+      scan_layers=c.rollout.scan_layers)
   co = colocate.Colocation.from_section(
       c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
       rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
   rollout, eval_rollout = rollout_build.for_job(
       c, rollout_cfg, rollout_graphdef, rollout_layout, source.tokenizer,
       source.stop_ids, co, lora_spec=spec)
-  return Policy(cfg=cfg, graphdef=graphdef, params=params, learner=learner,
+  return Policy(cfg=cfg, graphdef=graphdef, rollout_cfg=rollout_cfg,
+                rollout_graphdef=rollout_graphdef, params=params,
+                learner=learner,
                 colocation=co, rollout=rollout, eval_rollout=eval_rollout,
                 lora_spec=spec, lora_init_from=c.lora.init_from,
                 seed=c.seed, train_layout=train_layout)
