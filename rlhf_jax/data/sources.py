@@ -16,6 +16,9 @@ and `config.task` are read as they are (their keys depend on the kind).
   set (0 = all of them); otherwise the first `config.eval.num_prompts`
   records of `config.data.path` are held out and training uses the rest.
   No SFT arrays (set `config.sft.steps = 0`).
+- "random_tokens": random ids of `config.data.vocab_size` as prompts and
+  text (`data/random_tokens.py`): an RL step of any size without a
+  checkpoint or a dataset (configs/synthetic_grpo.py). No SFT arrays.
 
 `prepare(config, workdir)` runs before `build`: with `config.data.synthetic`
 set it writes the tiny checkpoint and dataset of the `runlocal` configs
@@ -32,6 +35,7 @@ import numpy as np
 
 from rlhf_jax import distributed
 from rlhf_jax.data import jsonl
+from rlhf_jax.data import random_tokens
 from rlhf_jax.data.batching import (
     PromptBatch, PromptIterator, eval_batches, sft_arrays)
 from rlhf_jax.data.tasks import AdditionTask
@@ -74,7 +78,8 @@ def prepare(config, workdir: str):
 def build(config, c) -> DataSource:
   """The DataSource of `config.data.kind`, sized by the sections `c`."""
   kind = config.data.kind
-  builders = {"addition": addition, "jsonl": from_jsonl}
+  builders = {"addition": addition, "jsonl": from_jsonl,
+              "random_tokens": random_tokens.source}
   if kind not in builders:
     raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
                       f"{sorted(builders)}")

@@ -182,3 +182,19 @@ def env_reward(
   summed over its turns; 0 for single-turn samples."""
   del prompts, completions
   return [float(m.get("env_reward", 0.0)) for m in metadata]
+
+
+@registry.register("reward", "even_tokens")
+def even_tokens(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """Fraction of a response's ids that are even, for the "random_tokens"
+  data, whose text is the ids (`data/random_tokens.py`); 0 when empty."""
+  del prompts, metadata
+  out = []
+  for text in completions:
+    ids = [int(t) for t in text.split()]
+    out.append(sum(i % 2 == 0 for i in ids) / len(ids) if ids else 0.0)
+  return out
