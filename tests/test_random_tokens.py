@@ -64,3 +64,23 @@ def test_runlocal_job_learns_to_sample_even_ids(tmp_path):
   assert 0.35 < records[1]["rollout/reward_mean"] < 0.65
   assert records[8]["rollout/reward_mean"] > 0.85
   assert records[1]["rollout/response_len_mean"] > 0.8 * 24
+
+
+@pytest.mark.parametrize("arg", [None, "preset=qwen2.5-7b,prompt_len=2048,"
+                                 "new_tokens=4096"])
+def test_the_real_shape_configs_pass_the_job_checks(arg):
+  """The docstring's commands: sections and their combination check out
+  on one device and on 8 (nothing is built)."""
+  from configs import synthetic_grpo
+  from rlhf_jax.config import checks
+  from rlhf_jax.config.sections import RLJob
+  from rlhf_jax.models.config import ModelConfig
+
+  c = synthetic_grpo.get_config(arg)
+  job = RLJob.from_config(c)
+  for devices in (1, 8):
+    checks.check_rl_job(job, job="grpo", prompt_len=c.data.max_prompt_len,
+                        num_devices=devices)
+  assert c.data.vocab_size == ModelConfig.preset(c.model.preset).vocab_size
+  assert job.rollout.max_seq_len == (c.data.max_prompt_len
+                                     + job.rollout.max_new_tokens)
