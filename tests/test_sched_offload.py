@@ -92,6 +92,24 @@ def test_batching_plateau():
   assert throughput(b) >= 0.8 * throughput(256) > throughput(b - 1)
 
 
+@pytest.mark.parametrize("max_batch", [1, 2, 7, 64, 256, 1000])
+def test_batching_plateau_bisection_equals_the_scan(max_batch):
+  """For nondecreasing throughputs (rooflines: a fixed cost plus per-
+  sequence costs, memory- or compute-bound, a flat one) the bisection
+  picks the batch the linear scan picks, in at most log2 + 1 calls."""
+  curves = [lambda b: b / (1 + b / 10), lambda b: b / max(3.0, 0.5 * b),
+            lambda b: 5.0, lambda b: min(b, 17) * 2.0,
+            lambda b: b / (0.02 + 0.001 * b + max(0.01, 0.004 * b))]
+  for curve in curves:
+    for fraction in (0.1, 0.5, 0.8, 1.0):
+      calls = []
+      counted = lambda b, f=curve: calls.append(b) or f(b)  # noqa: E731
+      got = offload.batching_plateau(counted, max_batch, fraction,
+                                     nondecreasing=True)
+      assert got == offload.batching_plateau(curve, max_batch, fraction)
+      assert len(calls) <= max_batch.bit_length() + 1
+
+
 def test_select_least_work_prefers_least_predicted_tokens():
   views = [offload.QueueView(0, 5, 10), offload.QueueView(1, 5, 10)]
   assert offload.select_least_work(views, [500.0, 100.0], theta=4) == 1

@@ -237,9 +237,23 @@ def requeue_plan(keys: Sequence, started: Callable[[Any], bool],
 
 
 def batching_plateau(throughput: Callable[[int], float], max_batch: int,
-                     fraction: float = 0.8) -> int:
-  """Smallest batch reaching `fraction` of the throughput at max_batch."""
+                     fraction: float = 0.8, *,
+                     nondecreasing: bool = False) -> int:
+  """Smallest batch reaching `fraction` of the throughput at max_batch.
+
+  `nondecreasing`: the caller's throughput never falls as the batch grows
+  (a roofline; not measured timings), so a bisection finds the same batch
+  in log2(max_batch) calls instead of up to max_batch."""
   target = fraction * throughput(max_batch)
+  if nondecreasing:
+    lo, hi = 1, max_batch  # throughput(hi) >= target.
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if throughput(mid) >= target:
+        hi = mid
+      else:
+        lo = mid + 1
+    return lo
   for b in range(1, max_batch + 1):
     if throughput(b) >= target:
       return b

@@ -6,6 +6,7 @@ the CPU-sized presets the engine and tests use.
 """
 
 import dataclasses
+import functools
 
 BYTES_BF16 = 2
 
@@ -32,12 +33,12 @@ class ModelProfile:
   n_kv_heads: int
   head_dim: int
 
-  @property
+  @functools.cached_property  # The simulator reads these per decode step.
   def weight_bytes(self) -> float:
     """BF16 weight bytes."""
     return self.n_params * BYTES_BF16
 
-  @property
+  @functools.cached_property
   def kv_bytes_per_token(self) -> float:
     """BF16 K and V bytes one token occupies across all layers."""
     return 2 * self.n_layers * self.n_kv_heads * self.head_dim * BYTES_BF16

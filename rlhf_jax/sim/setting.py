@@ -1,6 +1,7 @@
 """The cluster, job and cost setting one simulation runs in."""
 
 import dataclasses
+import functools
 import math
 
 from rlhf_jax.sim import costs
@@ -49,15 +50,15 @@ class Setting:
   train_pp: tuple[int, ...] = ()
   max_response: int = 4096
 
-  @property
+  @functools.cached_property
   def actor(self) -> ModelProfile:
     return get_model(self.model)
 
-  @property
+  @functools.cached_property
   def hw(self) -> Hardware:
     return get_hardware(self.hardware)
 
-  @property
+  @functools.cached_property
   def remote_hw(self) -> Hardware:
     return get_hardware(self.remote_hardware)
 

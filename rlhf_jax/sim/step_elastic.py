@@ -76,7 +76,7 @@ class ElasticEvents:
       plateau = offload.batching_plateau(
           self.s.decode_throughput(self.s.remote_hw, self.s.remote_devices,
                                    ctx), targets[0].max_slots,
-          self.p.plateau_fraction)
+          self.p.plateau_fraction, nondecreasing=True)
       views = [offload.QueueView(i.n_pending, i.n_running, i.max_slots)
                for i in targets]
       for src, dst, n, running in offload.balance_moves(views, plateau):
