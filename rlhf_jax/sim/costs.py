@@ -4,6 +4,8 @@ Each cost is max(compute time, memory time) at the profile's efficiency, plus
 link time where data moves. Times are seconds.
 """
 
+import functools
+
 from rlhf_jax.sim.hardware import Hardware
 from rlhf_jax.sim.models import ModelProfile
 
@@ -29,20 +31,37 @@ def decode_step_time(model: ModelProfile, hw: Hardware, tp: int, batch: int,
   Returns:
     Seconds for the step.
   """
-  if batch <= 0:
-    return 0.0
-  mem_bytes = (model.weight_bytes + model.kv_bytes_per_token * kv_tokens) / tp
-  t_mem = mem_bytes / (hw.hbm_bw * hw.decode_mem_eff)
-  flops = (batch * 2 * model.n_params +
-           4 * model.n_layers * model.n_heads * model.head_dim * kv_tokens)
-  t_compute = flops / tp / (hw.peak_flops * hw.prefill_mfu)
-  t_comm = 0.0
-  if tp > 1:
-    allreduce_bytes = 2 * (tp - 1) / tp * batch * model.d_model * 2
-    t_comm = 2 * model.n_layers * (
-        _TP_ALLREDUCE_LATENCY_S +
-        allreduce_bytes / (hw.intra_bw * hw.link_eff))
-  return max(t_mem, t_compute) + t_comm + hw.step_overhead_s
+  return decode_step_fn(model, hw, tp)(batch, kv_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_step_fn(model: ModelProfile, hw: Hardware, tp: int):
+  """`decode_step_time` of one engine shape as a function of (batch,
+  kv_tokens): what depends only on the shape is read once (the simulator
+  calls it per decode event); the arithmetic is the same, op for op."""
+  weight_bytes, kv_bytes = model.weight_bytes, model.kv_bytes_per_token
+  mem_rate = hw.hbm_bw * hw.decode_mem_eff
+  n_params = model.n_params
+  attn = 4 * model.n_layers * model.n_heads * model.head_dim  # An exact int.
+  flop_rate = hw.peak_flops * hw.prefill_mfu
+  overhead = hw.step_overhead_s
+  comm_rate = hw.intra_bw * hw.link_eff
+  n_layers, d_model = model.n_layers, model.d_model
+
+  def step_time(batch: int, kv_tokens: float) -> float:
+    if batch <= 0:
+      return 0.0
+    mem_bytes = (weight_bytes + kv_bytes * kv_tokens) / tp
+    t_mem = mem_bytes / mem_rate
+    flops = batch * 2 * n_params + attn * kv_tokens
+    t_compute = flops / tp / flop_rate
+    t_comm = 0.0
+    if tp > 1:
+      allreduce_bytes = 2 * (tp - 1) / tp * batch * d_model * 2
+      t_comm = 2 * n_layers * (
+          _TP_ALLREDUCE_LATENCY_S + allreduce_bytes / comm_rate)
+    return max(t_mem, t_compute) + t_comm + overhead
+  return step_time
 
 
 def forward_time(model: ModelProfile, hw: Hardware, devices: int,

@@ -55,6 +55,7 @@ class DecodeInstance:
     # roofline's; then prefills cost nothing extra.
     self.measured_step_s = step_s
     self.model, self.hw, self.tp = model, hw, tp
+    self._decode_step = costs.decode_step_fn(model, hw, tp)
     self.max_slots = max_slots
     self.kind = kind
     self.shared_prefix_decode = shared_prefix_decode
@@ -97,8 +98,7 @@ class DecodeInstance:
   def _step_time(self, kv_tokens: float) -> float:
     if self.measured_step_s is not None:
       return self.measured_step_s if self.running else 0.0
-    return costs.decode_step_time(self.model, self.hw, self.tp,
-                                  len(self.running), kv_tokens)
+    return self._decode_step(len(self.running), kv_tokens)
 
   def progress_of(self, sample: Sample) -> float:
     """Tokens generated so far by a sample running here."""
