@@ -26,7 +26,7 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   prompt) with the common prefix stored once, the long-tail policies on the
   trainer's engine while it seeds, and 2 local elastic workers, on either
   engine; the plain run is on the rows engine. On the paged engine the
-  rollout also runs its layers unrolled (`rollout.scan_layers=False`, the
+  rollout also runs its layers unrolled (`rollout.unroll_layers`, the
   trainer's engine and the workers'); the plain run scans them."""
   del mesh8
   from configs import gsm8k_grpo
@@ -37,7 +37,7 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   assert c.rollout.max_common_length > 0
   # Long responses with a tail: the untrained model rarely stops early.
   c.rollout.update(max_new_tokens=12, max_seq_len=80, engine=engine,
-                   scan_layers=engine == "rows")
+                   unroll_layers=engine == "paged")
   c.rollout.long_tail.update(enabled=True, consolidate_below=0.6)
   # The trainer's engine seeds and never hands off in this short rollout:
   # it decodes beside the workers (its long-tail policies on), the workers

@@ -107,6 +107,9 @@ def test_unrolled_rollout_layers_sample_what_the_scan_samples(model, mesh8):
   cfg, unrolled, weights = rollout_copy.rollout_model(CFG, graphdef,
                                                       scan_layers=False)
   assert weights is None and not cfg.scan_layers and CFG.scan_layers
+  for scan in (True, False):  # Unasked, the rollout runs as the model does.
+    same = CFG.replace(scan_layers=scan)
+    assert rollout_copy.rollout_model(same, graphdef)[:2] == (same, graphdef)
   tokens = np.ones((2, 8), np.int32)
   positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
   mask = np.ones((2, 8), bool)

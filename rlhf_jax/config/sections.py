@@ -250,10 +250,11 @@ class Rollout:
   # "fp8" (per-channel scales; models/rollout_copy.py); "none": the
   # compute dtype.
   quantize: str = "none"
-  # How prefill and decode run the stacked layers: False, a Python loop
-  # instead of `lax.scan` (no per-layer weight-slice copies on GPU: decode
-  # 1.15x at 1.5B on an H200; its programs compile ~10x longer).
-  scan_layers: bool = True
+  # True: prefill and decode run the stacked layers as a Python loop even
+  # where the model scans them (`model.scan_layers`, which the trainer
+  # keeps): no per-layer weight-slice copies on GPU (decode 1.15x at 1.5B
+  # on an H200), programs that compile ~10x longer.
+  unroll_layers: bool = False
   long_tail: LongTail = dataclasses.field(default_factory=LongTail)
   workers: Workers = dataclasses.field(default_factory=Workers)
 

@@ -24,8 +24,8 @@ def run(config, workdir: str):
       sections.from_dict(sections.Mesh, config.mesh, "mesh"))
   graphdef, params = model_lib.init_params(cfg, config.seed, train)
   params = mesh_lib.to_layout(params, rollout)
-  cfg, graphdef, _ = rollout_copy.rollout_model(cfg, graphdef,
-                                                scan_layers=ro.scan_layers)
+  cfg, graphdef, _ = rollout_copy.rollout_model(
+      cfg, graphdef, scan_layers=False if ro.unroll_layers else None)
   engine = rollout_build.engine(ro, cfg, graphdef, rollout)
   rng = np.random.default_rng(config.seed)
   g = ro.samples_per_row

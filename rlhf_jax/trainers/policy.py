@@ -96,7 +96,7 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
       trainable=None if spec is None else lora.ADAPTERS)
   rollout_cfg, rollout_graphdef, rollout_weights = rollout_copy.rollout_model(
       cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize,
-      scan_layers=c.rollout.scan_layers)
+      scan_layers=False if c.rollout.unroll_layers else None)
   co = colocate.Colocation.from_section(
       c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
       rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
