@@ -216,7 +216,7 @@ class RewardFunctionsTest(parameterized.TestCase):
     self.assertEqual(
         registry.names("reward"),
         ["addition", "arithmetic", "digit_accuracy", "digits_format", "env",
-         "exact_match", "gsm8k", "gsm8k_format"],
+         "even_tokens", "exact_match", "gsm8k", "gsm8k_format"],
     )
     with self.assertRaisesRegex(ValueError, "known reward names: .*'exact_m"):
       registry.get("reward", "accuracy")
