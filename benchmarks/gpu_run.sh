@@ -41,13 +41,20 @@ JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
 echo "tests rc=$? in $((SECONDS - t0)) s" >>"$log"
 # A part may carry its own flags after '+': train+--remat=dots:65 runs the
 # train part with --remat=dots for at most 65 s, logged as train_remat-dots.
+# A name that is not a part of benchmarks.gpu is a benchmark module run with
+# its own flags only, its JSON the log's last line:
+# grpo_step+--config=configs/synthetic_grpo.py+--steps=3:300 (a whole step).
 for part in ${PARTS-decode:230 train:130 repartition:50}; do
   spec=${part%:*}; limit=${part##*:}; name=${spec%%+*}; t0=$SECONDS
   own=(); [[ $spec == *+* ]] && IFS=+ read -ra own <<<"${spec#*+}"
   label=$(printf %s "$spec" | sed 's/+--/_/g; s/=/-/g; s/[^A-Za-z0-9_.-]/_/g')
+  case $name in
+    decode|train|repartition) cmd=(benchmarks.gpu --parts="$name"
+      --json_out="$dir/$label.json" "${own[@]}" "$@") ;;
+    *) cmd=("benchmarks.$name" "${own[@]}") ;;
+  esac
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout "$limit" python3 -m \
-    benchmarks.gpu --parts="$name" --json_out="$dir/$label.json" \
-    "${own[@]}" "$@" >"$dir/$label.log" 2>&1
+    "${cmd[@]}" >"$dir/$label.log" 2>&1
   echo "$label rc=$? in $((SECONDS - t0)) s" >>"$log"
 done
 cat "$log"
