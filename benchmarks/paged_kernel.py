@@ -112,10 +112,11 @@ def _part_fn(s: dict, config: dict | None):
 
 def sweep(part: str, s: dict) -> dict:
   args, kv_bytes = _inputs(part, s, np.random.default_rng(0))
-  X, N, M, _ = args[0].shape
+  X, N, M, K = args[0].shape
   A = args[3].shape[1]
-  rows, splits = gpu.launch_shape(X, N, M, A)
-  default = dict(pages_per_block=4, block_rows=128, num_splits=splits,
+  block_rows = gpu.rows_for_head_dim(K)
+  rows, splits = gpu.launch_shape(X, N, M, A, block_rows=block_rows)
+  default = dict(pages_per_block=4, block_rows=block_rows, num_splits=splits,
                  num_warps=gpu.warps_for(M // rows))
   ref = _part_fn(s, None)
   ref_out = jax.block_until_ready(ref(*args))

@@ -93,9 +93,9 @@ def launch_shape(X, N, M, A, *, pages_per_block=4, block_rows=128,
   """(row blocks, key splits) of a call.
 
   A segment's M query rows go in blocks of `block_rows`: up to 128 rows
-  a program, so that a group's keys and values are read once for all its
-  G*Q rows (a program of 128 rows at head dim 128 runs 8 warps,
-  `warps_for`, for its fp32 accumulator's registers). Its page table is
+  a program at head dim 128 (`rows_for_head_dim`), so that a group's keys
+  and values are read once for all its G*Q rows (such a program runs 8
+  warps, `warps_for`, for its fp32 accumulator's registers). Its page table is
   walked by several programs (splits, powers of two) while X * N * row
   blocks programs would leave the GPU's SMs idle (a few long shared
   prompts), each walking at least `min_blocks_per_split` key blocks, so
@@ -113,6 +113,13 @@ def launch_shape(X, N, M, A, *, pages_per_block=4, block_rows=128,
   return row_blocks, splits
 
 
+def rows_for_head_dim(head_dim: int) -> int:
+  """Query rows a program holds: as many as keep its fp32 accumulator at
+  the 128 x 128 measured at head dim 128 (`launch_shape`), so a larger
+  head dim gets fewer rows (256: 64) and a smaller one more."""
+  return max(16, (128 * 128) // head_dim)
+
+
 def warps_for(rows: int) -> int:
   """Triton warps of a program holding `rows` query rows: 8 from 64 rows
   (the accumulator's registers spread over twice the threads), else 4 (a
@@ -123,7 +130,7 @@ def warps_for(rows: int) -> int:
 def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
                length_X, row_lo_XxM=None, *, layer, scale,
                logit_softcap=None, pages_per_block=4, interpret=False,
-               num_warps=None, block_rows=128, num_splits=None):
+               num_warps=None, block_rows=None, num_splits=None):
   """Attention of each segment's queries to its pages.
 
   Args:
@@ -139,8 +146,8 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
     pages_per_block: pages gathered per loop iteration.
     interpret: run the kernel in interpret mode (CPU).
     num_warps: Triton warps per program; None: `warps_for`'s.
-    block_rows, num_splits: query rows per program and programs per
-      segment's keys; None: `launch_shape`'s.
+    block_rows: query rows per program; None: `rows_for_head_dim`'s.
+    num_splits: programs per segment's keys; None: `launch_shape`'s.
 
   Returns:
     out [X, N, M, K] fp32 (zeros for an empty segment), lse [X, N, M] fp32.
@@ -148,6 +155,7 @@ def paged_part(q_XxNxMxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, table_XxA,
   X, N, M, K = q_XxNxMxK.shape
   L, _, P, T, _ = k_pages_LxNxPxTxK.shape
   A = table_XxA.shape[1]
+  block_rows = rows_for_head_dim(K) if block_rows is None else block_rows
   row_blocks, splits = launch_shape(X, N, M, A,
                                     pages_per_block=pages_per_block,
                                     block_rows=block_rows)

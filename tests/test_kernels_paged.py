@@ -243,6 +243,9 @@ def test_launch_shape_of_the_engine_decode():
   at 4 warps."""
   assert gpu_kernel.launch_shape(16, 2, 128, 128) == (1, 4)
   assert gpu_kernel.warps_for(128) == 8 and gpu_kernel.warps_for(16) == 4
+  # Rows a program: the 128 x 128 fp32 accumulator measured, at any head dim.
+  assert [gpu_kernel.rows_for_head_dim(k) for k in (64, 128, 256)] == [
+      256, 128, 64]
   assert gpu_kernel.launch_shape(256, 2, 16, 34) == (1, 1)
   assert gpu_kernel.launch_shape(1, 2, 16, 512) == (1, 16)  # One long slot.
 
