@@ -250,10 +250,8 @@ class Rollout:
   # "fp8" (per-channel scales; models/rollout_copy.py); "none": the
   # compute dtype.
   quantize: str = "none"
-  # True: prefill and decode run the stacked layers as a Python loop even
-  # where the model scans them (`model.scan_layers`, which the trainer
-  # keeps): no per-layer weight-slice copies on GPU (decode 1.15x at 1.5B
-  # on an H200), programs that compile ~10x longer.
+  # True: prefill and decode loop over the layers where the model scans
+  # them (GPU: no weight-slice copies; ~10x the compile; docs/results.md).
   unroll_layers: bool = False
   long_tail: LongTail = dataclasses.field(default_factory=LongTail)
   workers: Workers = dataclasses.field(default_factory=Workers)
@@ -541,7 +539,7 @@ _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
 def config_dict(cls, **overrides) -> ml_collections.ConfigDict:
   """A config section with every key of `cls` at its default, then
   `overrides` (values, or nested ConfigDicts/dicts for nested sections)."""
-  out = ml_collections.ConfigDict(_asdict(cls()))
+  out = ml_collections.ConfigDict(to_dict(cls()))
   for key, value in overrides.items():
     if key not in out:
       raise ConfigError(f"{cls.__name__} has no key {key!r}; known: "
@@ -553,8 +551,9 @@ def config_dict(cls, **overrides) -> ml_collections.ConfigDict:
   return out
 
 
-def _asdict(obj) -> dict:
-  return {f.name: (_asdict(getattr(obj, f.name))
+def to_dict(obj) -> dict[str, Any]:
+  """The plain-dict form of a section (for logs and `config.json`)."""
+  return {f.name: (to_dict(getattr(obj, f.name))
                    if dataclasses.is_dataclass(getattr(obj, f.name))
                    else getattr(obj, f.name))
           for f in dataclasses.fields(obj)}
@@ -595,11 +594,6 @@ def from_dict(cls, d, path: str):
 def from_saved(cls, d, path: str):
   """`cls` from a section saved in a workdir's config.json, keys missing
   there (saved by an older version) at their defaults."""
-  merged = _asdict(cls())
+  merged = to_dict(cls())
   merged.update({k: v for k, v in dict(d).items() if k in merged})
   return from_dict(cls, merged, path)
-
-
-def to_dict(obj) -> dict[str, Any]:
-  """The plain-dict form of a section (for logs and `config.json`)."""
-  return _asdict(obj)
