@@ -112,14 +112,20 @@ class PromptIterator:
       ValueError: the state was saved for another seed or batch size, which
         would silently change the data order of the resumed run.
     """
-    for key in ("seed", "batch_size"):
-      mine = self.get_state()[key]
-      if int(state[key]) != mine:
-        raise CheckpointError(
-            f"Iterator state has {key}={int(state[key])}, this iterator has "
-            f"{key}={mine}; refusing to resume with a different data order."
-        )
+    check_same_order(state, self.get_state())
     self._next_index = int(state["next_index"])
+
+
+def check_same_order(saved: dict, mine: dict) -> None:
+  """Raises CheckpointError unless a saved iterator state has this
+  iterator's seed and batch size (another would silently change the data
+  order of the resumed run)."""
+  for key in ("seed", "batch_size"):
+    if int(saved[key]) != mine[key]:
+      raise CheckpointError(
+          f"Iterator state has {key}={int(saved[key])}, this iterator has "
+          f"{key}={mine[key]}; refusing to resume with a different data "
+          "order.")
 
 
 def eval_batches(

@@ -19,8 +19,8 @@ from typing import Iterable
 import numpy as np
 
 from rlhf_jax.config.sections import ConfigError
+from rlhf_jax.data import batching
 from rlhf_jax.data.batching import PromptBatch
-from rlhf_jax.errors import CheckpointError
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_SPECIAL = 3
@@ -93,12 +93,7 @@ class RandomPrompts:
             "batch_size": self._batch_size}
 
   def set_state(self, state: dict[str, int]) -> None:
-    for key in ("seed", "batch_size"):
-      if int(state[key]) != self.get_state()[key]:
-        raise CheckpointError(
-            f"Iterator state has {key}={int(state[key])}, this iterator has "
-            f"{key}={self.get_state()[key]}; refusing to resume with a "
-            "different data order.")
+    batching.check_same_order(state, self.get_state())
     self._next = int(state["next_batch"])
 
 
