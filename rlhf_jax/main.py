@@ -12,7 +12,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rlhf_jax import cli, distributed
+from rlhf_jax import cli, compile_cache, distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (with optional :arg).",
@@ -31,6 +31,11 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "Number of processes (multi-host).")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index in [0, num_processes).")
+_CACHE = flags.DEFINE_string(
+    "compilation_cache", "auto", "JAX's persistent compilation cache: 'auto' "
+    "(<workdir>/xla_cache on GPU/TPU, off on CPU), 'off', or a directory; "
+    "a resumed job and the workers it starts load what was compiled before "
+    "(rlhf_jax/compile_cache.py).")
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Tracebacks for errors in the config, data or "
     "checkpoints, and other libraries' INFO logs (Orbax, JAX).")
@@ -54,7 +59,10 @@ def main(argv):
   logging.info("process %d/%d, devices: %s", jax.process_index(),
                jax.process_count(), jax.devices())
   with cli.user_errors(_VERBOSE.value):
+    cache = compile_cache.setup(_CACHE.value, workdir)
     trainers.run(config, workdir)
+  if cache:
+    logging.info(compile_cache.summary(cache))
 
 
 if __name__ == "__main__":
