@@ -89,6 +89,19 @@ def test_cli_prints_table_then_json(tmp_path):
       trace["traceEvents"][0])
 
 
+def test_a_missing_spot_trace_is_one_line_and_exit_2(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  out = subprocess.run(
+      [sys.executable, "-m", "rlhf_jax.sim",
+       f"--config=configs/sim/rlboost_qwen3_8b.py:runlocal,trace={tmp_path}"
+       "/p3-trace.csv"],
+      cwd=ROOT, env=env, capture_output=True, text=True)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines() == [
+      f"error: no Bamboo spot trace at {tmp_path}/p3-trace.csv (traces/"
+      "p3-trace.csv of github.com/uclasystem/bamboo)"]
+
+
 def test_256_gpu_20_step_simulation_under_a_minute():
   setting = Setting(model="llama-65b", hardware="h800", reserved_devices=256,
                     rollout_tp=8, critic_model="llama-33b",

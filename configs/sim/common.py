@@ -22,7 +22,8 @@ def base_config() -> ml_collections.ConfigDict:
       max_response=14336))
   c.workload = ml_collections.ConfigDict(dict(OPENR1_MATH))
   c.spot = ml_collections.ConfigDict(dict(
-      segment="none", max_instances=0, duration_s=4 * 3600.0, seed=0))
+      segment="none", max_instances=0, duration_s=4 * 3600.0, seed=0,
+      trace="", sample=0.5))
   c.policies = "baseline"
   c.policy_overrides = ml_collections.ConfigDict()
   c.policy_runs = ml_collections.ConfigDict()  # alias -> own setting / pool.

@@ -6,7 +6,7 @@ from configs.sim import common
 def rlboost_config(model: str, reserved_devices: int, throughput: float,
                    cost_gain: float, runlocal: bool = False,
                    disagg_cost: float | None = None, verl_2x: bool = False,
-                   verl_2x_gain: float | None = None):
+                   verl_2x_gain: float | None = None, trace: str = ""):
   """Reserved 8xH100 node(s) + spot 2xH100 instances, segments A, B, C.
 
   The section 6.2 baselines besides veRL: Disagg.BAL runs the rollout on
@@ -28,14 +28,23 @@ def rlboost_config(model: str, reserved_devices: int, throughput: float,
     verl_2x: also run veRL.2x.
     verl_2x_gain: paper's throughput ratio vs veRL.2x ("up to"; None: no
       headline).
+    trace: Bamboo's spot trace (github.com/uclasystem/bamboo,
+      traces/p3-trace.csv; not in this repository): segments A, B, C cut
+      from it by `availability.bamboo_segments` (half its instances, as the
+      paper samples) instead of generated ones.
   """
   c = common.base_config()
   c.setting.model = model
   c.setting.reserved_devices = reserved_devices
   c.setting.scoring_models = [model, model]  # reference + old log-probs.
-  c.spot.max_instances = 8  # [U] pool size at full availability.
+  # Pool at full availability: the most instances alive at once in the
+  # paper's trace as it samples it (half of Bamboo's p3 instances;
+  # `availability._SEGMENTS`).
+  c.spot.max_instances = 19
   c.policies = "baseline,rlboost"
-  c.cases = [dict(name=f"segment_{s}", spot=s) for s in "ABC"]
+  c.spot.trace = trace
+  c.cases = [dict(name=f"segment_{s}", spot=f"bamboo:{s}" if trace else s)
+             for s in "ABC"]
   c.headlines = [
       common.headline(f"RLBoost {model} throughput vs veRL (avg A,B,C)",
                       "throughput_ratio", "rlboost", "baseline", throughput),

@@ -5,7 +5,8 @@ Run: python -m rlhf_jax.sim --config=configs/sim/<name>.py (docs/sim.md).
   hardware, models  device and model profiles (roofline inputs, prices)
   costs             roofline costs of decode, prefill, training, transfers
   workload          long-tailed, correlated, drifting lengths or a CSV trace
-  availability      spot traces (generated A/B/C segments or CSV)
+  availability      spot traces: A/B/C segments generated with parameters
+                    measured from Bamboo's trace, that trace's windows, CSV
   instance          continuous-batching decode engine as a fluid model
   setting           cluster + job shape shared by the compared policies
   step, step_tail, step_elastic, step_phases

@@ -10,6 +10,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from rlhf_jax import cli
 from rlhf_jax.sim import accounting
 from rlhf_jax.sim import reproduce
 
@@ -23,7 +24,8 @@ _TRACE = flags.DEFINE_string(
 def main(argv):
   del argv
   config = _CONFIG.value
-  rows, headlines = reproduce.reproduce(config)
+  with cli.user_errors(verbose=False):  # A missing or bad trace: one line.
+    rows, headlines = reproduce.reproduce(config)
   print(reproduce.format_table(rows))
   print()
   for h in headlines:

@@ -65,7 +65,9 @@ def run_case(config, case) -> dict[str, dict]:
   spec = WorkloadSpec(**workload_kw)
   spot = case.get("spot", config.spot.segment)
   events = runner.spot_trace(spot, config.spot.max_instances,
-                             config.spot.duration_s, config.spot.seed)
+                             config.spot.duration_s, config.spot.seed,
+                             config.spot.get("trace", ""),
+                             config.spot.get("sample", 0.5))
   fault = tuple(case["fault"]) if case.get("fault") else None
   runs = config.get("policy_runs", {})
   out = {}

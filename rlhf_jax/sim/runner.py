@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.sched import length_history, offload
 from rlhf_jax.sched.policy import Policy
 from rlhf_jax.sim import availability
@@ -89,10 +90,22 @@ def balanced_instances(setting: Setting, policy: Policy, workload_spec,
 
 
 def spot_trace(segment: str, max_instances: int, duration_s: float,
-               seed: int) -> list:
-  """'static' or a generated A/B/C segment."""
+               seed: int, trace: str = "", sample: float = 0.5) -> list:
+  """'none', 'static', a generated 'A' / 'B' / 'C' segment, 'csv:PATH'
+  (time,instance,event), or 'bamboo:A' / 'B' / 'C': that segment of the
+  Bamboo trace at `trace`, a `sample` of its instances
+  (`availability.bamboo_segments`)."""
   if segment == "none":
     return []
   if segment == "static":
     return availability.static(max_instances)
+  if segment.startswith("csv:"):
+    return availability.load_csv(segment[len("csv:"):])
+  if segment.startswith("bamboo:"):
+    if not trace:
+      raise ConfigError(f"spot segment {segment!r} needs the Bamboo trace: "
+                       "config.spot.trace=PATH (traces/p3-trace.csv of "
+                       "github.com/uclasystem/bamboo)")
+    events = availability.load_bamboo(trace, sample, seed)
+    return availability.bamboo_segments(events)[segment[len("bamboo:"):]][1]
   return availability.generate(segment, max_instances, duration_s, seed)
