@@ -160,14 +160,21 @@ def window(events: list[SpotEvent], start: float, duration: float
   return _consistent(out)
 
 
-def mean_alive(events: list[SpotEvent], duration: float) -> float:
-  """Time-weighted mean count of alive instances over [0, duration)."""
-  area, alive, last = 0.0, 0, 0.0
+def _alive_spans(events: list[SpotEvent], duration: float) -> np.ndarray:
+  """[n, 2]: (instances alive, seconds) of each span of [0, duration)."""
+  alive, last, spans = 0, 0.0, []
   for e in events:
-    area += alive * (min(e.time, duration) - last)
+    spans.append((alive, min(e.time, duration) - last))
     last = min(e.time, duration)
     alive += 1 if e.kind == "add" else -1
-  return (area + alive * (duration - last)) / duration
+  spans.append((alive, duration - last))
+  return np.array(spans, dtype=float)
+
+
+def mean_alive(events: list[SpotEvent], duration: float) -> float:
+  """Time-weighted mean count of alive instances over [0, duration)."""
+  counts, seconds = _alive_spans(events, duration).T
+  return float(np.average(counts, weights=seconds))
 
 
 def bamboo_segments(events: list[SpotEvent], hours: float = 2.0
@@ -179,8 +186,8 @@ def bamboo_segments(events: list[SpotEvent], hours: float = 2.0
   count = int(events[-1].time // length) if events else 0
   if count < 3:
     raise DataError(f"a trace of {events[-1].time if events else 0:.0f} s "
-                     f"has {count} whole {hours:g}-hour windows; A, B and C "
-                     "need 3")
+                    f"has {count} whole {hours:g}-hour windows; A, B and C "
+                    "need 3")
   windows = sorted((mean_alive(window(events, i * length, length), length),
                     i * length) for i in range(count))
   pick = dict(A=windows[-1][1], B=windows[0][1],
@@ -196,15 +203,9 @@ def segment_params(events: list[SpotEvent], duration: float, pool: int
   mean seconds to preemption of one instance (mean alive x duration /
   removes); the replacement delay range, the quartiles of the wait from a
   remove to the next add."""
-  alive, last, spans = 0, 0.0, []
-  for e in events:
-    spans.append((alive, min(e.time, duration) - last))
-    last = min(e.time, duration)
-    alive += 1 if e.kind == "add" else -1
-  spans.append((alive, duration - last))
-  counts, weights = np.array(spans, dtype=float).T
-  mean = np.average(counts, weights=weights)
-  sd = np.sqrt(np.average((counts - mean) ** 2, weights=weights))
+  counts, seconds = _alive_spans(events, duration).T
+  mean = np.average(counts, weights=seconds)
+  sd = np.sqrt(np.average((counts - mean) ** 2, weights=seconds))
   level = tuple(float(np.clip((mean + k * np.sqrt(3) * sd) / pool, 0, 1))
                 for k in (-1, 1))
   removes = [e.time for e in events if e.kind == "remove" and e.time < duration]
