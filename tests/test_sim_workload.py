@@ -162,6 +162,11 @@ def test_segment_params_measure_level_preemption_and_replacement():
   assert level == pytest.approx(((1.7 - np.sqrt(3) * sd) / 2, 1.0))
   assert mttp == pytest.approx(3400.0)
   assert delay == (600.0, 600.0)
+  # The adds at time 0 replace nothing; a remove after `duration` counts not.
+  late = events + [availability.SpotEvent(2500.0, "b", "remove"),
+                   availability.SpotEvent(2600.0, "d", "add")]
+  assert list(availability.replacement_waits(late, 2000.0)) == [600.0]
+  assert list(availability.replacement_waits(late, 3000.0)) == [600.0, 100.0]
 
 
 def test_csv_availability(tmp_path):

@@ -12,9 +12,12 @@ where it is when the instance count changes.
 
 Six static instances run `warmup` steps (Algorithm 1 settles and remembers
 T_seed for 6), then the burst hits at the start of the next step and a
-substitute arrives every `readd_s` seconds ([U]: Fig. 12's time axis is an
-image); the averages cover the steps from the burst on, past the last
-arrival.
+substitute arrives every `readd_s` seconds; the averages cover the steps
+from the burst on, past the last arrival. Fig. 12's time axis is an image,
+so `readd_s` is the median wait from a preemption to the next arrival in
+the trace of the paper's other runs (Bamboo's p3 trace, half its
+instances: `availability.replacement_waits`, 540 s; 570 s and 540 s with
+sample seeds 1 and 2).
 
 python -m rlhf_jax.sim --config=configs/sim/rlboost_seeding_ablation.py
 """
@@ -24,7 +27,7 @@ from configs.sim import rlboost_common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, readd_s=300.0, runlocal=False)
+  arg = common.parse_arg(arg, readd_s=540.0, runlocal=False)
   c = rlboost_common.rlboost_config("qwen3-14b", 8, 0.0, 0.0)
   c.spot.max_instances = 6
   c.warmup = 6

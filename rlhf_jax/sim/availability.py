@@ -208,11 +208,20 @@ def segment_params(events: list[SpotEvent], duration: float, pool: int
   sd = np.sqrt(np.average((counts - mean) ** 2, weights=seconds))
   level = tuple(float(np.clip((mean + k * np.sqrt(3) * sd) / pool, 0, 1))
                 for k in (-1, 1))
-  removes = [e.time for e in events if e.kind == "remove" and e.time < duration]
-  adds = np.array([e.time for e in events if e.kind == "add" and e.time > 0])
-  waits = [adds[adds >= t][0] - t for t in removes if (adds >= t).any()]
-  if not removes or not waits:
+  removes = sum(e.kind == "remove" and e.time < duration for e in events)
+  waits = replacement_waits(events, duration)
+  if not removes or not len(waits):
     raise ValueError("a segment without a remove followed by an add has no "
                      "preemption or replacement to measure")
-  mttp = float(mean * duration / len(removes))
+  mttp = float(mean * duration / removes)
   return level, mttp, tuple(float(q) for q in np.percentile(waits, [25, 75]))
+
+
+def replacement_waits(events: list[SpotEvent], duration: float
+                      ) -> np.ndarray:
+  """Seconds from each remove before `duration` to the next add after it
+  (the instances alive at time 0 are not replacements)."""
+  adds = np.array([e.time for e in events if e.kind == "add" and e.time > 0])
+  return np.array([adds[adds >= e.time][0] - e.time for e in events
+                   if e.kind == "remove" and e.time < duration
+                   and (adds >= e.time).any()])
