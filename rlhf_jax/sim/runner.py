@@ -104,8 +104,8 @@ def spot_trace(segment: str, max_instances: int, duration_s: float,
   if segment.startswith("bamboo:"):
     if not trace:
       raise ConfigError(f"spot segment {segment!r} needs the Bamboo trace: "
-                       "config.spot.trace=PATH (traces/p3-trace.csv of "
-                       "github.com/uclasystem/bamboo)")
+                        "config.spot.trace=PATH (traces/p3-trace.csv of "
+                        "github.com/uclasystem/bamboo)")
     events = availability.load_bamboo(trace, sample, seed)
     return availability.bamboo_segments(events)[segment[len("bamboo:"):]][1]
   return availability.generate(segment, max_instances, duration_s, seed)
