@@ -211,8 +211,8 @@ def segment_params(events: list[SpotEvent], duration: float, pool: int
   removes = sum(e.kind == "remove" and e.time < duration for e in events)
   waits = replacement_waits(events, duration)
   if not removes or not len(waits):
-    raise ValueError("a segment without a remove followed by an add has no "
-                     "preemption or replacement to measure")
+    raise DataError("a segment without a remove followed by an add has no "
+                    "preemption or replacement to measure")
   mttp = float(mean * duration / removes)
   return level, mttp, tuple(float(q) for q in np.percentile(waits, [25, 75]))
 

@@ -66,8 +66,7 @@ def run_case(config, case) -> dict[str, dict]:
   spot = case.get("spot", config.spot.segment)
   events = runner.spot_trace(spot, config.spot.max_instances,
                              config.spot.duration_s, config.spot.seed,
-                             config.spot.get("trace", ""),
-                             config.spot.get("sample", 0.5))
+                             config.spot.trace, config.spot.sample)
   fault = tuple(case["fault"]) if case.get("fault") else None
   runs = config.get("policy_runs", {})
   out = {}
