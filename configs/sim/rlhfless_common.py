@@ -14,7 +14,7 @@ DATASETS = {
 
 def rlhfless_config(models: list[str], hardware: str, devices: int, tp: int,
                     speedup: float, cost_cut: float, aggregate: str,
-                    runlocal: bool = False):
+                    runlocal: bool = False, placement: str = "locality"):
   """VERL (serverful, colocated) vs RLHFless (serverless functions).
 
   Args:
@@ -26,6 +26,8 @@ def rlhfless_config(models: list[str], hardware: str, devices: int, tp: int,
     cost_cut: paper's GPU-second cost reduction.
     aggregate: 'max' for "up to" numbers, 'mean' for averages.
     runlocal: tiny smoke-test version.
+    placement: RLHFless's actor placement (`sched.placement`): 'locality'
+      (the paper's) or 'spread' (load-blind, the ablation).
   """
   c = common.base_config()
   c.setting.hardware = hardware
@@ -41,8 +43,10 @@ def rlhfless_config(models: list[str], hardware: str, devices: int, tp: int,
   # RLHFless with RLHFuse's global consolidation in place of its own length
   # grouping + local cut (the paper's prompt-assignment comparison).
   c.policies = "baseline,rlhfless,global_cut=rlhfless"
-  c.policy_overrides = {"global_cut": dict(
-      length_grouping=False, cut_tau=0.0, tail_r_t=0.2)}
+  c.policy_overrides = {
+      "rlhfless": dict(placement=placement),
+      "global_cut": dict(length_grouping=False, cut_tau=0.0, tail_r_t=0.2,
+                         placement=placement)}
   c.cases = []
   for model in models:
     for name, shape in DATASETS.items():

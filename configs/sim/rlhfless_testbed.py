@@ -4,6 +4,7 @@ r"""RLHFless physical testbed: up to 1.35x speedup, 44.8% cost cut vs VERL.
 max prompt 1024, max response 2048.
 
 python -m rlhf_jax.sim --config=configs/sim/rlhfless_testbed.py
+python -m rlhf_jax.sim --config=configs/sim/rlhfless_testbed.py:placement=spread
 """
 
 from configs.sim import common
@@ -11,7 +12,7 @@ from configs.sim import rlhfless_common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, runlocal=False)
+  arg = common.parse_arg(arg, runlocal=False, placement="locality")
   return rlhfless_common.rlhfless_config(
       ["qwen2.5-3b", "qwen2.5-7b"], "l40s", 16, 1, 1.35, 0.448, "max",
-      runlocal=arg.runlocal)
+      runlocal=arg.runlocal, placement=arg.placement)

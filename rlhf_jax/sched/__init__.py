@@ -11,6 +11,7 @@ engine and elastic workers will execute the same ones.
   assignment      contiguous and length-grouped group -> actor assignment
   actor_scaling   lambda-weighted latency/cost choice of the actor count
   tail            RLHFuse consolidation at R_t, RLHFless cut at tau
+  placement       RLHFless locality-aware placement of actors on nodes
   offload         RLBoost T_seed controller, N_prem cap, JSQ-Theta dispatch,
                   CONTINUOUSLB with the batching plateau, Disagg.BAL's
                   balanced reserved instance count

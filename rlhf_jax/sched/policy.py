@@ -7,6 +7,9 @@ where we chose (see docs/sim.md).
 
 import dataclasses
 
+from rlhf_jax.errors import ConfigError
+from rlhf_jax.sched.placement import PLACEMENTS
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -55,6 +58,12 @@ class Policy:
       queue is empty (RLHFuse inter-stage fusion on the elastic pool).
     remote_scoring_chunk: samples per remote scoring task.
     fused_training: RLHFuse intra-stage actor/critic pipeline fusion.
+    placement: how the static-dispatch rollout actors get the new weights:
+      'colocated' (on the training devices, every one ready after the
+      reshard all-gather), or serverless actors placed on nodes by
+      `sched.placement` ('locality': RLHFless, the most loaded on the
+      learner's node; 'spread': load-blind), each ready after
+      `costs.weight_sync_time` from its node.
   """
 
   name: str
@@ -89,6 +98,20 @@ class Policy:
   remote_scoring: bool = False
   remote_scoring_chunk: int = 16
   fused_training: bool = False
+  placement: str = "colocated"
+
+  def __post_init__(self):
+    for field, allowed in (("dispatch", ("static", "jsq")),
+                           ("migration", ("kv", "reprefill")),
+                           ("preemption_recovery", ("tokens", "recompute")),
+                           ("placement", PLACEMENTS)):
+      if getattr(self, field) not in allowed:
+        raise ConfigError(f"policy {self.name!r}: {field} must be one of "
+                          f"{allowed}, got {getattr(self, field)!r}")
+    if self.placement != "colocated" and self.dispatch != "static":
+      raise ConfigError(f"policy {self.name!r}: placement "
+                        f"{self.placement!r} places static-dispatch actors; "
+                        "dispatch is 'jsq'")
 
 
 def baseline() -> Policy:
@@ -103,7 +126,8 @@ def rlhfuse() -> Policy:
 
 
 def rlhfless(lam: float = 0.5) -> Policy:
-  """RLHFless: dedup prefill, EWMA grouping, cut at tau, lambda scaling.
+  """RLHFless: dedup prefill, EWMA grouping, cut at tau, lambda scaling,
+  locality-aware placement.
 
   tau = 0.8 and lambda = 0.5 are [U]. Migration moves the KV cache: the
   paper names KV transfer as a constraint on the actor count, which implies
@@ -111,7 +135,7 @@ def rlhfless(lam: float = 0.5) -> Policy:
   """
   return Policy(name="rlhfless", length_grouping=True, dedup_prefill=True,
                 cut_tau=0.8, actor_lambda=lam, release_idle=True,
-                migration="kv")
+                migration="kv", placement="locality")
 
 
 def rlboost() -> Policy:
@@ -170,5 +194,8 @@ PRESETS = {
 def get_policy(preset: str, **overrides) -> Policy:
   """Preset by name, with field overrides (including a new `name`)."""
   if preset not in PRESETS:
-    raise KeyError(f"unknown policy {preset!r}; have {sorted(PRESETS)}")
-  return dataclasses.replace(PRESETS[preset](), **overrides)
+    raise ConfigError(f"unknown policy {preset!r}; have {sorted(PRESETS)}")
+  try:
+    return dataclasses.replace(PRESETS[preset](), **overrides)
+  except TypeError as e:  # A knob Policy does not have.
+    raise ConfigError(f"policy {preset!r}: {e}") from None

@@ -123,6 +123,19 @@ def reshard_time(model: ModelProfile, hw: Hardware, devices: int) -> float:
   return per_device / (hw.intra_bw * hw.link_eff) if devices > 1 else 0.0
 
 
+def weight_sync_time(model: ModelProfile, hw: Hardware, tp: int,
+                     node: int) -> float:
+  """New weights from the learner's node (node 0) to a rollout actor of tp
+  devices on `node`: each device takes its 1/tp over the node's links; on
+  another node, after the node's one copy over its backend RDMA (a
+  pipelined broadcast: one copy's time, however many nodes receive)."""
+  local = model.weight_bytes / tp / (hw.intra_bw * hw.link_eff)
+  if node == 0:
+    return local
+  node_bw = hw.rdma_bw * hw.devices_per_node * hw.link_eff
+  return model.weight_bytes / node_bw + local
+
+
 def weight_pull_time(model: ModelProfile, sender_bw: float,
                      receiver_bw: float, link_eff: float) -> float:
   """Weights to one remote instance over the slower of the two NIC shares."""

@@ -14,7 +14,8 @@ import heapq
 import itertools
 import math
 
-from rlhf_jax.sched import actor_scaling, assignment, offload, tail
+from rlhf_jax.sched import actor_scaling, assignment, offload, placement
+from rlhf_jax.sched import tail
 from rlhf_jax.sched.policy import Policy
 from rlhf_jax.sim import accounting, costs, step_elastic, step_phases
 from rlhf_jax.sim import step_tail
@@ -109,18 +110,23 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
 
   def _setup_local(self, predicted, ctx):
     s, p = self.s, self.p
-    self.local_start = self.t0 + costs.reshard_time(s.actor, s.hw,
-                                                    s.reserved_devices)
+    # Colocated actors take the weights in the reshard; placed (serverless)
+    # ones each wait for their own copy (`_sync_weights`).
+    self.local_start = self.t0 + (
+        costs.reshard_time(s.actor, s.hw, s.reserved_devices)
+        if p.placement == "colocated" else 0.0)
     n = s.n_local_engines
+    # The actors' predicted decode times (scaling and placement rank them).
+    self.tpot = lambda b: costs.decode_step_time(s.actor, s.hw, s.rollout_tp,
+                                                 b, b * ctx)
+    self.group_lengths = collections.defaultdict(list)
+    for x in self.samples:
+      self.group_lengths[x.prompt_id].append(predicted[x.prompt_id] or ctx)
     if p.actor_lambda is not None:
       candidates = sorted({max(1, n >> k) for k in range(4)})
-      lengths = collections.defaultdict(list)
-      for x in self.samples:
-        lengths[x.prompt_id].append(predicted[x.prompt_id] or ctx)
-      tpot = lambda b: costs.decode_step_time(s.actor, s.hw, s.rollout_tp, b,
-                                              b * ctx)
       n, _ = actor_scaling.choose_actor_count(
-          lengths, candidates, tpot, p.actor_lambda, s.rollout_tp)
+          self.group_lengths, candidates, self.tpot, p.actor_lambda,
+          s.rollout_tp)
     price = s.rollout_tp * s.hw.ondemand_per_h / 3600
     self.local = [self._engine(f"local{i}", s.hw, s.rollout_tp, "local",
                                self.local_start, ctx, price)
@@ -170,6 +176,8 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
       chunks = (assignment.length_grouped_split(predicted, len(self.local))
                 if self.p.length_grouping else
                 assignment.contiguous_split(order, len(self.local)))
+      if self.p.placement != "colocated":
+        self._sync_weights(chunks)
       for inst, chunk in zip(self.local, chunks):
         for g in chunk:
           for x in groups[g]:
@@ -179,6 +187,23 @@ class StepSimulator(step_tail.TailPolicies, step_elastic.ElasticEvents):
                if self.p.length_grouping else list(groups))
       self.queue.extend(x for g in order for x in groups[g])
       self._dispatch(self.local_start)
+
+  def _sync_weights(self, chunks):
+    """Each actor with work waits for the weights on the node
+    `sched.placement` gives it by its predicted decode time (node 0: the
+    learner's)."""
+    s = self.s
+    work = [actor_scaling.predicted_actor_time(
+        [x for g in chunk for x in self.group_lengths[g]], self.tpot)
+            for chunk in chunks]
+    nodes = placement.actor_nodes(
+        work, tp=s.rollout_tp, devices_per_node=s.hw.devices_per_node,
+        nodes=-(-s.reserved_devices // s.hw.devices_per_node),
+        placement=self.p.placement)
+    for inst, chunk, node in zip(self.local, chunks, nodes):
+      if chunk:
+        inst.stall(self.t0, costs.weight_sync_time(
+            s.actor, s.hw, s.rollout_tp, node), "weights")
 
   # --- dispatch and migration --------------------------------------------
 
