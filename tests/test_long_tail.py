@@ -201,6 +201,70 @@ def test_scoring_chunks_go_out_after_a_decode_step(setup, monkeypatch):
       assert decoding[i - 1] in ("generate", "score"), decoding[:i + 1]
 
 
+def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
+    setup, monkeypatch):
+  """[fuse] A chunk whose scoring programs are not compiled yet waits while
+  they compile on a background thread (slowed here by 0.3 s each), and the
+  tail's decode steps go on meanwhile. The log-probs equal the sampler's,
+  as in the same rollout with every program compiled inline as its chunk
+  goes out."""
+  import threading
+  import time
+
+  from rlhf_jax.rl import scoring_passes
+
+  compiles, steps = [], []
+  real_compile, real_generate = scoring_passes._compile, Engine.generate
+
+  def slow_compile(*args):
+    start = time.perf_counter()
+    time.sleep(0.3)
+    out = real_compile(*args)
+    if threading.current_thread() is not threading.main_thread():
+      compiles.append((start, time.perf_counter()))
+    return out
+
+  def timed_generate(*args, **kwargs):
+    steps.append(time.perf_counter())
+    return real_generate(*args, **kwargs)
+
+  requests = _requests(8)  # One row each: the tail starts early.
+  history = LengthHistory(0.5)
+  for r in requests:
+    history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
+  lt = _rollout(setup, history, consolidate_below=1.0, score_chunk=2)
+  list(lt.run(requests, scorer=_Scorer(setup[0], setup[2])))  # Warm.
+  scores, waits = {}, {}
+  for ahead in (True, False):
+    passes = scoring_passes.ScoringPasses(setup[0], prompt_len=8, max_new=M,
+                                          with_ref=False)
+    if not ahead:
+      passes.compile = None  # The controller then scores at once.
+    monkeypatch.setattr(scoring_passes, "_compile", slow_compile)
+    monkeypatch.setattr(Engine, "generate", timed_generate)
+    passes.begin(policy=setup[2])
+    samples = list(lt.run(requests, scorer=passes))
+    passes.end()
+    monkeypatch.undo()
+    assert len({s.key for s in samples}) == len(samples) == 8 * G
+    assert set(lt.scores) == {s.key for s in samples}
+    for s in samples:
+      assert s.tokens == setup[3][s.key].tokens, s.key
+    scores[ahead], waits[ahead] = lt.scores, lt.metrics()[
+        "rollout/scoring_compile_waits"]
+    if ahead:  # Decode steps while a background compile ran.
+      assert any(a < t < b for a, b in compiles for t in steps), (compiles,
+                                                                   steps)
+      background = len(compiles)
+  assert waits[True] >= 1 and waits[False] == 0
+  assert len(compiles) == background  # The inline run compiled inline.
+  for s in samples:  # Each token's log-prob, as the sampler computed it.
+    n = len(s.tokens)
+    for ahead in (True, False):
+      np.testing.assert_allclose(scores[ahead][s.key]["old_logp"][:n],
+                                 s.logp_raw[:n], atol=1e-5, err_msg=s.key)
+
+
 def test_static_and_fifo_keep_tokens(setup):
   samples, scores, st = _run(setup, admission="static", assignment="fifo",
                              consolidate_below=0.0, fusion=False)

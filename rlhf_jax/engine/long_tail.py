@@ -59,6 +59,11 @@ class Scorer(Protocol):
     """Dispatches scoring of `samples` on `layout`; returns device arrays
     whose row i (leading axis) is `samples[i]`, padding rows after."""
 
+  # Optional: `compile(samples, layout)` starts compiling what `score`
+  # would need in the background and returns the futures still running
+  # (`rl/scoring_passes.ScoringPasses.compile`); the chunk waits for them
+  # while the tail decodes.
+
 
 class EngineSet:
   """Engines of one model on prefix blocks of a rollout layout's replicas."""
@@ -181,6 +186,10 @@ class TailController(Controller):
     self.idle_s = 0.0
     self.buffer: list[Sample] = []
     self.pending_scores: list[tuple[list[Sample], Any, float, tuple]] = []
+    # Chunks whose programs compile in the background: (chunk, layout,
+    # replicas, futures), launched once the futures are done.
+    self.compiling: list[tuple[list[Sample], Layout, tuple, list]] = []
+    self.compile_waits = 0     # Chunks that waited for a compile.
     # Chunks this process does not hold whole: read at `flush`.
     self._outputs: list[tuple[list[Sample], Any]] = []
     self.scores: dict = {}
@@ -271,7 +280,8 @@ class TailController(Controller):
             "perf/move_s": self.move_s,
             "rollout/consolidations": self.consolidations,
             "rollout/releases": self.releases,
-            "rollout/scoring_chunks": self.chunks}
+            "rollout/scoring_chunks": self.chunks,
+            "rollout/scoring_compile_waits": self.compile_waits}
 
   # ------------------------------------------------------ consolidation
   def wants_switch(self, driver):
@@ -405,24 +415,38 @@ class TailController(Controller):
       self.buffer.append(sample)
 
   def _dispatch_due(self):
-    """Chunks of the buffer `sched.tail.scoring_chunk` releases."""
+    """Chunks of the buffer `sched.tail.scoring_chunk` releases, each on
+    the replicas free when it is cut; a chunk whose programs are still
+    compiling waits for them while the tail decodes (once the decode is
+    over, it waits here)."""
+    compile_ahead = getattr(self.scorer, "compile", None)
     while self.scorer is not None:
       n = tail_rules.scoring_chunk(
           len(self.buffer), self.tail.score_chunk,
           len(self.scoring_replicas()), fusion=self.tail.fusion,
           freed=self.m < self.o.replicas, decoded=self._decoded,
-          in_flight=len(self.pending_scores))
+          in_flight=len(self.pending_scores) + len(self.compiling))
       if not n:
-        return
-      self._dispatch(self.buffer[:n])
+        break
+      chunk, layout = self.buffer[:n], self.scoring_layout()
       del self.buffer[:n]
+      futures = ([] if compile_ahead is None or self._decoded
+                 else compile_ahead(chunk, layout))
+      self.compile_waits += bool(futures)
+      self.compiling.append((chunk, layout, tuple(self.scoring_replicas()),
+                             futures))
+    waiting = []
+    for chunk, layout, replicas, futures in self.compiling:
+      if self._decoded or all(f.done() for f in futures):
+        self._dispatch(chunk, layout, replicas)
+      else:
+        waiting.append((chunk, layout, replicas, futures))
+    self.compiling = waiting
 
-  def _dispatch(self, chunk):
-    layout = self.scoring_layout()
+  def _dispatch(self, chunk, layout, replicas):
     start = max(self.timeline.now(), self._score_free_at)
     out = self.scorer.score(chunk, layout)
-    self.pending_scores.append((chunk, out, start, tuple(
-        self.scoring_replicas())))
+    self.pending_scores.append((chunk, out, start, replicas))
     if not _held_whole(out):
       self._outputs.append((chunk, out))
     self.chunks += 1

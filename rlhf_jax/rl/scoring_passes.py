@@ -38,6 +38,11 @@ Each pass is its own program per scoring layout and chunk shape (the
 policy and the reference share the log-prob one), so a new chunk shape
 compiles only the passes whose inputs changed: the reward model and critic
 read the repeated rows alone, whatever layout the log-prob passes take.
+Which shapes and which freed replicas a step meets depends on timing, so
+new programs keep appearing in a job's first steps. `compile` builds them
+on a background thread while the tail decodes (its chunk waits); with
+several processes they compile inline, as every process must launch the
+same programs in the same order.
 
 Dimension letters: B sequences, T positions (Tc a chunk's), N groups, G
 per group, R max new tokens.
@@ -46,6 +51,7 @@ per group, R max new tokens.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 from typing import Any, Sequence
@@ -119,7 +125,11 @@ class ScoringPasses:
     self.dispatched: list = []            # This step's (chunk, layout)s.
     self._trees: dict[str, Any] = {}
     self._placed: dict[tuple, dict] = {}  # Per scoring layout.
-    self._fns: dict[tuple, Any] = {}
+    # Compiled pass programs by `_signature`: futures of the background
+    # compiles (`compile`), done or not. They outlive the step.
+    self._programs: dict[tuple, concurrent.futures.Future] = {}
+    self._compiler = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="scoring-compile")
     self._pacer = pacing.Pacer()  # A flush dispatches every chunk at once.
 
   # ---------------------------------------------------------------- step
@@ -145,33 +155,68 @@ class ScoringPasses:
     arrays whose row i is `samples[i]`: per token [rows, Rc] (response
     token j at column j) and the reward model's [rows]. rows >= n: the
     chunk's padding rows are left in (cutting them off would be one more
-    launch per pass, on the host's path between two decode steps)."""
+    launch per pass, on the host's path between two decode steps). A
+    program not compiled yet is compiled here (or waited for, when
+    `compile` started it)."""
+    arrays = self._chunk_arrays(samples, layout)
+    arrays = {k: distributed.put_global(v, layout.sharding(  # Multi-host too.
+        ("batch",) + (None,) * (v.ndim - 1), v.shape))
+              for k, v in arrays.items()}
+    out = {}
+    for name, kind, params, inputs in self._passes(layout, arrays):
+      program = self._program(kind, layout, params, inputs).result()
+      out[self.names[name]] = program(params, inputs)
+      self._pacer.dispatched(out[self.names[name]])
+    self.scored += len(samples)
+    self.dispatched.append((list(samples), layout))
+    return out
+
+  def compile(self, samples: Sequence, layout: Layout) -> list:
+    """Starts compiling, on a background thread, the programs `score`
+    would need for `samples` on `layout` that are neither compiled nor
+    compiling; returns the futures of those still compiling (empty: ready
+    to launch). With several processes: empty, `score` compiles inline."""
+    if jax.process_count() > 1:
+      return []
+    arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=(
+        layout.sharding(("batch",) + (None,) * (v.ndim - 1), v.shape)))
+              for k, v in self._chunk_arrays(samples, layout).items()}
+    futures = [self._program(kind, layout, params, inputs, background=True)
+               for _, kind, params, inputs in self._passes(layout, arrays)]
+    return [f for f in futures if not f.done()]
+
+  def _passes(self, layout: Layout, arrays: dict):
+    """(name, kind, params, inputs) of each pass over a chunk's `arrays`
+    (device arrays or their shapes) on `layout`."""
     if not self._trees:
       raise RuntimeError("ScoringPasses.score before begin()")
     key = (tuple(d.id for d in submesh.devices_of(layout)),
            tuple(layout.mesh.shape.items()))
     if key not in self._placed:
       self._placed[key] = self._place(layout)
-    arrays = self._chunk_arrays(samples, layout)
-    arrays = {k: distributed.put_global(v, layout.sharding(  # Multi-host too.
-        ("batch",) + (None,) * (v.ndim - 1), v.shape))
-              for k, v in arrays.items()}
-    out = {}
     for name, params in self._placed[key].items():
       kind = name if name in ("rm", "critic") else (
           "logp_grouped" if "group" in arrays else "logp_rows")
       if self.pack:
         kind = ("logp" if name in ("policy", "ref") else name) + "_packed"
-      fn = self._fns.get((key, kind))
-      if fn is None:
-        fn = self._fns[(key, kind)] = jax.jit(functools.partial(
-            self._pass, kind, layout))
-      out[self.names[name]] = fn(params, {k: arrays[k]
-                                          for k in _INPUTS[kind]})
-      self._pacer.dispatched(out[self.names[name]])
-    self.scored += len(samples)
-    self.dispatched.append((list(samples), layout))
-    return out
+      yield name, kind, params, {k: arrays[k] for k in _INPUTS[kind]}
+
+  def _program(self, kind, layout, params, inputs, *, background=False
+               ) -> concurrent.futures.Future:
+    """The future of the compiled program of one pass: a new one compiles
+    on the background thread, or here (already done) unless `background`."""
+    sig = _signature(kind, params, inputs)
+    program = self._programs.get(sig)
+    if program is None:
+      build = functools.partial(_compile, functools.partial(
+          self._pass, kind, layout), _abstract(params), _abstract(inputs))
+      if background:
+        program = self._compiler.submit(build)
+      else:
+        program = concurrent.futures.Future()
+        program.set_result(build())
+      self._programs[sig] = program
+    return program
 
   def _place(self, layout: Layout) -> dict:
     placed = {}
@@ -322,6 +367,24 @@ class ScoringPasses:
         out[name] = _like_mask([scores[s.key][name] for s in samples],
                                samples, packed)
     return out
+
+
+def _abstract(tree):
+  """Shapes, dtypes and shardings of `tree`'s arrays (what a program is
+  compiled for)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _signature(kind: str, params, inputs) -> tuple:
+  """What a pass's program is compiled for: its kind and its arguments'
+  tree, shapes, dtypes and shardings (the layout is in the shardings)."""
+  leaves, tree = jax.tree.flatten((params, inputs))
+  return (kind, tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+
+
+def _compile(fn, params, inputs):
+  return jax.jit(fn).lower(params, inputs).compile()
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
