@@ -128,6 +128,7 @@ class ScoringPasses:
     # Compiled pass programs by `_signature`: futures of the background
     # compiles (`compile`), done or not. They outlive the step.
     self._programs: dict[tuple, concurrent.futures.Future] = {}
+    self._host_chunks: dict[tuple, dict] = {}  # Packed by `compile`.
     self._compiler = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix="scoring-compile")
     self._pacer = pacing.Pacer()  # A flush dispatches every chunk at once.
@@ -147,7 +148,7 @@ class ScoringPasses:
     """Drops the copies placed on scoring layouts and the weights."""
     # Dropped, not deleted: a copy may alias its source's buffers (a leaf
     # already on those devices), which the caller still holds.
-    self._placed, self._trees = {}, {}
+    self._placed, self._trees, self._host_chunks = {}, {}, {}
 
   # -------------------------------------------------------------- passes
   def score(self, samples: Sequence, layout: Layout) -> dict:
@@ -158,13 +159,16 @@ class ScoringPasses:
     launch per pass, on the host's path between two decode steps). A
     program not compiled yet is compiled here (or waited for, when
     `compile` started it)."""
-    arrays = self._chunk_arrays(samples, layout)
+    arrays = self._host_chunks.pop(_chunk_key(samples, layout), None)
+    if arrays is None:
+      arrays = self._chunk_arrays(samples, layout)
     arrays = {k: distributed.put_global(v, layout.sharding(  # Multi-host too.
         ("batch",) + (None,) * (v.ndim - 1), v.shape))
               for k, v in arrays.items()}
     out = {}
-    for name, kind, params, inputs in self._passes(layout, arrays):
-      program = self._program(kind, layout, params, inputs).result()
+    for name, kind, params, sig in self._passes(layout, arrays):
+      inputs = {k: arrays[k] for k in _INPUTS[kind]}
+      program = self._program(kind, layout, params, sig, inputs).result()
       out[self.names[name]] = program(params, inputs)
       self._pacer.dispatched(out[self.names[name]])
     self.scored += len(samples)
@@ -178,34 +182,40 @@ class ScoringPasses:
     to launch). With several processes: empty, `score` compiles inline."""
     if jax.process_count() > 1:
       return []
+    # Packed once: `score` takes these host arrays.
+    host = self._host_chunks[_chunk_key(samples, layout)] = (
+        self._chunk_arrays(samples, layout))
     arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=(
         layout.sharding(("batch",) + (None,) * (v.ndim - 1), v.shape)))
-              for k, v in self._chunk_arrays(samples, layout).items()}
-    futures = [self._program(kind, layout, params, inputs, background=True)
-               for _, kind, params, inputs in self._passes(layout, arrays)]
+              for k, v in host.items()}
+    futures = [self._program(kind, layout, params, sig,
+                             {k: arrays[k] for k in _INPUTS[kind]},
+                             background=True)
+               for _, kind, params, sig in self._passes(layout, arrays)]
     return [f for f in futures if not f.done()]
 
   def _passes(self, layout: Layout, arrays: dict):
-    """(name, kind, params, inputs) of each pass over a chunk's `arrays`
-    (device arrays or their shapes) on `layout`."""
+    """(name, kind, params, params' signature) of each pass over a chunk's
+    `arrays` (device arrays or their shapes) on `layout`."""
     if not self._trees:
       raise RuntimeError("ScoringPasses.score before begin()")
-    key = (tuple(d.id for d in submesh.devices_of(layout)),
-           tuple(layout.mesh.shape.items()))
+    key = _layout_key(layout)
     if key not in self._placed:
-      self._placed[key] = self._place(layout)
-    for name, params in self._placed[key].items():
+      self._placed[key] = {name: (params, _signature(params))
+                           for name, params in self._place(layout).items()}
+    for name, (params, sig) in self._placed[key].items():
       kind = name if name in ("rm", "critic") else (
           "logp_grouped" if "group" in arrays else "logp_rows")
       if self.pack:
         kind = ("logp" if name in ("policy", "ref") else name) + "_packed"
-      yield name, kind, params, {k: arrays[k] for k in _INPUTS[kind]}
+      yield name, kind, params, sig
 
-  def _program(self, kind, layout, params, inputs, *, background=False
-               ) -> concurrent.futures.Future:
+  def _program(self, kind, layout, params, params_sig, inputs, *,
+               background=False) -> concurrent.futures.Future:
     """The future of the compiled program of one pass: a new one compiles
-    on the background thread, or here (already done) unless `background`."""
-    sig = _signature(kind, params, inputs)
+    on the background thread, or here (already done) unless `background`.
+    Programs are keyed by the pass and its arguments' signatures."""
+    sig = (kind, params_sig, _signature(inputs))
     program = self._programs.get(sig)
     if program is None:
       build = functools.partial(_compile, functools.partial(
@@ -376,11 +386,20 @@ def _abstract(tree):
       x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _signature(kind: str, params, inputs) -> tuple:
-  """What a pass's program is compiled for: its kind and its arguments'
-  tree, shapes, dtypes and shardings (the layout is in the shardings)."""
-  leaves, tree = jax.tree.flatten((params, inputs))
-  return (kind, tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+def _signature(tree) -> tuple:
+  """What a program is compiled for in an argument: its tree and its
+  arrays' shapes, dtypes and shardings (the layout is in the shardings)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+
+
+def _layout_key(layout: Layout) -> tuple:
+  return (tuple(d.id for d in submesh.devices_of(layout)),
+          tuple(layout.mesh.shape.items()))
+
+
+def _chunk_key(samples, layout: Layout) -> tuple:
+  return tuple(s.key for s in samples), _layout_key(layout)
 
 
 def _compile(fn, params, inputs):
