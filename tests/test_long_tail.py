@@ -265,6 +265,59 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
                                  s.logp_raw[:n], atol=1e-5, err_msg=s.key)
 
 
+def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
+    setup, monkeypatch):
+  """[fuse] The room check's two sides are the bytes devices hold: the
+  reference placed on a replica, and a replica's share of the decode
+  state. When the freed replicas cannot hold the scoring weights (here a
+  budget of 0 bytes), no chunk goes out while the tail decodes; every
+  sample is scored at the end, with the sampler's log-probs."""
+  from rlhf_jax.rl import scoring_passes
+
+  graphdef, layout, params, plain = setup
+  engines = _rollout(setup).engines
+  state = engines.whole().init_decode_state()
+  on_device0 = sum(shard.data.nbytes for x in jax.tree.leaves(state)
+                   for shard in x.addressable_shards
+                   if shard.device == jax.devices()[0])
+  # (Small fields differ by a few bytes: they count 4 a value.)
+  assert engines.kv_bytes_per_device() == pytest.approx(on_device0, rel=1e-3)
+  passes = scoring_passes.ScoringPasses(graphdef, prompt_len=8, max_new=M)
+  passes.begin(policy=params, ref=params)
+  placed = jax.device_put(params, layout.param_shardings(params))
+  assert passes.bytes_per_device(layout) == sum(  # The reference's alone.
+      shard.data.nbytes for x in jax.tree.leaves(placed)
+      for shard in x.addressable_shards if shard.device == jax.devices()[0])
+
+  events = []
+  score = passes.score
+  monkeypatch.setattr(passes, "score", lambda *a: events.append("score") or
+                      score(*a))
+  monkeypatch.setattr(EngineSet, "kv_bytes_per_device", lambda self: 0)
+  history = LengthHistory(0.5)
+  requests = _requests(8)
+  for r in requests:
+    history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
+  lt = _rollout(setup, history, consolidate_below=1.0, score_chunk=2)
+  samples = []
+  for sample in lt.run(requests, scorer=passes):
+    events.append("finished")
+    samples.append(sample)
+  passes.end()
+  st = lt.metrics()
+  assert st["rollout/consolidations"] >= 1
+  assert st["rollout/scoring_waited_for_room"] == 1.0
+  assert events.index("score") > len(events) - 1 - events[::-1].index(
+      "finished"), events
+  assert set(lt.scores) == {s.key for s in samples}
+  for s in samples:
+    n = len(s.tokens)
+    assert s.tokens == plain[s.key].tokens
+    for name in ("old_logp", "ref_logp"):
+      np.testing.assert_allclose(lt.scores[s.key][name][:n], s.logp_raw[:n],
+                                 atol=1e-5, err_msg=(s.key, name))
+
+
 def test_static_and_fifo_keep_tokens(setup):
   samples, scores, st = _run(setup, admission="static", assignment="fifo",
                              consolidate_below=0.0, fusion=False)

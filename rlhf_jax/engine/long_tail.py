@@ -62,7 +62,8 @@ class Scorer(Protocol):
   # Optional: `compile(samples, layout)` starts compiling what `score`
   # would need in the background and returns the futures still running
   # (`rl/scoring_passes.ScoringPasses.compile`); the chunk waits for them
-  # while the tail decodes.
+  # while the tail decodes. `bytes_per_device(layout)`: what placing its
+  # weights there takes on each device (`ScoringPasses.bytes_per_device`).
 
 
 class EngineSet:
@@ -115,6 +116,14 @@ class EngineSet:
           attention_impl=a.get("attention_impl", "auto"),
           max_common_length=a.get("max_common_length", 0), **pa)
     return self._paged[m]
+
+  def kv_bytes_per_device(self) -> int:
+    """Bytes of the whole engine's decode state (the rows' KV, or the
+    page pool) on each device: what a replica frees when the tail leaves
+    it."""
+    whole = self.whole()
+    total = whole.pool_bytes if self.is_paged else whole.decode_state_bytes()
+    return total // len(submesh.devices_of(self.layout))
 
   def whole(self) -> Engine | PagedEngine:
     """The engine over every replica: the paged one, or the rows one."""
@@ -190,6 +199,9 @@ class TailController(Controller):
     # replicas, futures), launched once the futures are done.
     self.compiling: list[tuple[list[Sample], Layout, tuple, list]] = []
     self.compile_waits = 0     # Chunks that waited for a compile.
+    # The freed replicas cannot hold the scoring weights: finished samples
+    # wait for the decode's end (`_check_room`).
+    self.no_room = False
     # Chunks this process does not hold whole: read at `flush`.
     self._outputs: list[tuple[list[Sample], Any]] = []
     self.scores: dict = {}
@@ -281,7 +293,8 @@ class TailController(Controller):
             "rollout/consolidations": self.consolidations,
             "rollout/releases": self.releases,
             "rollout/scoring_chunks": self.chunks,
-            "rollout/scoring_compile_waits": self.compile_waits}
+            "rollout/scoring_compile_waits": self.compile_waits,
+            "rollout/scoring_waited_for_room": float(self.no_room)}
 
   # ------------------------------------------------------ consolidation
   def wants_switch(self, driver):
@@ -386,8 +399,27 @@ class TailController(Controller):
         end - now)
     self.m = m
     self._last = None
+    self._check_room()
     # Finished samples waiting for the freed replicas go in the next
     # `after_step`, once the tail's next decode step is dispatched.
+
+  def _check_room(self):
+    """Whether the freed replicas hold the scoring weights (the reference,
+    reward model and critic; the policy is viewed in place) in the decode
+    state the tail freed there. The budget is that alone: what else is free
+    on a device is not known on every backend. Without room, finished
+    samples wait for the decode's end and are scored on every replica."""
+    need = getattr(self.scorer, "bytes_per_device", None)
+    if need is None or self.no_room or self.m == self.o.replicas:
+      return
+    need, freed = need(self.scoring_layout()), self.o.kv_bytes_per_device()
+    if need > freed:
+      self.no_room = True
+      logging.warning(
+          "fused scoring: the scoring weights take %.3g GiB a device on the "
+          "freed replicas, the tail freed %.3g GiB there; finished samples "
+          "wait for the decode's end (more tensor parallelism, or more rows "
+          "per replica, gives them room)", need / 2**30, freed / 2**30)
 
   # ------------------------------------------------------------ fusion
   def scoring_layout(self) -> Layout:
@@ -424,7 +456,8 @@ class TailController(Controller):
       n = tail_rules.scoring_chunk(
           len(self.buffer), self.tail.score_chunk,
           len(self.scoring_replicas()), fusion=self.tail.fusion,
-          freed=self.m < self.o.replicas, decoded=self._decoded,
+          freed=self.m < self.o.replicas and not self.no_room,
+          decoded=self._decoded,
           in_flight=len(self.pending_scores) + len(self.compiling))
       if not n:
         break

@@ -54,6 +54,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -193,6 +194,17 @@ class ScoringPasses:
                              background=True)
                for _, kind, params, sig in self._passes(layout, arrays)]
     return [f for f in futures if not f.done()]
+
+  def bytes_per_device(self, layout: Layout) -> int:
+    """Device bytes this step's weights take on each device of `layout`
+    once placed there (the policy is viewed in place: none)."""
+    total = 0
+    for name, tree in self._trees.items():
+      if name != "policy":
+        for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(
+            layout.param_shardings(tree))):
+          total += math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
 
   def _passes(self, layout: Layout, arrays: dict):
     """(name, kind, params, params' signature) of each pass over a chunk's
