@@ -318,6 +318,34 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
                                  atol=1e-5, err_msg=(s.key, name))
 
 
+def test_a_row_move_holds_one_share_of_the_state_a_device(setup):
+  """[engine] A consolidation's row move (`migrate.move_rows`) outputs, on
+  each device, that device's share of the decode state (a replicated
+  gather put the whole target state on every device); the target's state
+  on its own devices holds the moved rows."""
+  from rlhf_jax.engine import migrate
+
+  engines = _rollout(setup).engines
+  src, dst = engines.engine(engines.replicas), engines.engine(2)
+  state = src.init_decode_state()
+  state = state.replace(tokens=state.tokens + jnp.arange(
+      src.num_rows, dtype=state.tokens.dtype)[:, None])  # Row r: r.
+  device0 = jax.devices()[0]
+  share = sum(sh.data.nbytes for x in jax.tree.leaves(state)
+              for sh in x.addressable_shards if sh.device == device0)
+  idx, valid = np.zeros(src.num_rows, np.int32), np.ones(src.num_rows, bool)
+  gather = migrate._gather_fn(src.state_shardings).lower(
+      state, idx, valid).compile()
+  # (Plus the output tuple's table of buffers.)
+  assert gather.memory_analysis().output_size_in_bytes == pytest.approx(
+      share, rel=0.01)
+  moved = migrate.move_rows(src, state, dst, {5: 0, 1: 1})
+  assert np.asarray(moved.tokens)[:, 0].tolist() == [5, 1]
+  for x in jax.tree.leaves(moved):
+    assert set(x.sharding.device_set) == set(
+        dst.layout.mesh.devices.flat)
+
+
 def test_static_and_fifo_keep_tokens(setup):
   samples, scores, st = _run(setup, admission="static", assignment="fifo",
                              consolidate_below=0.0, fusion=False)

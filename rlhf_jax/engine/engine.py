@@ -248,7 +248,7 @@ class Engine(EngineBase):
     self._row_slots: list[set[int]] = [set() for _ in range(num_rows)]
     self._init_jit = None
     self.state_shardings = DecodeState(**{
-        name: layout.sharding(axes, self._state_shape(name))
+        name: layout.sharding(axes, self.state_shape(name))
         for name, axes in STATE_AXES.items()})
     rep = layout.replicated()
     prefix_sh = Prefix(k=rep, v=rep, true_length=rep, first_tokens=rep,
@@ -279,7 +279,7 @@ class Engine(EngineBase):
   def max_concurrent_decodes(self) -> int:
     return self.num_rows * self.samples_per_row
 
-  def _state_shape(self, name):
+  def state_shape(self, name):
     c = self.cfg
     L, R, G = c.num_layers, self.num_rows, self.samples_per_row
     P, M = self.max_prefill_length, self.sampling.max_new_tokens
@@ -298,7 +298,7 @@ class Engine(EngineBase):
 
   def decode_state_bytes(self) -> int:
     """Bytes of the decode state (KV in the compute dtype, the rest 4)."""
-    return sum(int(np.prod(self._state_shape(n))) *
+    return sum(int(np.prod(self.state_shape(n))) *
                (self.cfg.compute_jnp_dtype(0).itemsize
                 if n in _KV_FIELDS else 4)
                for n in STATE_AXES)
@@ -388,7 +388,7 @@ class Engine(EngineBase):
     cdt = self.cfg.compute_jnp_dtype
     fields = {}
     for name in STATE_AXES:
-      shape = self._state_shape(name)
+      shape = self.state_shape(name)
       dtype = (cdt if name in _KV_FIELDS
                else bool if name == "active"
                else jnp.uint32 if name == "seed" else jnp.int32)

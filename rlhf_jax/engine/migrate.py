@@ -3,7 +3,9 @@
 Two ways, same tokens (sampling keys depend on seed, prompt, sample index
 and position, never on placement):
   move_rows      the rows' KV and counters are gathered on the source
-                 engine and put on the target engine's devices;
+                 engine, in place for the target's rows on its first
+                 replicas, and the target's state is a view of those
+                 replicas' shards (no copy leaves a device);
   reprefill_rows each live sample is prefilled again on the target, its
                  prompt extended by the tokens it already generated, into a
                  row of its own; then its pending token and count are set.
@@ -59,14 +61,21 @@ def move_rows(src: Engine, state: DecodeState, dst: Engine,
   """
   if src.samples_per_row != dst.samples_per_row or src.buckets != dst.buckets:
     raise ValueError("move_rows needs engines with the same rows and buckets")
-  idx = np.zeros(dst.num_rows, np.int32)
-  valid = np.zeros(dst.num_rows, bool)
+  # `dst` decodes on `src`'s first replicas with the same rows per replica,
+  # so its row r sits where `src`'s row r does. Gathered into a state of
+  # `src`'s shape and sharding, its rows are in place, and each device's
+  # part of `dst`'s state is a block it already holds: a view, no copy.
+  # The peak is twice a device's share of the state (a replicated gather
+  # put it whole on every device).
+  idx = np.zeros(src.num_rows, np.int32)
+  valid = np.zeros(src.num_rows, bool)
   for s_row, d_row in row_map.items():
     idx[d_row], valid[d_row] = s_row, True
-  rep = jax.sharding.NamedSharding(src.layout.mesh,
-                                   jax.sharding.PartitionSpec())
-  gathered = _gather_fn(rep)(state, idx, valid)
-  out = jax.device_put(gathered, dst.state_shardings)
+  gathered = _gather_fn(src.state_shardings)(state, idx, valid)
+  out = DecodeState(**{
+      name: submesh.view(getattr(gathered, name),
+                         getattr(dst.state_shardings, name),
+                         dst.state_shape(name)) for name in STATE_AXES})
   G = src.samples_per_row
   dst.copy_common_prefix(src)  # The state carries the common KV along.
   dst.adopt({d_row: {d_row * G + s % G for s in src.slots_in_use(s_row)}
