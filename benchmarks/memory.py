@@ -28,6 +28,13 @@ device of XLA:CPU's allocation (a proxy for an accelerator's):
                          not. `decode_argument_gib_int8`: the arguments
                          with the projections stored int8
                          (`rollout.quantize=int8`).
+  move_gib_per_device    a rows-engine consolidation from 8 replicas to 4
+                         (`migrate.move_rows`: the rows that change replica
+                         sent by collective permutes, the target a view) on the
+                         decode state of `decode_gib_per_device`, 4 rows
+                         moving; `move_gib_per_device_before`: the gather it
+                         replaced (the target's rows replicated on every
+                         device, then put on the block), in the same run.
 `<preset>.train_gib_per_device_lora`: the same train step of a LoRA policy
 (rank 16 on all seven projections, fp32 adapters and their AdamW state,
 the frozen base in bf16: it needs no fp32 master; `models/lora.py`).
@@ -150,6 +157,49 @@ def _decode(cfg, quant: str = "none"):
   return _memory(step), time.perf_counter() - t0
 
 
+def _move(cfg) -> tuple[dict, dict]:
+  """(memory of a consolidation's row move from 8 replicas to 4, of the
+  replicated gather it replaced) on the decode state of `_decode`: 8 live
+  rows, 4 of them on the dropped replicas (one row from each to a kept
+  replica)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from rlhf_jax.engine import migrate
+  from rlhf_jax.engine.engine import Engine
+  from rlhf_jax.engine.sampling import SamplingParams
+  from rlhf_jax.engine.state import STATE_AXES, DecodeState
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.parallel import mesh as mesh_lib
+  from rlhf_jax.parallel import submesh
+
+  layout = mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=_DEVICES), 1)
+  graphdef, _ = model_lib.abstract_params(cfg)
+  kw = dict(samples_per_row=DECODE_G, prefill_buckets=(PROMPT,),
+            sampling=SamplingParams(max_new_tokens=RESPONSE))
+  src = Engine(cfg, graphdef, layout, num_rows=DECODE_ROWS, **kw)
+  half = submesh.split(layout, [_DEVICES // 2, _DEVICES // 2])[0]
+  dst = Engine(cfg, graphdef, half, num_rows=DECODE_ROWS // 2, **kw)
+  state = _abstract(src.abstract_state(), src.state_shardings)
+  per = DECODE_ROWS // _DEVICES
+  row_map = {r * per: r * per for r in range(4)}  # Kept in place.
+  row_map.update({r * per: (r - 4) * per + 1 for r in range(4, 8)})
+  shifts, send, recv, valid = migrate._exchange_plan(  # pylint: disable=protected-access
+      row_map, _DEVICES, per)
+  ours = migrate._exchange_fn(  # pylint: disable=protected-access
+      src.state_shardings, layout.mesh, shifts).lower(
+          state, send, recv, valid).compile()
+
+  def gather(state, idx):  # Before: the target's rows, replicated.
+    return DecodeState(**{
+        name: jnp.take(getattr(state, name), idx, axis=axes.index("batch"))
+        if "batch" in axes else getattr(state, name)
+        for name, axes in STATE_AXES.items()})
+  before = jax.jit(gather, out_shardings=layout.replicated()).lower(
+      state, jax.ShapeDtypeStruct((dst.num_rows,), np.int32)).compile()
+  return _memory(ours), _memory(before)
+
+
 def _learner_of(cfg):
   from rlhf_jax.models import lora
   from rlhf_jax.rl import objectives
@@ -222,6 +272,13 @@ def main(argv):
           f"{decode['argument_gib']:.2f} GiB (int8 projections "
           f"{int8['argument_gib']:.2f}) ({time.perf_counter() - t_start:.0f}s)",
           flush=True)
+    move, move_before = _move(_configs(preset)[0])
+    out[f"{preset}.move_gib_per_device"] = round(move["gib"], 2)
+    out[f"{preset}.move_gib_per_device_before"] = round(move_before["gib"], 2)
+    print(f"  {preset} consolidation move 8 -> 4 replicas: "
+          f"{move['gib']:.2f} GiB a device (replicated gather "
+          f"{move_before['gib']:.2f}) ({time.perf_counter() - t_start:.0f}s)",
+          flush=True)
     if not _QUICK.value:
       measure(preset, preset, before=True)
   for before in (False, True):  # The baseline on a model both compile for.
@@ -244,6 +301,10 @@ def main(argv):
     print(f"{preset} decode step: {out[f'{preset}.decode_gib_per_device']:.2f}"
           f" GiB per device ({DECODE_ROWS * DECODE_G} samples x "
           f"{PROMPT + RESPONSE} context)")
+    print(f"{preset} consolidation move 8 -> 4 replicas: "
+          f"{out[f'{preset}.move_gib_per_device']:.2f} GiB per device "
+          f"(replicated gather: "
+          f"{out[f'{preset}.move_gib_per_device_before']:.2f})")
   out["quick"] = _QUICK.value
   out["wall_s"] = round(time.perf_counter() - t_start, 1)
   sys.stdout.flush()

@@ -318,32 +318,45 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
                                  atol=1e-5, err_msg=(s.key, name))
 
 
-def test_a_row_move_holds_one_share_of_the_state_a_device(setup):
-  """[engine] A consolidation's row move (`migrate.move_rows`) outputs, on
-  each device, that device's share of the decode state (a replicated
-  gather put the whole target state on every device); the target's state
-  on its own devices holds the moved rows."""
+def test_a_row_move_sends_only_the_rows_that_change_replica(setup):
+  """[engine] A consolidation's row move (`migrate.move_rows`) holds, on a
+  device, its share of the decode state and the rows it sends or receives
+  (a gather of rows across replicas made XLA gather the whole state on
+  every device); rows land in their target rows, others stay, rows left
+  out go inactive."""
   from rlhf_jax.engine import migrate
 
-  engines = _rollout(setup).engines
-  src, dst = engines.engine(engines.replicas), engines.engine(2)
+  graphdef, layout = setup[0], setup[1]
+  per = 4  # Rows per replica.
+  kw = dict(samples_per_row=G, prefill_buckets=BUCKETS, sampling=SAMPLING)
+  engines = EngineSet(CFG, graphdef, layout, rows_per_replica=per, **kw)
+  src, dst = engines.engine(8), engines.engine(2)
   state = src.init_decode_state()
-  state = state.replace(tokens=state.tokens + jnp.arange(
-      src.num_rows, dtype=state.tokens.dtype)[:, None])  # Row r: r.
+  state = state.replace(  # Row r: token r, every slot live.
+      tokens=state.tokens + jnp.arange(src.num_rows, dtype=jnp.int32)[:, None],
+      active=jnp.ones_like(state.active))
   device0 = jax.devices()[0]
   share = sum(sh.data.nbytes for x in jax.tree.leaves(state)
               for sh in x.addressable_shards if sh.device == device0)
-  idx, valid = np.zeros(src.num_rows, np.int32), np.ones(src.num_rows, bool)
-  gather = migrate._gather_fn(src.state_shardings).lower(
-      state, idx, valid).compile()
-  # (Plus the output tuple's table of buffers.)
-  assert gather.memory_analysis().output_size_in_bytes == pytest.approx(
-      share, rel=0.01)
-  moved = migrate.move_rows(src, state, dst, {5: 0, 1: 1})
-  assert np.asarray(moved.tokens)[:, 0].tolist() == [5, 1]
+  row_map = {0: 0, 6: 6,            # Kept where they are.
+             9: 1, 13: 2, 29: 5}    # From replicas 2, 3 and 7.
+  shifts, send, recv, valid = migrate._exchange_plan(row_map, 8, per)
+  # Replica 7 -> 1 (shift 2), 3 -> 0 (shift 5), 2 -> 0 (shift 6): a row each.
+  assert shifts == ((2, 1), (5, 1), (6, 1))
+  m = migrate._exchange_fn(src.state_shardings, layout.mesh, shifts).lower(
+      state, send, recv, valid).compile().memory_analysis()
+  held = (m.argument_size_in_bytes + m.output_size_in_bytes
+          - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  # One row out and one in per shift, beside the (donated) share.
+  assert held <= share * (1 + 2 * len(shifts) / per) * 1.01, (held, share)
+  moved = migrate.move_rows(src, state, dst, row_map)
+  tokens = np.asarray(moved.tokens)[:, 0].tolist()
+  active = np.asarray(moved.active)[:, 0].tolist()
+  want = {d: s for s, d in row_map.items()}
+  assert [tokens[r] for r in sorted(want)] == [want[r] for r in sorted(want)]
+  assert active == [r in want for r in range(dst.num_rows)]
   for x in jax.tree.leaves(moved):
-    assert set(x.sharding.device_set) == set(
-        dst.layout.mesh.devices.flat)
+    assert set(x.sharding.device_set) == set(dst.layout.mesh.devices.flat)
 
 
 def test_static_and_fifo_keep_tokens(setup):

@@ -2,10 +2,10 @@
 
 Two ways, same tokens (sampling keys depend on seed, prompt, sample index
 and position, never on placement):
-  move_rows      the rows' KV and counters are gathered on the source
-                 engine, in place for the target's rows on its first
-                 replicas, and the target's state is a view of those
-                 replicas' shards (no copy leaves a device);
+  move_rows      the rows that change replica travel to their target
+                 row (collective permutes over the replicas), the others
+                 stay where they are, and the target's state is a view of
+                 its replicas' shards;
   reprefill_rows each live sample is prefilled again on the target, its
                  prompt extended by the tokens it already generated, into a
                  row of its own; then its pending token and count are set.
@@ -15,6 +15,7 @@ replica, buckets, cache lengths), so decode is the same computation on it.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -31,22 +32,6 @@ def _row_axis(name: str) -> int | None:
   return axes.index("batch") if "batch" in axes else None
 
 
-@functools.lru_cache(maxsize=32)
-def _gather_fn(sharding):
-  """Jitted row gather (rows `idx`, inactive where not `valid`)."""
-
-  def gather(state: DecodeState, idx, valid):
-    out = {}
-    for name in STATE_AXES:
-      x = getattr(state, name)
-      axis = _row_axis(name)
-      out[name] = x if axis is None else jnp.take(x, idx, axis=axis)
-    out["active"] = out["active"] & valid[:, None]
-    return DecodeState(**out)
-
-  return jax.jit(gather, out_shardings=sharding)
-
-
 def row_bytes(engine: Engine) -> int:
   """Device bytes one row of `engine`'s decode state occupies."""
   return engine.decode_state_bytes() // engine.num_rows
@@ -58,22 +43,25 @@ def move_rows(src: Engine, state: DecodeState, dst: Engine,
 
   The rows' slots keep their position within the row. Host bookkeeping
   moves too: `dst` knows the moved rows as used, `src` is left empty.
+  `state` is donated.
   """
   if src.samples_per_row != dst.samples_per_row or src.buckets != dst.buckets:
     raise ValueError("move_rows needs engines with the same rows and buckets")
   # `dst` decodes on `src`'s first replicas with the same rows per replica,
-  # so its row r sits where `src`'s row r does. Gathered into a state of
-  # `src`'s shape and sharding, its rows are in place, and each device's
-  # part of `dst`'s state is a block it already holds: a view, no copy.
-  # The peak is twice a device's share of the state (a replicated gather
-  # put it whole on every device).
-  idx = np.zeros(src.num_rows, np.int32)
-  valid = np.zeros(src.num_rows, bool)
-  for s_row, d_row in row_map.items():
-    idx[d_row], valid[d_row] = s_row, True
-  gathered = _gather_fn(src.state_shardings)(state, idx, valid)
+  # so its row r sits where `src`'s row r does: with every row of `row_map`
+  # moved to its target row in a state of `src`'s shape and sharding, each
+  # device's part of `dst`'s state is a block it already holds (a view).
+  # Only the rows that change replica travel, each to its target replica
+  # alone: a device holds its share and the rows it sends and receives.
+  # (A gather of rows across replicas makes XLA gather the whole state on
+  # every device.)
+  replicas = src.layout.mesh.shape["data"]
+  shifts, send, recv, valid = _exchange_plan(row_map, replicas,
+                                             src.num_rows // replicas)
+  moved = _exchange_fn(src.state_shardings, src.layout.mesh, shifts)(
+      state, send, recv, valid)
   out = DecodeState(**{
-      name: submesh.view(getattr(gathered, name),
+      name: submesh.view(getattr(moved, name),
                          getattr(dst.state_shardings, name),
                          dst.state_shape(name)) for name in STATE_AXES})
   G = src.samples_per_row
@@ -82,6 +70,67 @@ def move_rows(src: Engine, state: DecodeState, dst: Engine,
              for s_row, d_row in row_map.items()})
   src.release_all()
   return out
+
+
+def _exchange_plan(row_map: dict[int, int], replicas: int, per: int):
+  """Host arrays of a row exchange among `replicas` of `per` rows each,
+  one step per shift d (replica a sends to a + d mod R):
+  shifts (d, k_d) with k_d the most rows one replica sends in that step (a
+  power of two: a few programs), send [R, sum k_d] (replica a's local rows
+  for each step), recv [R, sum k_d] (replica b's local target rows for what
+  it receives; `per` pads: dropped), valid [R, per] (the local rows live
+  after the move)."""
+  by_shift = collections.defaultdict(lambda: collections.defaultdict(list))
+  valid = np.zeros((replicas, per), bool)
+  for s_row, d_row in sorted(row_map.items()):
+    a, b = s_row // per, d_row // per
+    valid[b, d_row % per] = True
+    if s_row != d_row:
+      by_shift[(b - a) % replicas][a].append((s_row % per, d_row % per))
+  shifts = tuple((d, 1 << (max(map(len, rows.values())) - 1).bit_length())
+                 for d, rows in sorted(by_shift.items()))
+  width = sum(k for _, k in shifts)
+  send = np.zeros((replicas, width), np.int32)
+  recv = np.full((replicas, width), per, np.int32)
+  at = 0
+  for d, k in shifts:
+    for a, rows in by_shift[d].items():
+      for j, (s_local, d_local) in enumerate(rows):
+        send[a, at + j], recv[(a + d) % replicas, at + j] = s_local, d_local
+    at += k
+  return shifts, send, recv, valid
+
+
+@functools.lru_cache(maxsize=32)
+def _exchange_fn(shardings: DecodeState, mesh, shifts: tuple):
+  """Jitted: for each shift (d, k), every replica sends its k rows of
+  `send` to replica + d (a collective permute over "data") and writes what
+  it receives at `recv`; rows `valid` stay active."""
+  P = jax.sharding.PartitionSpec
+  specs = jax.tree.map(lambda s: s.spec, shardings)
+  replicas = mesh.shape["data"]
+
+  def local(state: DecodeState, send, recv, valid):
+    out = {}
+    for name in STATE_AXES:
+      x = getattr(state, name)
+      axis = _row_axis(name)
+      at = 0
+      for d, k in shifts if axis is not None else ():
+        sent = jnp.take(x, send[0, at:at + k], axis=axis)
+        got = jax.lax.ppermute(sent, "data", [(a, (a + d) % replicas)
+                                              for a in range(replicas)])
+        x = x.at[(slice(None),) * axis + (recv[0, at:at + k],)].set(
+            got, mode="drop")
+        at += k
+      out[name] = x
+    out["active"] = out["active"] & valid[0][:, None]
+    return DecodeState(**out)
+
+  exchange = jax.shard_map(
+      local, mesh=mesh, in_specs=(specs, P("data"), P("data"), P("data")),
+      out_specs=specs, check_vma=False)
+  return jax.jit(exchange, out_shardings=shardings, donate_argnums=0)
 
 
 def move_decode(state: DecodeState, src: Engine, dst: Engine) -> DecodeState:
