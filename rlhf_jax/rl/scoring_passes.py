@@ -163,9 +163,8 @@ class ScoringPasses:
     arrays = self._host_chunks.pop(_chunk_key(samples, layout), None)
     if arrays is None:
       arrays = self._chunk_arrays(samples, layout)
-    arrays = {k: distributed.put_global(v, layout.sharding(  # Multi-host too.
-        ("batch",) + (None,) * (v.ndim - 1), v.shape))
-              for k, v in arrays.items()}
+    arrays = {k: distributed.put_global(v, _rows_sharding(layout, v))
+              for k, v in arrays.items()}  # Multi-host too.
     out = {}
     for name, kind, params, sig in self._passes(layout, arrays):
       inputs = {k: arrays[k] for k in _INPUTS[kind]}
@@ -186,8 +185,8 @@ class ScoringPasses:
     # Packed once: `score` takes these host arrays.
     host = self._host_chunks[_chunk_key(samples, layout)] = (
         self._chunk_arrays(samples, layout))
-    arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=(
-        layout.sharding(("batch",) + (None,) * (v.ndim - 1), v.shape)))
+    arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                      sharding=_rows_sharding(layout, v))
               for k, v in host.items()}
     futures = [self._program(kind, layout, params, sig,
                              {k: arrays[k] for k in _INPUTS[kind]},
@@ -403,6 +402,11 @@ def _signature(tree) -> tuple:
   arrays' shapes, dtypes and shardings (the layout is in the shardings)."""
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+
+
+def _rows_sharding(layout: Layout, x) -> jax.sharding.Sharding:
+  """A chunk array's sharding: its rows over the layout's replicas."""
+  return layout.sharding(("batch",) + (None,) * (x.ndim - 1), x.shape)
 
 
 def _layout_key(layout: Layout) -> tuple:
