@@ -297,7 +297,7 @@ def main(argv):
   timing.fake_cpu_devices(REPLICAS)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Request
-  from rlhf_jax.engine.long_tail import EngineSet
+  from rlhf_jax.engine.engine_set import EngineSet
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.models.config import ModelConfig

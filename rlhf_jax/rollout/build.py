@@ -14,7 +14,7 @@ from typing import Callable
 
 from rlhf_jax.config.sections import Rollout as RolloutSection
 from rlhf_jax.engine.engine import Engine
-from rlhf_jax.engine.long_tail import EngineSet
+from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.envs import episodes as episodes_lib
 from rlhf_jax.models.config import ModelConfig

@@ -30,8 +30,8 @@ from rlhf_jax.data.batching import PromptBatch
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.driver import Driver, Request, Sample
 from rlhf_jax.engine.paged_driver import PagedDriver
-from rlhf_jax.engine.long_tail import (EngineSet, PagedTailController, Scorer,
-                                      TailController)
+from rlhf_jax.engine.engine_set import EngineSet
+from rlhf_jax.engine.long_tail import PagedTailController, Scorer, TailController
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import assignment, continuous
 from rlhf_jax.sched.length_history import LengthHistory

@@ -21,7 +21,7 @@ from flax import nnx
 
 from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
 from rlhf_jax.engine.engine import Engine
-from rlhf_jax.engine.long_tail import EngineSet
+from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.page_pool import PagePool
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
