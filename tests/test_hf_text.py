@@ -156,26 +156,28 @@ def test_jsonl_prompt_source(tok_dir, tmp_path):
     jsonl.load_examples(str(path), {"prompt": "problem"})
 
 
-@pytest.mark.parametrize("completion,answer,correct", [
-    ("so she sold 48 + 24 = 72.\n#### 72", "blah\n#### 72", 1.0),
-    ("#### $1,000.00", "#### 1000", 1.0),
-    ("The answer is \\boxed{\\$1,000}.", 1000, 1.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{\\text{18 dollars}}", "#### 18", 1.0),
-    ("\\boxed{-3}", "#### -3", 1.0),
-    ("#### 5 then \\boxed{7}", "#### 5", 1.0),  # '####' wins over boxed.
-    ("#### 71", "#### 72", 0.0),
-    ("The answer is 72.", "#### 72", 0.0),  # No marker, no credit.
-    ("\\boxed{72", "#### 72", 0.0),  # Unclosed box.
+# `formatted`: by hand, whether the completion states a number after its last
+# "####" or, with no "####", inside a closed \boxed{} (gsm8k_format's rule,
+# whatever the value).
+@pytest.mark.parametrize("completion,answer,correct,formatted", [
+    ("so she sold 48 + 24 = 72.\n#### 72", "blah\n#### 72", 1.0, 1.0),
+    ("#### $1,000.00", "#### 1000", 1.0, 1.0),
+    ("The answer is \\boxed{\\$1,000}.", 1000, 1.0, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
+    ("\\boxed{\\text{18 dollars}}", "#### 18", 1.0, 1.0),
+    ("\\boxed{-3}", "#### -3", 1.0, 1.0),
+    ("#### 5 then \\boxed{7}", "#### 5", 1.0, 1.0),  # '####' wins over boxed.
+    ("#### 71", "#### 72", 0.0, 1.0),  # Wrong value, right form.
+    ("The answer is 72.", "#### 72", 0.0, 0.0),  # No marker, no credit.
+    ("\\boxed{72", "#### 72", 0.0, 0.0),  # Unclosed box.
+    ("#### seventy-two", "#### 72", 0.0, 0.0),  # Marker, no number.
+    ("\\boxed{x}", "#### 72", 0.0, 0.0),  # Box, no number.
 ])
-def test_gsm8k_rewards(completion, answer, correct):
+def test_gsm8k_rewards(completion, answer, correct, formatted):
   fn = registry.get("reward", "gsm8k")
   fmt = registry.get("reward", "gsm8k_format")
   assert fn([""], [completion], [{"answer": answer}]) == [correct]
-  has_answer = gsm8k.extract_answer(completion) is not None
-  assert fmt([""], [completion], [{}]) == [float(has_answer)]
-  if correct:
-    assert has_answer
+  assert fmt([""], [completion], [{}]) == [formatted]
 
 
 def test_gsm8k_reference_without_number_raises():
