@@ -88,10 +88,62 @@ def test_sequential_vs_parallel_rounds():
   assert par.makespan == pytest.approx(0.2 + 2 * 2.5)
 
 
+def _logged_workers(monkeypatch):
+  """Records, per worker in join order, (iteration, prompt) as each prompt
+  is read finished."""
+  log = []
+
+  class Logged(wr._Worker):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      log.append([])
+      self._log = log[-1]
+
+    def iterate(self):
+      dt, finished = super().iterate()
+      self._log += sorted({(self.k, p) for p, _ in finished})
+      return dt, finished
+
+  monkeypatch.setattr(wr, "_Worker", Logged)
+  return log
+
+
 def test_theta_keeps_work_in_the_queue_for_joiners(monkeypatch):
-  # Six prompts, one row per worker, b joins at round 2. theta=1: the
-  # manager holds the queue, b gets work by dispatch. theta=100: a holds
-  # all of it; b gets a's newest queued requests by balancing.
+  # Six prompts P0..P5 of G=2 samples of 3 tokens; one row (2 slots) per
+  # worker, 2 iterations per poll, b joins at round 2. Prefill, poll and
+  # pull cost 0 and every iteration has a live row, so each costs 1 s and
+  # polls add up: makespan = all iterations. A prompt admitted at iteration
+  # i is read finished at i + 2 and the next one enters at i + 3.
+  # theta=1 (the manager holds the queue; work reaches b by dispatch):
+  #   r0: P0 -> a; a: k1-2 (P0 in at 1).
+  #   r1: P1 -> a; a: k3 P0 done, k4 P1 in.
+  #   r2: b joins; P2 -> b (ties on pending go to the most free slots: b
+  #     runs 0 of 2, a 2 of 2), P3 -> a; a: k5, k6 P1 done (P3 waits in a's
+  #     queue); b: k1 P2 in, k2. Balancing: b has nothing pending but a
+  #     only 1 (a source keeps its last): no move.
+  #   r3: P4 -> b; a: k7 P3 in, k8; b: k3 P2 done, k4 P4 in.
+  #   r4: P5 -> a (tie on everything: lowest index); a: k9 P3 done, k10 P5
+  #     in; b: k5, k6 P4 done.
+  #   r5: a: k11, k12 P5 done; b idle. 6 rounds.
+  # theta=100 (a takes the whole queue; b gets work by balancing):
+  #   r0: P0..P5 -> a; a: k1 P0 in, k2.  r1: a: k3 P0 done, k4 P1 in.
+  #   r2: b joins idle; a: k5, k6 P1 done; b: no work, no iteration. a has
+  #     4 pending (P2..P5), b 0 pending and 0 of 2 slots running: b may take
+  #     2 - 0 + 1 = 3, one at a time from the longest queue while it holds
+  #     more than 1: a 4 -> 3 -> 2 -> 1, b takes a's newest: P5, P4, P3
+  #     (3 moves).
+  #   r3: a: k7 P2 in, k8; b: k1 P5 in, k2. Now a has 0 pending, b 2 (P4,
+  #     P3) and a runs 2 of 2: a may take 2 - 2 + 1 = 1: b's newest, P3
+  #     (1 move: 4 in all).
+  #   r4: a: k9 P2 done, k10 P3 in; b: k3 P5 done, k4 P4 in.
+  #   r5: a: k11, k12 P3 done; b: k5, k6 P4 done. 6 rounds.
+  # Either way a finishes 4 prompts in 12 iterations and b 2 in 6:
+  # makespan 18 s.
+  finishes = {
+      1: {"a": [(3, 0), (6, 1), (9, 3), (12, 5)], "b": [(3, 2), (6, 4)]},
+      100: {"a": [(3, 0), (6, 1), (9, 2), (12, 3)], "b": [(3, 5), (6, 4)]},
+  }
+  balanced = {1: 0, 100: 3 + 1}
   trace = _events((0, "a", "add"), (2, "b", "add"))
   costs = wr.WorkerCosts(1.0, {8: 0.0})
   lengths = np.full((6, 2), 3)
@@ -102,16 +154,22 @@ def test_theta_keeps_work_in_the_queue_for_joiners(monkeypatch):
     seen.append(max(v.pending for v in views))
     return select(views, theta)
 
-  monkeypatch.setattr(wr.offload, "select_instance", spy)
-  one = wr.simulate(lengths, [5] * 6, trace, costs, theta=1, clock="rounds",
-                    **ONE_ROW)
-  monkeypatch.undo()
-  assert max(seen) == 1 and one.balanced_requests == 0
-  many = wr.simulate(lengths, [5] * 6, trace, costs, theta=100,
-                     clock="rounds", **ONE_ROW)
-  assert many.balanced_requests == 4
-  for r in (one, many):
-    assert r.produced == {"a": 8, "b": 4} and r.makespan == 18.0
+  for theta in (1, 100):
+    seen.clear()
+    log = _logged_workers(monkeypatch)
+    monkeypatch.setattr(wr.offload, "select_instance", spy)
+    r = wr.simulate(lengths, [5] * 6, trace, costs, theta=theta,
+                    clock="rounds", **ONE_ROW)
+    monkeypatch.undo()  # The next run wraps the real worker again.
+    want = finishes[theta]
+    assert dict(zip("ab", log)) == want, theta
+    assert r.produced == {w: 2 * len(f) for w, f in want.items()}
+    assert r.steps == {w: f[-1][0] for w, f in want.items()}
+    assert r.makespan == 1.0 * sum(f[-1][0] for f in want.values()) == 18.0
+    assert (r.rounds, r.balanced_requests) == (6, balanced[theta])
+    # The most pending a dispatch decision saw: theta=1, a refused one sees
+    # a's 1; theta=100, the 6th dispatch sees a's 5.
+    assert max(seen) == {1: 1, 100: 5}[theta]
 
 
 def test_running_row_moves_to_an_idle_worker():
