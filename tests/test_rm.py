@@ -25,6 +25,17 @@ from rlhf_jax.rl import preference
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
 
 
+def _tempdir(test):
+  """A fresh directory, removed when `test` ends, passed or failed.
+
+  Not absltest's `create_tempdir`: under pytest absl's flags are unparsed
+  (it raises UnparsedFlagAccessError), and it would leave its
+  $TMPDIR/absl_testing parent behind."""
+  tmp = tempfile.TemporaryDirectory(prefix="test_rm-")
+  test.addCleanup(tmp.cleanup)
+  return tmp.name
+
+
 def _toy_arrays(tokenizer, n):
   """Separable pairs: chosen ends in 'a', rejected in 'b'."""
   rng = np.random.default_rng(0)
@@ -101,7 +112,7 @@ class DataTest(absltest.TestCase):
     self.assertEmpty({p.prompt for p in evals} & {p.prompt for p in pairs})
 
   def test_jsonl(self):
-    path = os.path.join(tempfile.mkdtemp(), "p.jsonl")
+    path = os.path.join(_tempdir(self), "p.jsonl")
     with open(path, "w") as f:
       for i in range(10):
         f.write(json.dumps({"prompt": f"{i}=", "chosen": "a",
@@ -118,7 +129,7 @@ class RmJobTest(absltest.TestCase):
   def test_runlocal_trains_evaluates_and_resumes_after_sigterm(self):
     config = tiny_rm.get_config("runlocal")
     config.train.steps = 4  # Checkpoints at 3 and 4, evals at 0, 3, 4.
-    reference = tempfile.mkdtemp()
+    reference = _tempdir(self)
     trainers.run(config, reference)
     records = resume.records(reference)
     evals = {step: r for (_, step), r in records.items()
@@ -130,7 +141,7 @@ class RmJobTest(absltest.TestCase):
     # SIGTERM after step 0's eval: the run checkpoints the step it is in
     # and stops; the rerun continues from there and writes the
     # uninterrupted run's metrics.
-    workdir = tempfile.mkdtemp()
+    workdir = _tempdir(self)
     with resume.SigtermWhen(lambda: resume.has_record(workdir, "rm", 0)
                             ) as sigterm:
       trainers.run(config, workdir)
