@@ -62,6 +62,93 @@ def test_typo_on_the_command_line_is_one_line_and_exit_2(tmp_path):
   assert "Traceback" not in out.stderr
 
 
+# ---------------------------------------------------------------- sampling
+# (override, the one stderr line): each names the key and its allowed range.
+BAD_SAMPLING = [
+    ("temperature=-1", "config.rollout.temperature=-1.0: must be a finite "
+     "number >= 0 (0: greedy)"),
+    ("temperature=nan", "config.rollout.temperature=nan: must be a finite "
+     "number >= 0 (0: greedy)"),
+    ("temperature=inf", "config.rollout.temperature=inf: must be a finite "
+     "number >= 0 (0: greedy)"),
+    ("top_p=0", "config.rollout.top_p=0.0: must be in (0, 1] (1: off)"),
+    ("top_p=1.5", "config.rollout.top_p=1.5: must be in (0, 1] (1: off)"),
+    ("top_k=-1", "config.rollout.top_k=-1: must be an int in [0, "
+     "vocab_size] (0: off)"),
+    ("max_new_tokens=0", "config.rollout.max_new_tokens=0: must be an int "
+     ">= 1"),
+    ("samples_per_row=0", "config.rollout.samples_per_row=0: must be a "
+     "positive int"),
+]
+
+
+def test_bad_sampling_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+  """The real CLI once (an import and a backend start, ~6 s); the other
+  values go through the same error path in-process (below)."""
+  workdir = tmp_path / "run"
+  out = run_main(["--config=configs/tiny_grpo.py:runlocal",
+                  "--config.rollout.temperature=-1", f"--workdir={workdir}"])
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  # absl's INFO lines (the devices) may come first; the error is the one
+  # line of its own, last.
+  lines = out.stderr.strip().splitlines()
+  assert [x for x in lines if x.startswith("error:")] == lines[-1:] == [
+      "error: " + BAD_SAMPLING[0][1]], out.stderr[-2000:]
+  assert not workdir.exists()  # Stopped before the job wrote anything.
+
+
+@pytest.mark.parametrize("override,message", BAD_SAMPLING + [
+    # Above the vocabulary: known from the model's config, before its
+    # weights are built (`trainers/policy.build`).
+    ("top_k=1000000", "config.rollout.top_k=1000000: must be an int in "
+     "[0, vocab_size={vocab}] (0: off)"),
+])
+def test_bad_sampling_is_one_line_and_exit_2(override, message, tmp_path,
+                                             capsys):
+  """`main`'s error path in-process: the job under `cli.user_errors`."""
+  from rlhf_jax import trainers
+  from rlhf_jax.data.tokenizer import CharTokenizer
+
+  key, value = override.split("=")
+  c = tiny_grpo.get_config("runlocal")
+  c.rollout[key] = type(c.rollout[key])(value)
+  workdir = tmp_path / "run"
+  with pytest.raises(SystemExit) as exit_, cli.user_errors(verbose=False):
+    trainers.run(c, str(workdir))
+  assert exit_.value.code == 2
+  vocab = CharTokenizer().vocab_size  # tiny_grpo's addition task.
+  assert capsys.readouterr().err == (
+      "error: " + message.format(vocab=vocab) + "\n")
+  assert not workdir.exists()
+
+
+def test_top_k_above_the_vocabulary_stops_the_generation_demo():
+  # The demo builds its engine from the section (no job's policy build):
+  # the check runs there too, before any engine exists.
+  from rlhf_jax.config import sections
+  from rlhf_jax.errors import ConfigError
+  from rlhf_jax.models.config import ModelConfig
+  from rlhf_jax.rollout import build as rollout_build
+
+  with pytest.raises(ConfigError, match=r"^config\.rollout\.top_k=65: "
+                     r"must be an int in \[0, vocab_size=64\] \(0: off\)$"):
+    rollout_build.engines(sections.Rollout(top_k=65),
+                          ModelConfig.tiny(vocab_size=64), None, None)
+
+
+@pytest.mark.parametrize("override", [
+    "top_p=1", "top_p=1e-6", "top_k=0", "temperature=0"])
+def test_sampling_bounds_are_allowed(override):
+  # top_p in (0, 1] (1: off), top_k = 0: off, temperature = 0: greedy.
+  from rlhf_jax.config import sections
+
+  key, value = override.split("=")
+  ro = sections.Rollout(**{key: type(getattr(sections.Rollout, key))(
+      value)})
+  ro.check_sampling(vocab_size=64)
+
+
 # ------------------------------------------------------------------ data
 def test_empty_dataset_is_one_clear_error(tmp_path):
   empty = tmp_path / "empty.jsonl"

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import ml_collections
 
+from rlhf_jax.engine import sampling
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.rl import off_policy
 from rlhf_jax.rl.learner import OptimConfig
@@ -257,8 +258,8 @@ class Rollout:
   workers: Workers = dataclasses.field(default_factory=Workers)
 
   def __post_init__(self):
-    _positive_ints(self, "num_rows", "samples_per_row", "max_new_tokens",
-                   "page_size")
+    _positive_ints(self, "num_rows", "samples_per_row", "page_size")
+    self.check_sampling()
     _one_of(self, "engine", ("rows", "paged"))
     _one_of(self, "quantize", ("none", "int8", "fp8"))
     if self.kv_pages < 0 or self.num_slots < 0:
@@ -274,6 +275,15 @@ class Rollout:
       _fail(self, "max_seq_len",
             f"the largest prefill bucket {max(self.prefill_buckets)} + "
             f"max_new_tokens {self.max_new_tokens} = {cache} does not fit")
+
+  def check_sampling(self, vocab_size: int | None = None) -> None:
+    """temperature, top_k, top_p and max_new_tokens against the engine's
+    rule (`engine/sampling.range_errors`); top_k's upper bound once the
+    model's `vocab_size` is known."""
+    for key, rule in sampling.range_errors(
+        self.temperature, self.top_k, self.top_p, self.max_new_tokens,
+        vocab_size):
+      _fail(self, key, rule)
 
 
 @dataclasses.dataclass(frozen=True)

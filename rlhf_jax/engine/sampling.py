@@ -8,6 +8,8 @@ sample can move or resume mid-response and continue exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +25,12 @@ class SamplingParams:
   stop_tokens: tuple[int, ...] = ()
 
   def validate(self, vocab_size: int) -> None:
-    errors = []
-    if not self.temperature >= 0:
-      errors.append(f"temperature must be >= 0, got {self.temperature}")
-    if not 0 <= self.top_k <= vocab_size:
-      errors.append(f"top_k must be in [0, vocab_size={vocab_size}], "
-                    f"got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      errors.append(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.max_new_tokens < 1:
-      errors.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    """The engine's invariant. Values from a config passed the same rule
+    (`range_errors`) before anything compiled; other callers (tests,
+    benchmarks) are checked here."""
+    errors = [f"{key}={getattr(self, key)!r} {rule}" for key, rule in
+              range_errors(self.temperature, self.top_k, self.top_p,
+                           self.max_new_tokens, vocab_size)]
     bad = [t for t in self.stop_tokens if not 0 <= t < vocab_size]
     if bad:
       errors.append(f"stop_tokens {bad} are outside the vocabulary "
@@ -43,6 +41,41 @@ class SamplingParams:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+
+def _real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def range_errors(temperature, top_k, top_p, max_new_tokens,
+                 vocab_size: int | None = None) -> list[tuple[str, str]]:
+  """(key, the allowed range) of each sampling parameter outside it.
+
+  The one statement of these rules: the config's rollout section checks
+  them before anything compiles (`config/sections.Rollout`; top_k's upper
+  bound once the model's vocabulary is known: `trainers/policy.build`,
+  `rollout/build.engines`), and the engine asserts them
+  (`SamplingParams.validate`). NaN fails every range.
+  """
+  errors = []
+  if not (_real(temperature) and math.isfinite(temperature)
+          and temperature >= 0):
+    errors.append(("temperature", "must be a finite number >= 0 (0: greedy)"))
+  # top_k = k keeps the k likeliest tokens: at most the vocabulary.
+  if not (_int(top_k) and 0 <= top_k
+          and (vocab_size is None or top_k <= vocab_size)):
+    errors.append(("top_k", "must be an int in [0, vocab_size" + (
+        "" if vocab_size is None else f"={vocab_size}") + "] (0: off)"))
+  # top_p = 0 would keep no token; 1 keeps them all.
+  if not (_real(top_p) and 0 < top_p <= 1):
+    errors.append(("top_p", "must be in (0, 1] (1: off)"))
+  if not (_int(max_new_tokens) and max_new_tokens >= 1):
+    errors.append(("max_new_tokens", "must be an int >= 1"))
+  return errors
 
 
 def token_keys(seed, prompt_id, sample_idx, position):

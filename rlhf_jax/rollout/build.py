@@ -34,6 +34,10 @@ def sampling_params(ro: RolloutSection, stop_tokens=()) -> SamplingParams:
 def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
             stop_tokens=()) -> EngineSet:
   """The rollout engines of the trainer's mesh (one per replica block)."""
+  # The engines build lazily (after a job's warm-start): top_k against the
+  # vocabulary now, as a config error (the jobs checked it before building
+  # the weights, `trainers/policy.build`; this covers the generation demo).
+  ro.check_sampling(cfg.vocab_size)
   return EngineSet(cfg, graphdef, layout,
                    rows_per_replica=ro.num_rows // layout.mesh.shape["data"],
                    samples_per_row=ro.samples_per_row,

@@ -79,6 +79,10 @@ class Policy:
 
 def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
   """The policy of the job sections `c` (see the module doc)."""
+  # top_k against the model's vocabulary before its weights are built or
+  # loaded: a config error, nothing compiled yet.
+  c.rollout.check_sampling(model_build.config_of(
+      c.model, vocab_size=source.tokenizer.vocab_size).vocab_size)
   cfg, graphdef, params = model_build.build(
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
