@@ -1,9 +1,11 @@
 """The Python tool's sandbox: each kernel-enforced protection must bite.
 
 Where check() says the isolation cannot be set up here, the isolation tests
-skip with its one-line reason; where it was set up but a protection did not
-bite (a defect, not the machine), they fail. check() itself is tested
-everywhere. Each isolation test fails if its kernel mechanism is removed.
+skip with its one-line reason (under CI=true they fail instead: CI must not
+go green without the sandbox's security tests); where it was set up but a
+protection did not bite (a defect, not the machine), they fail. check()
+itself is tested everywhere. Each isolation test fails if its kernel
+mechanism is removed.
 """
 
 import errno
@@ -34,6 +36,8 @@ def sandbox():
     if "not enforced here" in str(e) and "Linux < 5.14" not in str(e):
       # Set up, yet a protection did not bite: a defect, not this machine.
       pytest.fail(str(e))
+    if os.environ.get("CI") == "true":
+      pytest.fail(f"CI=true, and the sandbox's isolation tests cannot run: {e}")
     pytest.skip(str(e))
   return box
 
@@ -133,7 +137,6 @@ def test_no_network(sandbox):
             return e.errno
         print("interfaces", [name for _, name in socket.if_nameindex()])
         print("local", attempt(("127.0.0.1", PORT)))
-        print("external", attempt(("1.1.1.1", 53)))
         probe = f"import socket; socket.create_connection(('127.0.0.1', {{PORT}}), 1)"
         print("subprocess", subprocess.run([sys.executable, "-c", probe],
                                            capture_output=True).returncode)
@@ -144,8 +147,11 @@ def test_no_network(sandbox):
                 + socket.inet_aton("127.0.0.1") + bytes(8))
         print("ctypes", libc.connect(fd, addr, len(addr)), ctypes.get_errno())""")
   got = lines(obs)
+  # Only `lo`, and it is down: no route anywhere. No probe of an address
+  # off the machine: should the namespace regress, it would really go out
+  # (tests/test_loopback_only.py traces this test).
   assert got["interfaces"] == "['lo']", obs
-  assert got["local"] == got["external"] == str(errno.ENETUNREACH), obs
+  assert got["local"] == str(errno.ENETUNREACH), obs
   assert got["subprocess"] != "0" and got["system"] != "0", obs
   assert got["ctypes"] == f"-1 {errno.ENETUNREACH}", obs
 
