@@ -3,6 +3,8 @@ changes none, joiners pull the current weights, stale samples never come
 back; the same over a local Ray cluster."""
 
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -220,16 +222,26 @@ RAY_TIMEOUT_S = 300  # A shared 2-core machine: a slow answer is not a death.
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-  ray = pytest.importorskip("ray")
+  pytest.importorskip("ray")
+  from rlhf_jax.workers import ray_local
+
   # The actors share the run's compilation cache (conftest): an actor started
   # mid-test loads what the first one compiled instead of compiling again.
   env = {k: v for k, v in os.environ.items()
          if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
   assert env, "conftest sets the compilation cache"
-  ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-           configure_logging=False, runtime_env={"env_vars": env})
-  yield ray
-  ray.shutdown()
+  # On loopback only, as the jobs' local clusters (test_loopback_only.py
+  # traces it); its sessions in a short directory of its own (unix socket
+  # paths hold 107 bytes), removed afterwards.
+  temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+  try:
+    ray = ray_local.init_local(temp_dir=temp, num_cpus=3, log_to_driver=False,
+                               configure_logging=False,
+                               runtime_env={"env_vars": env})
+    yield ray
+    ray.shutdown()
+  finally:
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

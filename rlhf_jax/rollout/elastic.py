@@ -35,6 +35,7 @@ from rlhf_jax.models import lora
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import manager as manager_lib
+from rlhf_jax.workers import ray_local
 from rlhf_jax.workers import weights as weights_lib
 from rlhf_jax.workers.pool import DemandScaler, WorkerPool
 from rlhf_jax.workers.seeding import TRAINER_ID, SeedWindow
@@ -270,11 +271,12 @@ def _ray_workers(w, spec):
   if not ray.is_initialized():
     if os.environ.get("RAY_ADDRESS"):
       ray.init(include_dashboard=False, log_to_driver=False)
-    else:  # Its workers share this machine's cores (and it offers the
-      # custom resources they ask for).
-      ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)),
-               resources={k: v * w.num for k, v in w.ray_resources.items()},
-               include_dashboard=False, log_to_driver=False)
+    else:  # On loopback only (`ray_local`). Its workers share this
+      # machine's cores (and it offers the custom resources they ask for).
+      ray_local.init_local(
+          num_cpus=max(os.cpu_count() or 1, math.ceil(need)),
+          resources={k: v * w.num for k, v in w.ray_resources.items()},
+          log_to_driver=False)
   per_worker = {"CPU": w.cpus_per_worker, "GPU": w.gpus_per_worker,
                 **w.ray_resources}
   have = ray.cluster_resources()
