@@ -27,16 +27,24 @@ _FAILED = 1
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
 
+# The processes share this machine: the coordinator is on loopback only.
+LOOPBACK = "127.0.0.1"
+
+
 def free_port() -> int:
   """A TCP port that was free a moment ago (bound by process 0 next)."""
   with socket.socket() as s:
-    s.bind(("", 0))
+    s.bind((LOOPBACK, 0))
     return s.getsockname()[1]
 
 
-def process_env(base: dict, devices: int) -> dict:
-  """`base` with `devices` CPU devices and no inherited device-count flag."""
+def process_env(base: dict, devices: int, port: int | None = None) -> dict:
+  """`base` with `devices` CPU devices and no inherited device-count flag;
+  with `port`, process 0's coordinator binds to loopback only (JAX's
+  default is every interface, [::]:port)."""
   env = dict(base, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+  if port is not None:
+    env["JAX_COORDINATOR_BIND_ADDRESS"] = f"{LOOPBACK}:{port}"
   xla = _DEVICE_COUNT_FLAG.sub("", base.get("XLA_FLAGS", "")).strip()
   if xla:
     env["XLA_FLAGS"] = xla
@@ -49,7 +57,7 @@ def commands(main_args: list[str], num_processes: int, port: int,
              python: str = sys.executable) -> list[list[str]]:
   """The trainer command of each process."""
   return [[python, "-m", "rlhf_jax.main", *main_args,
-           f"--coordinator_address=localhost:{port}",
+           f"--coordinator_address={LOOPBACK}:{port}",
            f"--num_processes={num_processes}", f"--process_id={i}"]
           for i in range(num_processes)]
 
@@ -147,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
   args = parse(sys.argv[1:] if argv is None else argv)
   port = args.port or free_port()
   cmds = commands(args.main_args, args.num_processes, port)
-  envs = [process_env(dict(os.environ), args.devices_per_process)
+  envs = [process_env(dict(os.environ), args.devices_per_process, port)
           for _ in cmds]
   if args.dry_run:
     for i, cmd in enumerate(cmds):
       log = os.path.join(args.log_dir, f"process_{i}.log")
       print(f"JAX_NUM_CPU_DEVICES={args.devices_per_process} "
-            f"JAX_PLATFORMS=cpu {shlex.join(cmd)} > {shlex.quote(log)} 2>&1")
+            f"JAX_PLATFORMS=cpu JAX_COORDINATOR_BIND_ADDRESS={LOOPBACK}:{port} "
+            f"{shlex.join(cmd)} > {shlex.quote(log)} 2>&1")
     return 0
   return run(cmds, envs, args.log_dir, grace_s=args.grace_s)
 

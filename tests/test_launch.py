@@ -115,15 +115,19 @@ def test_local_dry_run_commands(capsys):
   assert len(lines) == 3
   for i, line in enumerate(lines):
     words = shlex.split(line)
-    assert words[:2] == ["JAX_NUM_CPU_DEVICES=2", "JAX_PLATFORMS=cpu"]
-    assert words[3:5] == ["-m", "rlhf_jax.main"]
-    assert words[5:5 + len(MAIN_ARGS)] == MAIN_ARGS
-    assert words[-6:] == ["--coordinator_address=localhost:1234",
+    # The coordinator on loopback only: its address and where it binds.
+    assert words[:3] == ["JAX_NUM_CPU_DEVICES=2", "JAX_PLATFORMS=cpu",
+                         "JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:1234"]
+    assert words[4:6] == ["-m", "rlhf_jax.main"]
+    assert words[6:6 + len(MAIN_ARGS)] == MAIN_ARGS
+    assert words[-6:] == ["--coordinator_address=127.0.0.1:1234",
                           "--num_processes=3", f"--process_id={i}", ">",
                           f"workdirs/launch_logs/process_{i}.log", "2>&1"]
   env = local_multiprocess.process_env(
-      {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_x=1"}, 2)
+      {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_x=1"}, 2,
+      1234)
   assert env["XLA_FLAGS"] == "--xla_x=1" and env["JAX_NUM_CPU_DEVICES"] == "2"
+  assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
   with pytest.raises(SystemExit):
     local_multiprocess.parse(["--dry_run"])  # No trainer flags.
 
@@ -225,7 +229,7 @@ def test_distributed_flags():
   with pytest.raises(ValueError, match="--distributed"):
     distributed.wanted("yes", None, None, None)
   with pytest.raises(ValueError, match="--process_id=2"):
-    distributed.initialize("auto", "localhost:1", 2, 2)
+    distributed.initialize("auto", "127.0.0.1:1", 2, 2)
   assert not distributed.initialize("off")
 
 
