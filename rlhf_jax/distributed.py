@@ -42,6 +42,22 @@ def wanted(mode: str, coordinator_address: str | None,
               or (num_processes or 1) > 1 or process_id)
 
 
+def loopback_bind_address(coordinator_address: str | None) -> str | None:
+  """Where process 0's coordinator binds when every process is on this
+  host: the loopback address it is reached at. JAX's default binds every
+  interface ([::]:PORT); a cluster over real hosts (any other address)
+  keeps that default, and so does an explicit JAX_COORDINATOR_BIND_ADDRESS.
+  """
+  address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not address or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+    return None
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")
+  if host == "localhost" or host == "::1" or host.startswith("127."):
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+  return None
+
+
 def initialize(mode: str = "auto", coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None) -> bool:
@@ -64,9 +80,10 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
     raise ConfigError(f"--process_id={process_id} must be in "
                       f"[0, --num_processes={num_processes})")
   try:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes,
+        process_id=process_id,
+        coordinator_bind_address=loopback_bind_address(coordinator_address))
   except ValueError as e:
     raise ConfigError(
         f"jax.distributed.initialize could not find the cluster ({e}); pass "

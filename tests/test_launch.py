@@ -233,6 +233,24 @@ def test_distributed_flags():
   assert not distributed.initialize("off")
 
 
+def test_a_coordinator_on_this_host_binds_loopback(monkeypatch):
+  # JAX binds [::]:PORT by default; a coordinator every process reaches at
+  # a loopback address binds that address (launch/xm_launch.py's local
+  # executor goes through here), one on another host keeps the default.
+  monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  bind = distributed.loopback_bind_address
+  assert bind("127.0.0.1:8476") == "127.0.0.1:8476"
+  assert bind("localhost:8476") == "localhost:8476"
+  assert bind("[::1]:8476") == "[::1]:8476"
+  assert bind("host-0:8476") is None
+  assert bind(None) is None
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.5:9")
+  assert bind(None) == "127.0.0.5:9"
+  monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "127.0.0.1:9")
+  assert bind("127.0.0.1:9") is None  # The user's own choice stands.
+
+
 def test_iterator_state_per_process():
   class It:
     state = None
