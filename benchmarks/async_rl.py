@@ -31,6 +31,9 @@ the step less its rollout (sync), num_rows x G slots; the response
 lengths are a capped geometric (the stop token's chance per token) whose
 mean is the measured one. `sim_rel_error` = sim / live - 1.
 
+`--smoke` (tests/test_benchmarks_smoke.py): 8 prompts, 8 new tokens, one
+measured step, one repeat; the numbers mean nothing.
+
 Last stdout line: JSON with `throughput_vs_sync`, `sim_throughput_vs_sync`,
 `sim_rel_error`, `staleness_mean`, `stale_dropped`,
 `off_policy_samples_fraction`, medians, ...
@@ -54,6 +57,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 1 (--quick) or 3.")
 _STEPS = flags.DEFINE_integer("steps", 0, "RL steps a run; 0: 8 or 12.")
 _PROMPTS = flags.DEFINE_integer("prompts", 16, "Prompts per step.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 48, "Length cap.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "One measured step of 8 prompts "
+                           "a mode: that it runs (tests).")
 WARMUP = 2
 
 
@@ -163,6 +168,9 @@ def _simulated_ratio(sync: dict, asyn: dict, steps: int) -> float:
 
 def main(argv):
   del argv
+  if _SMOKE.value:  # The fewest steps that leave one measured.
+    timing.smoke_defaults(quick=True, repeats=1, steps=WARMUP + 1, prompts=8,
+                          max_new_tokens=8)
   import jax
   timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")

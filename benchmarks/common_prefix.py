@@ -36,7 +36,12 @@ tests/test_common_prefix.py proves it exactly on small shapes).
 Model: as benchmarks/engine.py (ModelConfig.tiny with 4 layers, embed 256,
 8 query heads, 2 kv heads of dim 64, MLP 768, vocab 1024; 4.2M params), on
 one CPU device. `measure(quick)` is importable (benchmarks/prefix_sharing.py
-calls it); the last stdout line of this script is its JSON.
+calls it); the last stdout line of this script is its JSON, without the
+rows: `rollout_speedup_common256`, `prefill_speedup_common256`,
+`decode_step_speedup_common256`, `rollout_speedup_from_phases`,
+`prefill_tokens_ratio`, `kv_bytes_ratio`, `kv_read_ratio_theory`,
+`tokens_identical_fraction` and the setting. `--smoke`
+(tests/test_benchmarks_smoke.py): see `measure`.
 """
 
 from __future__ import annotations
@@ -61,7 +66,11 @@ COMMON = 256
 OWN_MAX = 32
 
 
-def _model_config() -> ModelConfig:
+def _model_config(smoke: bool = False) -> ModelConfig:
+  if smoke:
+    return ModelConfig.tiny(num_layers=1, embed_dim=64, num_heads=2,
+                            num_kv_heads=1, head_dim=32, mlp_dim=128,
+                            vocab_size=1024)
   return ModelConfig.tiny(num_layers=4, embed_dim=256, num_heads=8,
                           num_kv_heads=2, head_dim=64, mlp_dim=768,
                           vocab_size=1024)
@@ -126,13 +135,17 @@ class _Variant:
       self.step_ms.append(1e3 * float(np.median(times)))
 
 
-def measure(quick: bool, log=print) -> dict:
-  """Runs both variants; returns the table rows and the headline ratios."""
+def measure(quick: bool, log=print, smoke: bool = False) -> dict:
+  """Runs both variants; returns the table rows and the headline ratios.
+
+  `smoke`: 4 prompts, 3 new tokens, one repeat on a 1-layer 64-wide model,
+  the same C = 256 (tests/test_benchmarks_smoke.py); numbers meaningless.
+  """
   t_start = time.perf_counter()
-  n_prompts, group = 16, 4
-  max_new = 16 if quick else 32
-  repeats = 3 if quick else 5
-  cfg = _model_config()
+  n_prompts, group = (4, 2) if smoke else (16, 4)
+  max_new = 3 if smoke else 16 if quick else 32
+  repeats = 1 if smoke else 3 if quick else 5
+  cfg = _model_config(smoke)
   layout = mesh_lib.rollout_layout(
       mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1]))
   graphdef, params = model_lib.init_params(cfg, 0, layout)
@@ -233,7 +246,7 @@ def table(res) -> str:
 
 def main(argv):
   del argv
-  res = measure(flags.FLAGS.quick)
+  res = measure(flags.FLAGS.quick, smoke=flags.FLAGS.smoke)
   print()
   print(table(res))
   print(json.dumps({k: v for k, v in res.items() if k != "rows"}))
@@ -243,4 +256,5 @@ if __name__ == "__main__":
   # Defined here, not at import: benchmarks/prefix_sharing.py imports this
   # module and has its own --quick.
   flags.DEFINE_bool("quick", False, "Fewer repeats and new tokens.")
+  flags.DEFINE_bool("smoke", False, "Smallest sizes: that it runs (tests).")
   app.run(main)

@@ -53,6 +53,9 @@ instance to the manager, though these warm ones already hold it). The
 JSON's `lora` reports the bytes pulled per pull and their fraction of the
 full weights (the rollout copy).
 
+`--smoke` (tests/test_benchmarks_smoke.py): 8 prompts of up to 16 tokens,
+one repeat; the numbers mean nothing.
+
 Last stdout line: JSON with `tokens_lost`, `reprefill_tokens`,
 `pull_latency_s`, `throughput_vs_trainer_only`, `sim_rel_error`, ...
 """
@@ -75,6 +78,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 5 (--quick) or 7.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Length cap M.")
 _RPR = flags.DEFINE_integer("rows_per_replica", 2, "Rows per device.")
 _LORA = flags.DEFINE_integer("lora_rank", 0, "> 0: a LoRA policy (q k v o).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "8 prompts of up to 16 tokens, "
+                           "one repeat: that it runs (tests).")
 
 PROMPT_LEN = 16
 THETA, POLL_STEPS = 2, 4
@@ -141,6 +146,9 @@ def _drain(w):
 
 def main(argv):
   del argv
+  if _SMOKE.value:  # The whole trace of events still plays.
+    timing.smoke_defaults(quick=True, prompts=8, repeats=1,
+                          max_new_tokens=16)
   import jax
   from flax import nnx
   timing.fake_cpu_devices(8)

@@ -47,6 +47,9 @@ Runs on the default devices (one CPU device unless told otherwise) with a
 rollout layout over one device; `--devices=N` asks JAX for N host devices
 and decodes with tensor parallelism N inside one replica.
 
+`--smoke` (tests/test_benchmarks_smoke.py): every setting on a 1-layer
+64-wide model, 3 new tokens, one repeat; the numbers mean nothing.
+
 Prints a table, then one JSON line (last stdout line) with `decode_tok_s`
 (prefix rows, G=16, P=512) and `prefix_rows_speedup_g16_p512`.
 `--calibration_out=PATH` also fits the simulator's CPU decode costs to the
@@ -95,6 +98,8 @@ _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 2, "Model override.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Model override.")
 _MLP_DIM = flags.DEFINE_integer("mlp_dim", 768, "Model override.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 1024, "Model override.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "A 1-layer 64-wide model, 3 new "
+                           "tokens, one repeat: that it runs (tests).")
 
 GROUPS = (1, 4, 16)
 PROMPT_LENGTHS = (64, 512)
@@ -226,6 +231,11 @@ def _write_calibration(cfg: ModelConfig, steps_by_kv, path: str) -> None:
 def main(argv):
   del argv
   t_start = time.perf_counter()
+  if _SMOKE.value:  # Every (G, P) setting still runs: the same engines.
+    timing.smoke_defaults(
+        quick=True, max_new_tokens=3, repeats=1, num_layers=1, embed_dim=64,
+        num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128,
+        vocab_size=256)
   if _DEVICES.value > 0:  # Before anything initialises the CPU backend.
     timing.fake_cpu_devices(_DEVICES.value)
   quick = _QUICK.value

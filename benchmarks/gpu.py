@@ -40,11 +40,13 @@ repartition: `Colocation.to_rollout` / `to_train` of the fp32 policy on
 
 Timings are medians over --repeats. --quick (CPU, < 3 minutes): a 4-layer
 256-wide model, 4 prompts x G=4, prompt 128, 32 new tokens, T=256, xla
-attention only. Prints a table per part, then one JSON line (last stdout
-line): `prompt_once_decode_speedup` (repeated / shared decode seconds, the
-first impl), `decode_hbm_fraction` (shared, device time),
-`train_mfu`, `repartition_vs_one_shot` (one-shot / ours, round trip), and
-every figure under its part's key. H100 results: docs/results.md ("GPU")
+attention only; --smoke (tests/test_benchmarks_smoke.py): --quick with 1
+layer, prompt 32, 16 new tokens, T=64, one repeat. Prints a table per part,
+then one JSON line (last stdout line): `prompt_once_decode_speedup`
+(repeated / shared decode seconds, the first impl), `decode_hbm_fraction`
+(shared, device time), `train_mfu`, `repartition_vs_one_shot` (one-shot /
+ours, round trip), and every figure under its part's key (`decode`,
+`train`, `repartition`). H100 results: docs/results.md ("GPU")
 and benchmarks/results/gpu_h100.json.
 """
 
@@ -97,6 +99,9 @@ _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Dense bf16 peak; 0: "
 _HBM = flags.DEFINE_float("hbm_tb_s", 0.0, "HBM bandwidth; 0: from the "
                           "device kind (H100 3.35, H200 4.8).")
 _OUT = flags.DEFINE_string("json_out", "", "Also write the JSON here.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "--quick on a 1-layer model, "
+                           "shorter sequences, one repeat: that it runs "
+                           "(tests/test_benchmarks_smoke.py).")
 _PROFILE = flags.DEFINE_bool("profile", True, "Decode: a profiler trace of "
                              "one mid-decode step run alone, summed per "
                              "device kernel (where the step's time goes).")
@@ -398,7 +403,8 @@ def train_part() -> dict:
   from rlhf_jax.rl.learner import OptimConfig, make_optimizer
 
   peak_tflops, _ = _peaks()
-  B, T = (4, 256) if _QUICK.value else (_B.value, _T.value)
+  B, T = ((2, 64) if _SMOKE.value else (4, 256) if _QUICK.value
+          else (_B.value, _T.value))
   cfg = _model_cfg(param_dtype="float32", compute_dtype="bfloat16",
                    scan_layers=True, remat=_REMAT.value, attention="auto")
   layout = mesh_lib.train_layout(_one_device_mesh())
@@ -519,9 +525,14 @@ PARTS = {"decode": decode_part, "train": train_part,
 
 def main(argv):
   del argv
+  if _SMOKE.value:
+    flags.FLAGS.quick = True
   if _QUICK.value:
-    for flag, value in (("prompts", 4), ("samples", 4), ("prompt_len", 128),
-                        ("new_tokens", 32), ("repeats", 2)):
+    sizes = dict(prompts=4, samples=4, prompt_len=128, new_tokens=32,
+                 repeats=2)
+    if _SMOKE.value:  # --quick's parts and impls, smaller.
+      sizes.update(num_layers=1, prompt_len=32, new_tokens=16, repeats=1)
+    for flag, value in sizes.items():
       if not flags.FLAGS[flag].present:
         flags.FLAGS[flag].value = value
   try:  # Threefry as one GPU kernel: XLA compiles inlined copies slowly.

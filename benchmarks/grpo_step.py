@@ -7,7 +7,12 @@ python -m benchmarks.grpo_step [--quick] [--config.model.overrides.num_layers=4]
 Runs the default job's config (no SFT: the phases cost the same on random
 weights), skips the first step (compilation), and reports medians over the
 rest. The baseline for `steps_per_s_vs_first` is the compile-included first
-step of the same run.
+step of the same run. `--smoke` (tests/test_benchmarks_smoke.py): 8
+prompts, one timed step; its numbers mean nothing.
+
+Last stdout line: JSON with `steps_per_s`, `tokens_per_s`,
+`steps_per_s_vs_first`, and the phases' medians `repartition_s`,
+`rollout_s`, `scoring_s`, `train_s`.
 """
 
 import json
@@ -18,10 +23,14 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import timing
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/tiny_grpo.py", "GRPO config to time.")
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer steps (< 3 minutes).")
 _STEPS = flags.DEFINE_integer("steps", 12, "Timed steps (after one warm-up).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "One timed step of 8 prompts: "
+                           "that it runs (tests), not a measurement.")
 
 PHASES = ("perf/repartition_s", "perf/rollout_s", "perf/scoring_s",
           "perf/train_s", "perf/step_s", "perf/tokens_per_s")
@@ -35,6 +44,9 @@ def main(argv):
   from rlhf_jax.trainers import grpo
 
   config = _CONFIG.value
+  if _SMOKE.value:  # The runlocal batch (configs/common.shrink_addition_rl).
+    timing.smoke_defaults(steps=1)
+    config.train.prompts_per_step = config.rollout.num_rows = 8
   job = grpo.build(config)
   state = job.learner.init_state(job.params)
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)

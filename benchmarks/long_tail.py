@@ -49,6 +49,9 @@ hidden behind tail decoding: ~0 here, 8 fake devices share 2 cores). It
 predicts the speedup of ours over static, the step counts (equal to the
 live driver's) and the idle fractions.
 
+`--smoke` (tests/test_benchmarks_smoke.py): --quick's modes and PPO step
+on 16 prompts of up to 16 tokens, one repeat; the numbers mean nothing.
+
 Prints a table, then one JSON line (last stdout line) with
 `speedup_vs_static`, `idle_fraction_static`, `idle_fraction_ours`,
 `sim_speedup_vs_static`, `live_speedup_vs_static`, `sim_rel_error`
@@ -94,6 +97,8 @@ _TAU = flags.DEFINE_float("cut_tau", 0.8, "tau of rlhfless's local cut.")
 _PPO_CHUNKED = flags.DEFINE_bool(
     "ppo_chunked", None, "Also the PPO step's chunked mode (unfused -> fused "
     "split into chunking and overlap); default: not with --quick.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "16 prompts of up to 16 tokens, "
+                           "one repeat: that it runs (tests).")
 _PPO_PACK = flags.DEFINE_integer(
     "ppo_pack_length", 0, "The PPO step's training batch in packed rows of "
     "this many tokens (rl.pack_length; 0: padded rows).")
@@ -293,6 +298,9 @@ def _summary(lt, runs, requests):
 
 def main(argv):
   del argv
+  if _SMOKE.value:  # Every mode and the PPO step still run.
+    timing.smoke_defaults(quick=True, prompts=16, repeats=1,
+                          max_new_tokens=16, median_len=4.0)
   import jax
   timing.fake_cpu_devices(REPLICAS)
   jax.config.update("jax_platforms", "cpu")

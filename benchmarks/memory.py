@@ -43,6 +43,9 @@ step with the code paths it replaces (`*_before`: layers in a Python loop,
 no remat, T x T attention, the whole [B*T, V] logits); in --quick on
 `qwen2.5-0.5b` only (`small.*`), the full run on every preset.
 
+`--smoke` (tests/test_benchmarks_smoke.py): --quick's programs on the
+`tiny` preset (also as `small`) with 64 + 192 tokens; numbers meaningless.
+
 Last stdout line: JSON with `<preset>.train_gib_per_device`,
 `<preset>.decode_gib_per_device`, `<preset>.compile_s`, ..., and
 `small.train_temp_ratio` = temporary bytes before / after.
@@ -63,11 +66,24 @@ _QUICK = flags.DEFINE_bool("quick", False, "One preset; baseline on the small "
                            "model only (< 3 minutes).")
 _PRESETS = flags.DEFINE_list("presets", None, "Model presets (default: "
                              "qwen2.5-7b in --quick, + llama3.1-8b).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "The tiny preset in every role "
+                           "and short sequences: that it compiles (tests).")
 _DEVICES = 8
 GIB = 2**30
 # Per device per micro-batch: 4 sequences of 512 + 3584 tokens, G = 8.
 SEQ_PER_DEVICE, PROMPT, RESPONSE, G = 4, 512, 3584, 8
 DECODE_ROWS, DECODE_G = 32, 8
+SMALL = "qwen2.5-0.5b"  # The baseline's model (`small.*`).
+
+
+def _use_smoke_shapes() -> None:
+  """`--smoke`: the same programs on the tiny preset and 64 + 192 tokens.
+
+  The shapes are module constants the measuring functions read when they
+  run; only `--smoke` rebinds them, before anything is measured.
+  """
+  global PROMPT, RESPONSE, SMALL
+  PROMPT, RESPONSE, SMALL = 64, 192, "tiny"
 
 
 def _abstract(tree, shardings):
@@ -234,6 +250,9 @@ def main(argv):
   import jax
   timing.fake_cpu_devices(_DEVICES)
   jax.config.update("jax_platforms", "cpu")
+  if _SMOKE.value:
+    timing.smoke_defaults(quick=True, presets=["tiny"])
+    _use_smoke_shapes()
   t_start = time.perf_counter()
   presets = _PRESETS.value or (["qwen2.5-7b"] if _QUICK.value
                                else ["qwen2.5-7b", "llama3.1-8b"])
@@ -282,8 +301,8 @@ def main(argv):
     if not _QUICK.value:
       measure(preset, preset, before=True)
   for before in (False, True):  # The baseline on a model both compile for.
-    measure("small", "qwen2.5-0.5b", before=before)
-  out["small.preset"] = "qwen2.5-0.5b"
+    measure("small", SMALL, before=before)
+  out["small.preset"] = SMALL
   out["small.train_temp_ratio"] = round(
       out["small.train_temp_gib_before"] / out["small.train_temp_gib"], 2)
 

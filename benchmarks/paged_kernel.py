@@ -15,8 +15,11 @@ pages are scattered (a random permutation, as after churn):
 Each configuration's output is checked against the default's. Times are the
 median of calls dispatched back to back (launch included, as in a step).
 TB/s counts each segment's keys and values once. On GPU the Triton kernel;
---quick runs tiny shapes in interpret mode on CPU (a check that it runs).
-The last stdout line is JSON: each part's best over default time.
+--quick runs tiny shapes in interpret mode on CPU (a check that it runs);
+--smoke (tests/test_benchmarks_smoke.py) is --quick timing one call.
+The last stdout line is JSON: each part's best over default time and both
+times, `<part>.best_vs_default`, `<part>.default_us`, `<part>.best_us` for
+the parts `shared_prompt`, `repeated_prompt` and `own`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from kernels_pallas import paged_decode_attention_gpu as gpu
 
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, interpret mode.")
@@ -40,6 +44,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed batches (median).")
 _BUDGET = flags.DEFINE_float("budget_s", 55.0, "Seconds per part's sweep; "
                              "configurations past it are skipped.")
 _OUT = flags.DEFINE_string("json_out", "", "Also write the JSON here.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "--quick with one call per "
+                           "configuration: that it runs (tests).")
 
 
 def _setting():
@@ -169,6 +175,8 @@ def sweep(part: str, s: dict) -> dict:
 
 def main(argv):
   del argv
+  if _SMOKE.value:
+    timing.smoke_defaults(quick=True, calls=1, repeats=1)
   s = _setting()
   dev = jax.devices()[0]
   print(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}; "

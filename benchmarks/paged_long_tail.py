@@ -33,7 +33,13 @@ A second, small case checks that the paged engine still reads a group's
 prompt once for its G samples (`paged_prefix_speedup_g16_p512`,
 `_prefix_case`).
 
-Prints a table, then one JSON line (last stdout line).
+`--smoke` (tests/test_benchmarks_smoke.py): 4 prompts x G=2 of 16 tokens,
+lengths up to 32, and a small prefix case; the numbers mean nothing.
+
+Prints a table, then one JSON line (last stdout line) with
+`long_tail_speedup_vs_static`, `paged_prefix_speedup_g16_p512`,
+`kv_reserved_over_live`, `static_kv_reserved_over_live`, `paged_seconds`,
+`static_seconds`, `preemptions`, `device`, `jax`.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
+from benchmarks import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "One timed run per variant.")
 _PROMPTS = flags.DEFINE_integer("prompts", 32, "Prompts.")
 _G = flags.DEFINE_integer("samples", 8, "Samples per prompt.")
@@ -71,6 +79,9 @@ _PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
 _LAYERS = flags.DEFINE_integer("num_layers", 1, "Model layers.")
 _HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads.")
 _KV_HEADS = flags.DEFINE_integer("num_kv_heads", 1, "KV heads.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "4 prompts x 2 samples of up to "
+                           "32 tokens, a small prefix case: that it runs "
+                           "(tests).")
 
 
 def _requests(rng, cfg):
@@ -92,6 +103,9 @@ def _run(driver, requests):
 
 def main(argv):
   del argv
+  if _SMOKE.value:
+    timing.smoke_defaults(quick=True, prompts=4, samples=2, prompt_len=16,
+                          mean_len=8, max_new_tokens=32, paged_slots=8)
   t_start = time.perf_counter()
   cfg = ModelConfig.tiny(num_layers=_LAYERS.value, embed_dim=256,
                          num_heads=_HEADS.value,
@@ -176,7 +190,7 @@ def main(argv):
         f"(s): "
         f"{runs}. Static 'peak live' is the largest number of tokens its rows "
         f"held at once in a replay of its row schedule.")
-  prefix = _prefix_case(3 if _QUICK.value else 7)
+  prefix = _prefix_case(3 if _QUICK.value else 7, smoke=_SMOKE.value)
   print(f"prompt once per group (paged, G=16, P=512, 32 new tokens): "
         f"{prefix['speedup']:.2f}x decode vs the prompt repeated 16 times "
         f"({prefix['shared_ms_per_step']:.1f} vs "
@@ -193,22 +207,29 @@ def main(argv):
       device=jax.devices()[0].device_kind, jax=jax.__version__)))
 
 
-def _prefix_case(repeats: int) -> dict:
+def _prefix_case(repeats: int, smoke: bool = False) -> dict:
   """The prompt-once read survives paging: 16 samples of one 512-token
   prompt as ONE group of 16 vs 16 groups of 1 (the prompt repeated, sample
   indices 0..15: the same samples), 32 new tokens, the paged engine in both,
   on `benchmarks.engine`'s model (4 layers, 8 query / 2 kv heads of 64,
   4.2M params). Decode steps after admission are timed (prefill excluded),
   after an untimed compile run; the speedup is the median over repeats of
-  the paired ratio repeated / shared."""
-  cfg = ModelConfig.tiny(num_layers=4, embed_dim=256, num_heads=8,
-                         num_kv_heads=2, head_dim=64, mlp_dim=768,
-                         vocab_size=1024)
+  the paired ratio repeated / shared. `smoke`: a 1-layer 64-wide model, 5
+  new tokens, one repeat (tests/test_benchmarks_smoke.py)."""
+  if smoke:
+    cfg = ModelConfig.tiny(num_layers=1, embed_dim=64, num_heads=2,
+                           num_kv_heads=1, head_dim=32, mlp_dim=128,
+                           vocab_size=1024)
+    repeats = 1
+  else:
+    cfg = ModelConfig.tiny(num_layers=4, embed_dim=256, num_heads=8,
+                           num_kv_heads=2, head_dim=64, mlp_dim=768,
+                           vocab_size=1024)
   layout = mesh_lib.rollout_layout(
       mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1]))
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   params = mesh_lib.to_layout(params, layout)
-  P, M, S = 512, 32, 16
+  P, M, S = 512, 5 if smoke else 32, 16  # Steps 3..M decode: timed.
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
   prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, P)
   prompt = prompt.astype(np.int32)

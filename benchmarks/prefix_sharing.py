@@ -41,6 +41,10 @@ Model: `ModelConfig.tiny` widened as in benchmarks/engine.py (4 layers, embed
 bigger than the tests' tiny model so that attention and prompt work are not
 lost in per-op dispatch overhead on CPU.
 
+`--smoke` (tests/test_benchmarks_smoke.py): the same settings on a 1-layer
+64-wide model with 3 new tokens (8 response tokens in training) and one
+repeat, and the common prefix's smoke; the numbers mean nothing.
+
 Prints a table, then one JSON line (last stdout line) with
 `rollout_speedup` and `theoretical_kv_read_ratio` (G=16, P=512),
 `train_step_speedup`, `kv_bytes_ratio` (repeated / shared decode state,
@@ -69,10 +73,13 @@ from rlhf_jax.rl import objectives
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
 
 from benchmarks import common_prefix
+from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats (< 3 minutes).")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 0, "Timed repeats per setting; 0 means 2 (--quick) or 5.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "A 1-layer 64-wide model, 3 new "
+                           "tokens, one repeat: that it runs (tests).")
 
 SAMPLES = 16                                # Live samples per rollout.
 ROLLOUT_CASES = ((16, 512, 64), (4, 128, 64))  # (G, P, M); headline first.
@@ -80,6 +87,9 @@ TRAIN_CASE = (8, 256, 64)                   # (G, P, R).
 
 
 def _model_config() -> ModelConfig:
+  if _SMOKE.value:  # common_prefix's smoke model.
+    return common_prefix._model_config(  # pylint: disable=protected-access
+        smoke=True)
   return ModelConfig.tiny(num_layers=4, embed_dim=256, num_heads=8,
                           num_kv_heads=2, head_dim=64, mlp_dim=768,
                           vocab_size=1024)
@@ -183,8 +193,8 @@ def _train_samples(cfg, G, P, R, N, rng):
   return out
 
 
-def _train_case(cfg, layout, repeats, rng, N):
-  G, P, R = TRAIN_CASE
+def _train_case(cfg, layout, repeats, rng, N, case=TRAIN_CASE):
+  G, P, R = case
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
       clip_high=0.28, kl_coef=0.01, aggregation="token-mean", max_len=R))
@@ -284,8 +294,13 @@ def _table(rollouts, train) -> str:
 def main(argv):
   del argv
   t_start = time.perf_counter()
+  if _SMOKE.value:
+    timing.smoke_defaults(quick=True, repeats=1)
   quick = _QUICK.value
   repeats = _REPEATS.value or (2 if quick else 5)
+  # --smoke: the same settings with 3 new tokens (8 in training).
+  cases = tuple((G, P, 3 if _SMOKE.value else M) for G, P, M in ROLLOUT_CASES)
+  train_case = TRAIN_CASE[:2] + (8,) if _SMOKE.value else TRAIN_CASE
   cfg = _model_config()
   mesh = mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])
   rollout_layout = mesh_lib.rollout_layout(mesh)
@@ -298,7 +313,7 @@ def main(argv):
         f"repeats={repeats}", flush=True)
   rng = np.random.default_rng(0)
   rollouts = []
-  for G, P, M in ROLLOUT_CASES:
+  for G, P, M in cases:
     rollouts.append(_rollout_case(cfg, graphdef, params, rollout_layout, G, P,
                                   M, repeats, rng))
     r = rollouts[-1]
@@ -306,12 +321,14 @@ def main(argv):
           f"{r['repeated_s']:.2f}s, {r['speedup']:.2f}x "
           f"({time.perf_counter() - t_start:.0f}s)", flush=True)
   del params
-  train = _train_case(cfg, train_layout, repeats, rng, N=1 if quick else 2)
+  train = _train_case(cfg, train_layout, repeats, rng, N=1 if quick else 2,
+                      case=train_case)
   print(f"  train G={train['G']} P={train['P']}: shared "
         f"{train['shared_s']:.2f}s, repeated {train['repeated_s']:.2f}s, "
         f"{train['speedup']:.2f}x ({time.perf_counter() - t_start:.0f}s)",
         flush=True)
-  common = common_prefix.measure(quick, log=lambda m: print(m, flush=True))
+  common = common_prefix.measure(quick, log=lambda m: print(m, flush=True),
+                                 smoke=_SMOKE.value)
   print()
   print(_table(rollouts, train))
   print()

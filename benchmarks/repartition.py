@@ -37,6 +37,8 @@ Model (default): ModelConfig.tiny with 8 layers, embed 512, 8 heads / 4 kv
 heads of 64, MLP 2048, vocab 32000, untied head: 64.2M params (245 MiB
 fp32). Runs on 8 host CPU devices (forced), the machine's real memory.
 `--quick` took 28-96 s on a shared 2-core CPU (depending on its load).
+`--smoke` (tests/test_benchmarks_smoke.py): a 2-layer 64-wide model and one
+repeat, both layouts, every key below; its numbers mean nothing.
 
 Prints a table, then one JSON line (last stdout line) with `repartition_s`,
 `device_put_s`, `speedup_vs_device_put`, `peak_bytes_over_one_copy` (the
@@ -57,6 +59,8 @@ import jax
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats (< 3 minutes).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "A 2-layer 64-wide model, one "
+                           "repeat: that it runs (tests), not a measurement.")
 _REPEATS = flags.DEFINE_integer("repeats", 0, "0 means 3 (--quick) or 7.")
 _LAYOUTS = flags.DEFINE_string(
     "layouts", "8x1:1,4x2:2",
@@ -235,6 +239,10 @@ def main(argv):
   from benchmarks import cpu_allocator
 
   cpu_allocator.reexec_with_retained_memory()
+  if _SMOKE.value:
+    timing.smoke_defaults(
+        repeats=1, num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1,
+        head_dim=32, mlp_dim=128, vocab_size=256)
   timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.models.config import ModelConfig

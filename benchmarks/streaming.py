@@ -21,6 +21,9 @@ share 2 cores here, so the parts compete with decoding for the same CPU:
 the tail ratio is the headline, the step ratio is not a target on this
 machine. The losses of the two modes must agree (the same update).
 
+`--smoke` (tests/test_benchmarks_smoke.py): 8 prompts, 8 new tokens, 2
+parts, one repeat; the numbers mean nothing.
+
 Last stdout line: JSON with `tail_vs_whole_batch`, `step_vs_whole_batch`,
 `streamed_groups_fraction`, `loss_rel_diff`, ...
 """
@@ -41,6 +44,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 0, "0: 5 (--quick) or 9.")
 _PROMPTS = flags.DEFINE_integer("prompts", 32, "Prompts per step.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 48, "Length cap.")
 _PARTS = flags.DEFINE_integer("stream_parts", 4, "Parts per step.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "8 prompts, 8 tokens, one "
+                           "repeat: that it runs (tests).")
 
 
 def _config(stream: bool):
@@ -72,6 +77,9 @@ def _phases(co, step: int) -> dict:
 
 def main(argv):
   del argv
+  if _SMOKE.value:
+    timing.smoke_defaults(quick=True, repeats=1, prompts=8, max_new_tokens=8,
+                          stream_parts=2)
   import jax
   timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")

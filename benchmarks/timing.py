@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks."""
+"""Timing and run-size helpers shared by the benchmarks."""
 
 import contextlib
 import os
@@ -20,6 +20,21 @@ def fake_cpu_devices(n: int) -> None:
   if CPU_SCHEDULER_FLAG not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
   jax.config.update("jax_num_cpu_devices", n)
+
+
+def smoke_defaults(**values) -> None:
+  """Sets each absl flag in `values` that the command line did not give.
+
+  A benchmark's `--smoke` calls it first thing in `main`: the smallest
+  sizes, steps and repeats of the same code path, so that
+  tests/test_benchmarks_smoke.py runs every module in seconds. The values
+  go in only under `--smoke`, so the normal and `--quick` runs measure what
+  they did; a flag given explicitly wins over the smoke value.
+  """
+  from absl import flags
+  for name, value in values.items():
+    if not flags.FLAGS[name].present:
+      flags.FLAGS[name].value = value
 
 
 def median_time(fn, n: int = 5) -> float:
