@@ -3,7 +3,8 @@
   python -m benchmarks.long_tail [--quick]
 
 Setting: a tiny random model (`ModelConfig.tiny`, vocab 256) on 8 forced CPU
-devices, rollout layout 8 replicas x TP 1, `rows_per_replica` rows of G
+devices, rollout layout 8 replicas x TP 1 (`--replicas`: the first that
+many devices), `rows_per_replica` rows of G
 samples each, max M new tokens. Lengths are long-tailed by construction:
 each prompt draws a mean from a lognormal (median `median_len`, sigma 0.9),
 each of its G samples a length from a lognormal around it (sigma 0.5),
@@ -50,7 +51,9 @@ predicts the speedup of ours over static, the step counts (equal to the
 live driver's) and the idle fractions.
 
 `--smoke` (tests/test_benchmarks_smoke.py): --quick's modes and PPO step
-on 16 prompts of up to 16 tokens, one repeat; the numbers mean nothing.
+on 4 replicas (the fewest where ours consolidates and rlhfless releases),
+16 prompts of up to 16 tokens, one warm-up epoch, one repeat, 4-step
+calibrations; the numbers mean nothing.
 
 Prints a table, then one JSON line (last stdout line) with
 `speedup_vs_static`, `idle_fraction_static`, `idle_fraction_ours`,
@@ -97,16 +100,18 @@ _TAU = flags.DEFINE_float("cut_tau", 0.8, "tau of rlhfless's local cut.")
 _PPO_CHUNKED = flags.DEFINE_bool(
     "ppo_chunked", None, "Also the PPO step's chunked mode (unfused -> fused "
     "split into chunking and overlap); default: not with --quick.")
-_SMOKE = flags.DEFINE_bool("smoke", False, "16 prompts of up to 16 tokens, "
-                           "one repeat: that it runs (tests).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "16 prompts of up to 16 tokens "
+                           "on 4 replicas, one repeat: that it runs (tests).")
+_REPLICAS = flags.DEFINE_integer(
+    "replicas", 8, "Rollout replicas (TP 1), the first of the 8 fake CPU "
+    "devices; every size 1..replicas gets its own engine programs.")
 _PPO_PACK = flags.DEFINE_integer(
     "ppo_pack_length", 0, "The PPO step's training batch in packed rows of "
     "this many tokens (rl.pack_length; 0: padded rows).")
 
 PROMPT_LEN = 16
-REPLICAS = 8
+DEVICES = 8  # Fake CPU devices; the rollout uses the first --replicas.
 MODES = ("static", "continuous", "ours", "rlhfless")
-SIZES = tuple(range(1, REPLICAS + 1))  # Engines rlhfless's releases use.
 
 
 def length_trace(n_prompts, G, max_new, median, seed):
@@ -299,10 +304,11 @@ def _summary(lt, runs, requests):
 def main(argv):
   del argv
   if _SMOKE.value:  # Every mode and the PPO step still run.
+    # 4 replicas: 4 engine sizes compile instead of 8 (most of the time).
     timing.smoke_defaults(quick=True, prompts=16, repeats=1,
-                          max_new_tokens=16, median_len=4.0)
+                          max_new_tokens=16, median_len=4.0, replicas=4)
   import jax
-  timing.fake_cpu_devices(REPLICAS)
+  timing.fake_cpu_devices(DEVICES)
   jax.config.update("jax_platforms", "cpu")
   from rlhf_jax.engine.driver import Request
   from rlhf_jax.engine.engine_set import EngineSet
@@ -319,8 +325,10 @@ def main(argv):
   n_prompts = _PROMPTS.value or (48 if _QUICK.value else 96)
   repeats = _REPEATS.value or (3 if _QUICK.value else 5)
   G, M, rpr, chunk = _G.value, _MAX_NEW.value, _RPR.value, _CHUNK.value
+  replicas = _REPLICAS.value
+  sizes = tuple(range(1, replicas + 1))  # Engines rlhfless's releases use.
   cfg = ModelConfig.tiny(vocab_size=256)
-  mesh = mesh_lib.make_mesh(fsdp=REPLICAS)
+  mesh = mesh_lib.make_mesh(fsdp=replicas, devices=jax.devices()[:replicas])
   layout = mesh_lib.rollout_layout(mesh, 1)
   train = mesh_lib.train_layout(mesh)
   graphdef, params = model_lib.init_params(cfg, 0, train)
@@ -345,25 +353,30 @@ def main(argv):
   for name, tail in _tail_configs(chunk, _R_T.value).items():
     lt = LocalRollout(engines, tail=tail, history=LengthHistory(1.0),
                       timeline=Timeline(None))
-    for i in range(2):  # Epoch 1 fills the length history; both compile.
+    # Epoch 1 fills the length history; both compile. --smoke: epoch 1
+    # only (the timed repeat compiles what epoch 2 would have).
+    for i in range(1 if _SMOKE.value else 2):
       _run(lt, params, requests, scorer, step=-1 - i)
     rollouts[name] = lt
   print(f"  warm-up done ({time.perf_counter() - t_start:.0f}s)", flush=True)
   ours = rollouts["ours"]
   prefill_s = _time_prefill(ours, params, requests[0])
-  for m in SIZES:  # Warm-up of the calibration rollouts.
+  # --smoke: calibrations of 4 steps, not warmed up (their step costs mean
+  # nothing, like the rest of its numbers).
+  calib = dict(steps=4) if _SMOKE.value else {}
+  for m in () if _SMOKE.value else sizes:  # Calibration warm-up.
     _time_steps(ours, params, m, requests[0].tokens, prefill_s)
   # Timed runs, modes interleaved repeat by repeat (the machine is shared),
   # each repeat followed by a step-cost calibration of every engine size.
   runs = {name: [] for name in MODES}
-  step_times = {m: [] for m in SIZES}
+  step_times = {m: [] for m in sizes}
   for i in range(repeats):
     for name in MODES:
       runs[name].append(_run(rollouts[name], params, requests, scorer,
                              step=i))
-    for m in SIZES:
+    for m in sizes:
       step_times[m].append(_time_steps(ours, params, m, requests[0].tokens,
-                                       prefill_s))
+                                       prefill_s, **calib))
     print(f"  repeat {i + 1}: " + ", ".join(
         f"{k} {v[-1].stats['perf/rollout_wall_s']:.2f}s" for k, v in runs.items())
           + f" ({time.perf_counter() - t_start:.0f}s)", flush=True)
@@ -378,16 +391,17 @@ def main(argv):
   l_stats = live["rlhfless"][1]
   release_s = l_stats["perf/move_s"] / max(1, l_stats["rollout/releases"])
   tail_sizes = [m for m in ours.engines.sizes
-                if o_stats["rollout/consolidated_replicas"] <= m < REPLICAS]
+                if o_stats["rollout/consolidated_replicas"] <= m < replicas]
   overlaps = {m: _score_overlap(ours, params, scorer, samples, m, step_s[m],
-                                score_s) for m in tail_sizes}
+                                score_s, n=1 if _SMOKE.value else 5)
+              for m in tail_sizes}
   overlap = statistics.fmean(overlaps.values()) if overlaps else 0.0
 
   def simulate(step_s):
     def costs(move_s):
       return sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
                                 score_s=score_s, move_s=move_s)
-    args = dict(replicas=REPLICAS, rows_per_replica=rpr,
+    args = dict(replicas=replicas, rows_per_replica=rpr,
                 score_chunk=chunk, score_overlap=overlap)
     out = sim_rows.simulate_policies(
         trace, costs=costs(move_s),
@@ -419,7 +433,7 @@ def main(argv):
   lengths = trace.ravel()
   print(f"\ntrace: {n_prompts} prompts x G={G}, lengths median "
         f"{np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, "
-        f"max {lengths.max()} (cap {M}); {REPLICAS} replicas x {rpr} rows; "
+        f"max {lengths.max()} (cap {M}); {replicas} replicas x {rpr} rows; "
         f"median of {repeats}")
   head = (f"{'mode':<12}{'wall s':>8}{'sim s':>8}{'steps':>7}{'sim':>6}"
           f"{'idle':>7}{'sim':>7}{'replicas':>9}{'sim':>5}{'switch':>6}"
@@ -459,7 +473,7 @@ def main(argv):
                  else _PPO_CHUNKED.value),
         pack_length=_PPO_PACK.value,
         sim_rollout=lambda score_s, fusion: sim_rows.simulate(
-            trace, replicas=REPLICAS, rows_per_replica=rpr, policy="ours",
+            trace, replicas=replicas, rows_per_replica=rpr, policy="ours",
             costs=sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
                                      score_s=score_s, move_s=move_s),
             consolidate_below=_R_T.value, score_chunk=chunk,
