@@ -53,7 +53,7 @@ live driver's) and the idle fractions.
 `--smoke` (tests/test_benchmarks_smoke.py): --quick's modes and PPO step
 on 4 replicas (the fewest where ours consolidates and rlhfless releases),
 16 prompts of up to 16 tokens, one warm-up epoch, one repeat, 4-step
-calibrations; the numbers mean nothing.
+calibrations, no PPO warm-up step; the numbers mean nothing.
 
 Prints a table, then one JSON line (last stdout line) with
 `speedup_vs_static`, `idle_fraction_static`, `idle_fraction_ours`,
@@ -471,7 +471,7 @@ def main(argv):
         repeats=repeats, log=lambda line: print(line, flush=True),
         chunked=(not _QUICK.value if _PPO_CHUNKED.value is None
                  else _PPO_CHUNKED.value),
-        pack_length=_PPO_PACK.value,
+        pack_length=_PPO_PACK.value, warmup=not _SMOKE.value,
         sim_rollout=lambda score_s, fusion: sim_rows.simulate(
             trace, replicas=replicas, rows_per_replica=rpr, policy="ours",
             costs=sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,

@@ -168,7 +168,7 @@ class PPOStep:
 
 def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
         max_new, group_size, repeats, sim_rollout, chunked=True,
-        pack_length=0, log=print) -> dict:
+        pack_length=0, warmup=True, log=print) -> dict:
   """Warm-up, then `repeats` PPO steps per mode, interleaved; the medians
   and paired ratios (unfused / fused of the same repeat); the simulator's
   step per mode: `sim_rollout(score_s, fusion)` (the row simulator's
@@ -177,14 +177,16 @@ def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
   rollout, its length history filled. Without `chunked`, unfused and
   fused only (no `fused_vs_chunked`, `chunked_vs_unfused`). `pack_length`:
   the training batch in packed rows of that many tokens (`rl.pack_length`)
-  in every mode."""
+  in every mode. `warmup=False` (`benchmarks.long_tail --smoke`): no
+  warm-up steps and no reruns, the timed steps compile (their times mean
+  nothing)."""
   modes = MODES if chunked else ("unfused", "fused")
   bench = PPOStep(cfg, graphdef, layout, train, make_rollout(),
                   prompt_len=prompt_len, max_new=max_new,
                   group_size=group_size, pack_length=pack_length)
   # One warm-up step per mode compiles every engine, move and chunk shape
   # it meets (`make_rollout`'s length history is already filled).
-  for mode in modes:
+  for mode in modes if warmup else ():
     bench.step(mode, requests, step=100 + MODES.index(mode))
   # A fused chunk's program depends on which replicas the tail freed and
   # on the chunk's shape, so a timed step can still meet one the warm-up
@@ -196,11 +198,12 @@ def run(cfg, graphdef, layout, train, make_rollout, requests, *, prompt_len,
   step = 1000
   for i in range(repeats):
     for mode in modes:
-      for attempt in range(3):
+      attempts = 3 if warmup else 1
+      for attempt in range(attempts):
         step += 1
         with timing.count_compiles() as compiles:
           result = bench.step(mode, requests, step=step)
-        if not compiles.n or attempt == 2:
+        if not compiles.n or attempt == attempts - 1:
           break
         rerun[mode] += 1
       runs[mode].append(result)
