@@ -24,7 +24,13 @@ from rlhf_jax.trainers import grpo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runlocal, trimmed: 2 RL steps, a small eval set (eval at steps 0 and 2).
+# The warm-start's rate is the one this comparison was written with: at the
+# default job's 1e-3 (e5c005d) the two runs' step-2 train/approx_kl differed
+# by 30% (5.0e-4 vs 7.1e-4), more than reduction order explains; not yet
+# understood (a sampled token that flips between the two runs is the
+# suspect), and open in docs/results.md's default-job section.
 OVERRIDES = {"train.steps": 2, "sft.steps": 4, "sft.log_every": 2,
+             "sft.learning_rate": 3e-3,
              "eval.every": 2, "task.num_eval": 16, "eval.batch_size": 16,
              "eval.num_rows": 8}
 MAIN_ARGS = ["--config=configs/tiny_grpo.py:runlocal"] + [
