@@ -114,6 +114,9 @@ def test_bf16_grpo_reward_rises(mesh8, tmp_path):
   c = tiny_grpo.get_config("runlocal")
   c.model.compute_dtype = "bfloat16"
   c.sft.steps = 150
+  # The warm-start this test was written with (the default job's moved to
+  # lr 1e-3 on 2026-11-28; this test does not follow it).
+  c.sft.learning_rate = 3e-3
   c.train.update(steps=60, prompts_per_step=32, checkpoint_every=100)
   c.rollout.num_rows = 32
   c.eval.every = 100
