@@ -33,6 +33,18 @@ _NO_BACKEND_OPTIMIZATION = os.environ["JAX_PLATFORMS"] == "cpu"
 if _NO_BACKEND_OPTIMIZATION:
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
+# torch (the transformers and PEFT oracles) makes /tmp/torchinductor_<user>
+# when imported; the run keeps it in a directory of its own that it removes
+# at exit (the xdist workers and the jobs tests start inherit the variable).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+  import atexit  # noqa: E402
+  import shutil  # noqa: E402
+  import tempfile  # noqa: E402
+  os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="rlhf-jax-torchinductor-")
+  atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                  ignore_errors=True)
+
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402
 
