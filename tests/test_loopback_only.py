@@ -4,7 +4,7 @@ Project rule: code, tests, CI and benchmarks send traffic only to loopback
 (127.0.0.0/8, ::1) or into network namespaces a test made itself. Each test
 here runs a subprocess under `strace -f` and fails on any address a
 connect, bind, sendto, sendmsg or sendmmsg names outside loopback: DNS
-queries to a resolver and cloud metadata probes (169.254.169.254) included,
+queries to a resolver and cloud metadata probes (the link-local metadata address) included,
 refused attempts too. A bind to the wildcard (0.0.0.0, ::) fails as well,
 unless WILDCARD_BINDS names it. AF_UNIX and AF_NETLINK are fine.
 

@@ -1,12 +1,13 @@
 """A local Ray cluster whose traffic stays on loopback (127.0.0.1).
 
 Left to itself, Ray 2.60 sends packets off the machine while it starts a
-local cluster: it finds the node's address by a UDP connect to 8.8.8.8:53,
-then serves and connects on the interface address it got back (not 127/8);
-and its API-server process (started even with the dashboard off, to run
-`UsageStatsHead`) asks cloud metadata servers (169.254.169.254, a DNS
-lookup of metadata.google.internal) which cloud it runs on, whether usage
-stats are on or off. `init_local` closes each of these, for the jobs'
+local cluster: it finds the node's address by a UDP connect to a public
+DNS resolver's port 53, then serves and connects on the interface address
+it got back (not 127/8); and its API-server process (started even with the
+dashboard off, to run `UsageStatsHead`) asks cloud metadata servers (the
+link-local metadata address, a DNS lookup of metadata.google.internal)
+which cloud it runs on, whether usage stats are on or off. `init_local`
+closes each of these, for the jobs'
 local clusters (`rollout/elastic.py`) and the tests' alike:
 
   ray = ray_local.init_local(num_cpus=3, temp_dir=short_dir)
@@ -24,7 +25,7 @@ LOOPBACK = "127.0.0.1"
 
 # Read by Ray when it is imported, in this process and in every Ray process
 # (they inherit it): with it 0, `services.get_node_ip_address` returns
-# 127.0.0.1 without the UDP probe of 8.8.8.8, and `ray.init` keeps
+# 127.0.0.1 without the UDP probe of a public resolver, and `ray.init` keeps
 # `_node_ip_address="127.0.0.1"` instead of rewriting it to that probe's
 # answer. It only refuses `ray start --address=...` (joining another node),
 # which a local cluster never does.
