@@ -33,12 +33,15 @@ t0=$SECONDS
 # transformers), model and trainer-scale paths; 8-device tests skip.
 # TESTS (paths or node ids, split on spaces) and PARTS (part:seconds;
 # empty: none) override what runs.
-JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  timeout "${TESTS_S:-110}" python3 -m pytest -q -p no:cacheprovider \
-  -n "${TEST_WORKERS:-4}" -W ignore ${TESTS:-tests/test_kernels_paged.py \
-  tests/test_hf.py tests/test_model.py tests/test_train_scale.py \
-  tests/test_kernels_prefix.py} >>"$log" 2>&1
-echo "tests rc=$? in $((SECONDS - t0)) s" >>"$log"
+# TESTS=none skips them (a call that spends its minutes on the parts).
+if [[ ${TESTS:-} != none ]]; then
+  JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout "${TESTS_S:-110}" python3 -m pytest -q -p no:cacheprovider \
+    -n "${TEST_WORKERS:-4}" -W ignore ${TESTS:-tests/test_kernels_paged.py \
+    tests/test_hf.py tests/test_model.py tests/test_train_scale.py \
+    tests/test_kernels_prefix.py} >>"$log" 2>&1
+  echo "tests rc=$? in $((SECONDS - t0)) s" >>"$log"
+fi
 # A part may carry its own flags after '+': train+--remat=dots:65 runs the
 # train part with --remat=dots for at most 65 s, logged as train_remat-dots.
 # A name that is not a part of benchmarks.gpu is a benchmark module run with

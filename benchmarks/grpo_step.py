@@ -12,7 +12,13 @@ prompts, one timed step; its numbers mean nothing.
 
 Last stdout line: JSON with `steps_per_s`, `tokens_per_s`,
 `steps_per_s_vs_first`, and the phases' medians `repartition_s`,
-`rollout_s`, `scoring_s`, `train_s`.
+`rollout_s`, `scoring_s`, `train_s`; also `build_s` (the job's build),
+`first_step_s`, `peak_bytes` (the device's high-water mark, where the
+backend reports one), each timed step's phases, and with
+`--compilation_cache=DIR` what the first step loaded from and wrote to
+JAX's persistent cache there: run twice with one DIR to see what a warm
+cache saves the first step (docs/results.md, GPU). `--json_out` writes the
+same JSON to a file.
 """
 
 import json
@@ -31,6 +37,10 @@ _QUICK = flags.DEFINE_bool("quick", False, "Fewer steps (< 3 minutes).")
 _STEPS = flags.DEFINE_integer("steps", 12, "Timed steps (after one warm-up).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "One timed step of 8 prompts: "
                            "that it runs (tests), not a measurement.")
+_CACHE = flags.DEFINE_string(
+    "compilation_cache", "off", "A directory for JAX's persistent "
+    "compilation cache ('off': none); rlhf_jax/compile_cache.py.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON here.")
 
 PHASES = ("perf/repartition_s", "perf/rollout_s", "perf/scoring_s",
           "perf/train_s", "perf/step_s", "perf/tokens_per_s")
@@ -41,19 +51,25 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
+  from rlhf_jax import compile_cache
   from rlhf_jax.trainers import grpo
 
   config = _CONFIG.value
   if _SMOKE.value:  # The runlocal batch (configs/common.shrink_addition_rl).
     timing.smoke_defaults(steps=1)
     config.train.prompts_per_step = config.rollout.num_rows = 8
+  cache = compile_cache.setup(_CACHE.value, workdir="")
+  t0 = time.perf_counter()
   job = grpo.build(config)
   state = job.learner.init_state(job.params)
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
+  jax.block_until_ready((state, ref))
+  build_s = time.perf_counter() - t0
   steps = 4 if _QUICK.value else _STEPS.value
   t0 = time.perf_counter()
   state, _ = job.step(1, state, ref)
   first_s = time.perf_counter() - t0
+  cache_line = compile_cache.summary(cache) if cache else None
   records = []
   for step in range(2, steps + 2):
     state, metrics = job.step(step, state, ref)
@@ -69,11 +85,27 @@ def main(argv):
   print(f"{'perf/step_s':<22}{med['perf/step_s']:>10.3f}")
   print(f"{'perf/tokens_per_s':<22}{med['perf/tokens_per_s']:>10.1f}")
   print(f"{'first step (compile)':<22}{first_s:>10.3f}")
+  print(f"{'build (init, ref copy)':<22}{build_s:>10.3f}")
+  peak = (jax.local_devices()[0].memory_stats() or {}).get(
+      "peak_bytes_in_use")
+  if peak is not None:
+    print(f"peak device memory: {peak / 2**30:.2f} GiB")
+  if cache_line:
+    print(cache_line)
   summary = {"steps_per_s": 1.0 / med["perf/step_s"],
              "tokens_per_s": med["perf/tokens_per_s"],
              "steps_per_s_vs_first": first_s / med["perf/step_s"],
-             **{k.split("/")[1]: med[k] for k in PHASES[:4]}}
+             **{k.split("/")[1]: med[k] for k in PHASES[:4]},
+             "step_s": med["perf/step_s"], "first_step_s": first_s,
+             "build_s": build_s, "peak_bytes": peak,
+             "compilation_cache": cache_line,
+             "device": jax.devices()[0].device_kind,
+             "per_step": [{k.split("/")[1]: r[k] for k in PHASES}
+                          for r in records]}
   sys.stdout.flush()
+  if _JSON_OUT.value:
+    with open(_JSON_OUT.value, "w") as f:
+      json.dump(summary, f, indent=1)
   print(json.dumps(summary))
 
 
