@@ -21,6 +21,7 @@ cache saves the first step (docs/results.md, GPU). `--json_out` writes the
 same JSON to a file.
 """
 
+import faulthandler
 import json
 import statistics
 import sys
@@ -41,6 +42,9 @@ _CACHE = flags.DEFINE_string(
     "compilation_cache", "off", "A directory for JAX's persistent "
     "compilation cache ('off': none); rlhf_jax/compile_cache.py.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON here.")
+_STACK_EVERY = flags.DEFINE_float(
+    "stack_every", 0, "Seconds between dumps of every thread's Python stack "
+    "to stderr (0: none): where the host is when a step runs long.")
 
 PHASES = ("perf/repartition_s", "perf/rollout_s", "perf/scoring_s",
           "perf/train_s", "perf/step_s", "perf/tokens_per_s")
@@ -55,6 +59,8 @@ def main(argv):
   from rlhf_jax.trainers import grpo
 
   config = _CONFIG.value
+  if _STACK_EVERY.value:
+    faulthandler.dump_traceback_later(_STACK_EVERY.value, repeat=True)
   if _SMOKE.value:  # The runlocal batch (configs/common.shrink_addition_rl).
     timing.smoke_defaults(steps=1)
     config.train.prompts_per_step = config.rollout.num_rows = 8
@@ -66,14 +72,19 @@ def main(argv):
   jax.block_until_ready((state, ref))
   build_s = time.perf_counter() - t0
   steps = 4 if _QUICK.value else _STEPS.value
+  print(f"built in {build_s:.1f} s", flush=True)
   t0 = time.perf_counter()
-  state, _ = job.step(1, state, ref)
+  state, first = job.step(1, state, ref)
   first_s = time.perf_counter() - t0
+  print(f"first step {first_s:.1f} s: " + ", ".join(
+      f"{k.split('/')[1]} {first[k]:.1f}" for k in PHASES[:5]), flush=True)
   cache_line = compile_cache.summary(cache) if cache else None
   records = []
   for step in range(2, steps + 2):
     state, metrics = job.step(step, state, ref)
     records.append(metrics)
+    print(f"step {step}: " + ", ".join(
+        f"{k.split('/')[1]} {metrics[k]:.2f}" for k in PHASES), flush=True)
   med = {k: statistics.median(r[k] for r in records) for k in PHASES}
   B = config.train.prompts_per_step * config.rollout.samples_per_row
   print(f"GRPO step: {config.train.prompts_per_step} prompts x "

@@ -12,6 +12,9 @@ covered by the runs that import it:
                  (`retained_allocator` must come back true);
   long_tail_ppo  long_tail's PPO step (`--ppo`, on by default: the
                  `ppo_*` keys).
+The modules in `EXTERNAL` drive another framework that is not a dependency
+(the GPU runs carry its wheels): they import without it, and their smoke
+run is skipped where it is not installed.
 
 The runs inherit this process's environment (tests/conftest.py: 8 fake CPU
 devices, XLA's backend optimizations off, the run's compilation cache) plus
@@ -23,6 +26,7 @@ renamed import, a flag defined twice).
 """
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +36,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = ("cpu_allocator", "long_tail_ppo", "timing")
+# name -> the package it drives (importable name).
+EXTERNAL = {"tunix_grpo": "tunix"}
 # XLA:CPU's older (elemental) fusion emitters in the runs: they are
 # compile-bound and their numbers mean nothing, and these compile about
 # twice as fast (2026-11-28: a tiny train step in 9 s instead of 22,
@@ -116,6 +122,9 @@ BENCHMARKS = {
         ["--smoke"], ("tail_vs_whole_batch", "step_vs_whole_batch",
                       "streamed_groups_fraction", "loss_rel_diff"), 150,
         slow=True),
+    "tunix_grpo": _case(
+        ["--smoke"], ("tunix_version", "step_s_median", "first_step_s",
+                      "peak_bytes"), 240, slow=True),
 }
 
 
@@ -124,6 +133,7 @@ def test_every_module_is_covered():
   found = {os.path.basename(p)[:-3]
            for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
   assert found - {"__init__"} == set(BENCHMARKS) | set(HELPERS)
+  assert set(EXTERNAL) <= set(BENCHMARKS)
 
 
 def test_every_module_imports():
@@ -148,6 +158,8 @@ def test_every_module_imports():
     for name, c in BENCHMARKS.items()])
 def test_smoke_run(name, tmp_path):
   case = BENCHMARKS[name]
+  if name in EXTERNAL and importlib.util.find_spec(EXTERNAL[name]) is None:
+    pytest.skip(f"{EXTERNAL[name]} is not installed (not a dependency)")
   cwd = tmp_path / "cwd"
   cwd.mkdir()
   env = dict(
