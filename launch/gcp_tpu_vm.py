@@ -3,7 +3,9 @@ r"""Runs the trainer on a Cloud TPU VM slice with `gcloud` (v4, v5e, v5p, v6e).
 Actions (any subset, in this order): create, copy, run, logs, delete.
   create  gcloud compute tpus tpu-vm create (or --spot)
   copy    tar the repo (no .git, workdirs), scp it to every worker, unpack,
-          pip install -e . (and `--setup` extras) on every worker
+          pip install the lock with the TPU extra (`-r requirements.txt -e
+          .[tpu]`: the pinned jax and its libtpu), then `--setup`, on every
+          worker
   run     start `python -m rlhf_jax.main <flags> --distributed=on` on every
           worker (--worker=all) in the background; JAX finds the other hosts
           itself (Cloud TPU auto-detection), logs go to <remote_dir>/run.log
@@ -76,7 +78,7 @@ def commands(a) -> list[list[str]]:
                   "--worker=all"])
       setup = (f"mkdir -p {a.remote_dir} && tar xzf {archive} -C "
                f"{a.remote_dir} && cd {a.remote_dir} && {a.python} -m pip "
-               "install -q -e .")
+               "install -q -r requirements.txt -e '.[tpu]'")
       if a.setup:
         setup += f" && {a.setup}"
       out.append(_ssh(a, setup))
@@ -107,8 +109,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                  help="directory on each worker (relative to $HOME)")
   p.add_argument("--python", default="python3")
   p.add_argument("--setup", default=None,
-                 help="shell run on every worker after pip install -e . "
-                 "(default: install the TPU runtime of the pinned jax)")
+                 help="shell run on every worker after the install "
+                 "(default: none)")
   p.add_argument("--log_worker", type=int, default=0)
   p.add_argument("--dry_run", action="store_true",
                  help="print the commands, run nothing")
@@ -122,8 +124,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
   if unknown or not a.actions:
     p.error(f"--actions: unknown {unknown}; choose from {ACTIONS}")
   a.actions = [x for x in ACTIONS if x in a.actions]
-  if a.setup is None:
-    a.setup = f"{a.python} -m pip install -q 'jax[tpu]==0.10.2'"
   if a.accelerator_type.lower().startswith(_NOT_TPU_VM):
     p.error(f"--accelerator_type={a.accelerator_type}: TPU7x and later are "
             "not available through the Cloud TPU API (tpu-vm); use GKE (xpk) "

@@ -155,7 +155,9 @@ def test_gcp_dry_run_commands(capsys):
   assert cmds[2] == [*tpu, "scp", cmds[1][2], f"rl:{cmds[1][2]}", *scope,
                      "--worker=all"]
   assert cmds[3][:-1] == [*tpu, "ssh", "rl", *scope, "--worker=all"]
-  assert "pip install -q -e ." in cmds[3][-1]
+  # The lock with the TPU extra: the pinned jax and its libtpu.
+  assert cmds[3][-1].endswith(
+      "pip install -q -r requirements.txt -e '.[tpu]'")
   run = cmds[4]
   assert run[:-1] == [*tpu, "ssh", "rl", *scope, "--worker=all"]
   remote = run[-1].removeprefix("--command=")
