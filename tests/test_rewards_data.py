@@ -8,7 +8,7 @@ from rlhf_jax.data import batching
 from rlhf_jax.data import tasks
 from rlhf_jax.data import tokenizer as tok_lib
 from rlhf_jax.rewards import scoring
-from rlhf_jax.rewards import verifiable
+from rlhf_jax.rewards import gsm8k, verifiable
 from rlhf_jax.rl import registry
 
 TOK = tok_lib.CharTokenizer()
@@ -216,7 +216,8 @@ class RewardFunctionsTest(parameterized.TestCase):
     self.assertEqual(
         registry.names("reward"),
         ["addition", "arithmetic", "digit_accuracy", "digits_format", "env",
-         "even_tokens", "exact_match", "gsm8k", "gsm8k_format"],
+         "even_tokens", "exact_match", "gsm8k", "gsm8k_format", "last_number",
+         "number_only"],
     )
     with self.assertRaisesRegex(ValueError, "known reward names: .*'exact_m"):
       registry.get("reward", "accuracy")
@@ -234,6 +235,17 @@ class RewardFunctionsTest(parameterized.TestCase):
         [0, 0, 0],
     )
     self.assertEqual(verifiable.digit_accuracy(*args), [1, 1 / 3, 2 / 3, 3 / 4])
+
+  def test_last_number_and_number_only_hand_checked(self):
+    completions = ["45 + 9 = 54.", "The answer is 54", "54", " 54.\n",
+                   "54 apples, not 55", "1,054", "-54", "", "fifty-four",
+                   "5 4"]
+    meta = [{"answer": 54}] * 9 + [{"answer": "#### 4"}]
+    prompts = [""] * len(completions)
+    self.assertEqual(gsm8k.last_number_correct(prompts, completions, meta),
+                     [1, 1, 1, 1, 0, 0, 0, 0, 0, 1])
+    self.assertEqual(gsm8k.number_only(prompts, completions, meta),
+                     [0, 0, 1, 1, 0, 1, 1, 0, 0, 0])
 
   @parameterized.parameters(True, False)
   def test_addition_agrees_with_task_answers(self, reverse):

@@ -6,6 +6,10 @@ reference is metadata["answer"]: a full GSM8K solution ("... #### 72") or
 the bare answer. Numbers compare as values, tolerant of thousands commas,
 "$", "%", LaTeX spacing and \\frac{a}{b} / a/b fractions ("1,000.00" equals
 "$1000"). Registered as reward "gsm8k" and "gsm8k_format".
+
+For models that answer in prose rather than GSM8K's format: "last_number"
+(lenient: the completion's last number is the answer) and "number_only"
+(strict format: the completion is the bare number, whatever its value).
 """
 
 from __future__ import annotations
@@ -131,3 +135,59 @@ def gsm8k_format(
   """
   del prompts, metadata
   return [float(extract_answer(c) is not None) for c in completions]
+
+
+def last_number(text: str) -> float | None:
+  """The last number in `text` as a float (commas, fractions ok), or None."""
+  matches = _NUMBER.findall(_clean(text))
+  return None if not matches else to_number(matches[-1])
+
+
+_BARE_NUMBER = re.compile(r"\s*-?\d[\d,]*(?:\.\d+)?\.?\s*")
+
+
+@registry.register("reward", "last_number")
+def last_number_correct(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """1.0 where the completion's last number equals the reference number
+  (lenient: "45 + 9 = 54." and "The answer is 54" both count).
+
+  Args:
+    prompts: prompt texts (unused).
+    completions: decoded responses.
+    metadata: per-sample dicts with "answer" (a number or a GSM8K solution).
+
+  Returns:
+    One float per sample.
+  """
+  del prompts
+  out = []
+  for c, m in zip(completions, metadata):
+    pred = last_number(c)
+    out.append(float(pred is not None
+                     and same_number(pred, reference_answer(m["answer"]))))
+  return out
+
+
+@registry.register("reward", "number_only")
+def number_only(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """1.0 where the completion is a bare number ("54", " 54.\n"), whatever
+  its value: the strict answer format of "answer with only the number".
+
+  Args:
+    prompts: prompt texts (unused).
+    completions: decoded responses.
+    metadata: unused.
+
+  Returns:
+    One float per sample.
+  """
+  del prompts, metadata
+  return [float(_BARE_NUMBER.fullmatch(c) is not None) for c in completions]

@@ -13,6 +13,7 @@ while the rest decode). Resume, evaluation and checkpoints: `loop.py`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -229,16 +230,24 @@ def _part_batch(job: Job, samples, rewards, params, ref):
 
 
 def evaluate(job: Job, params) -> dict:
-  """Greedy accuracy of the first reward function on held-out prompts."""
+  """Greedy responses to held-out prompts: eval/accuracy is the first
+  reward function's mean, and eval/rewards/<name> each reward's (a format
+  reward beside a correctness one says whether a gain is format alone)."""
   c = job.c
-  scorer = RewardScorer(job.tokenizer, c.rl.rewards[:1], None, "zero")
-  values = []
+  names = list(c.rl.rewards)
+  scorer = RewardScorer(job.tokenizer, names,
+                        [1.0] + [0.0] * (len(names) - 1), "zero")
+  values, sums = [], collections.Counter()
   job.eval_rollout.set_weights(job.colocation.rollout_copy(params), 0)
   for prompts in job.source.eval_batches:
-    values.append(generate(job.eval_rollout, prompts, 1, seed=0,
-                           scorer=scorer).rewards)
+    out = generate(job.eval_rollout, prompts, 1, seed=0, scorer=scorer)
+    values.append(out.rewards)
+    for name in names:  # Each batch's means, weighed by its size.
+      sums[name] += out.metrics[f"rewards/{name}"] * len(out.rewards)
+  total = sum(len(v) for v in values)
   return {"eval/accuracy": float(np.mean(np.concatenate(values),
-                                          dtype=np.float64))}
+                                          dtype=np.float64)),
+          **{f"eval/rewards/{name}": sums[name] / total for name in names}}
 
 
 def build(config, timeline: Timeline | None = None) -> Job:
