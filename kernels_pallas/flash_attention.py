@@ -411,7 +411,8 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, *, window=NO_WINDOW,
               softcap=None, scale=None, causal=True, q_sub=None, k_sub=None,
               impl: str = "auto", return_lse: bool = False,
               self_attention: bool = False, padded_rows: bool = False,
-              interpret: bool | None = None):
+              interpret: bool | None = None, block_q: int = 128,
+              block_k: int = 128):
   """Attention by `impl` (module doc); (out, lse) with `return_lse`.
 
   `self_attention`: q and k are the same tokens (same positions and
@@ -420,7 +421,8 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, *, window=NO_WINDOW,
   -1), which cuDNN needs. `window` may be traced only on the chunked path;
   sub-segments (packed groups) too. `interpret`: run the Pallas kernel
   interpreted (default: off a TPU; False to lower it for a TPU elsewhere,
-  e.g. `jax.export` on CPU).
+  e.g. `jax.export` on CPU). `block_q`, `block_k`: the chunked path's
+  block sizes (each block pair is one step of its loops).
   """
   scale = q.shape[-1]**-0.5 if scale is None else float(scale)
   backend = jax.default_backend()
@@ -444,7 +446,8 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, *, window=NO_WINDOW,
   elif impl == "chunked":
     out, lse = chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg,
                                  window=window, softcap=softcap, scale=scale,
-                                 causal=causal, q_sub=q_sub, k_sub=k_sub)
+                                 causal=causal, q_sub=q_sub, k_sub=k_sub,
+                                 block_q=block_q, block_k=block_k)
   elif impl in ("splash", "cudnn"):
     if return_lse or not self_attention or not causal:
       raise ValueError(f"impl={impl!r} takes causal self-attention without "

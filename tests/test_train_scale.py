@@ -161,17 +161,21 @@ def test_chunked_attention_equals_reference_with_lse_grads(window, softcap,
                               impl="reference", return_lse=True) if (
           impl == "reference") else fa.chunked_attention(
               q, k, v, q_pos, k_pos, q_seg, k_seg, window=window,
-              softcap=softcap, causal=causal, block_q=block, block_k=block)
+              softcap=softcap, causal=causal, block_q=block[0],
+              block_k=block[1])
       lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
       return jnp.sum(out * w_out) + jnp.sum(jnp.sin(lse) * w_lse), (out, lse)
     return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
-  (l0, (o0, s0)), g0 = loss("reference", 0)
-  (l1, (o1, s1)), g1 = loss("chunked", 8)
-  np.testing.assert_allclose(o1, o0, atol=2e-6)
-  np.testing.assert_allclose(s1, s0, atol=2e-6)
-  for x, y in zip(g0, g1):
-    np.testing.assert_allclose(y, x, atol=5e-6)
+  (l0, (o0, s0)), g0 = loss("reference", None)
+  # Square blocks, and the grouped prefix's shape: tall query blocks over
+  # wider key blocks (`models/grouped.py`), and the reverse.
+  for block in ((8, 8), (24, 16), (8, 32)):
+    (l1, (o1, s1)), g1 = loss("chunked", block)
+    np.testing.assert_allclose(o1, o0, atol=2e-6, err_msg=str(block))
+    np.testing.assert_allclose(s1, s0, atol=2e-6, err_msg=str(block))
+    for x, y in zip(g0, g1):
+      np.testing.assert_allclose(y, x, atol=5e-6, err_msg=str(block))
 
 
 def test_splash_equals_reference_interpreted():
@@ -304,8 +308,11 @@ def test_no_t_by_t_in_the_compiled_train_step(mesh8, layout_kind):
   with soft-caps and windows, on 8 devices, compiled: no array anywhere has
   two sequence-sized dimensions (T = 512: every model dimension is smaller),
   so neither [T, T] scores nor [T, V]-sized logits blocks of whole rows
-  exist. The reference path (the baseline) does have them."""
-  cfg = GEMMA.replace(vocab_size=256, remat="full")
+  exist. The reference path (the baseline) does have them. The grouped
+  prefix's blocks are bounded by `prefix_block_scores` (a constant, 2M
+  elements by default, larger than these whole parts): 128 x 128 here."""
+  cfg = GEMMA.replace(vocab_size=256, remat="full",
+                      prefix_block_scores=128 * 128)
   layout = mesh_lib.train_layout(mesh8)
   T = 512
   if layout_kind == "repeated":

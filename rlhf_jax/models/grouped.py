@@ -41,6 +41,11 @@ from rlhf_jax.models.transformer import (
     Decoder, layer_window, parts_impl, scan_layers, self_attention)
 from rlhf_jax.parallel.layout import constrain
 
+# The prefix part's blocks: up to 2,048 prompt keys a block, and as many
+# query rows as `cfg.prefix_block_scores` allows (the default, 1024 x 2048
+# fp32, is 8 MiB per group and query head: ~100 MiB for 12 heads).
+PREFIX_BLOCK_KEYS = 2048
+
 
 def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
                             prompt_k_NxPxJxK, prompt_v_NxPxJxK, prompt_pos_NxP,
@@ -60,16 +65,22 @@ def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
     [B, R, H, K] attention output in the query dtype.
   """
   B, R, H, K = q_BxRxHxK.shape
-  N = prompt_k_NxPxJxK.shape[0]
+  N, P = prompt_k_NxPxJxK.shape[:2]
   G = B // N
-  # Prefix: a group's G*R queries against its P prompt keys, one call.
+  # Prefix: a group's G*R queries against its P prompt keys, one call, in
+  # blocks far larger than the chunked path's default: the prefix has no
+  # causal mask to skip blocks by, and 128 x 128 blocks made G*R/128 x P/128
+  # sequential loop steps (2,048 a layer at G=16, R=1024, P=2048), which
+  # bound a GPU step by launches rather than FLOPs (docs/results.md, GPU).
+  block_k = min(P, PREFIX_BLOCK_KEYS, cfg.prefix_block_scores // 128)
+  block_q = max(128, cfg.prefix_block_scores // block_k)
   pre, lse_pre = fa.attention(
       q_BxRxHxK.reshape(N, G * R, H, K), prompt_k_NxPxJxK, prompt_v_NxPxJxK,
       pos_BxR.reshape(N, G * R), prompt_pos_NxP,
       jnp.zeros((N, G * R), jnp.int32), prompt_seg_NxP, window=window,
       softcap=cfg.attn_logit_softcap, scale=cfg.scores_scale,
       impl=parts_impl(cfg),
-      return_lse=True)
+      return_lse=True, block_q=block_q, block_k=block_k)
   # Suffix: each response against its own tokens (causal).
   own, lse_own = self_attention(
       q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
