@@ -22,9 +22,7 @@ same JSON to a file.
 """
 
 import faulthandler
-import json
 import statistics
-import sys
 import time
 
 from absl import app, flags
@@ -113,11 +111,7 @@ def main(argv):
              "device": jax.devices()[0].device_kind,
              "per_step": [{k.split("/")[1]: r[k] for k in PHASES}
                           for r in records]}
-  sys.stdout.flush()
-  if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      json.dump(summary, f, indent=1)
-  print(json.dumps(summary))
+  timing.print_json(summary, _JSON_OUT.value)
 
 
 if __name__ == "__main__":

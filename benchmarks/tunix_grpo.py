@@ -436,11 +436,7 @@ def main(argv):
       "jax": jax.__version__,
       "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
   }
-  sys.stdout.flush()
-  if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      json.dump(summary, f, indent=1)
-  print(json.dumps(summary))
+  timing.print_json(summary, _JSON_OUT.value)
 
 
 if __name__ == "__main__":

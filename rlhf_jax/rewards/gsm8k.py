@@ -107,9 +107,14 @@ def gsm8k_correct(
     One float per sample.
   """
   del prompts
+  return _matches(completions, metadata, extract_answer)
+
+
+def _matches(completions, metadata, answer_of) -> list[float]:
+  """1.0 where `answer_of(completion)` equals metadata["answer"]'s number."""
   out = []
   for c, m in zip(completions, metadata):
-    pred = extract_answer(c)
+    pred = answer_of(c)
     out.append(float(pred is not None
                      and same_number(pred, reference_answer(m["answer"]))))
   return out
@@ -164,12 +169,7 @@ def last_number_correct(
     One float per sample.
   """
   del prompts
-  out = []
-  for c, m in zip(completions, metadata):
-    pred = last_number(c)
-    out.append(float(pred is not None
-                     and same_number(pred, reference_answer(m["answer"]))))
-  return out
+  return _matches(completions, metadata, last_number)
 
 
 @registry.register("reward", "number_only")
