@@ -37,6 +37,10 @@ CATEGORIES: dict[str, str] = {
 }
 
 _ENTRIES: dict[str, dict[str, Callable]] = {c: {} for c in CATEGORIES}
+# The modules and packages of `CATEGORIES` already imported: listing a
+# package's modules reads its directory, so once per process rather than
+# once per lookup (rewards are looked up for every scored group).
+_LOADED: set[str] = set()
 
 
 def _check_category(category: str) -> None:
@@ -114,10 +118,14 @@ def names(category: str) -> list[str]:
 
 
 def _load_builtins(category: str) -> None:
-  """Imports the category's module, or every module of its package."""
-  module = importlib.import_module(CATEGORIES[category])
+  """Imports the category's module, or every module of its package (once)."""
+  name = CATEGORIES[category]
+  if name in _LOADED:
+    return
+  module = importlib.import_module(name)
   for info in pkgutil.iter_modules(getattr(module, "__path__", ())):
     importlib.import_module(f"{module.__name__}.{info.name}")
+  _LOADED.add(name)
 
 
 def _qualname(fn: Callable) -> str:

@@ -165,8 +165,10 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       record = writer.write("rl", s, metrics)
       progress.update(s, report.log_line(record))
       last = s == total or stop.requested
-      co.timeline.write(png=s % train.checkpoint_every == 0 or last)
       if s % train.checkpoint_every == 0 or last:
+        # With the checkpoint, not every step: the file holds every span
+        # so far, and rewriting it each step grew with the run.
+        co.timeline.write(png=True)
         save(s, states)
       if stop.requested:
         logging.warning("stopped after step %d (checkpointed); rerun the "
