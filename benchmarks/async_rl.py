@@ -41,7 +41,6 @@ Last stdout line: JSON with `throughput_vs_sync`, `sim_throughput_vs_sync`,
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import numpy as np
 from absl import app
 from absl import flags
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and steps.")
@@ -226,7 +226,7 @@ def main(argv):
       "steps_measured": steps - WARMUP, "repeats": repeats,
       "quick": _QUICK.value}
   sys.stdout.flush()
-  print(json.dumps(summary))
+  report.emit(summary)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ rows: `rollout_speedup_common256`, `prefill_speedup_common256`,
 
 from __future__ import annotations
 
-import json
 import time
 
 from absl import app
@@ -54,6 +53,7 @@ from absl import flags
 import jax
 import numpy as np
 
+from benchmarks import report
 from rlhf_jax.engine.driver import Driver, Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
@@ -249,7 +249,7 @@ def main(argv):
   res = measure(flags.FLAGS.quick, smoke=flags.FLAGS.smoke)
   print()
   print(table(res))
-  print(json.dumps({k: v for k, v in res.items() if k != "rows"}))
+  report.emit({k: v for k, v in res.items() if k != "rows"})
 
 
 if __name__ == "__main__":

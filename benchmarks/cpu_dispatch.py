@@ -21,7 +21,6 @@ the walls.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import statistics
 import time
 
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer launches.")
@@ -105,12 +105,12 @@ def main(argv):
         f"{wall['inline']:.3f}s (decode loop {loop['inline']:.3f}s), "
         f"chunks from a worker thread {wall['thread']:.3f}s (decode loop "
         f"{loop['thread']:.3f}s)")
-  print(json.dumps(dict(
+  report.emit(dict(
       launch_fraction=fractions,
       thread_vs_inline=round(wall["inline"] / wall["thread"], 3),
       wall_s={k: round(v, 4) for k, v in wall.items()},
       decode_loop_s={k: round(v, 4) for k, v in loop.items()},
-      quick=_QUICK.value)))
+      quick=_QUICK.value))
 
 
 if __name__ == "__main__":

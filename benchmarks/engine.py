@@ -68,6 +68,7 @@ from absl import flags
 import jax
 import numpy as np
 
+from benchmarks import report
 from benchmarks import timing
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
@@ -308,7 +309,7 @@ def main(argv):
     _write_calibration(cfg, steps_by_kv, _CALIBRATION_OUT.value)
   wall = time.perf_counter() - t_start
   print(f"wall time: {wall:.0f}s")
-  print(json.dumps(dict(
+  report.emit(dict(
       decode_tok_s=round(head["prefix_tok_s"], 1),
       decode_tok_s_setting=f"prefix rows, G={HEADLINE[0]}, P={HEADLINE[1]}, "
       f"{S} live samples",
@@ -323,7 +324,7 @@ def main(argv):
       slots=S, max_new_tokens=M, repeats=repeats, quick=quick,
       params_m=round(cfg.num_params() / 1e6, 2), num_layers=cfg.num_layers,
       devices=layout.mesh.size, machine=platform.machine(),
-      wall_s=round(wall, 1))))
+      wall_s=round(wall, 1)))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -68,6 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from benchmarks import report
 
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes for a CPU check.")
 _PARTS = flags.DEFINE_list("parts", ["decode", "train", "repartition"],
@@ -98,7 +99,6 @@ _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Dense bf16 peak; 0: "
                                   "from the device kind (H100/H200 989).")
 _HBM = flags.DEFINE_float("hbm_tb_s", 0.0, "HBM bandwidth; 0: from the "
                           "device kind (H100 3.35, H200 4.8).")
-_OUT = flags.DEFINE_string("json_out", "", "Also write the JSON here.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "--quick on a 1-layer model, "
                            "shorter sequences, one repeat: that it runs "
                            "(tests/test_benchmarks_smoke.py).")
@@ -560,12 +560,7 @@ def main(argv):
   out["repartition_vs_one_shot"] = out.get("repartition", {}).get(
       "round_trip_vs_one_shot")
   out["wall_s"] = time.perf_counter() - t_start
-  line = json.dumps(out, default=float)
-  if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
-      f.write(line + "\n")
-  sys.stdout.flush()
-  print(line)
+  report.emit(out)
 
 
 if __name__ == "__main__":

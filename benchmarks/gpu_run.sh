@@ -53,7 +53,7 @@ for part in ${PARTS-decode:230 train:130 repartition:50}; do
   label=$(printf %s "$spec" | sed 's/+--/_/g; s/=/-/g; s/[^A-Za-z0-9_.-]/_/g')
   case $name in
     decode|train|repartition) cmd=(benchmarks.gpu --parts="$name"
-      --json_out="$dir/$label.json" "${own[@]}" "$@") ;;
+      --out="$dir/$label.json" "${own[@]}" "$@") ;;
     *) cmd=("benchmarks.$name" "${own[@]}") ;;
   esac
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout "$limit" python3 -m \

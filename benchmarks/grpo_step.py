@@ -6,19 +6,19 @@ python -m benchmarks.grpo_step [--quick] [--config.model.overrides.num_layers=4]
 
 Runs the default job's config (no SFT: the phases cost the same on random
 weights), skips the first step (compilation), and reports medians over the
-rest. The baseline for `steps_per_s_vs_first` is the compile-included first
-step of the same run. `--smoke` (tests/test_benchmarks_smoke.py): 8
+rest (the first step's time, compiles included, is `first_step_s`).
+`--smoke` (tests/test_benchmarks_smoke.py): 8
 prompts, one timed step; its numbers mean nothing.
 
 Last stdout line: JSON with `steps_per_s`, `tokens_per_s`,
-`steps_per_s_vs_first`, and the phases' medians `repartition_s`,
+`step_s`, and the phases' medians `repartition_s`,
 `rollout_s`, `scoring_s`, `train_s`; also `build_s` (the job's build),
 `first_step_s`, `peak_bytes` (the device's high-water mark, where the
 backend reports one), each timed step's phases, and with
 `--compilation_cache=DIR` what the first step loaded from and wrote to
 JAX's persistent cache there: run twice with one DIR to see what a warm
-cache saves the first step (docs/results.md, GPU). `--json_out` writes the
-same JSON to a file.
+cache saves the first step (docs/results.md, GPU). `--out` writes the
+result with its commit, date and machine (benchmarks/report.py).
 """
 
 import faulthandler
@@ -28,6 +28,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import report
 from benchmarks import timing
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -39,7 +40,6 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "One timed step of 8 prompts: "
 _CACHE = flags.DEFINE_string(
     "compilation_cache", "off", "A directory for JAX's persistent "
     "compilation cache ('off': none); rlhf_jax/compile_cache.py.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON here.")
 _STACK_EVERY = flags.DEFINE_float(
     "stack_every", 0, "Seconds between dumps of every thread's Python stack "
     "to stderr (0: none): where the host is when a step runs long.")
@@ -103,7 +103,6 @@ def main(argv):
     print(cache_line)
   summary = {"steps_per_s": 1.0 / med["perf/step_s"],
              "tokens_per_s": med["perf/tokens_per_s"],
-             "steps_per_s_vs_first": first_s / med["perf/step_s"],
              **{k.split("/")[1]: med[k] for k in PHASES[:4]},
              "step_s": med["perf/step_s"], "first_step_s": first_s,
              "build_s": build_s, "peak_bytes": peak,
@@ -111,7 +110,7 @@ def main(argv):
              "device": jax.devices()[0].device_kind,
              "per_step": [{k.split("/")[1]: r[k] for k in PHASES}
                           for r in records]}
-  timing.print_json(summary, _JSON_OUT.value)
+  report.emit(summary)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,6 @@ anything is run again (`ppo_reruns_after_compile` counts them).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 
@@ -83,6 +82,7 @@ from absl import flags
 import numpy as np
 
 from benchmarks import long_tail_ppo
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer prompts and repeats.")
@@ -114,12 +114,14 @@ DEVICES = 8  # Fake CPU devices; the rollout uses the first --replicas.
 MODES = ("static", "continuous", "ours", "rlhfless")
 
 
-def length_trace(n_prompts, G, max_new, median, seed):
-  """[n_prompts, G] response lengths: lognormal means, lognormal samples."""
-  rng = np.random.default_rng(seed)
-  means = median * rng.lognormal(0.0, 0.9, n_prompts)
-  lengths = means[:, None] * rng.lognormal(0.0, 0.5, (n_prompts, G))
-  return np.clip(np.rint(lengths), 1, max_new).astype(int)
+def length_trace(n_prompts, G, max_new, median, seed, epoch=0):
+  """[n_prompts, G] response lengths of one epoch: each prompt's lognormal
+  mean is fixed by `seed` (how long a prompt's answers run is a property of
+  the prompt), its G samples are drawn anew each epoch around it."""
+  means = median * np.random.default_rng(seed).lognormal(0.0, 0.9, n_prompts)
+  noise = np.random.default_rng([seed, epoch]).lognormal(0.0, 0.5,
+                                                         (n_prompts, G))
+  return np.clip(np.rint(means[:, None] * noise), 1, max_new).astype(int)
 
 
 class RefScorer:
@@ -273,9 +275,13 @@ class _Run:
   stats: dict
 
 
-def _run(lt, params, requests, scorer, step) -> _Run:
+def _run(lt, params, requests, scorer, step, history=None) -> _Run:
   """One rollout of every request with device scoring; its samples,
-  scores and metrics."""
+  scores and metrics. `history`: the length history to predict from (a
+  rollout folds its own lengths into it; restoring it first keeps every
+  timed run predicting from the warm-up epoch only)."""
+  if history is not None:
+    lt.history.load_state_dict(history)
   lt.set_weights(params, 0)
   samples = list(lt.run(requests, step=step, scorer=scorer))
   return _Run(samples, dict(lt.scores), lt.metrics())
@@ -335,12 +341,21 @@ def main(argv):
   params = jax.device_put(params, layout.param_shardings(params))
   _, ref = model_lib.init_params(cfg, 1, train)
   ref = jax.device_put(ref, layout.param_shardings(ref))
-  trace = length_trace(n_prompts, G, M, _MEDIAN.value, _SEED.value)
+  # Two epochs of one workload: the warm-up runs epoch 0 (it fills the
+  # length history), the timed runs epoch 1, whose sample lengths the
+  # history has not seen (a history of the timed trace itself would be a
+  # perfect oracle).
+  warm_trace, trace = (length_trace(n_prompts, G, M, _MEDIAN.value,
+                                    _SEED.value, epoch) for epoch in (0, 1))
   rng = np.random.default_rng(_SEED.value + 1)
-  requests = [Request(p, rng.integers(3, 256, int(rng.integers(4, PROMPT_LEN))),
-                      num_samples=G, seed=11,
-                      max_new_tokens_per_sample=tuple(int(x) for x in row))
-              for p, row in enumerate(trace)]
+  prompts = [rng.integers(3, 256, int(rng.integers(4, PROMPT_LEN)))
+             for _ in range(n_prompts)]
+
+  def epoch_requests(lengths_PxG):
+    return [Request(p, prompts[p], num_samples=G, seed=11,
+                    max_new_tokens_per_sample=tuple(int(x) for x in row))
+            for p, row in enumerate(lengths_PxG)]
+  warm_requests, requests = epoch_requests(warm_trace), epoch_requests(trace)
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
   scorer = RefScorer(graphdef, ref, PROMPT_LEN + M, chunk)
   # One set of engines for every mode and the PPO step: the modes run one
@@ -353,13 +368,14 @@ def main(argv):
   for name, tail in _tail_configs(chunk, _R_T.value).items():
     lt = LocalRollout(engines, tail=tail, history=LengthHistory(1.0),
                       timeline=Timeline(None))
-    # Epoch 1 fills the length history; both compile. --smoke: epoch 1
-    # only (the timed repeat compiles what epoch 2 would have).
+    # The first warm-up fills the length history; both compile. --smoke:
+    # one only (the timed repeat compiles what the second would have).
     for i in range(1 if _SMOKE.value else 2):
-      _run(lt, params, requests, scorer, step=-1 - i)
+      _run(lt, params, warm_requests, scorer, step=-1 - i)
     rollouts[name] = lt
   print(f"  warm-up done ({time.perf_counter() - t_start:.0f}s)", flush=True)
   ours = rollouts["ours"]
+  warm_history = ours.history.state_dict()  # Epoch 0's lengths only.
   prefill_s = _time_prefill(ours, params, requests[0])
   # --smoke: calibrations of 4 steps, not warmed up (their step costs mean
   # nothing, like the rest of its numbers).
@@ -373,7 +389,7 @@ def main(argv):
   for i in range(repeats):
     for name in MODES:
       runs[name].append(_run(rollouts[name], params, requests, scorer,
-                             step=i))
+                             step=i, history=warm_history))
     for m in sizes:
       step_times[m].append(_time_steps(ours, params, m, requests[0].tokens,
                                        prefill_s, **calib))
@@ -402,7 +418,8 @@ def main(argv):
       return sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
                                 score_s=score_s, move_s=move_s)
     args = dict(replicas=replicas, rows_per_replica=rpr,
-                score_chunk=chunk, score_overlap=overlap)
+                score_chunk=chunk, score_overlap=overlap,
+                predicted=warm_trace.mean(1))
     out = sim_rows.simulate_policies(
         trace, costs=costs(move_s),
         consolidate_below=_R_T.value, **args)
@@ -465,7 +482,7 @@ def main(argv):
     ppo = long_tail_ppo.run(
         cfg, graphdef, layout, train, lambda: LocalRollout(
             engines, tail=_tail_configs(chunk, _R_T.value)["ours"],
-            history=ours.history,  # Filled by the runs above.
+            history=LengthHistory.from_state_dict(warm_history),
             timeline=Timeline(None)),
         requests, prompt_len=PROMPT_LEN, max_new=M, group_size=G,
         repeats=repeats, log=lambda line: print(line, flush=True),
@@ -477,7 +494,8 @@ def main(argv):
             costs=sim_rows.UnitCosts(step_s=step_s, prefill_s=prefill_s,
                                      score_s=score_s, move_s=move_s),
             consolidate_below=_R_T.value, score_chunk=chunk,
-            score_overlap=overlap, fusion=fusion).makespan)
+            score_overlap=overlap, fusion=fusion,
+            predicted=warm_trace.mean(1)).makespan)
     head = (f"{'ppo step':<10}{'wall s':>8}{'sim s':>7}{'rollout':>9}"
             f"{'sim':>6}{'scoring':>9}{'train':>7}{'idle':>7}{'chunks':>7}")
     print("\n" + head + "\n" + "-" * len(head))
@@ -516,7 +534,7 @@ def main(argv):
                          for k, v in ppo["modes"].items()},
       ppo_reruns_after_compile=ppo["reruns"])
 
-  print(json.dumps(dict(
+  report.emit(dict(
       speedup_vs_static=r3(live_speedup),
       speedup_vs_continuous=r3(paired("continuous", "ours")),
       continuous_vs_static=r3(paired("static", "continuous")),
@@ -551,7 +569,7 @@ def main(argv):
                       score_overlap=r3(overlap)),
       prompts=n_prompts, samples_per_row=G, max_new_tokens=M,
       ppo_pack_length=_PPO_PACK.value, **ppo_json,
-      repeats=repeats, quick=_QUICK.value, bench_wall_s=round(bench_wall, 1))))
+      repeats=repeats, quick=_QUICK.value, bench_wall_s=round(bench_wall, 1)))
 
 
 if __name__ == "__main__":

@@ -54,13 +54,13 @@ Last stdout line: JSON with `<preset>.train_gib_per_device`,
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from absl import app
 from absl import flags
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "One preset; baseline on the small "
@@ -339,7 +339,7 @@ def main(argv):
   out["quick"] = _QUICK.value
   out["wall_s"] = round(time.perf_counter() - t_start, 1)
   sys.stdout.flush()
-  print(json.dumps(out))
+  report.emit(out)
 
 
 if __name__ == "__main__":

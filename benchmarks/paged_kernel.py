@@ -25,7 +25,6 @@ the parts `shared_prompt`, `repeated_prompt` and `own`.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 import time
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import report
 from benchmarks import timing
 from kernels_pallas import paged_decode_attention_gpu as gpu
 
@@ -43,7 +43,6 @@ _CALLS = flags.DEFINE_integer("calls", 20, "Calls per timed batch.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed batches (median).")
 _BUDGET = flags.DEFINE_float("budget_s", 55.0, "Seconds per part's sweep; "
                              "configurations past it are skipped.")
-_OUT = flags.DEFINE_string("json_out", "", "Also write the JSON here.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "--quick with one call per "
                            "configuration: that it runs (tests).")
 
@@ -183,17 +182,12 @@ def main(argv):
         f"setting {s}", flush=True)
   out = {part: sweep(part, s)
          for part in ("shared_prompt", "repeated_prompt", "own")}
-  if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
-      json.dump(dict(device=dev.device_kind, jax=jax.__version__,
-                     setting=s, parts=out), f, default=float)
-  print(json.dumps({f"{p}.best_vs_default": r["best_vs_default"]
-                    for p, r in out.items()}
-                   | {f"{p}.default_us": r["default_s"] * 1e6
-                      for p, r in out.items()}
-                   | {f"{p}.best_us": r["best_s"] * 1e6
-                      for p, r in out.items()}))
-
+  report.emit({f"{p}.best_vs_default": r["best_vs_default"]
+               for p, r in out.items()}
+              | {f"{p}.default_us": r["default_s"] * 1e6
+                 for p, r in out.items()}
+              | {f"{p}.best_us": r["best_s"] * 1e6 for p, r in out.items()},
+              detail=dict(device=dev.device_kind, setting=s, parts=out))
 
 if __name__ == "__main__":
   app.run(main)

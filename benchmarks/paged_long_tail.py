@@ -44,7 +44,6 @@ Prints a table, then one JSON line (last stdout line) with
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
@@ -62,6 +61,7 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "One timed run per variant.")
@@ -196,7 +196,7 @@ def main(argv):
         f"({prefix['shared_ms_per_step']:.1f} vs "
         f"{prefix['repeated_ms_per_step']:.1f} ms/step; KV-read theory "
         f"{prefix['kv_read_ratio_theory']:.1f}x)")
-  print(json.dumps(dict(
+  report.emit(dict(
       long_tail_speedup_vs_static=round(speedup, 3),
       paged_prefix_speedup_g16_p512=round(prefix["speedup"], 3),
       kv_reserved_over_live=round(reserved_over_live, 3),
@@ -204,7 +204,7 @@ def main(argv):
       paged_seconds=round(paged_s, 2),
       static_seconds=round(static_s, 2),
       preemptions=pst.preemptions,
-      device=jax.devices()[0].device_kind, jax=jax.__version__)))
+      device=jax.devices()[0].device_kind, jax=jax.__version__))
 
 
 def _prefix_case(repeats: int, smoke: bool = False) -> dict:

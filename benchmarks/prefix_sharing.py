@@ -53,7 +53,6 @@ G=16, P=512) and the per-setting numbers.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 
@@ -73,6 +72,7 @@ from rlhf_jax.rl import objectives
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
 
 from benchmarks import common_prefix
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats (< 3 minutes).")
@@ -336,7 +336,7 @@ def main(argv):
   head = rollouts[0]
   wall = time.perf_counter() - t_start
   print(f"wall time: {wall:.0f}s")
-  print(json.dumps(dict(
+  report.emit(dict(
       rollout_speedup=round(head["speedup"], 3),
       train_step_speedup=round(train["speedup"], 3),
       kv_bytes_ratio=round(head["repeated_state_bytes"] /
@@ -365,7 +365,7 @@ def main(argv):
       common256_kv_bytes_ratio=common["kv_bytes_ratio"],
       common256_identical_fraction=common["tokens_identical_fraction"],
       repeats=repeats, quick=quick, params_m=round(cfg.num_params() / 1e6, 2),
-      machine=platform.machine(), wall_s=round(wall, 1))))
+      machine=platform.machine(), wall_s=round(wall, 1)))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ first layout, training->rollout, the switch before every decode phase).
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -56,6 +55,7 @@ from absl import app
 from absl import flags
 import jax
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats (< 3 minutes).")
@@ -267,7 +267,7 @@ def main(argv):
   head = rows[0]
   wall = time.perf_counter() - t_start
   print(f"wall time: {wall:.0f}s")
-  print(json.dumps(dict(
+  report.emit(dict(
       repartition_s=round(head["ours_s"], 4),
       device_put_s=round(head["put_s"], 4),
       speedup_vs_device_put=round(head["put_s"] / head["ours_s"], 3),
@@ -294,7 +294,7 @@ def main(argv):
       params_m=round(cfg.num_params() / 1e6, 2), repeats=repeats,
       quick=_QUICK.value, machine=platform.machine(),
       retained_allocator=cpu_allocator_retained(),
-      wall_s=round(wall, 1))))
+      wall_s=round(wall, 1)))
 
 
 if __name__ == "__main__":

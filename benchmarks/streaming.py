@@ -30,13 +30,13 @@ Last stdout line: JSON with `tail_vs_whole_batch`, `step_vs_whole_batch`,
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
 from absl import app
 from absl import flags
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats.")
@@ -155,7 +155,7 @@ def main(argv):
       "repeats": repeats, "quick": _QUICK.value,
       "tail_ratios": [round(x, 3) for x in ratios]}
   sys.stdout.flush()
-  print(json.dumps(summary))
+  report.emit(summary)
 
 
 if __name__ == "__main__":

@@ -71,14 +71,3 @@ def count_compiles():
   finally:
     jax.monitoring.unregister_event_duration_listener(on_event)
 
-
-def print_json(summary: dict, json_out: str | None = None) -> None:
-  """The benchmark's last stdout line (one JSON object), and the same to
-  `json_out` when given."""
-  import json
-  import sys
-  sys.stdout.flush()
-  if json_out:
-    with open(json_out, "w") as f:
-      json.dump(summary, f, indent=1)
-  print(json.dumps(summary))

@@ -1,6 +1,6 @@
 """Tunix's own GRPO step time at our benchmark shapes (a reference point).
 
-python -m benchmarks.tunix_grpo [--quick] [--smoke] [--json_out=PATH]
+python -m benchmarks.tunix_grpo [--quick] [--smoke] [--out=PATH]
     [--layers=28 --d_model=1536 --prompt_len=2048 --new_tokens=1024
      --prompts=16 --G=16 --steps=3]
 
@@ -48,8 +48,8 @@ Last stdout line: JSON with `tunix_version`, `step_s_median`,
 `first_step_s`, `steps`, `prompts`, `G`, `prompt_len`, `new_tokens`,
 `peak_bytes` (the device's high-water mark, where the backend reports
 one), plus every step's time and Tunix's phase split; out of device memory,
-a JSON line with "error" instead (exit 1). --json_out writes the same JSON
-to a file.
+a JSON line with "error" instead (exit 1). --out writes the result with
+its commit, date and machine (benchmarks/report.py).
 """
 
 import json
@@ -60,6 +60,7 @@ import time
 
 from absl import app, flags, logging
 
+from benchmarks import report
 from benchmarks import timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "One timed step instead of "
@@ -68,7 +69,6 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny model and batch (CPU, "
                            "< 2 minutes): that it runs, not a measurement.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny model dims (2 layers, width "
                           "64, vocab 512); batch and lengths as given.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON here.")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps after one warm-up.")
 # Qwen2.5-1.5B (tunix.models.qwen2.ModelConfig.qwen2p5_1p5b) by default.
 _LAYERS = flags.DEFINE_integer("layers", 28, "Decoder layers.")
@@ -436,7 +436,7 @@ def main(argv):
       "jax": jax.__version__,
       "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
   }
-  timing.print_json(summary, _JSON_OUT.value)
+  report.emit(summary)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ Each runnable benchmark runs as `python -m benchmarks.<name>` in its
 cheapest mode: `--smoke` (the same code path at the smallest sizes, steps
 and repeats; its numbers mean nothing) or `--quick` where that is already
 fast. The test reads the last stdout line as JSON and checks the keys the
-module's docstring names. The helpers (`HELPERS`) have no `main`; each is
+module's docstring names, and that `--out` wrote the same result with its
+commit, date, machine, load average and command. The helpers (`HELPERS`) have no `main`; each is
 covered by the runs that import it:
   timing         every benchmark but the engine-only ones (`smoke_defaults`,
                  `fake_cpu_devices`, `median_time`, `count_compiles`);
+  report         every benchmark (`emit`: the last line and `--out`);
   cpu_allocator  repartition re-executes itself through it
                  (`retained_allocator` must come back true);
   long_tail_ppo  long_tail's PPO step (`--ppo`, on by default: the
@@ -35,7 +37,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HELPERS = ("cpu_allocator", "long_tail_ppo", "timing")
+HELPERS = ("cpu_allocator", "long_tail_ppo", "report", "timing")
 # name -> the package it drives (importable name).
 EXTERNAL = {"tunix_grpo": "tunix"}
 # XLA:CPU's older (elemental) fusion emitters in the runs: they are
@@ -74,7 +76,7 @@ BENCHMARKS = {
                       "decode_loop_s"), 120, slow=False),
     "elastic": _case(
         ["--smoke"], ("tokens_lost", "reprefill_tokens", "pull_latency_s",
-                      "throughput_vs_trainer_only", "sim_rel_error"), 120,
+                      "cpu_throughput_vs_trainer_only", "sim_rel_error"), 120,
         slow=True),
     "engine": _case(
         ["--smoke"], ("decode_tok_s", "prefix_rows_speedup_g16_p512"), 120,
@@ -85,11 +87,15 @@ BENCHMARKS = {
                       "train", "repartition"), 120, slow=True),
     "grpo_step": _case(
         ["--smoke", f"--config={ROOT}/configs/tiny_grpo.py"],
-        ("steps_per_s", "tokens_per_s", "steps_per_s_vs_first",
+        ("steps_per_s", "tokens_per_s", "first_step_s", "step_s",
          "repartition_s", "rollout_s", "scoring_s", "train_s"), 120,
         slow=True),
+    "job": _case(
+        ["--smoke", f"--config={ROOT}/configs/tiny_rm.py"],
+        ("config", "wall_s", "rm_pair_accuracy_last"), 120, slow=True),
     "long_tail": _case(
-        ["--smoke"], ("speedup_vs_static", "idle_fraction_static",
+        ["--smoke"], ("speedup_vs_continuous", "speedup_vs_static",
+                      "idle_fraction_static",
                       "idle_fraction_ours", "sim_speedup_vs_static",
                       "live_speedup_vs_static", "sim_rel_error",
                       "ppo_step_speedup_vs_unfused", "ppo_sim_rel_error"),
@@ -169,9 +175,11 @@ def test_smoke_run(name, tmp_path):
       RLHF_JAX_CPU_CALIBRATION=os.path.join(
           ROOT, "benchmarks", "results", "engine_costs_cpu.json"),
       XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}")
+  record_path = tmp_path / "result.json"
   try:
     out = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", *case["args"]],
+        [sys.executable, "-m", f"benchmarks.{name}", *case["args"],
+         f"--out={record_path}"],
         cwd=cwd, env=env, capture_output=True, text=True,
         timeout=case["timeout_s"])
   except subprocess.TimeoutExpired as e:
@@ -183,6 +191,15 @@ def test_smoke_run(name, tmp_path):
   result = json.loads(lines[-1])
   missing = [k for k in case["keys"] if k not in result]
   assert not missing, (missing, sorted(result))
+  with open(record_path, encoding="utf-8") as f:
+    record = json.load(f)
+  assert record["result"] == result
+  assert record["benchmark"] == f"benchmarks.{name}"
+  assert record["command"].startswith(f"python -m benchmarks.{name} ")
+  assert f"--out={record_path}" in record["command"]
+  assert len(record["commit"]) == 40 and record["date"].endswith("Z")
+  assert record["machine"]["cores"] >= 1
+  assert len(record["load_avg_1_5_15_start"]) == 3
   if name == "repartition":  # cpu_allocator's re-exec took effect.
     assert result["retained_allocator"] is True
   assert not list(cwd.iterdir()), "the benchmark wrote into its cwd"
