@@ -4,7 +4,7 @@ Every benchmark ends with `report.emit(summary)`: the summary (one JSON
 object of figures and ratios against a baseline measured in the same run) is
 the last stdout line. `--out=benchmarks/results/<name>.json` also writes it,
 under `result`, with what it takes to reproduce and judge it: the commit (and
-whether the tree had uncommitted changes), the UTC date, the machine (CPU
+the tracked files that differed from it), the UTC date, the machine (CPU
 model, cores, JAX's devices), the load average when the process started and
 when it ended (the machines are shared: a figure taken beside other work says
 so), the wall time and the exact command. The figures that README.md and
@@ -37,7 +37,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _git(*args: str) -> str:
   try:
     return subprocess.run(["git", *args], cwd=_ROOT, capture_output=True,
-                          text=True, timeout=30, check=True).stdout.strip()
+                          text=True, timeout=30, check=True).stdout
   except (OSError, subprocess.SubprocessError):
     return ""
 
@@ -79,9 +79,11 @@ def record(summary: dict, detail: dict | None = None) -> dict:
   """The file `--out` writes: `result` is the printed last line."""
   rec = {"benchmark": _module(),
          "command": command_line(),
-         "commit": _git("rev-parse", "HEAD"),
-         "uncommitted_changes": bool(_git("status", "--porcelain",
-                                          "--untracked-files=no")),
+         "commit": _git("rev-parse", "HEAD").strip(),
+         # Tracked files that differed from the commit (docs being edited
+         # beside a run show here, and so would code).
+         "uncommitted_changes": [line[3:] for line in _git(
+             "status", "--porcelain", "--untracked-files=no").splitlines()],
          "date": datetime.datetime.now(datetime.timezone.utc).strftime(
              "%Y-%m-%dT%H:%M:%SZ"),
          "machine": machine(),
