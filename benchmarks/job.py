@@ -12,7 +12,10 @@ same for a reward-model score. Reported with them: the wall time of the
 whole command (compiles included), every evaluation, the first and last
 sampled reward and KL, the median RL step, the reward model's held-out pair
 accuracy (`configs/tiny_rm.py`), the tool-call rate (`config.agent`), and
-the job's own summary.txt. `--workdir` keeps the run's directory.
+the job's own summary.txt. `--workdir` keeps the run's directory: the
+PPO job reads its reward model from `reward_model.workdir`
+(`workdirs/tiny_rm` in `configs/tiny_ppo.py`), so run
+`--config=configs/tiny_rm.py --workdir=workdirs/tiny_rm` first.
 
 The figures README.md quotes for the RM, PPO and tool jobs come from this
 benchmark's committed results (tests/test_doc_figures.py).
