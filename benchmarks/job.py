@@ -10,7 +10,8 @@ the same run is the job's own first evaluation, after its SFT warm-start:
 `gain` is the last held-out accuracy minus the first, `eval_reward_gain` the
 same for a reward-model score. Reported with them: the wall time of the
 whole command (compiles included), every evaluation, the first and last
-sampled reward and KL, the median RL step, the reward model's held-out pair
+sampled reward and KL, the sampled reward's mean over each tenth of the
+RL steps (one step's batch is noisy), the median RL step, the reward model's held-out pair
 accuracy (`configs/tiny_rm.py`), the tool-call rate (`config.agent`), and
 the job's own summary.txt. `--workdir` keeps the run's directory: the
 PPO job reads its reward model from `reward_model.workdir`
@@ -34,6 +35,7 @@ import time
 
 from absl import app
 from absl import flags
+import numpy as np
 
 from benchmarks import report
 
@@ -64,6 +66,12 @@ def outcome(records: list[dict]) -> dict:
   if scores:
     out.update(eval_reward_first=scores[0], eval_reward_last=scores[-1],
                eval_reward_gain=round(scores[-1] - scores[0], 4))
+  rewards = _series(rl, "rollout/reward_mean")
+  if len(rewards) >= 10:  # The curve: the mean of each tenth of the run.
+    tenths = np.array_split(np.asarray(rewards), 10)
+    out["reward_mean_by_tenth"] = [round(float(t.mean()), 4) for t in tenths]
+  if scores:
+    out["eval_reward"] = scores
   for key, name in (("rollout/reward_mean", "reward"),
                     ("rollout/kl", "rollout_kl"),
                     ("rollout/tool_call_rate", "tool_call_rate")):
