@@ -1,0 +1,538 @@
+"""Every figure README.md quotes, and the current figures at the head of each
+docs/results.md section, pinned to a committed result.
+
+A pin is (doc, quote, file, specs): `quote` is text as the doc prints it,
+`file` a JSON under benchmarks/results/ (written by a benchmark's `--out`,
+benchmarks/report.py, or a hand-assembled record that names its commit,
+date and command), and `specs` say, number by number, what the figures in
+the quote are. A spec is a key path into the file ("result/speedup";
+"/"-separated, list indices as integers), `(path, scale)` for a printed
+unit (100 for a percentage), `("ratio", a, b)` or `("diff", a, b)` for a
+figure derived from two keys, `None` for a number that is not a figure (a
+seed, a step count), or `("text", path)`: the quote appears verbatim in
+that string or list of strings (a job's printed summary).
+
+Checks, for each pin: the doc contains the quote; the file exists and the
+same paragraph, list item or table row cites it by name; each figure lies
+within one unit of its printed last digit of the file's value ("1.63x" ->
++-0.01; "+0.230" -> +-0.001; "26.44 GiB" -> +-0.01). And coverage: every
+figure-like number of README.md and of the heads of docs/results.md
+(decimals, and numbers with a unit: x, ×, %, s, ms, min, GiB, ...) lies
+inside a pinned quote or matches `NOT_FIGURES` (versions, model names, a
+config value, a test's tolerance), each with its reason. The oracle is the
+committed files; an edited figure or an unpinned new one fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+  doc: str
+  quote: str
+  file: str
+  specs: tuple
+
+  def __repr__(self):
+    return f"{self.doc}: {self.quote!r} <- {self.file}"
+
+
+def P(doc, quote, file, *specs):
+  return Pin(doc, quote, file, specs)
+
+
+def _summary(file: str, under: str | None = None) -> str:
+  """A job's printed summary as one text (`under`: the key holding it)."""
+  with open(os.path.join(RESULTS, file), encoding="utf-8") as f:
+    rec = json.load(f)
+  return "\n".join((rec[under] if under else rec)["summary_txt"])
+
+
+R, D = "README.md", "docs/results.md"
+DJ = "default_job_quiet_cpu.json"
+H100, H200 = "gpu_h100.json", "gpu_h200.json"
+MEM, PLT = "memory_cpu.json", "paged_long_tail_cpu.json"
+LT, AF = "long_tail_cpu.json", "async_rl_full_cpu.json"
+PPO = "job_tiny_ppo_cpu.json"
+
+PINS: list[Pin] = [
+    # ---- README.md
+    P(R, "1.63x the repeated prompt at G=16 / P=2048, at\n>   13 %", H200,
+      "decode/pallas.prompt_once_speedup", None, None,
+      ("decode/pallas.shared/device_hbm_fraction", 100)),
+    P(R, "1.33x on the H100", H100, "decode/pallas.prompt_once_speedup"),
+    P(R, "39.6 % MFU", H200, ("train/remat-dots_micro_batches-1/mfu", 100)),
+    P(R, "32.8 % on the H100", H100, ("train/mfu", 100)),
+    P(R, "> 105 s", H200, ("text", "session_2026_11_28_b/whole_step/"
+                           "call2_timeline_s/train step executing when "
+                           "killed")),
+    P(R, "34 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
+    P(R, "**176 s**", DJ, "runs/0/wall_s"),
+    # The job's printed summary, as the README shows it.
+    P(R, _summary(DJ), DJ, ("text", "summary_txt")),
+    P(R, "seed 0\n**+0.230**", DJ, None, "runs/0/gain"),
+    P(R, "seed 1 **+0.265**", DJ, None, "runs/1/gain"),
+    P(R, "seed 2 **+0.200** (0.570 -> 0.770", DJ, None, "runs/2/gain",
+      "runs/2/eval_accuracy_every_50_steps/0",
+      "runs/2/eval_accuracy_every_50_steps/6"),
+    P(R, "AVX, no FMA) **+0.235**", DJ, "runs/3/gain"),
+    P(R, "gains 0.000 (0.450 -> 0.450 in 50 steps)", DJ, "runs/4/gain",
+      "runs/4/eval_accuracy_every_50_steps/0",
+      "runs/4/eval_accuracy_every_50_steps/1", None),
+    P(R, "a decode step took 8.09 ms instead of 9.31 ms and prefill with its "
+      "compiles 92.9 s instead of 7.8 s", H200,
+      "decode_unrolled_old_launch/pallas.shared/median_step_ms",
+      "decode_old_launch/pallas.shared/median_step_ms",
+      "decode_unrolled_old_launch/pallas.shared/prefill_s",
+      "decode_old_launch/pallas.shared/prefill_s"),
+    P(R, "Qwen2.5-7B: 26.83 GiB per device", "memory_cpu.json",
+      "result/qwen2.5-7b.train_gib_per_device"),
+    P(R, "live pages (4.2x faster", "paged_long_tail_cpu.json",
+      "result/long_tail_speedup_vs_static"),
+    P(R, "train 26.83 GiB with FSDP 8, bf16, remat; 36× less temporary",
+      "memory_cpu.json", "result/qwen2.5-7b.train_gib_per_device", None,
+      "result/small.train_temp_ratio"),
+    P(R, "bf16 base 21.37 GiB", "memory_cpu.json",
+      "result/qwen2.5-7b.train_gib_per_device_lora"),
+    P(R, "same KV bytes: 4.2x faster, pool / peak live KV 1.14 (rows engine "
+      "9.81); a group's prompt read once: 2.48x", "paged_long_tail_cpu.json",
+      "result/long_tail_speedup_vs_static", "result/kv_reserved_over_live",
+      "result/static_kv_reserved_over_live",
+      "result/paged_prefix_speedup_g16_p512"),
+    P(R, "is 1.35× continuous batching, the fair baseline (2.01× static "
+      "waves; 1.18× RLHFless's", LT, "result/speedup_vs_continuous",
+      "result/speedup_vs_static", "result/ours_vs_rlhfless"),
+    P(R, "costs 0.93 ms against 10.37 ms on eight", LT,
+      ("result/unit_costs/step_s/1", 1000), ("result/unit_costs/step_s/8",
+                                             1000)),
+    P(R, "within +11 %", LT, ("result/sim_rel_error", 100)),
+    P(R, "is 1.05× the one with them after it", LT,
+      "result/ppo_step_speedup_vs_unfused"),
+    P(R, "measured async at 0.955× the synchronous", AF,
+      "result/throughput_vs_sync"),
+    P(R, "repeats from 0.84× to 1.214× (`async_rl_full_cpu.json`", AF,
+      "result/ratios/0", "result/ratios/2"),
+    P(R, "`--quick`: 0.88×, `async_rl_cpu.json`", "async_rl_cpu.json",
+      "result/throughput_vs_sync"),
+    P(R, "prediction was 0.839× (−12.1 %)", AF,
+      "result/sim_throughput_vs_sync", ("result/sim_rel_error", 100)),
+    P(R, "gains\n+0.240, and +0.245", DJ, "inheriting_configs/2/gain",
+      "inheriting_configs/3/gain"),
+    P(R, "H100 (`gpu_h100.json`): 1.33×, 15 % of HBM, 32.8 % MFU, switch "
+      "1.12×", H100, "decode/pallas.prompt_once_speedup",
+      ("decode/pallas.shared/device_hbm_fraction", 100), ("train/mfu", 100),
+      "repartition/round_trip_vs_one_shot"),
+    P(R, "H200 (`gpu_h200.json`): 1.63×, 13 % of HBM, 39.6 % MFU", H200,
+      "decode/pallas.prompt_once_speedup",
+      ("decode/pallas.shared/device_hbm_fraction", 100),
+      ("train/remat-dots_micro_batches-1/mfu", 100)),
+    P(R, "1.86x faster than the old default", H200,
+      ("ratio", "paged_kernel_sweep/shared_prompt/default_s",
+       "paged_kernel_new_default/shared_prompt/default_s")),
+    P(R, "read 2.34x", H200, "paged_kernel_sweep/shared_prompt/best_vs_default"),
+    P(R, "async 0.88× the synchronous job here", "async_rl_cpu.json",
+      "result/throughput_vs_sync"),
+    P(R, "tokens lost to preemption (0)", "elastic_cpu.json",
+      "result/tokens_lost"),
+    P(R, "tokens lost 0 (`elastic_lora_cpu.json`)", "elastic_lora_cpu.json",
+      "result/tokens_lost"),
+    P(R, "throughput ratio (−3.5 % from the live one", "elastic_cpu.json",
+      ("result/sim_rel_error", 100)),
+    P(R, "adapters (0.0312 of the full weights", "elastic_lora_cpu.json",
+      "result/lora/pull_fraction"),
+    P(R, "update (0.33× here); the step as a whole is slower, 1.14×",
+      "streaming_cpu.json", "result/tail_vs_whole_batch",
+      "result/step_vs_whole_batch"),
+    P(R, "(peak 1.03 copies vs 1.117; training → rollout 0.28 s vs "
+      "`device_put`'s 0.034 s", "repartition_cpu.json",
+      "result/peak_bytes_over_one_copy",
+      "result/device_put_peak_bytes_over_one_copy", "result/repartition_s",
+      "result/device_put_s"),
+    P(R, "accuracy 0.025 → 0.775 in 376 s on one CPU device, tool-call rate "
+      "0.09 →\n0.97", "job_tiny_tool_cpu.json", "result/eval_accuracy_first",
+      "result/eval_accuracy_last", "result/wall_s",
+      "result/tool_call_rate_first", "result/tool_call_rate_last"),
+    P(R, "it ends at 0.020\n(`job_tiny_tool_notools_cpu.json`)",
+      "job_tiny_tool_notools_cpu.json", "result/eval_accuracy_last"),
+    P(R, "held-out pair accuracy 0.916 (1200 steps, 175 s)",
+      "job_tiny_rm_cpu.json", "result/rm_pair_accuracy_last", None,
+      "result/wall_s"),
+    P(R, "took 97 s:", PPO, "result/wall_s"),
+    P(R, _summary(PPO, "detail"), PPO, ("text", "detail/summary_txt")),
+    P(R, "rises by 1.13 (1.799 ->\n2.926)", PPO, "result/eval_reward_gain",
+      "result/eval_reward_first", "result/eval_reward_last"),
+    P(R, "from 2.62\nto 3.54", PPO, "result/reward_mean_by_tenth/0",
+      "result/reward_mean_by_tenth/9"),
+    P(R, "the last one's is 2.223", PPO, "result/reward_last"),
+    P(R, "ends at 2.85 nats", PPO, "result/rollout_kl_last"),
+    P(R, "(sampled reward 0.48 -> 0.99", "job_synthetic_runlocal_cpu.json",
+      "result/reward_first", "result/reward_last"),
+    P(R, "held-out pair accuracy 0.916 in 175 s", "job_tiny_rm_cpu.json",
+      "result/rm_pair_accuracy_last", "result/wall_s"),
+    # ---- docs/results.md, the heads
+    P(D, "0.450 -> 0.680 (+0.230) in 176 s", DJ,
+      "runs/0/eval_accuracy_every_50_steps/0",
+      "runs/0/eval_accuracy_every_50_steps/6", "runs/0/gain",
+      "runs/0/wall_s"),
+    P(D, "seeds 1 and 2 +0.265\nand +0.200", DJ, None, None, "runs/1/gain",
+      "runs/2/gain"),
+    P(D, "SSE4.2 +0.235", DJ, "runs/3/gain"),
+    P(D, "learning rate 0 +0.000", DJ, None, "runs/4/gain"),
+    P(D, "prompt-once decode 1.33x the repeated\nprompt, at 15 %", H100,
+      "decode/pallas.prompt_once_speedup",
+      ("decode/pallas.shared/device_hbm_fraction", 100)),
+    P(D, "32.8 % MFU with full\nremat", H100, ("train/mfu", 100)),
+    P(D, "1.12x the time of one-shot", H100,
+      "repartition/round_trip_vs_one_shot"),
+    P(D, "1.63x the\nrepeated prompt at 13 %", H200,
+      "decode/pallas.prompt_once_speedup",
+      ("decode/pallas.shared/device_hbm_fraction", 100)),
+    P(D, "(1.34x before it", H200,
+      "decode_old_launch/pallas.prompt_once_speedup"),
+    P(D, "39.6 % MFU", H200, ("train/remat-dots_micro_batches-1/mfu", 100)),
+    P(D, "(36.6 % with full\nremat)", H200,
+      ("train/remat-full_micro_batches-1/mfu", 100)),
+    P(D, "1.86x faster than the old default", H200,
+      ("ratio", "paged_kernel_sweep/shared_prompt/default_s",
+       "paged_kernel_new_default/shared_prompt/default_s")),
+    P(D, "read 2.34x", H200, "paged_kernel_sweep/shared_prompt/best_vs_default"),
+    P(D, "took 83.9 s", H200, "session_2026_11_28_b/whole_step/"
+      "call2_timeline_s/build (random init, reference copy; compiles)"),
+    P(D, "killed at 315 s inside the first\ntrain step", H200,
+      ("text", "session_2026_11_28_b/whole_step/note")),
+    P(D, "> 105 s", H200, ("text", "session_2026_11_28_b/whole_step/"
+                           "call2_timeline_s/train step executing when "
+                           "killed")),
+    P(D, "+0.245 (0.450 -> 0.695) in 405 s", DJ, "inheriting_configs/0/gain",
+      "inheriting_configs/0/eval_accuracy_every_50_steps/0",
+      "inheriting_configs/0/eval_accuracy_every_50_steps/6",
+      "inheriting_configs/0/wall_s"),
+    P(D, "SSE4.2 +0.255 (0.460 -> 0.715)", DJ, "inheriting_configs/1/gain",
+      "inheriting_configs/1/eval_accuracy_every_50_steps/0",
+      "inheriting_configs/1/eval_accuracy_every_50_steps/6"),
+    P(D, "same seed: +0.230", DJ, "runs/0/gain"),
+    P(D, "needs 26.83 GiB per device\n(16.19 temporary)", MEM,
+      "result/qwen2.5-7b.train_gib_per_device",
+      "result/qwen2.5-7b.train_temp_gib"),
+    P(D, "log-prob pass\n6.66 GiB", MEM,
+      "result/qwen2.5-7b.logprob_gib_per_device"),
+    P(D, "bf16 base 21.37 GiB", MEM,
+      "result/qwen2.5-7b.train_gib_per_device_lora"),
+    P(D, "51.12 GiB, of which 20.42 arguments (14.35", MEM,
+      "result/qwen2.5-7b.decode_gib_per_device",
+      "result/qwen2.5-7b.decode_argument_gib",
+      "result/qwen2.5-7b.decode_argument_gib_int8"),
+    P(D, "needs\n35.95x our temporary", MEM, "result/small.train_temp_ratio"),
+    P(D, "is 4.22x faster than the rows engine with the same KV bytes (15.0 s"
+      "\nagainst 63.25 s), its pool 1.14x the peak live KV (rows engine: "
+      "9.81x)", PLT, "result/long_tail_speedup_vs_static",
+      "result/paged_seconds", "result/static_seconds",
+      "result/kv_reserved_over_live", "result/static_kv_reserved_over_live"),
+    P(D, "2.48x\nfaster than the prompt repeated", PLT,
+      "result/paged_prefix_speedup_g16_p512"),
+    P(D, "**1.35x continuous batching**", LT, "result/speedup_vs_continuous"),
+    P(D, "2.01x static waves; 1.18x RLHFless's", LT,
+      "result/speedup_vs_static", "result/ours_vs_rlhfless"),
+    P(D, "Decode steps: 86 against continuous batching's 117", LT,
+      "result/steps/ours", "result/steps/continuous"),
+    P(D, "costs 0.93 ms against 10.37 ms on eight", LT,
+      ("result/unit_costs/step_s/1", 1000), ("result/unit_costs/step_s/8",
+                                             1000)),
+    P(D, "to static: 2.23x\n(+11.0 %)", LT, "result/sim_speedup_vs_static",
+      ("result/sim_rel_error", 100)),
+    P(D, "fused into the tail: 1.05x", LT,
+      "result/ppo_step_speedup_vs_unfused"),
+    P(D, "async GRPO gains +0.240 (0.435 -> 0.675), and +0.245\n(0.450 -> "
+      "0.695)", DJ, "inheriting_configs/2/gain",
+      "inheriting_configs/2/eval_accuracy_every_50_steps/0",
+      "inheriting_configs/2/eval_accuracy_every_50_steps/6",
+      "inheriting_configs/3/gain",
+      "inheriting_configs/3/eval_accuracy_every_50_steps/0",
+      "inheriting_configs/3/eval_accuracy_every_50_steps/6"),
+    P(D, "the synchronous job on 1\ndevice +0.230", DJ, None, "runs/0/gain"),
+    P(D, "async trains 0.955x", AF, "result/throughput_vs_sync"),
+    P(D, "(repeats 0.84x to\n1.214x", AF, "result/ratios/0",
+      "result/ratios/2"),
+    P(D, "`async_rl_cpu.json`: 0.88x", "async_rl_cpu.json",
+      "result/throughput_vs_sync"),
+    P(D, "prediction was\n0.839x (-12.1 %)", AF,
+      "result/sim_throughput_vs_sync", ("result/sim_rel_error", 100)),
+    P(D, "0 tokens lost to 2 preemptions,\n8 samples migrated, 144 tokens "
+      "re-prefilled", "elastic_cpu.json", "result/tokens_lost",
+      "result/preemptions", "result/migrated_samples",
+      "result/reprefill_tokens"),
+    P(D, "ratio is 1.555x against the live 1.61x (-3.5 %)", "elastic_cpu.json",
+      "result/sim_cpu_throughput_vs_trainer_only",
+      "result/cpu_throughput_vs_trainer_only", ("result/sim_rel_error", 100)),
+    P(D, "0 tokens lost, and a\npull ships 0.0312", "elastic_lora_cpu.json",
+      "result/tokens_lost", "result/lora/pull_fraction"),
+    P(D, "update is 0.33x the whole-batch step's; the step as a whole is "
+      "slower,\n1.14x", "streaming_cpu.json", "result/tail_vs_whole_batch",
+      "result/step_vs_whole_batch"),
+    P(D, "decode step 2.48x faster", PLT,
+      "result/paged_prefix_speedup_g16_p512"),
+    P(D, "1.71x on\nthe rows engine", "engine_rows_cpu.json",
+      "result/prefix_rows_speedup_g16_p512"),
+    P(D, "caps it at 1.76x against\na KV-read theory of 8.5x",
+      "engine_rows_cpu.json", "result/speedup_bound_g16_p512",
+      "result/kv_read_ratio_theory_g16_p512"),
+    P(D, "peaks at 1.03 copies of the weights against `device_put`'s\n1.117, "
+      "and takes 0.28 s against its 0.034 s", "repartition_cpu.json",
+      "result/peak_bytes_over_one_copy",
+      "result/device_put_peak_bytes_over_one_copy", "result/repartition_s",
+      "result/device_put_s"),
+    P(D, "accuracy 0.025 -> 0.775 (+0.750) in 376 s, the\ntool-call rate "
+      "0.09 -> 0.97, the sampled reward 0.055 -> 0.801",
+      "job_tiny_tool_cpu.json", "result/eval_accuracy_first",
+      "result/eval_accuracy_last", "result/gain", "result/wall_s",
+      "result/tool_call_rate_first", "result/tool_call_rate_last",
+      "result/reward_first", "result/reward_last"),
+    P(D, "0.015 ->\n0.020, the call rate falling to 0.01",
+      "job_tiny_tool_notools_cpu.json", "result/eval_accuracy_first",
+      "result/eval_accuracy_last", "result/tool_call_rate_last"),
+    P(D, "pair accuracy 0.916 in 175 s", "job_tiny_rm_cpu.json",
+      "result/rm_pair_accuracy_last", "result/wall_s"),
+    P(D, "takes 97 s: the reward-model\nscore of greedy held-out answers "
+      "1.799 -> 2.926, the sampled reward's\nmean over the first and last "
+      "tenth of the run 2.62 -> 3.54, the sequence\nKL to the reference "
+      "2.85 at the end, and exact-match accuracy, never\ntrained on, 0.190 "
+      "-> 0.135", PPO, "result/wall_s", "result/eval_reward_first",
+      "result/eval_reward_last", "result/reward_mean_by_tenth/0",
+      "result/reward_mean_by_tenth/9", "result/rollout_kl_last",
+      "result/eval_accuracy_first", "result/eval_accuracy_last"),
+    P(D, "the rollout 3.41x faster", "prefix_sharing_cpu.json",
+      "result/rollout_speedup"),
+    P(D, "(prefill 15.66x, decode 1.61x against a KV-read theory of 6x)",
+      "prefix_sharing_cpu.json", "result/rollout_prefill_speedup",
+      "result/rollout_decode_speedup", "result/theoretical_kv_read_ratio"),
+    P(D, "the train step 3.48x faster (token theory 3.33x)",
+      "prefix_sharing_cpu.json", "result/train_step_speedup",
+      "result/theoretical_train_token_ratio"),
+    P(D, "fall 6x", "prefix_sharing_cpu.json", "result/kv_bytes_ratio"),
+    P(D, "rollout 2.63x, samples identical", "prefix_sharing_cpu.json",
+      "result/common256_rollout_speedup"),
+    P(D, "takes\n0.364 s, of which rollout 0.126 s, scoring 0.068 s, training "
+      "0.168 s and\nthe layout switches 0.006 s; 5462", "grpo_step_cpu.json",
+      "result/step_s", "result/rollout_s", "result/scoring_s",
+      "result/train_s", "result/repartition_s", "result/tokens_per_s"),
+    P(D, "took 17.96 s", "grpo_step_cpu.json", "result/first_step_s"),
+    P(D, "(0.12x:", "repartition_cpu.json", "result/speedup_vs_device_put"),
+    P(D, "moves\n0 bytes", "repartition_cpu.json", "result/bytes_moved_back"),
+]
+
+# Figure-like text that is not a measured figure: (regex, why).
+NOT_FIGURES = [
+    (r"\b(?:Python|python)\s?3\.1[0-9]\b", "a Python version"),
+    (r"\bjax[ =]\d+\.\d+\.\d+", "a jax version"),
+    (r"\d+\.\d+\.\d+", "a version number"),
+    (r"(?i)\b(?:qwen|llama|gemma|smollm)(?: ?\d)?[\w.\-/]*", "a model's name"),
+    (r"\bSSE4\.2\b|\bSSE4_2\b", "an instruction set's name"),
+    (r"\bcuda1[23]\b|CUDA 1[23]", "a CUDA version"),
+    (r"≥ \d+(?:\.\d+)?\s?(?:x|×|%)", "a goal, not a measurement"),
+    (r"each under 3 minutes", "[honest]'s target for the default job; "
+     "every run's wall_s in default_job_quiet_cpu.json is under 180"),
+]
+
+
+# ------------------------------------------------------------ the docs
+@functools.cache
+def _text(doc: str) -> str:
+  with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+    return f.read()
+
+
+def _blocks(text: str) -> list[tuple[int, int]]:
+  """(start, end) of each paragraph, list item or table row; a fenced code
+  block belongs to the paragraph before it (the one that cites it)."""
+  spans, start, fenced = [], 0, False
+  pos = 0
+  for line in text.splitlines(keepends=True):
+    stripped = line.strip()
+    if stripped.startswith("```"):
+      fenced = not fenced
+    elif not fenced and (not stripped or stripped.startswith(("|", "- "))):
+      # A table row or list item is a block of its own; a blank line ends
+      # a paragraph unless a code block follows (handled by merging below).
+      if pos > start:
+        spans.append((start, pos))
+      start = pos
+      if stripped:
+        spans.append((pos, pos + len(line)))
+        start = pos + len(line)
+    pos += len(line)
+  if pos > start:
+    spans.append((start, pos))
+  merged = []
+  for s, e in spans:
+    if merged and text[s:e].lstrip().startswith("```"):
+      merged[-1] = (merged[-1][0], e)
+    else:
+      merged.append((s, e))
+  return merged
+
+
+def _block_of(text: str, offset: int) -> str:
+  for s, e in _blocks(text):
+    if s <= offset < e:
+      return text[s:e]
+  return ""
+
+
+def _results_heads(text: str) -> list[tuple[int, int]]:
+  """(start, end) of each `## ` section's head: up to its first `###`."""
+  heads, start = [], None
+  pos = 0
+  fenced = False
+  for line in text.splitlines(keepends=True):
+    if line.startswith("```"):
+      fenced = not fenced
+    if not fenced and line.startswith("#"):
+      if start is not None:
+        heads.append((start, pos))
+        start = None
+      if line.startswith("## "):
+        start = pos
+    pos += len(line)
+  if start is not None:
+    heads.append((start, pos))
+  return heads
+
+
+# ------------------------------------------------------------ the files
+@functools.cache
+def _load(file: str):
+  with open(os.path.join(RESULTS, file), encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _get(file: str, path: str):
+  node = _load(file)
+  for key in path.split("/"):
+    node = node[int(key)] if isinstance(node, list) else node[key]
+  return node
+
+
+def _value(file: str, spec):
+  if isinstance(spec, str):
+    return _get(file, spec)
+  if spec[0] == "ratio":
+    return _get(file, spec[1]) / _get(file, spec[2])
+  if spec[0] == "diff":
+    return _get(file, spec[1]) - _get(file, spec[2])
+  path, scale = spec
+  return _get(file, path) * scale
+
+
+NUMBER = re.compile(r"(?<![\w.])[-+−]?\d+(?:\.\d+)?")
+
+
+def _numbers(quote: str) -> list[tuple[float, float]]:
+  """(value, tolerance) of each number printed in `quote`."""
+  for pattern, _ in NOT_FIGURES:  # A model's name is not a figure.
+    quote = re.sub(pattern, " ", quote)
+  out = []
+  for m in NUMBER.finditer(quote):
+    s = m.group().replace("−", "-")
+    decimals = len(s.split(".")[1]) if "." in s else 0
+    out.append((float(s), 10.0 ** -decimals))
+  return out
+
+
+@pytest.mark.parametrize("pin", PINS, ids=repr)
+def test_pin(pin):
+  text = _text(pin.doc)
+  at = text.find(pin.quote)
+  assert at >= 0, f"{pin.doc} no longer prints {pin.quote!r}"
+  assert os.path.exists(os.path.join(RESULTS, pin.file)), pin.file
+  assert pin.file in _block_of(text, at), (
+      f"{pin.doc}: the text around {pin.quote!r} does not cite {pin.file}")
+  texts = [s for s in pin.specs if isinstance(s, tuple) and s[0] == "text"]
+  for _, path in texts:
+    held = _get(pin.file, path)
+    held = "\n".join(held) if isinstance(held, list) else held
+    if "\n" in held:  # Printed output: line by line, as printed.
+      assert pin.quote in held, (pin.quote, held)
+    else:  # Prose: the doc may wrap it.
+      assert " ".join(pin.quote.split()) in held, (pin.quote, held)
+  if texts:
+    return
+  printed = _numbers(pin.quote)
+  assert len(printed) == len(pin.specs), (
+      f"{pin.quote!r} prints {len(printed)} numbers, the pin names "
+      f"{len(pin.specs)}")
+  for (shown, tol), spec in zip(printed, pin.specs):
+    if spec is None:
+      continue
+    value = float(_value(pin.file, spec))
+    assert abs(abs(shown) - abs(value)) <= tol * (1 + 1e-9), (
+        f"{pin.doc} prints {shown} in {pin.quote!r}; {pin.file} {spec} "
+        f"holds {value}")
+
+
+# ------------------------------------------------------------ coverage
+FIGURE = re.compile(
+    r"(?<![\w.])[-+−~]?\d+(?:\.\d+)?(?:\s?(?:×|x\b|%|GiB|MiB|GB|MB|ms\b|s\b"
+    r"|min\b|minutes\b|nats\b|tok/s))|(?<![\w.])\d+\.\d+(?![\w.])")
+
+
+def _scanned(doc: str) -> list[tuple[int, int]]:
+  text = _text(doc)
+  return ([(0, len(text))] if doc == R else _results_heads(text))
+
+
+def _unpinned(doc: str) -> list[str]:
+  text = _text(doc)
+  covered = []
+  for pin in PINS:
+    if pin.doc == doc:
+      at = text.find(pin.quote)
+      while at >= 0:
+        covered.append((at, at + len(pin.quote)))
+        at = text.find(pin.quote, at + 1)
+  for pattern, _ in NOT_FIGURES:
+    covered += [m.span() for m in re.finditer(pattern, text)]
+  # Commands and code spans are what to type, not what was measured; a
+  # fenced block other than a job's printed output is a command.
+  for m in re.finditer(r"```bash.*?```|`[^`\n]*`|\]\([^)]*\)", text, re.S):
+    covered.append(m.span())
+  out = []
+  for start, end in _scanned(doc):
+    for m in FIGURE.finditer(text, start, end):
+      if not any(s <= m.start() and m.end() <= e for s, e in covered):
+        line = text.count("\n", 0, m.start()) + 1
+        out.append(f"{doc}:{line}: {m.group()!r} in "
+                   f"{text[max(0, m.start() - 40):m.end() + 20]!r}")
+  return out
+
+
+@pytest.mark.parametrize("doc", [R, D])
+def test_every_figure_is_pinned(doc):
+  missing = _unpinned(doc)
+  assert not missing, "figures without a pin:\n" + "\n".join(missing)
+
+
+# Files under benchmarks/results/ that are inputs, not quoted results.
+NOT_RECORDS = {
+    "engine_costs_cpu.json": "the simulator's CPU decode profile, written "
+                             "by benchmarks.engine --calibration_out",
+}
+
+
+def test_every_results_file_is_a_record():
+  """Each committed result says where it came from."""
+  for name in sorted(os.listdir(RESULTS)):
+    if name.endswith(".json") and name not in NOT_RECORDS:
+      rec = _load(name)
+      keys = set(rec)
+      assert keys & {"commit", "date"}, (name, sorted(keys)[:10])
