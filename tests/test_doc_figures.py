@@ -7,15 +7,15 @@ benchmarks/report.py, or a hand-assembled record that names its commit,
 date and command), and `specs` say, number by number, what the figures in
 the quote are. A spec is a key path into the file ("result/speedup";
 "/"-separated, list indices as integers), `(path, scale)` for a printed
-unit (100 for a percentage), `("ratio", a, b)` or `("diff", a, b)` for a
-figure derived from two keys, `None` for a number that is not a figure (a
+unit (100 for a percentage), `("ratio", a, b)` for a figure derived from
+two keys, `None` for a number that is not a figure (a
 seed, a step count), or `("text", path)`: the quote appears verbatim in
 that string or list of strings (a job's printed summary).
 
 Checks, for each pin: the doc contains the quote; the file exists and the
 same paragraph, list item or table row cites it by name; each figure lies
 within one unit of its printed last digit of the file's value ("1.63x" ->
-+-0.01; "+0.230" -> +-0.001; "26.44 GiB" -> +-0.01). And coverage: every
++-0.01; "+0.230" -> +-0.001; "26.83 GiB" -> +-0.01), sign included. And coverage: every
 figure-like number of README.md and of the heads of docs/results.md
 (decimals, and numbers with a unit: x, ×, %, s, ms, min, GiB, ...) lies
 inside a pinned quote or matches `NOT_FIGURES` (versions, model names, a
@@ -428,8 +428,6 @@ def _value(file: str, spec):
     return _get(file, spec)
   if spec[0] == "ratio":
     return _get(file, spec[1]) / _get(file, spec[2])
-  if spec[0] == "diff":
-    return _get(file, spec[1]) - _get(file, spec[2])
   path, scale = spec
   return _get(file, path) * scale
 
@@ -475,7 +473,7 @@ def test_pin(pin):
     if spec is None:
       continue
     value = float(_value(pin.file, spec))
-    assert abs(abs(shown) - abs(value)) <= tol * (1 + 1e-9), (
+    assert abs(shown - value) <= tol * (1 + 1e-9), (
         f"{pin.doc} prints {shown} in {pin.quote!r}; {pin.file} {spec} "
         f"holds {value}")
 
@@ -522,6 +520,17 @@ def test_every_figure_is_pinned(doc):
   assert not missing, "figures without a pin:\n" + "\n".join(missing)
 
 
+def test_every_results_section_opens_with_a_cited_result():
+  """Each `## ` section of docs/results.md opens with its current figures
+  and names the file they come from."""
+  text = _text(D)
+  files = [n for n in os.listdir(RESULTS) if n.endswith(".json")]
+  for start, end in _results_heads(text):
+    head = text[start:end]
+    assert "**Now**" in head and any(n in head for n in files), (
+        head.splitlines()[0])
+
+
 # Files under benchmarks/results/ that are inputs, not quoted results.
 NOT_RECORDS = {
     "engine_costs_cpu.json": "the simulator's CPU decode profile, written "
@@ -530,9 +539,9 @@ NOT_RECORDS = {
 
 
 def test_every_results_file_is_a_record():
-  """Each committed result says where it came from."""
+  """Each committed result says when and how it was taken."""
   for name in sorted(os.listdir(RESULTS)):
     if name.endswith(".json") and name not in NOT_RECORDS:
-      rec = _load(name)
-      keys = set(rec)
-      assert keys & {"commit", "date"}, (name, sorted(keys)[:10])
+      keys = set(_load(name))
+      assert "date" in keys and keys & {"command", "commands"}, (
+          name, sorted(keys)[:10])
