@@ -1,5 +1,7 @@
 """Tokenizer, addition task, prompt iterator and reward scoring (host only)."""
 
+import re
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
@@ -7,6 +9,7 @@ import numpy as np
 from rlhf_jax.data import batching
 from rlhf_jax.data import tasks
 from rlhf_jax.data import tokenizer as tok_lib
+from rlhf_jax.data import word_problems
 from rlhf_jax.rewards import scoring
 from rlhf_jax.rewards import gsm8k, verifiable
 from rlhf_jax.rl import registry
@@ -137,6 +140,56 @@ class AdditionTaskTest(parameterized.TestCase):
       tasks.AdditionTask(holdout_fraction=0.0)
 
 
+class WordProblemsTest(absltest.TestCase):
+
+  def test_hand_checked_problems(self):
+    task = word_problems.WordProblems()
+    # (template, a, b, c) -> the numbers as the text says them, the answer
+    # worked out by hand.
+    cases = [((0, 9, 8, 7), ("has 9", "buys 8 more", "gives 7"), 10),
+             ((1, 7, 9, 9), ("holds 7", "buys 9 packs", "gives 9"), 54),
+             ((2, 2, 6, 8), ("2 pages on Monday", "6 more pages",
+                             "8 pages on Wednesday"), 18),
+             ((3, 8, 6, 4), ("had 4 dollars", "earned 8 dollars a day",
+                             "for 6 days"), 52),
+             ((4, 7, 7, 17), ("7 rows of 7 chairs", "17 chairs"), 32),
+             ((5, 2, 7, 2), ("buys 7", "at 2 dollars each",
+                             "a pen for 2 dollars"), 84)]
+    for key, phrases, answer in cases:
+      text, meta = task._render(key, 0, 0)  # pylint: disable=protected-access
+      self.assertEqual(meta["answer"], answer, text)
+      for phrase in phrases:
+        self.assertIn(phrase, text)
+      self.assertTrue(text.endswith(task.instruction))
+
+  def test_splits_are_disjoint_deterministic_and_balanced(self):
+    task = word_problems.WordProblems(num_eval=120)
+    evals = task.eval_examples()
+    self.assertLen(evals, 120)
+    self.assertEqual(evals, word_problems.WordProblems(
+        num_eval=120).eval_examples())
+    self.assertEqual([m["prompt_id"] for _, m in evals],
+                     [word_problems.EVAL_ID_OFFSET + i for i in range(120)])
+    # The templates take turns: 20 each.
+    counts = np.bincount([m["template"] for _, m in evals])
+    self.assertEqual(counts.tolist(), [20] * 6)
+    # No training problem is a held-out one: compare the numbers in the
+    # text (names and things vary), over 3000 training draws.
+    def numbers(text):
+      return (tuple(int(x) for x in re.findall(r"\d+", text)))
+    held = {(m["template"], numbers(p)) for p, m in evals}
+    train = task.train_examples(3000)
+    self.assertEqual(train[:5], task.train_examples(5))
+    self.assertFalse(held & {(m["template"], numbers(p)) for p, m in train})
+    self.assertTrue(all(m["answer"] >= 0 for _, m in train + evals))
+
+  def test_bad_knobs_are_one_clear_error(self):
+    with self.assertRaisesRegex(Exception, "task.holdout_fraction=0"):
+      word_problems.WordProblems(holdout_fraction=0.0)
+    with self.assertRaisesRegex(Exception, "task.num_eval=5000 is more"):
+      word_problems.WordProblems(num_eval=5000)
+
+
 class BatchingTest(absltest.TestCase):
 
   def setUp(self):
@@ -215,9 +268,9 @@ class RewardFunctionsTest(parameterized.TestCase):
   def test_registered_names(self):
     self.assertEqual(
         registry.names("reward"),
-        ["addition", "arithmetic", "digit_accuracy", "digits_format", "env",
-         "even_tokens", "exact_match", "gsm8k", "gsm8k_format", "last_number",
-         "number_only"],
+        ["addition", "answer_line", "arithmetic", "digit_accuracy",
+         "digits_format", "env", "even_tokens", "exact_match", "gsm8k", "gsm8k_format",
+         "last_number", "number_only"],
     )
     with self.assertRaisesRegex(ValueError, "known reward names: .*'exact_m"):
       registry.get("reward", "accuracy")
@@ -246,6 +299,14 @@ class RewardFunctionsTest(parameterized.TestCase):
                      [1, 1, 1, 1, 0, 0, 0, 0, 0, 1])
     self.assertEqual(gsm8k.number_only(prompts, completions, meta),
                      [0, 0, 1, 1, 0, 1, 1, 0, 0, 0])
+
+  def test_answer_line_hand_checked(self):
+    completions = ["9 + 8 = 17, 17 - 7 = 10.\nAnswer: 10", "Answer: 10.",
+                   "answer:10\n\n", "The answer is 10", "Answer: ten",
+                   "Answer: 10\nThanks!", "", "Answer: -3"]
+    prompts, meta = [""] * 8, [{}] * 8
+    self.assertEqual(gsm8k.answer_line(prompts, completions, meta),
+                     [1, 1, 1, 0, 0, 0, 0, 1])
 
   @parameterized.parameters(True, False)
   def test_addition_agrees_with_task_answers(self, reverse):

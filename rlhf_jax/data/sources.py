@@ -16,6 +16,11 @@ and `config.task` are read as they are (their keys depend on the kind).
   set (0 = all of them); otherwise the first `config.eval.num_prompts`
   records of `config.data.path` are held out and training uses the rest.
   No SFT arrays (set `config.sft.steps = 0`).
+- "word_problems": generated multi-step arithmetic word problems
+  (`data/word_problems.py`, knobs in `config.task`; `config.data.num_train`
+  training problems) rendered like "jsonl" prompts with the checkpoint's
+  tokenizer and chat template; the held-out problems are the eval prompts
+  (configs/smollm2_grpo.py). No SFT arrays.
 - "random_tokens": random ids of `config.data.vocab_size` as prompts and
   text (`data/random_tokens.py`): an RL step of any size without a
   checkpoint or a dataset (configs/synthetic_grpo.py). No SFT arrays.
@@ -79,6 +84,7 @@ def build(config, c) -> DataSource:
   """The DataSource of `config.data.kind`, sized by the sections `c`."""
   kind = config.data.kind
   builders = {"addition": addition, "jsonl": from_jsonl,
+              "word_problems": word_problems,
               "random_tokens": random_tokens.source}
   if kind not in builders:
     raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
@@ -149,20 +155,56 @@ def _eval_batches(examples, tokenizer, prompt_len: int, batch_size: int,
   return out
 
 
-def from_jsonl(config, c) -> DataSource:
-  """Prompts from `config.data.path` with the checkpoint's tokenizer."""
+def _checkpoint_tokenizer(config):
   from rlhf_jax.models.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
-  data = config.data
   model_path = require_path(config, "model.path",
                             "a local Hugging Face checkpoint directory",
                             "/ckpt/Qwen2.5-0.5B-Instruct")
-  data_path = require_path(config, "data.path",
-                           "a local GSM8K-format .jsonl or .parquet file",
-                           "/data/gsm8k/train.jsonl")
   tokenizer = HFTokenizer.from_dir(model_path)
   if not tokenizer.stop_ids:
     raise ConfigError(f"the tokenizer in config.model.path={model_path!r} "
                       "has no eos token or eos_token_id to stop sampling")
+  return tokenizer
+
+
+def _text_source(config, c, tokenizer, examples, eval_examples, what: str
+                 ) -> DataSource:
+  """Text prompts (prompt, metadata) rendered with `config.data`'s template
+  and the tokenizer's chat template, padded to `data.max_prompt_len`."""
+  data = config.data
+  fmt = _format_kwargs(data)
+  source = jsonl.PromptSource(
+      examples, tokenizer, batch_size=c.train.prompts_per_step,
+      max_prompt_len=data.max_prompt_len, seed=data.seed,
+      shuffle=data.shuffle, **fmt)
+  if len(source) < c.train.prompts_per_step:
+    raise ConfigError(
+        f"{what} has {len(source)} usable prompts, fewer than "
+        f"config.train.prompts_per_step={c.train.prompts_per_step}")
+  return DataSource(
+      tokenizer=tokenizer, prompt_len=data.max_prompt_len,
+      stop_ids=tuple(tokenizer.stop_ids), iterator=source,
+      eval_batches=_eval_batches(eval_examples, tokenizer, data.max_prompt_len,
+                                 c.eval.batch_size, **fmt))
+
+
+def word_problems(config, c) -> DataSource:
+  """Generated word problems with the checkpoint's tokenizer."""
+  from rlhf_jax.data.word_problems import WordProblems  # pylint: disable=g-import-not-at-top
+  tokenizer = _checkpoint_tokenizer(config)
+  task = WordProblems(**config.task)
+  return _text_source(config, c, tokenizer,
+                      task.train_examples(config.data.num_train),
+                      task.eval_examples(), "config.task's training set")
+
+
+def from_jsonl(config, c) -> DataSource:
+  """Prompts from `config.data.path` with the checkpoint's tokenizer."""
+  data = config.data
+  tokenizer = _checkpoint_tokenizer(config)
+  data_path = require_path(config, "data.path",
+                           "a local GSM8K-format .jsonl or .parquet file",
+                           "/data/gsm8k/train.jsonl")
   fields = dict(data.fields)
   examples = jsonl.load_examples(data_path, fields)
   num_eval = c.eval.num_prompts
@@ -176,17 +218,5 @@ def from_jsonl(config, c) -> DataSource:
           f"are held out for eval, out of {len(examples)}; set it in "
           "[1, #records) or set config.data.eval_path")
     eval_examples, examples = examples[:num_eval], examples[num_eval:]
-  fmt = _format_kwargs(data)
-  source = jsonl.PromptSource(
-      examples, tokenizer, batch_size=c.train.prompts_per_step,
-      max_prompt_len=data.max_prompt_len, seed=data.seed,
-      shuffle=data.shuffle, **fmt)
-  if len(source) < c.train.prompts_per_step:
-    raise ConfigError(
-        f"config.data.path has {len(source)} usable prompts, fewer than "
-        f"config.train.prompts_per_step={c.train.prompts_per_step}")
-  return DataSource(
-      tokenizer=tokenizer, prompt_len=data.max_prompt_len,
-      stop_ids=tuple(tokenizer.stop_ids), iterator=source,
-      eval_batches=_eval_batches(eval_examples, tokenizer, data.max_prompt_len,
-                                 c.eval.batch_size, **fmt))
+  return _text_source(config, c, tokenizer, examples, eval_examples,
+                      "config.data.path")

@@ -191,3 +191,34 @@ def number_only(
   """
   del prompts, metadata
   return [float(_BARE_NUMBER.fullmatch(c) is not None) for c in completions]
+
+
+_ANSWER_LINE = re.compile(r"answer:\s*-?\d[\d,]*(?:\.\d+)?\s*\.?\s*",
+                          re.IGNORECASE)
+
+
+@registry.register("reward", "answer_line")
+def answer_line(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping],
+) -> list[float]:
+  """1.0 where the completion's last non-empty line is "Answer: <number>",
+  whatever the number: the strict format of a step-by-step answer
+  (configs/smollm2_grpo.py asks for it).
+
+  Args:
+    prompts: prompt texts (unused).
+    completions: decoded responses.
+    metadata: unused.
+
+  Returns:
+    One float per sample.
+  """
+  del prompts, metadata
+  out = []
+  for c in completions:
+    lines = [line for line in c.splitlines() if line.strip()]
+    out.append(float(bool(lines) and
+                     _ANSWER_LINE.fullmatch(lines[-1].strip()) is not None))
+  return out
