@@ -11,7 +11,8 @@ the same run is the job's own first evaluation, after its SFT warm-start:
 same for a reward-model score. Reported with them: the wall time of the
 whole command (compiles included), every evaluation, the first and last
 sampled reward and KL, the sampled reward's mean over each tenth of the
-RL steps (one step's batch is noisy), the median RL step, the reward model's held-out pair
+RL steps (one step's batch is noisy), each reward's greedy mean at every
+evaluation (`eval_<reward>`), the median RL step, the reward model's held-out pair
 accuracy (`configs/tiny_rm.py`), the tool-call rate (`config.agent`), and
 the job's own summary.txt. `--workdir` keeps the run's directory: the
 PPO job reads its reward model from `reward_model.workdir`
@@ -66,6 +67,8 @@ def outcome(records: list[dict]) -> dict:
   if scores:
     out.update(eval_reward_first=scores[0], eval_reward_last=scores[-1],
                eval_reward_gain=round(scores[-1] - scores[0], 4))
+  for key in sorted({k for r in rl for k in r if k.startswith("eval/rewards/")}):
+    out[f"eval_{key.split('/')[-1]}"] = _series(rl, key)  # Greedy means.
   rewards = _series(rl, "rollout/reward_mean")
   if len(rewards) >= 10:  # The curve: the mean of each tenth of the run.
     tenths = np.array_split(np.asarray(rewards), 10)

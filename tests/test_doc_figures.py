@@ -77,7 +77,7 @@ PINS: list[Pin] = [
     P(R, "> 105 s", H200, ("text", "session_2026_11_28_b/whole_step/"
                            "call2_timeline_s/train step executing when "
                            "killed")),
-    P(R, "34 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
+    P(R, "33 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
     P(R, "**176 s**", DJ, "runs/0/wall_s"),
     # The job's printed summary, as the README shows it.
     P(R, _summary(DJ), DJ, ("text", "summary_txt")),
