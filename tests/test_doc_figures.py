@@ -222,6 +222,13 @@ PINS: list[Pin] = [
       "inheriting_configs/1/eval_accuracy_every_50_steps/0",
       "inheriting_configs/1/eval_accuracy_every_50_steps/6"),
     P(D, "same seed: +0.230", DJ, "runs/0/gain"),
+    P(D, "Greedy held-out accuracy 0.04 (lenient: the\nlast number), and 0.03 "
+      "of the answers", "smollm2_base_cpu.json",
+      "result/eval_accuracy_first", "result/eval_answer_line/0"),
+    P(D, "took 237.6 s with its\ncompiles", "smollm2_base_cpu.json",
+      "result/rl_step_median_s"),
+    P(D, "two evaluations of 200 prompts included, 695 s",
+      "smollm2_base_cpu.json", None, "result/wall_s"),
     P(D, "needs 26.83 GiB per device\n(16.19 temporary)", MEM,
       "result/qwen2.5-7b.train_gib_per_device",
       "result/qwen2.5-7b.train_temp_gib"),

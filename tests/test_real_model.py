@@ -272,3 +272,26 @@ def test_greedy_paged_engine_matches_gguf_generate(
     assert ours[i] == ref, (questions[i], first, ours_tokenizer.decode(
         ours[i], stop_at_eos=False), ours_tokenizer.decode(
             ref, stop_at_eos=False))
+
+
+def test_smollm2_config_prompts_fit_and_render_with_the_chat_template(
+    model_dir):
+  """configs/smollm2_grpo.py's data source on the fetched tokenizer: every
+  held-out problem fits `data.max_prompt_len` (none dropped), and a prompt
+  is the word problem inside SmolLM2's chat template (the default system
+  turn, the user's turn), ending where the assistant's turn starts."""
+  from configs import smollm2_grpo
+  from rlhf_jax.config.sections import RLJob
+  from rlhf_jax.data import sources
+  config = smollm2_grpo.get_config()
+  config.model.path = model_dir
+  source = sources.build(config, RLJob.from_config(config))
+  (batch,) = source.eval_batches  # One batch of all held-out prompts.
+  assert len(batch.prompts) == config.task.num_eval == 200
+  assert batch.lengths_N.max() <= config.data.max_prompt_len
+  text = source.tokenizer.decode(batch.tokens_NxP[0, :batch.lengths_N[0]],
+                                 stop_at_eos=False)
+  # decode drops the special tokens (<|im_start|>, <|im_end|>): the turns
+  # show as their role names.
+  assert text.startswith("system\n") and f"user\n{batch.prompts[0]}" in text
+  assert text.rstrip().endswith("\nassistant")
