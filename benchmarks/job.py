@@ -12,9 +12,12 @@ same for a reward-model score. Reported with them: the wall time of the
 whole command (compiles included), every evaluation, the first and last
 sampled reward and KL, the sampled reward's mean over each tenth of the
 RL steps (one step's batch is noisy), each reward's greedy mean at every
-evaluation (`eval_<reward>`), the median RL step, the reward model's held-out pair
-accuracy (`configs/tiny_rm.py`), the tool-call rate (`config.agent`), and
-the job's own summary.txt. `--workdir` keeps the run's directory: the
+evaluation (`eval_<reward>`), the median RL step and where its time goes,
+the per-token KL of every step, the padded fraction of the positions the
+train step computes on, each phase's total time and the eval's share of the
+wall time (timeline.json), the reward model's held-out pair accuracy
+(`configs/tiny_rm.py`), the tool-call rate (`config.agent`), and the job's
+own summary.txt. `--workdir` keeps the run's directory: the
 PPO job reads its reward model from `reward_model.workdir`
 (`workdirs/tiny_rm` in `configs/tiny_ppo.py`), so run
 `--config=configs/tiny_rm.py --workdir=workdirs/tiny_rm` first.
@@ -85,10 +88,34 @@ def outcome(records: list[dict]) -> dict:
   if steps:
     out.update(rl_steps=len(steps),
                rl_step_median_s=round(statistics.median(steps), 4))
+    out["step_median_s"] = {  # Where a step's time goes.
+        phase: round(statistics.median(_series(rl, f"perf/{phase}_s")), 3)
+        for phase in ("rollout", "scoring", "train", "repartition")
+        if _series(rl, f"perf/{phase}_s")}
+  kl = _series(rl, "train/kl")
+  if kl:
+    out["train_kl"] = [round(v, 5) for v in kl]  # Per token, each step.
+  padding = _series(rl, "train/padding_fraction")
+  if padding:
+    out.update(padding_fraction_median=round(statistics.median(padding), 4),
+               padding_fraction_max=round(max(padding), 4))
   pair = _series(records, "rm/pair_accuracy")
   if pair:
     out.update(rm_pair_accuracy=pair, rm_pair_accuracy_last=pair[-1])
   return out
+
+
+def timeline_totals(path: str) -> dict[str, float]:
+  """Seconds per phase over the whole run (the job's timeline.json)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  totals: dict[str, float] = {}
+  for e in events:
+    if e.get("ph") == "X":
+      totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"] / 1e6
+  return {k: round(v, 2) for k, v in sorted(totals.items())}
 
 
 def main(argv):
@@ -108,6 +135,7 @@ def main(argv):
       sys.exit(f"error: the job exited with status {proc.returncode}")
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
       records = [json.loads(line) for line in f if line.strip()]
+    spans = timeline_totals(os.path.join(workdir, "timeline.json"))
     summary_path = os.path.join(workdir, "summary.txt")
     summary_txt = []
     if os.path.exists(summary_path):
@@ -119,6 +147,9 @@ def main(argv):
   result = dict(config=config, overrides=list(_SET.value),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 wall_s=round(wall, 1), **outcome(records))
+  if spans:
+    result.update(timeline_totals_s=spans,
+                  eval_share=round(spans.get("eval", 0.0) / wall, 4))
   print(f"wall time {wall:.1f} s")
   for line in summary_txt:
     print(line)

@@ -34,6 +34,16 @@ _T_START = time.time()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def repo_path(spec: str) -> str:
+  """A config spec `path[:arg]` with a repo-relative path that does not
+  exist from the working directory made absolute (benchmarks run from
+  anywhere, tests/test_benchmarks_smoke.py from an empty directory)."""
+  path, sep, arg = spec.partition(":")
+  if not os.path.exists(path) and os.path.exists(os.path.join(_ROOT, path)):
+    path = os.path.join(_ROOT, path)
+  return path + sep + arg
+
+
 def _git(*args: str) -> str:
   try:
     return subprocess.run(["git", *args], cwd=_ROOT, capture_output=True,

@@ -119,10 +119,13 @@ def fetch(name: str, out: str | None = None, *, force: bool = False) -> str:
   return out
 
 
-_OUT = flags.DEFINE_string("out", None, "Directory to write (default: "
-                           "$RLHF_JAX_MODELS/<name> or ~/.cache/rlhf_jax/"
-                           "models/<name>).")
-_FORCE = flags.DEFINE_bool("force", False, "Convert again even if present.")
+def _define_flags():
+  """The command's flags, defined only when it runs: configs import this
+  module for `model_dir`, into programs with flags of their own."""
+  flags.DEFINE_string("out", None, "Directory to write (default: "
+                      "$RLHF_JAX_MODELS/<name> or ~/.cache/rlhf_jax/"
+                      "models/<name>).")
+  flags.DEFINE_bool("force", False, "Convert again even if present.")
 
 
 def main(argv):
@@ -131,11 +134,12 @@ def main(argv):
     cli.fail(f"usage: python -m rlhf_jax.fetch NAME [--out=DIR]; NAME one "
              f"of {sorted(MODELS)}")
   try:
-    path = fetch(argv[1], _OUT.value, force=_FORCE.value)
+    path = fetch(argv[1], flags.FLAGS.out, force=flags.FLAGS.force)
   except UserError as e:
     cli.fail(str(e))
   print(f"{argv[1]}: {path}")
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

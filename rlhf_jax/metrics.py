@@ -103,7 +103,8 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
   Args:
     info: host values of the step's batch: "rewards" [B] (before any KL
       penalty), "kl" [B] (sequence KL to the reference), "response_len"
-      [B], "gap_max" / "gap_mean" / "mismatch_kl" (trainer vs sampler
+      [B], "positions" / "real_positions" (what the train step computes on,
+      and how much of it is not padding), "gap_max" / "gap_mean" / "mismatch_kl" (trainer vs sampler
       log-probs, `rl/off_policy.mismatch`); on the on-policy path the
       policy's updates measured them instead (`off_policy.on_policy`).
     trained: prefix -> metrics of every update ("train": the policy,
@@ -127,7 +128,10 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
          "rollout/logprob_gap_mean": float(info["gap_mean"]),
          "rollout/mismatch_kl": float(info["mismatch_kl"]),
          "rollout/weight_version": float(version),
-         "rollout/stale_dropped": float(stale)}
+         "rollout/stale_dropped": float(stale),
+         "train/positions": float(info["positions"]),
+         "train/padding_fraction":
+             1.0 - info["real_positions"] / max(info["positions"], 1)}
   for metrics in extra:
     out.update({k: float(v) for k, v in metrics.items()})
   for prefix, updates in trained.items():

@@ -90,6 +90,8 @@ BENCHMARKS = {
         ("steps_per_s", "tokens_per_s", "first_step_s", "step_s",
          "repartition_s", "rollout_s", "scoring_s", "train_s"), 120,
         slow=True),
+    "hf_eval": _case(
+        ["--smoke"], ("accuracy", "runs"), 120, slow=True),
     "job": _case(
         ["--smoke", f"--config={ROOT}/configs/tiny_rm.py"],
         ("config", "wall_s", "rm_pair_accuracy_last"), 120, slow=True),
@@ -120,6 +122,10 @@ BENCHMARKS = {
         ["--smoke"], ("rollout_speedup", "theoretical_kv_read_ratio",
                       "train_step_speedup", "kv_bytes_ratio"), 120,
         slow=True),
+    "real_model": _case(
+        ["--smoke"], ("rollout_vs_transformers", "train_vs_matmul_peak",
+                      "useful_train_vs_matmul_peak", "matmul_gflop_per_s"),
+        240, slow=True),
     "repartition": _case(
         ["--smoke"], ("repartition_s", "device_put_s", "speedup_vs_device_put",
                       "peak_bytes_over_one_copy", "retained_allocator"), 120,

@@ -232,3 +232,30 @@ def test_grpo_job_with_packing_equals_unpacked(mesh8, tmp_path):
     np.testing.assert_allclose(ours[k], plain[k], rtol=1e-4, atol=1e-7,
                                err_msg=k)
   assert plain["train/grad_norm"] > 0
+
+
+def test_positions_count_what_each_layout_computes_on():
+  """`PackedBatch.positions()`: (positions computed, of them real tokens),
+  against a hand count from the samples' lengths."""
+  samples = _samples()
+  prompt = [len(samples[n * G].prompt_tokens) for n in range(N)]
+  response = [len(s.tokens) for s in samples]
+  # Repeated: B rows of P + R, each holding its prompt and response.
+  repeated = batch_lib.pack(samples, P, R)
+  assert repeated.positions() == (N * G * (P + R),
+                                  sum(G * p for p in prompt) + sum(response))
+  # Grouped: each prompt once in [N, P], responses in [N, G, R].
+  grouped = batch_lib.pack(samples, P, R, group_size=G)
+  assert grouped.positions() == (N * P + N * G * R,
+                                 sum(prompt) + sum(response))
+  # Packed, shared prompts: per group its prompt core (p - 1 tokens) and
+  # per non-empty response a copy of the prompt's last token and all but
+  # its last token (the last is only a target): p - 1 + sum(r). Rows of 64
+  # hold a whole group (P - 1 + G * R = 56), so no prompt core repeats.
+  slots = packing.Slots(length=64, minibatches=1, micro_batches=2)
+  packed = batch_lib.pack(samples, P, R, group_size=G, slots=slots)
+  computed, real = packed.positions()
+  assert computed == packed.arrays["tokens"].size
+  assert computed % (2 * 64) == 0
+  assert real == sum(prompt[n] - 1 + sum(response[n * G:(n + 1) * G])
+                     for n in range(N))

@@ -277,9 +277,10 @@ def test_greedy_paged_engine_matches_gguf_generate(
 def test_smollm2_config_prompts_fit_and_render_with_the_chat_template(
     model_dir):
   """configs/smollm2_grpo.py's data source on the fetched tokenizer: every
-  held-out problem fits `data.max_prompt_len` (none dropped), and a prompt
-  is the word problem inside SmolLM2's chat template (the default system
-  turn, the user's turn), ending where the assistant's turn starts."""
+  held-out problem fits `data.max_prompt_len` (none dropped) and is not
+  padded far past its length, and a prompt is the sum's question inside
+  SmolLM2's chat template (the default system turn, the user's turn),
+  ending where the assistant's turn starts."""
   from configs import smollm2_grpo
   from rlhf_jax.config.sections import RLJob
   from rlhf_jax.data import sources
@@ -289,6 +290,8 @@ def test_smollm2_config_prompts_fit_and_render_with_the_chat_template(
   (batch,) = source.eval_batches  # One batch of all held-out prompts.
   assert len(batch.prompts) == config.task.num_eval == 200
   assert batch.lengths_N.max() <= config.data.max_prompt_len
+  assert tuple(config.rollout.prefill_buckets) == (config.data.max_prompt_len,)
+  assert batch.lengths_N.min() >= 0.9 * config.data.max_prompt_len
   text = source.tokenizer.decode(batch.tokens_NxP[0, :batch.lengths_N[0]],
                                  stop_at_eos=False)
   # decode drops the special tokens (<|im_start|>, <|im_end|>): the turns

@@ -1,5 +1,6 @@
 """Tokenizer, addition task, prompt iterator and reward scoring (host only)."""
 
+import itertools
 import re
 
 from absl.testing import absltest
@@ -7,9 +8,9 @@ from absl.testing import parameterized
 import numpy as np
 
 from rlhf_jax.data import batching
+from rlhf_jax.data import sums
 from rlhf_jax.data import tasks
 from rlhf_jax.data import tokenizer as tok_lib
-from rlhf_jax.data import word_problems
 from rlhf_jax.rewards import scoring
 from rlhf_jax.rewards import gsm8k, verifiable
 from rlhf_jax.rl import registry
@@ -140,54 +141,69 @@ class AdditionTaskTest(parameterized.TestCase):
       tasks.AdditionTask(holdout_fraction=0.0)
 
 
-class WordProblemsTest(absltest.TestCase):
+class SumsTest(absltest.TestCase):
 
-  def test_hand_checked_problems(self):
-    task = word_problems.WordProblems()
-    # (template, a, b, c) -> the numbers as the text says them, the answer
-    # worked out by hand.
-    cases = [((0, 9, 8, 7), ("has 9", "buys 8 more", "gives 7"), 10),
-             ((1, 7, 9, 9), ("holds 7", "buys 9 packs", "gives 9"), 54),
-             ((2, 2, 6, 8), ("2 pages on Monday", "6 more pages",
-                             "8 pages on Wednesday"), 18),
-             ((3, 8, 6, 4), ("had 4 dollars", "earned 8 dollars a day",
-                             "for 6 days"), 52),
-             ((4, 7, 7, 17), ("7 rows of 7 chairs", "17 chairs"), 32),
-             ((5, 2, 7, 2), ("buys 7", "at 2 dollars each",
-                             "a pen for 2 dollars"), 84)]
-    for key, phrases, answer in cases:
-      text, meta = task._render(key, 0, 0)  # pylint: disable=protected-access
-      self.assertEqual(meta["answer"], answer, text)
-      for phrase in phrases:
-        self.assertIn(phrase, text)
-      self.assertTrue(text.endswith(task.instruction))
-
-  def test_splits_are_disjoint_deterministic_and_balanced(self):
-    task = word_problems.WordProblems(num_eval=120)
+  def test_prompts_answers_and_carries_by_hand(self):
+    task = sums.Sums()
     evals = task.eval_examples()
-    self.assertLen(evals, 120)
-    self.assertEqual(evals, word_problems.WordProblems(
-        num_eval=120).eval_examples())
+    self.assertLen(evals, 200)
+    for text, meta in evals + task.train_examples(300):
+      match = re.fullmatch(r"What is (\d+)\+(\d)\? Answer with only the "
+                           r"number\.", text)
+      self.assertIsNotNone(match, text)
+      a, b = (int(x) for x in match.groups())
+      self.assertTrue(1 <= a <= 99 and 1 <= b <= 9, text)
+      self.assertEqual(meta["answer"], a + b, text)
+      # The ones carry; then the tens carry too when the sum reaches 100.
+      self.assertEqual(meta["carries"], int(a % 10 + b >= 10) +
+                       int(a + b >= 100), text)
+    # Another shape says its own expression; carries counted by hand:
+    # 47 + 85 + 9: ones 7+5+9 = 21 (carry 2), tens 4+8+2 = 14 (carry 1).
+    task = sums.Sums(ranges=((10, 99), (10, 99), (1, 9)),
+                     prompt="Add {expression}.")
+    text, meta = task._render((47, 85, 9), 3)  # pylint: disable=protected-access
+    self.assertEqual((text, meta), ("Add 47+85+9.", {
+        "answer": 141, "prompt_id": 3, "carries": 2}))
+    self.assertEqual([sums.carries(x) for x in ((45, 9), (12, 3), (99, 9),
+                                                 (5, 5), (999, 1))],
+                     [1, 0, 2, 1, 3])
+
+  def test_splits_are_disjoint_by_multiset_and_deterministic(self):
+    task = sums.Sums()
+    evals = task.eval_examples()
+    self.assertEqual(evals, sums.Sums().eval_examples())
     self.assertEqual([m["prompt_id"] for _, m in evals],
-                     [word_problems.EVAL_ID_OFFSET + i for i in range(120)])
-    # The templates take turns: 20 each.
-    counts = np.bincount([m["template"] for _, m in evals])
-    self.assertEqual(counts.tolist(), [20] * 6)
-    # No training problem is a held-out one: compare the numbers in the
-    # text (names and things vary), over 3000 training draws.
-    def numbers(text):
-      return (tuple(int(x) for x in re.findall(r"\d+", text)))
-    held = {(m["template"], numbers(p)) for p, m in evals}
-    train = task.train_examples(3000)
+                     [sums.EVAL_ID_OFFSET + i for i in range(200)])
+    self.assertLen({p for p, _ in evals}, 200)
+
+    def multiset(text):
+      return tuple(sorted(int(x) for x in re.findall(r"\d+", text)))
+    held = {multiset(p) for p, _ in evals}
+    train = task.train_examples(5000)
     self.assertEqual(train[:5], task.train_examples(5))
-    self.assertFalse(held & {(m["template"], numbers(p)) for p, m in train})
-    self.assertTrue(all(m["answer"] >= 0 for _, m in train + evals))
+    self.assertFalse(held & {multiset(p) for p, _ in train})
+    # 5000 draws reach every training sum, and every one of the 99 * 9
+    # ordered pairs is in exactly one split.
+    all_pairs = set(itertools.product(range(1, 100), range(1, 10)))
+    heldout = {x for x in all_pairs if task.is_heldout(x)}
+    self.assertLen({multiset(p) for p, _ in train},
+                   len({tuple(sorted(x)) for x in all_pairs - heldout}))
+    self.assertBetween(len(heldout) / len(all_pairs), 0.3, 0.5)
+    # Both orders of a multiset fall on the same side.
+    self.assertTrue(all(task.is_heldout((b, a)) == task.is_heldout((a, b))
+                        for a, b in all_pairs if a <= 9))
 
   def test_bad_knobs_are_one_clear_error(self):
     with self.assertRaisesRegex(Exception, "task.holdout_fraction=0"):
-      word_problems.WordProblems(holdout_fraction=0.0)
-    with self.assertRaisesRegex(Exception, "task.num_eval=5000 is more"):
-      word_problems.WordProblems(num_eval=5000)
+      sums.Sums(holdout_fraction=0.0)
+    with self.assertRaisesRegex(Exception, "task.num_eval=5000: the split"):
+      sums.Sums(num_eval=5000)
+    with self.assertRaisesRegex(Exception, "has no {expression}"):
+      sums.Sums(prompt="What is it?")
+    with self.assertRaisesRegex(Exception, "need two or more"):
+      sums.Sums(ranges=((1, 9),))
+    with self.assertRaisesRegex(Exception, "need two or more"):
+      sums.Sums(ranges=((9, 1), (1, 9)))
 
 
 class BatchingTest(absltest.TestCase):

@@ -16,11 +16,11 @@ and `config.task` are read as they are (their keys depend on the kind).
   set (0 = all of them); otherwise the first `config.eval.num_prompts`
   records of `config.data.path` are held out and training uses the rest.
   No SFT arrays (set `config.sft.steps = 0`).
-- "word_problems": generated multi-step arithmetic word problems
-  (`data/word_problems.py`, knobs in `config.task`; `config.data.num_train`
-  training problems) rendered like "jsonl" prompts with the checkpoint's
-  tokenizer and chat template; the held-out problems are the eval prompts
-  (configs/smollm2_grpo.py). No SFT arrays.
+- "sums": generated sums of several small integers (`data/sums.py`, knobs
+  in `config.task`; `config.data.num_train` training problems) rendered
+  like "jsonl" prompts with the checkpoint's tokenizer and chat template;
+  the held-out problems are the eval prompts (configs/smollm2_grpo.py). No
+  SFT arrays.
 - "random_tokens": random ids of `config.data.vocab_size` as prompts and
   text (`data/random_tokens.py`): an RL step of any size without a
   checkpoint or a dataset (configs/synthetic_grpo.py). No SFT arrays.
@@ -62,12 +62,31 @@ class DataSource:
 def prepare(config, workdir: str):
   """Materializes synthetic assets if `config.data.synthetic`; returns config.
 
-  The assets (tiny random Qwen2 checkpoint + GSM8K-format JSONL) are written
-  once under `<workdir>/runlocal_assets` and reused by a resumed run; the
-  returned copy of the config points `model.path` / `data.path` at them.
+  The assets are written once under `<workdir>/runlocal_assets` and reused
+  by a resumed run; the returned copy of the config points `model.path`
+  (and, for "jsonl", `data.path`) at them: a tiny random Qwen2 checkpoint
+  + a GSM8K-format JSONL ("jsonl"), a tiny random checkpoint whose
+  tokenizer knows the task's text ("sums").
   """
-  if config.data.kind != "jsonl" or not config.data.synthetic:
+  if not config.data.get("synthetic", False):
     return config
+  assets = os.path.join(workdir, "runlocal_assets")
+  if config.data.kind == "jsonl":
+    from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
+    build = lambda: synthetic_gsm8k.build_assets(assets, seed=config.seed)
+  elif config.data.kind == "sums":
+    from rlhf_jax.data import sums as sums_lib  # pylint: disable=g-import-not-at-top
+    build = lambda: (sums_lib.build_tiny_model(
+        assets, sums_lib.Sums(**config.task), seed=config.seed), None)
+  else:
+    return config
+  # Multi-host: process 0 writes the shared files, the others then read them.
+  model_dir, data_path = distributed.process0_first(build, "runlocal_assets")
+  config = config.copy_and_resolve_references()
+  config.model.path = model_dir
+  if data_path is not None:
+    config.data.path = data_path
+  return config
   from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
   # Multi-host: process 0 writes the shared files, the others then read them.
   model_dir, data_path = distributed.process0_first(
@@ -84,7 +103,7 @@ def build(config, c) -> DataSource:
   """The DataSource of `config.data.kind`, sized by the sections `c`."""
   kind = config.data.kind
   builders = {"addition": addition, "jsonl": from_jsonl,
-              "word_problems": word_problems,
+              "sums": sums,
               "random_tokens": random_tokens.source}
   if kind not in builders:
     raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
@@ -188,11 +207,11 @@ def _text_source(config, c, tokenizer, examples, eval_examples, what: str
                                  c.eval.batch_size, **fmt))
 
 
-def word_problems(config, c) -> DataSource:
-  """Generated word problems with the checkpoint's tokenizer."""
-  from rlhf_jax.data.word_problems import WordProblems  # pylint: disable=g-import-not-at-top
+def sums(config, c) -> DataSource:
+  """Generated sums with the checkpoint's tokenizer."""
+  from rlhf_jax.data.sums import Sums  # pylint: disable=g-import-not-at-top
   tokenizer = _checkpoint_tokenizer(config)
-  task = WordProblems(**config.task)
+  task = Sums(**config.task)
   return _text_source(config, c, tokenizer,
                       task.train_examples(config.data.num_train),
                       task.eval_examples(), "config.task's training set")

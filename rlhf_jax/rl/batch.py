@@ -23,6 +23,18 @@ class PackedBatch:
   sampler_logp: np.ndarray  # Raw engine log-probs, shaped like loss_mask.
   response_len: np.ndarray  # [B]
 
+  def positions(self) -> tuple[int, int]:
+    """(positions the train step computes on, those holding a prompt or
+    response token): padding is the difference."""
+    a = self.arrays
+    if "seg" in a:  # Packed rows; -1 marks padding.
+      return a["seg"].size, int(np.sum(a["seg"] >= 0))
+    if "attn_mask" in a:  # Repeated: each row prompt + response, padded.
+      return a["attn_mask"].size, int(np.sum(a["attn_mask"]))
+    # Grouped: each prompt once [N, P], its responses [N, G, R].
+    return (a["prompt_tokens"].size + a["response_tokens"].size,
+            int(np.sum(a["prompt_len"]) + np.sum(self.response_len)))
+
 
 def pack(samples: Sequence, prompt_len: int, max_new: int, *,
          group_size: int = 0, trainable=None,

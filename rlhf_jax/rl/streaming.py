@@ -127,7 +127,9 @@ def merge_infos(infos: Sequence[dict]) -> dict:
   tokens = sum(float(i["tokens"]) for i in infos)
   cat = lambda k: np.concatenate([np.asarray(i[k]) for i in infos])  # noqa: E731
   out = {"rewards": cat("rewards"), "kl": cat("kl"),
-         "response_len": cat("response_len"), "keep": cat("keep")}
+         "response_len": cat("response_len"), "keep": cat("keep"),
+         **{k: sum(int(i[k]) for i in infos)
+            for k in ("positions", "real_positions")}}
   if "gap_max" in infos[0]:  # Else the loss measured it (on-policy).
     out.update(gap_max=max(float(i["gap_max"]) for i in infos), **{
         k: sum(float(i[k]) * float(i["tokens"]) for i in infos)

@@ -216,8 +216,10 @@ def _train_batch(job: Job, samples, rewards, trainable, params, ref, *,
   else:
     batch, info = job.preparer.from_scores(
         batch, job.fused.assemble(samples, fused, packed))
+  computed, real = packed.positions()
   return batch, {**info, "response_len": packed.response_len,
-                 "tokens": float(packed.arrays["loss_mask"].sum())}
+                 "tokens": float(packed.arrays["loss_mask"].sum()),
+                 "positions": computed, "real_positions": real}
 
 
 def _part_batch(job: Job, samples, rewards, params, ref):

@@ -158,7 +158,9 @@ def train_batch(job: Job, samples, trainable, params, ref, critic_params,
   group_size = c.rollout.samples_per_row if rl.share_prompt else 0
   packed = batch_lib.pack(samples, P, M, group_size=group_size,
                           trainable=trainable, slots=slots)
-  out = {"response_len": packed.response_len}
+  computed, real = packed.positions()
+  out = {"response_len": packed.response_len, "positions": computed,
+         "real_positions": real}
   if fused is not None:
     per_token = job.fused.assemble(samples, fused, packed)
     batch = job.preparer.put(packed, rewards=per_token.pop("rewards"))
