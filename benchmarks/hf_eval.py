@@ -115,7 +115,8 @@ def _check_tokens(model_dir, data, prompts):
         system + [{"role": "user",
                    "content": data.template.format(prompt=question)}],
         add_generation_prompt=True, tokenize=True)
-    theirs = theirs["input_ids"] if isinstance(theirs, dict) else theirs
+    # transformers 5 returns a BatchEncoding (a mapping), 4 a list.
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
     if list(theirs) != ids:
       raise SystemExit(f"error: the job's prompt ids of {question!r} differ "
                        f"from transformers' tokenizer of {model_dir}")

@@ -99,6 +99,10 @@ def outcome(records: list[dict]) -> dict:
   if padding:
     out.update(padding_fraction_median=round(statistics.median(padding), 4),
                padding_fraction_max=round(max(padding), 4))
+    positions = _series(rl, "train/positions")
+    if len(positions) == len(padding):  # Over the run: weighed by size.
+      out["padding_fraction_total"] = round(float(
+          np.dot(positions, padding) / np.sum(positions)), 4)
   pair = _series(records, "rm/pair_accuracy")
   if pair:
     out.update(rm_pair_accuracy=pair, rm_pair_accuracy_last=pair[-1])

@@ -65,6 +65,8 @@ H100, H200 = "gpu_h100.json", "gpu_h200.json"
 MEM, PLT = "memory_cpu.json", "paged_long_tail_cpu.json"
 LT, AF = "long_tail_cpu.json", "async_rl_full_cpu.json"
 PPO = "job_tiny_ppo_cpu.json"
+SG = "smollm2_grpo_cpu.json"
+HF, RM = "smollm2_hf_check_cpu.json", "real_model_cpu.json"
 
 PINS: list[Pin] = [
     # ---- README.md
@@ -78,6 +80,28 @@ PINS: list[Pin] = [
                            "call2_timeline_s/train step executing when "
                            "killed")),
     P(R, "33 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
+    P(R, "**0.195 -> 0.885** in 30 steps, **1354.6 s**", SG,
+      "result/eval_accuracy_first", "result/eval_accuracy_last", None,
+      "result/wall_s"),
+    P(R, "format rate stays\n0.0", SG, "result/eval_number_only/6"),
+    P(R, "27.3 s (rollout 6.956, scoring\n4.196, train 16.329)", SG,
+      "result/rl_step_median_s", "result/step_median_s/rollout",
+      "result/step_median_s/scoring", "result/step_median_s/train"),
+    P(R, "24.6 % of the time", SG, ("result/eval_share", 100)),
+    P(R, "scores 0.885 and the\nuntrained one 0.195", HF,
+      "result/runs/1/accuracy", "result/runs/0/accuracy"),
+    P(R, "one carry 0.189 -> 0.867, with two\n0.0 -> 0.455", HF,
+      "result/runs/0/accuracy_by_carries/1/0",
+      "result/runs/1/accuracy_by_carries/1/0",
+      "result/runs/0/accuracy_by_carries/2/0",
+      "result/runs/1/accuracy_by_carries/2/0"),
+    P(R, "1.81x its tokens/s (143.4 vs 79.1)", RM,
+      "result/rollout_vs_transformers",
+      "result/rollout/ours/tokens_per_s",
+      "result/rollout/transformers/tokens_per_s"),
+    P(R, "at 0.331 of this machine's float32 matmul rate (151.1 GFLOP/s), "
+      "0.231", RM, "result/train_vs_matmul_peak",
+      "result/matmul_gflop_per_s", "result/useful_train_vs_matmul_peak"),
     P(R, "**176 s**", DJ, "runs/0/wall_s"),
     # The job's printed summary, as the README shows it.
     P(R, _summary(DJ), DJ, ("text", "summary_txt")),
@@ -222,13 +246,31 @@ PINS: list[Pin] = [
       "inheriting_configs/1/eval_accuracy_every_50_steps/0",
       "inheriting_configs/1/eval_accuracy_every_50_steps/6"),
     P(D, "same seed: +0.230", DJ, "runs/0/gain"),
-    P(D, "Greedy held-out accuracy 0.04 (lenient: the\nlast number), and 0.03 "
-      "of the answers", "smollm2_base_cpu.json",
-      "result/eval_accuracy_first", "result/eval_answer_line/0"),
-    P(D, "took 237.6 s with its\ncompiles", "smollm2_base_cpu.json",
-      "result/rl_step_median_s"),
-    P(D, "two evaluations of 200 prompts included, 695 s",
-      "smollm2_base_cpu.json", None, "result/wall_s"),
+    # ---- the real model (configs/smollm2_grpo.py)
+    P(D, "from 0.195\nto 0.885 (+0.69) in 30 steps and 1354.6 s", SG,
+      "result/eval_accuracy_first", "result/eval_accuracy_last",
+      "result/gain", None, "result/wall_s"),
+    P(D, "0.195, 0.68, 0.89, 0.87, 0.885, 0.785, 0.885", SG,
+      *(f"result/eval_accuracy/{i}" for i in range(7))),
+    P(D, "stays at 0.0 throughout", SG, "result/eval_number_only/6"),
+    P(D, "27.3 s: rollout 6.956 s, scoring 4.196 s, train 16.329 s", SG,
+      "result/rl_step_median_s", "result/step_median_s/rollout",
+      "result/step_median_s/scoring", "result/step_median_s/train"),
+    P(D, "took 24.6 % of the wall time", SG, ("result/eval_share", 100)),
+    P(D, "median 0.1 of a step's, max 0.344", SG,
+      "result/padding_fraction_median", "result/padding_fraction_max"),
+    P(D, "up to 1.298 (step 22)", SG, "result/train_kl/21", None),
+    P(D, "0.195 untrained, 0.885\ntrained", HF, "result/runs/0/accuracy",
+      "result/runs/1/accuracy"),
+    P(D, "0.222 -> 0.949\n(none), 0.189 -> 0.867 (one), 0.0 -> 0.455 (two)", HF,
+      "result/runs/0/accuracy_by_carries/0/0",
+      "result/runs/1/accuracy_by_carries/0/0",
+      "result/runs/0/accuracy_by_carries/1/0",
+      "result/runs/1/accuracy_by_carries/1/0",
+      "result/runs/0/accuracy_by_carries/2/0",
+      "result/runs/1/accuracy_by_carries/2/0"),
+    P(D, "1.81x the tokens/s", RM, "result/rollout_vs_transformers"),
+    P(D, "at 0.331 of this machine's", RM, "result/train_vs_matmul_peak"),
     P(D, "needs 26.83 GiB per device\n(16.19 temporary)", MEM,
       "result/qwen2.5-7b.train_gib_per_device",
       "result/qwen2.5-7b.train_temp_gib"),
@@ -345,6 +387,7 @@ NOT_FIGURES = [
     (r"\d+\.\d+\.\d+", "a version number"),
     (r"(?i)\b(?:qwen|llama|gemma|smollm)(?: ?\d)?[\w.\-/]*", "a model's name"),
     (r"\bSSE4\.2\b|\bSSE4_2\b", "an instruction set's name"),
+    (r"\bApache-2\.0\b", "a license's name"),
     (r"\bcuda1[23]\b|CUDA 1[23]", "a CUDA version"),
     (r"≥ \d+(?:\.\d+)?\s?(?:x|×|%)", "a goal, not a measurement"),
     (r"each under 3 minutes", "[honest]'s target for the default job; "
