@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -87,6 +88,20 @@ class SigtermWhen:
   def __exit__(self, *exc):
     self._done.set()
     self._thread.join()
+
+
+def sigkill_at_checkpoint(cmd, workdir, step, env, timeout=300) -> None:
+  """Runs `cmd` until `<workdir>/checkpoints/<step>` exists, then SIGKILLs
+  it (no chance to save: what a preempted machine does)."""
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  ckpt = os.path.join(workdir, "checkpoints", str(step))
+  deadline = time.time() + timeout
+  while not os.path.isdir(ckpt) and proc.poll() is None:
+    assert time.time() < deadline, f"no checkpoint at step {step}"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
 
 
 def run_main(args, timeout=600) -> subprocess.CompletedProcess:

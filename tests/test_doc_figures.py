@@ -79,7 +79,7 @@ PINS: list[Pin] = [
     P(R, "> 105 s", H200, ("text", "session_2026_11_28_b/whole_step/"
                            "call2_timeline_s/train step executing when "
                            "killed")),
-    P(R, "33 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
+    P(R, "35 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
     P(R, "**0.195 -> 0.885** in 30 steps, **1354.6 s**", SG,
       "result/eval_accuracy_first", "result/eval_accuracy_last", None,
       "result/wall_s"),

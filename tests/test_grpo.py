@@ -6,10 +6,8 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -82,15 +80,7 @@ def test_sigkill_then_rerun_gives_the_same_metrics(run8, tmp_path):
   cmd = [sys.executable, "-m", "rlhf_jax.main",
          "--config=configs/tiny_grpo.py:runlocal", f"--workdir={workdir}",
          "--config.train.steps=6", "--config.eval.every=3"]
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  ckpt2 = os.path.join(workdir, "checkpoints", "2")
-  deadline = time.time() + 300
-  while not os.path.isdir(ckpt2) and proc.poll() is None:
-    assert time.time() < deadline, "no checkpoint at step 2"
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  resume.sigkill_at_checkpoint(cmd, workdir, 2, env)
   assert not os.path.isdir(os.path.join(workdir, "checkpoints", "6"))
   out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=600)
