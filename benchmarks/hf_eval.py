@@ -95,8 +95,9 @@ def evaluate(model_dir: str, c, prompts, batch: int) -> dict:
     by = collections.defaultdict(list)
     for m, s in zip(metadata, first):
       by[int(m["carries"])].append(s)
-    out["accuracy_by_carries"] = {str(k): [round(float(np.mean(v)), 4),
-                                           len(v)] for k, v in sorted(by.items())}
+    out["accuracy_by_carries"] = {  # carries -> [accuracy, prompts]
+        str(k): [round(float(np.mean(v)), 4), len(v)]
+        for k, v in sorted(by.items())}
   out["examples"] = [[q, t] for q, t in zip(questions[:4], texts[:4])]
   return out
 

@@ -103,10 +103,11 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
   Args:
     info: host values of the step's batch: "rewards" [B] (before any KL
       penalty), "kl" [B] (sequence KL to the reference), "response_len"
-      [B], "positions" / "real_positions" (what the train step computes on,
-      and how much of it is not padding), "gap_max" / "gap_mean" / "mismatch_kl" (trainer vs sampler
-      log-probs, `rl/off_policy.mismatch`); on the on-policy path the
-      policy's updates measured them instead (`off_policy.on_policy`).
+      [B], "positions" / "real_positions" (what the train step computes
+      on, and how much of it is not padding), "gap_max" / "gap_mean" /
+      "mismatch_kl" (trainer vs sampler log-probs,
+      `rl/off_policy.mismatch`); on the on-policy path the policy's
+      updates measured them instead (`off_policy.on_policy`).
     trained: prefix -> metrics of every update ("train": the policy,
       "critic": PPO's value function); means are logged.
     perf: the timeline's perf/ metrics of the step.

@@ -87,16 +87,6 @@ def prepare(config, workdir: str):
   if data_path is not None:
     config.data.path = data_path
   return config
-  from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
-  # Multi-host: process 0 writes the shared files, the others then read them.
-  model_dir, data_path = distributed.process0_first(
-      lambda: synthetic_gsm8k.build_assets(
-          os.path.join(workdir, "runlocal_assets"), seed=config.seed),
-      "runlocal_assets")
-  config = config.copy_and_resolve_references()
-  config.model.path = model_dir
-  config.data.path = data_path
-  return config
 
 
 def build(config, c) -> DataSource:
