@@ -1,43 +1,42 @@
-"""Paged decode attention that reads only live pages, prompt pages once.
+"""Paged decode attention that reads a group's prompt pages once.
 
 Dimension letters: S decode slots (one sample each), R group entries (one
 prompt each), G members per group, H query heads, N kv heads (Q = H / N per
-kv head), K head dim, T page size, X page chunks read in a step.
+kv head), K head dim, T page size, X groups read in a step.
 
 KV lives in a pool of fixed-size pages [L, N, num_pages, T, K] (head-major,
 so that a page of one kv head is a contiguous [T, K] tile that the TPU and
 GPU kernels read as it is). The op reads layer `layer` of it: the kernels
 take the whole pool and index the layer themselves, because a layer sliced
 out of the pool (a scan carry) before a kernel call would be copied, a
-whole-pool read every step. A group's prompt KV is in the pages of its row of `group_pages_RxA`
-(shared by its G samples); a sample's own tokens are in the pages of its
-row of `own_pages_SxB`. The op is ragged: it lists the live pages of the
-step (a group's prompt pages if any member is live; a live slot's pages up
-to its length) and reads each listed page once:
-  - a prompt page against the queries of all G members of its group (one
-    [G*Q, K] x [K, T] matmul per kv head: the prompt is read once per
-    group, like the dense prefix rows of `prefix_decode_attention.py`);
-  - an own page against its slot's query.
-Each page gives a normalised partial output and its log-sum-exp; partials
-of one query merge exactly in fp32 (`segment_merge`, the rule of
-`attention_parts.merge_parts` over a variable number of parts), then the
-prompt, own and optional common-prefix parts merge by the same rule. Work
-and bytes read scale with the live KV, not with max lengths or with the
-longest sample of the batch.
-
-The page lists have a static size (`num_prompt_chunks`, `num_own_chunks`):
-the caller passes upper bounds of the live page counts (the engine rounds
-them up to powers of two, one compile per pair); surplus entries are
-masked. A bound below the live count would drop pages: the engine derives
-its bounds from lengths that are never below the device's.
+whole-pool read every step. A group's prompt KV is in the pages of its row
+of `group_pages_RxA` (shared by its G samples); a sample's own tokens are
+in the pages of its row of `own_pages_SxB`. Two parts, each a softmax over
+its keys, merged exactly in fp32 with the optional common-prefix part
+(`attention_parts.merge_parts`):
+  - prompt: each group with a live member once, against the queries of all
+    its G members (one [G*Q, K] x [K, t] matmul per kv head: the prompt is
+    read once per group, not once per sample);
+  - own: each slot's pages against its own query.
 
 `paged_decode_attention_reference` is the jnp version (CPU and the
-oracle); `paged_decode_attention` dispatches to a Pallas kernel on TPU
+oracle). It gathers pages into dense rows of static sizes: the caller
+passes upper bounds (`groups_read` groups with a live member,
+`prompt_pages_read` and `own_pages_read` pages of one of them), which the
+engine rounds up to powers of two above a floor (one compile per triple);
+pages past a row's length are read and masked, so the work follows the
+longest live sequence of the step, and a bound below the live count would
+drop keys (the engine derives its bounds from lengths never below the
+device's). Dense rows beat a ragged list of single pages on CPU: XLA runs
+one batched matmul per part instead of a matmul, a gather and a segment
+reduction per page.
+
+`paged_decode_attention` dispatches to a Pallas kernel on TPU
 (`paged_decode_attention_tpu.py`, Mosaic) and GPU
-(`paged_decode_attention_gpu.py`, Triton). The kernels walk each group's /
-slot's page table in place instead of listing pages. Under a layout, the op
-runs in `shard_map` over the data replicas (each its own block of slots,
-groups and pages) and the tensor axis (`_sharded`).
+(`paged_decode_attention_gpu.py`, Triton), which walk each group's /
+slot's page table up to its length (no bounds needed). Under a layout, the
+op runs in `shard_map` over the data replicas (each its own block of
+slots, groups and pages) and the tensor axis (`_sharded`).
 """
 
 from __future__ import annotations
@@ -54,48 +53,6 @@ from kernels_pallas.attention_parts import (
     NEG_INF, attention_part, common_prefix_part, merge_parts, softcap)
 
 
-def segment_merge(out_XxD, lse_X, segment_X, num_segments):
-  """Exact merge of partial attention outputs by segment.
-
-  Args:
-    out_XxD: normalised partial outputs [X, ...D] (fp32).
-    lse_X: their log-sum-exps [X, ...] (-inf: an empty part).
-    segment_X: [X] segment of each part (>= num_segments: dropped).
-    num_segments: number of segments.
-
-  Returns:
-    (out [num_segments, ...D], lse [num_segments, ...]); a segment with no
-    keys gets zeros and -inf.
-  """
-  seg_max = jax.ops.segment_max(lse_X, segment_X, num_segments)
-  seg_max = jnp.where(jnp.isfinite(seg_max), seg_max, 0.0)
-  weight = jnp.exp(lse_X - seg_max[jnp.minimum(segment_X, num_segments - 1)])
-  total = jax.ops.segment_sum(weight, segment_X, num_segments)
-  out = jax.ops.segment_sum(weight[..., None] * out_XxD, segment_X,
-                            num_segments)
-  safe = jnp.where(total > 0, total, 1.0)
-  lse = jnp.where(total > 0, seg_max + jnp.log(safe), NEG_INF)
-  return out / safe[..., None], lse
-
-
-def live_chunks(num_pages_X, num_chunks):
-  """Lists the pages of rows with ragged page counts, row-major.
-
-  Args:
-    num_pages_X: [rows] pages each row has live.
-    num_chunks: static length of the list (>= the sum; surplus masked).
-
-  Returns:
-    (row [num_chunks] (rows: a surplus entry), column [num_chunks]).
-  """
-  ends = jnp.cumsum(num_pages_X)
-  i = jnp.arange(num_chunks)
-  row = jnp.searchsorted(ends, i, side="right")
-  start = ends - num_pages_X
-  col = i - start[jnp.minimum(row, num_pages_X.shape[0] - 1)]
-  return row, col
-
-
 def paged_decode_attention_reference(
     q_SxHxK,
     k_pages_LxNxPxTxK,
@@ -108,8 +65,9 @@ def paged_decode_attention_reference(
     own_pages_SxB,
     own_len_S,
     *,
-    num_prompt_chunks,
-    num_own_chunks,
+    groups_read,
+    prompt_pages_read,
+    own_pages_read,
     layer=0,
     common_k_CxNxK=None,
     common_v_CxNxK=None,
@@ -120,7 +78,7 @@ def paged_decode_attention_reference(
     window=None,
     return_lse=False,
 ):
-  """Pure-jnp ragged paged prefix-shared decode attention (module doc).
+  """Pure-jnp paged prefix-shared decode attention (module doc).
 
   Args:
     q_SxHxK: one query per slot.
@@ -135,8 +93,9 @@ def paged_decode_attention_reference(
     own_pages_SxB: own page ids of each slot.
     own_len_S: own tokens of each slot in the pool, incl. this step's (0:
       a free slot, reads nothing).
-    num_prompt_chunks, num_own_chunks: static upper bounds of the prompt
-      pages of groups with live members and of the own pages of slots.
+    groups_read: static upper bound of the groups with a live member.
+    prompt_pages_read, own_pages_read: static upper bounds of the pages
+      of one such group's prompt and of one slot's own tokens.
     layer: the pool's layer to read (may be traced).
     common_k_CxNxK, common_v_CxNxK, common_len: optional common prefix.
     scale, logit_softcap: as the dense reference.
@@ -159,50 +118,55 @@ def paged_decode_attention_reference(
   scale = K**-0.5 if scale is None else scale
   q = q_SxHxK.reshape(S, N, H // N, K)
   base = 0 if common_len is None else common_len  # Prompt's first position.
-  offset = jnp.arange(T)
 
-  # Prompt part: each live prompt page once, for all G members of its group.
+  def read(pages_XxA, count):
+    """KV of the first `count` pages of each row: [N, X, count * T, K]."""
+    ids = pages_XxA[:, :count]
+    X = ids.shape[0]
+    k = jnp.take(k_pages_NxPxTxK, ids, axis=1, mode="clip")
+    v = jnp.take(v_pages_NxPxTxK, ids, axis=1, mode="clip")
+    return k.reshape(N, X, -1, K), v.reshape(N, X, -1, K)
+
+  # Prompt part: the groups with a live member (stably first), each read
+  # once for the queries of all its G members.
   member_ok_RxG = group_slots_RxG >= 0
-  member_slot = jnp.where(member_ok_RxG, group_slots_RxG, 0)
-  group_pages_R = jnp.where(member_ok_RxG.any(axis=1),
-                            -(-group_len_R // T), 0)
-  grp, col = live_chunks(group_pages_R, num_prompt_chunks)
-  grp_c = jnp.minimum(grp, R - 1)
-  page = group_pages_RxA[grp_c, jnp.minimum(col, group_pages_RxA.shape[1] - 1)]
-  q_c = q[member_slot[grp_c]]                                  # [X, G, N, Q, K]
-  length = jnp.where(grp < R, group_len_R[grp_c], 0)
-  qpos = None if q_pos_S is None else q_pos_S[member_slot[grp_c]]  # [X, G]
-  k = jnp.take(k_pages_NxPxTxK, page, axis=1, mode="clip")     # [N, X, T, K]
-  v = jnp.take(v_pages_NxPxTxK, page, axis=1, mode="clip")
-  s = jnp.einsum("xgnqk,nxtk->xgnqt", q_c, k,
+  live_R = member_ok_RxG.any(axis=1)
+  groups_X = jnp.argsort(~live_R, stable=True)[:groups_read]
+  X = groups_X.shape[0]
+  member_slot_XxG = jnp.where(member_ok_RxG, group_slots_RxG, 0)[groups_X]
+  k, v = read(group_pages_RxA[groups_X], prompt_pages_read)
+  s = jnp.einsum("xgnqk,nxtk->xgnqt", q[member_slot_XxG], k,
                  preferred_element_type=jnp.float32) * scale
   s = softcap(s, logit_softcap)
-  idx = col[:, None] * T + offset[None]                        # [X, T]
-  mask = ((idx < length[:, None])[:, None, :]
-          & member_ok_RxG[grp_c][:, :, None])                  # [X, G, T]
+  idx = jnp.arange(k.shape[2])
+  length_X = jnp.where(live_R[groups_X], group_len_R[groups_X], 0)
+  mask = ((idx[None, :] < length_X[:, None])[:, None, :]
+          & member_ok_RxG[groups_X][:, :, None])                # [X, G, t]
   if window is not None:
-    mask &= qpos[:, :, None] - (base + idx)[:, None, :] < window
+    qpos = q_pos_S[member_slot_XxG]                             # [X, G]
+    mask &= qpos[:, :, None] - (base + idx)[None, None, :] < window
   o, lse = attention_part(s, mask[:, :, None, None, :], v,
                           "xgnqt,nxtk->xgnqk")
-  o_pre, l_pre = segment_merge(o, lse, grp, R)                 # [R, G, ...]
-  o_pre, l_pre = (x[slot_group_S, slot_member_S] for x in (o_pre, l_pre))
+  # Each slot's place in the list (X: its group was not read).
+  place_R = jnp.full(R, X, jnp.int32).at[groups_X].set(
+      jnp.arange(X, dtype=jnp.int32))
+  x_S = place_R[slot_group_S]
+  o_pre = o[jnp.minimum(x_S, X - 1), slot_member_S]
+  l_pre = jnp.where((x_S < X)[:, None, None],
+                    lse[jnp.minimum(x_S, X - 1), slot_member_S], NEG_INF)
 
-  # Own part: each live own page against its slot's query.
-  slot, col = live_chunks(-(-own_len_S // T), num_own_chunks)
-  slot_c = jnp.minimum(slot, S - 1)
-  page = own_pages_SxB[slot_c, jnp.minimum(col, own_pages_SxB.shape[1] - 1)]
-  k = jnp.take(k_pages_NxPxTxK, page, axis=1, mode="clip")
-  v = jnp.take(v_pages_NxPxTxK, page, axis=1, mode="clip")
-  s = jnp.einsum("xnqk,nxtk->xnqt", q[slot_c], k,
+  # Own part: each slot's first pages against its own query.
+  k, v = read(own_pages_SxB, own_pages_read)
+  s = jnp.einsum("snqk,nstk->snqt", q, k,
                  preferred_element_type=jnp.float32) * scale
   s = softcap(s, logit_softcap)
-  idx = col[:, None] * T + offset[None]
-  mask = idx < jnp.where(slot < S, own_len_S[slot_c], 0)[:, None]  # [X, T]
+  idx = jnp.arange(k.shape[2])
+  mask = idx[None, :] < own_len_S[:, None]                      # [S, t]
   if window is not None:
-    own_pos = (base + group_len_R[slot_group_S[slot_c]])[:, None] + idx
-    mask &= q_pos_S[slot_c][:, None] - own_pos < window
-  o, lse = attention_part(s, mask[:, None, None, :], v, "xnqt,nxtk->xnqk")
-  o_own, l_own = segment_merge(o, lse, slot, S)
+    own_pos = (base + group_len_R[slot_group_S])[:, None] + idx[None, :]
+    mask &= q_pos_S[:, None] - own_pos < window
+  o_own, l_own = attention_part(s, mask[:, None, None, :], v,
+                                "snqt,nstk->snqk")
 
   return _merge_with_common(
       [(o_pre, l_pre), (o_own, l_own)], q, q_SxHxK.dtype, common_k_CxNxK,
@@ -250,7 +214,7 @@ def paged_decode_attention(q_SxHxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK,
       not the kernel's (CPU tests). False off its backend lowers it (e.g.
       for `jax.export`).
   With an active rollout layout both run under `shard_map` over the data
-  replicas and the tensor axis (`_sharded`); the chunk bounds are then per
+  replicas and the tensor axis (`_sharded`); the read bounds are then per
   replica.
   """
   args = (q_SxHxK, k_pages_LxNxPxTxK, v_pages_LxNxPxTxK, slot_group_S,
@@ -297,14 +261,15 @@ def _row_lo(q_pos_XxM, key_start_X, window):
 def _kernel_parts(q_SxHxK, k_pages, v_pages, slot_group_S, slot_member_S,
                   group_slots_RxG, group_pages_RxA, group_len_R,
                   own_pages_SxB, own_len_S, *, kernel, interpret, layer=0,
-                  num_prompt_chunks=None, num_own_chunks=None,
+                  groups_read=None, prompt_pages_read=None,
+                  own_pages_read=None,
                   common_k_CxNxK=None, common_v_CxNxK=None, common_len=None,
                   scale=None, logit_softcap=None, q_pos_S=None, window=None,
                   return_lse=False):
   """The prompt and own parts by a kernel (each walks its segment's page
   table up to its length: no chunk bounds needed), merged with the common
   part as the reference does."""
-  del num_prompt_chunks, num_own_chunks
+  del groups_read, prompt_pages_read, own_pages_read
   part_fn, rows_for = _KERNELS[kernel]
   S, H, K = q_SxHxK.shape
   N = k_pages.shape[1]

@@ -20,7 +20,8 @@ import fakes  # tests/ is on sys.path
 
 _op = jax.jit(pda.paged_decode_attention_reference,
               static_argnames=("scale", "logit_softcap", "return_lse",
-                               "num_prompt_chunks", "num_own_chunks"))
+                               "groups_read", "prompt_pages_read",
+                               "own_pages_read"))
 L = 2  # Pools of the kernel-shape tests have two layers.
 
 
@@ -80,10 +81,12 @@ def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
   args = {k: v if k == "layer" else jnp.asarray(
       v, jnp.float32 if np.asarray(v).dtype == np.float64 else jnp.int32)
           for k, v in args.items()}
-  # Exactly the live pages: prompt pages of groups with members, own pages.
+  # Exactly what is live: the groups with members, the most pages of one
+  # of their prompts, the most own pages of one slot.
   live_groups = (group_slots >= 0).any(axis=1)
-  args["num_prompt_chunks"] = int(np.ceil(group_len[live_groups] / T).sum())
-  args["num_own_chunks"] = int(np.ceil(own_len / T).sum())
+  args["groups_read"] = int(live_groups.sum())
+  args["prompt_pages_read"] = int(np.ceil(group_len[live_groups] / T).max())
+  args["own_pages_read"] = int(np.ceil(own_len / T).max())
   return args, q, q_pos, dense
 
 
@@ -124,41 +127,37 @@ def test_paged_window_and_gqa(gqa):
   np.testing.assert_allclose(np.asarray(out)[:-1], want, atol=2e-5)
 
 
-def test_surplus_chunks_are_masked():
-  """A larger bound on the live pages (a bigger bucket) reads masked
-  surplus entries: same result, whatever page ids sit past a row's
-  length."""
+def test_surplus_reads_are_masked():
+  """Larger bounds (a bigger bucket: a group without live members, pages
+  past every length) read masked surplus: same result, whatever page ids
+  sit past a row's length."""
   args, *_ = _case(5)
   out = _op(**args)
   wide = dict(args)
   junk = lambda t: jnp.concatenate([t, jnp.ones_like(t[:, :2]) * 3], axis=1)
   wide["group_pages_RxA"] = junk(args["group_pages_RxA"])
   wide["own_pages_SxB"] = junk(args["own_pages_SxB"])
-  wide["num_prompt_chunks"] += 9
-  wide["num_own_chunks"] += 17
+  wide["groups_read"] += 1
+  wide["prompt_pages_read"] += 2
+  wide["own_pages_read"] += 2
   np.testing.assert_allclose(_op(**wide), out, atol=1e-6)
 
 
-def test_segment_merge_equals_one_softmax():
-  """Splitting a key set into pages and merging is one softmax (fp64
-  oracle), and a segment without parts is zeros / -inf."""
-  rng = np.random.default_rng(0)
-  s = rng.standard_normal((3, 8))  # 3 queries x 8 keys, 4 pages of 2.
-  v = rng.standard_normal((8, 5))
-  parts_o, parts_l, seg = [], [], []
-  for q in range(3):
-    for p in range(4):
-      o, l = pda.attention_part(jnp.asarray(s[q, 2 * p:2 * p + 2]),
-                                jnp.ones(2, bool), jnp.asarray(v[2 * p:2 * p + 2]),
-                                "t,tk->k")
-      parts_o.append(o), parts_l.append(l), seg.append(q)
-  out, lse = pda.segment_merge(jnp.stack(parts_o), jnp.stack(parts_l),
-                               jnp.asarray(seg), 4)
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  np.testing.assert_allclose(out[:3], p @ v, atol=1e-5)
-  np.testing.assert_allclose(lse[:3], np.log(np.exp(s).sum(-1)), atol=1e-5)
-  assert (np.asarray(out[3]) == 0).all() and lse[3] == -np.inf
+def test_a_group_past_the_bound_is_not_read():
+  """Groups with live members come first, whatever their entries: with
+  the bound at the live count every live slot is served (an empty entry
+  sits before them in the table)."""
+  args, q, q_pos, dense = _case(6)
+  gs = np.asarray(args["group_slots_RxG"])
+  assert not (gs[-1] >= 0).any()  # The empty entry, moved to the front.
+  order = np.r_[len(gs) - 1, np.arange(len(gs) - 1)]
+  inverse = np.argsort(order)
+  moved = dict(args, group_slots_RxG=jnp.asarray(gs[order]),
+               group_pages_RxA=args["group_pages_RxA"][order],
+               group_len_R=args["group_len_R"][order],
+               slot_group_S=jnp.asarray(inverse)[args["slot_group_S"]])
+  np.testing.assert_allclose(np.asarray(_op(**moved))[:-1],
+                             _oracle(q, q_pos, dense), atol=2e-5)
 
 
 KERNEL_CASES = [
@@ -172,7 +171,7 @@ def _check_kernel(kernel, case, *, interpret, dtype=jnp.float32, atol=2e-5):
   case = dict(case)
   softcap = case.pop("softcap", None)
   args, q, q_pos, dense = _case(case.pop("seed"), **case)
-  for k in ("num_prompt_chunks", "num_own_chunks"):
+  for k in ("groups_read", "prompt_pages_read", "own_pages_read"):
     args.pop(k)
   for k in ("q_SxHxK", "k_pages_LxNxPxTxK", "v_pages_LxNxPxTxK"):
     args[k] = args[k].astype(dtype)
@@ -352,7 +351,8 @@ def test_sharded_kernel_equals_oracle_on_8_devices(kernel):
   the fp64 oracle's numbers."""
   layout = fakes.rollout_layout8(2)
   args, q, q_pos, dense = _case(21, S=8, H=4, N=2, C=4, window=7)
-  args.pop("num_prompt_chunks"), args.pop("num_own_chunks")
+  for k in ("groups_read", "prompt_pages_read", "own_pages_read"):
+    args.pop(k)
   args["window"] = jnp.asarray(7, jnp.int32)
   args["layer"] = jnp.asarray(1, jnp.int32)
   out = _sharded_op(layout, impl="pallas", kernel=kernel, interpret=True)(

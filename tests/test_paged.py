@@ -221,15 +221,15 @@ def test_extend_appends_tokens_to_a_live_sample(model, layouts):
   state = eng.start(state, [(3, 1, 0, 0, 20, [3, 4, 5, 6, 7, 8])])
   response = [int(pre.first_tokens[0, 0])]
   for _ in range(4):
-    state, res = eng.generate(p, state, slots=[3], prompt_pages=3,
-                              own_pages=6)
+    state, res = eng.generate(p, state, slots=[3], groups=1,
+                              prompt_pages=3, own_pages=6)
     response.append(int(res.convert_to_numpy().tokens[3]))
   user = [30, 31, 32, 33, 34, 35]
   state = eng.extend(p, state, 3, [3, 4, 5, 6, 7, 8], user)
   after = []
   for _ in range(5):
-    state, res = eng.generate(p, state, slots=[3], prompt_pages=3,
-                              own_pages=6)
+    state, res = eng.generate(p, state, slots=[3], groups=1,
+                              prompt_pages=3, own_pages=6)
     after.append(int(res.convert_to_numpy().tokens[3]))
   whole = np.concatenate([prompt, response, user]).astype(np.int32)
   rows = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=1,
@@ -283,7 +283,11 @@ def test_rollout_section_selects_the_paged_engine(model, layouts):
     out[kind] = {s.key: s for s in rollout.run(reqs)}
     if kind == "paged":
       assert rollout.metrics()["rollout/preemptions"] >= 0
-      assert rollout.engines.paged_engine().num_slots == 2 * 4 * G
+      eng = rollout.engines.paged_engine()
+      # Defaults: rows x G slots, and pages for all of them at full length:
+      # 4 prompts of 16 tokens (4 pages each), 16 samples of 20 tokens + 1
+      # (6 pages each).
+      assert (eng.num_slots, eng.num_pages) == (4 * G, 4 * 4 + 16 * 6)
   _assert_same(out["paged"], out["rows"])
 
 

@@ -47,7 +47,7 @@ def test_spec_builds_the_paged_engine(env):
   assert (eng.num_slots, eng.num_pages, eng.page_size) == (4, 12, 4)
   assert PAGED.slots == 4 and SPEC.slots == SPEC.num_rows * 2
   assert dataclasses.replace(PAGED, paged=dict(
-      page_size=4, num_pages=0, num_slots=0)).slots == 2 * SPEC.slots
+      page_size=4, num_pages=0, num_slots=0)).slots == SPEC.slots
 
 
 def test_preempted_paged_worker_loses_nothing(env):

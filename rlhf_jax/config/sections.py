@@ -243,9 +243,9 @@ class Rollout:
   # trainer's mesh, long_tail and the elastic workers alike).
   engine: str = "rows"
   page_size: int = 16            # paged: tokens per page.
-  kv_pages: int = 0              # paged: pool pages; 0: the bytes per
-                                 # device the rows engine would reserve.
-  num_slots: int = 0             # paged: samples decoding at once; 0: 2 x
+  kv_pages: int = 0              # paged: pool pages; 0: every slot's
+                                 # sample at max_new_tokens with its prompt.
+  num_slots: int = 0             # paged: samples decoding at once; 0:
                                  # num_rows x samples_per_row.
   # Weight-only quantized rollout copy of the block projections: "int8",
   # "fp8" (per-channel scales; models/rollout_copy.py); "none": the

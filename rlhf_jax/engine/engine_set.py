@@ -54,10 +54,7 @@ class EngineSet:
     if m not in self._paged:
       a, pa = self._engine_args, dict(self._paged_args)
       rows = self.rows_per_replica * self.replicas
-      if not pa.get("num_pages"):
-        # The bytes the rows engine reserves (both split over the replicas).
-        pa.pop("num_pages", None)
-        pa["kv_budget_bytes"] = self.engine(self.replicas).decode_state_bytes()
+      pa["num_pages"] = pa.get("num_pages") or None  # 0: sized to the slots.
       if m != self.replicas:
         full = self.paged_engine()
         pa = dict(page_size=full.page_size,
@@ -66,7 +63,7 @@ class EngineSet:
                   num_groups=full.num_groups // self.replicas * m)
       self._paged[m] = PagedEngine(
           self.cfg, self.graphdef, self.parts(m)[0],
-          num_slots=pa.pop("num_slots") or 2 * rows * a["samples_per_row"],
+          num_slots=pa.pop("num_slots") or rows * a["samples_per_row"],
           samples_per_group=a["samples_per_row"],
           prefill_buckets=a["prefill_buckets"], sampling=a["sampling"],
           attention_impl=a.get("attention_impl", "auto"),

@@ -12,11 +12,13 @@ replicas, slots, group entries and pages are split into one equal block
 per replica, and a group with its samples and pages lives on one replica:
 decode attention runs per replica (`shard_map`), with no communication.
 
-Work per step: decode attention reads the live pages only (the prompt
-pages of groups with live samples, once per group for all of them, and
-each live sample's own pages up to its length), listed raggedly
-(`kernels_pallas/paged_decode_attention.py`); the list sizes are bounds
-rounded up to powers of two (one compile per pair).
+Work per step: decode attention reads the prompt pages of the groups with
+live samples, once per group for all of them, and each live sample's own
+pages (`kernels_pallas/paged_decode_attention.py`). The jnp version reads
+dense rows up to bounds (groups, a prompt's pages, a sample's own pages)
+rounded up to powers of two above floors (`paged_state.step_bounds`), one
+compile per triple; a job whose prompts and responses fit the floors
+compiles one decode step.
 
 This class executes; `paged_driver.PagedDriver` decides (admission, page
 allocation, preemption). Device ops, each a pure jitted function of the
@@ -45,7 +47,8 @@ from kernels_pallas import paged_decode_attention as pda
 from rlhf_jax.engine.engine import EngineBase
 from rlhf_jax.engine.paged_moves import PagedMoves
 from rlhf_jax.engine.paged_state import (
-    STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields)
+    STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields,
+    step_bounds)
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.engine.state import CommonPrefix, ResultTokens
 from rlhf_jax.models import model as model_lib
@@ -73,8 +76,10 @@ class PagedEngine(PagedMoves, EngineBase):
       sampling: how tokens are drawn; `max_new_tokens` caps every sample.
       page_size: T tokens per page.
       num_pages / kv_budget_bytes: the pool size over all data replicas,
-        in pages or in bytes of K+V over all layers (exactly one of them).
-        Each replica holds its own equal share (`PagePool`).
+        in pages or in bytes of K+V over all layers (at most one of them;
+        neither: room for every slot's sample at max_new_tokens with its
+        group's longest prompt, so nothing waits for pages). Each replica
+        holds its own equal share (`PagePool`).
       num_groups: R group entries (prompts with samples alive or waiting);
         default 2 S / G, at least 2.
       prefill_batch: prompts per prefill call.
@@ -89,17 +94,23 @@ class PagedEngine(PagedMoves, EngineBase):
     super().__init__(cfg, graphdef, layout, prefill_buckets=prefill_buckets,
                      sampling=sampling, attention_impl=attention_impl,
                      max_common_length=max_common_length)
-    if (num_pages is None) == (kv_budget_bytes is None):
-      raise ValueError("give the page pool as exactly one of num_pages or "
+    if num_pages is not None and kv_budget_bytes is not None:
+      raise ValueError("give the page pool as at most one of num_pages or "
                        "kv_budget_bytes")
     self.page_size = int(page_size)
     # Data replicas: each holds its share of slots, groups and pages, and a
     # group's samples and pages stay on its replica (the driver's rule), so
     # decode attention runs on each replica's own share (`shard_map`).
     D = self.replicas = layout.shards("batch")
-    if num_pages is None:
-      num_pages = int(kv_budget_bytes) // self.page_bytes // D * D
     G = int(samples_per_group)
+    T = self.page_size
+    if kv_budget_bytes is not None:
+      num_pages = int(kv_budget_bytes) // self.page_bytes // D * D
+    elif num_pages is None:
+      groups = D * math.ceil(num_slots / D / max(G, 1))
+      num_pages = (groups * math.ceil((max_prompt_length or
+                                       self.buckets[-1]) / T) +
+                   num_slots * math.ceil((sampling.max_new_tokens + 1) / T))
     if num_slots < 1 or G < 1:
       raise ValueError(f"num_slots and samples_per_group must be >= 1, got "
                        f"{num_slots} and {G}")
@@ -120,7 +131,6 @@ class PagedEngine(PagedMoves, EngineBase):
     if self.max_prompt_length < self.buckets[-1]:
       raise ValueError(f"max_prompt_length={self.max_prompt_length} is "
                        f"shorter than the largest bucket {self.buckets[-1]}")
-    T = self.page_size
     self.max_prompt_pages = math.ceil(self.max_prefill_length / T)
     # Own tokens in the pool reach max_new_tokens - 1; the driver keeps two
     # tokens of headroom (the step in flight and the next).
@@ -154,8 +164,12 @@ class PagedEngine(PagedMoves, EngineBase):
     self._prompt_chunk_jit = jax.jit(
         self._prompt_chunk_fn, out_shardings=(st, (rep,) * 3),
         donate_argnums=1)
+    no_growth = np.zeros((self.num_slots, 3), np.int32)
+    no_growth[:, 0] = self.num_slots
+    self._no_growth = jax.device_put(no_growth, rep)
+    self._listed = ((), None)  # (slots, their device list) of the last step
     self._generate_jit = jax.jit(
-        self._generate_fn, static_argnums=(4, 5),
+        self._generate_fn, static_argnums=(4,),
         out_shardings=(st, ResultTokens(rep)), donate_argnums=1)
 
   # ---------------------------------------------------------------- shapes
@@ -315,14 +329,14 @@ class PagedEngine(PagedMoves, EngineBase):
                                                              mode="drop"))
 
   def _generate_fn(self, params, state: PagedState, growth_Sx3, slots_X,
-                   prompt_chunks: int, own_chunks: int):
+                   bounds: tuple[int, int, int]):
     """One token for each live slot of `slots_X` (padding: slot S).
 
     Only the X listed slots run through the model (X is the live count
     rounded up: a step of the tail costs what its few samples cost).
     growth_Sx3 rows (slot, column, page) add own pages first (slot S:
-    none); prompt_chunks / own_chunks: static bounds of the live prompt /
-    own pages read this step.
+    none); bounds: static (groups with live samples, pages of one's
+    prompt, own pages of one sample) the jnp attention reads this step.
     """
     self.trace_counts["generate"] += 1
     with use_layout(self.layout):
@@ -354,7 +368,8 @@ class PagedEngine(PagedMoves, EngineBase):
           group_pages_RxA=state.group_pages, group_len_R=state.group_len,
           own_pages_SxB=own_pages[sl],
           own_len_S=jnp.where(live, own_len + 1, 0),
-          num_prompt_chunks=prompt_chunks, num_own_chunks=own_chunks)
+          groups_read=bounds[0], prompt_pages_read=bounds[1],
+          own_pages_read=bounds[2])
       logits, k_pages, v_pages = model_lib.paged_decode(
           self.graphdef, params, state.tokens[sl], state.positions[sl],
           state.k_pages, state.v_pages, write_page, own_len % T, index,
@@ -462,7 +477,7 @@ class PagedEngine(PagedMoves, EngineBase):
     return slot // (self.num_slots // self.replicas)
 
   def generate(self, params, state: PagedState, growth=(), *, slots,
-               prompt_pages: int, own_pages: int):
+               groups: int, prompt_pages: int, own_pages: int):
     """One decode step.
 
     Args:
@@ -470,32 +485,41 @@ class PagedEngine(PagedMoves, EngineBase):
       growth: (slot, column, page) own pages added before the step.
       slots: the slots to step (every slot live on the device must be
         listed; others may be).
-      prompt_pages: at least the prompt pages of one replica's groups with
-        live samples; own_pages: at least the own pages one replica's live
-        samples hold after this step's token. Rounded up to powers of two
-        here, like the slot count per replica (one compile per triple); a
-        smaller count would drop pages.
+      groups: at least the groups with live samples on one replica;
+        prompt_pages: at least the prompt pages of one of them; own_pages:
+        at least the own pages one live sample holds after this step's
+        token. Rounded up here (`step_bounds`), like the slot count per
+        replica (one compile per bucket); a smaller bound would drop keys.
     """
+    if growth:
+      g = np.zeros((self.num_slots, 3), np.int32)
+      g[:, 0] = self.num_slots
+      g[:len(growth)] = growth
+    else:  # Most steps: no page added (one device array, no copy).
+      g = self._no_growth
+    if tuple(slots) != self._listed[0]:  # Unchanged between finishes.
+      self._listed = (tuple(slots), self._list_slots(slots))
+    listed = self._listed[1]
+    if self._walks_tables:  # The kernel reads each table up to its length.
+      bounds = (0, 0, 0)
+    else:
+      bounds = step_bounds((groups, prompt_pages, own_pages),
+                           (self.num_groups // self.replicas,
+                            self.max_prompt_pages,
+                            self.max_own_pages))
+    return self._generate_jit(params, state, g, listed, bounds)
+
+  def _list_slots(self, slots) -> jax.Array:
+    """The slot list of a step: replica r's slots in block r (decode
+    attention reads the list per replica), each block padded with slot S
+    to a power of two (one compile per size)."""
     D = self.replicas
-    S_loc = self.num_slots // D
-    g = np.full((self.num_slots, 3), 0, np.int32)
-    g[:, 0] = self.num_slots
-    for x, row in enumerate(growth):
-      g[x] = row
-    # Replica r's slots in block r of the list (decode attention reads the
-    # list per replica).
     per_replica = [[] for _ in range(D)]
     for slot in sorted(slots):
       per_replica[self.replica_of(slot)].append(slot)
-    X_loc = pow2_at_least(max(map(len, per_replica)), S_loc, STEP_FLOORS[0])
+    X_loc = pow2_at_least(max(map(len, per_replica)), self.num_slots // D,
+                          STEP_FLOORS[0])
     listed = np.full((D, X_loc), self.num_slots, np.int32)
     for r, own in enumerate(per_replica):
       listed[r, :len(own)] = own
-    if self._walks_tables:  # The kernel reads each table up to its length.
-      X1 = X2 = 0
-    else:
-      X1 = pow2_at_least(prompt_pages, self.num_groups // D *
-                         self.max_prompt_pages, STEP_FLOORS[1])
-      X2 = pow2_at_least(own_pages, S_loc * self.max_own_pages,
-                         STEP_FLOORS[2])
-    return self._generate_jit(params, state, g, listed.reshape(-1), X1, X2)
+    return jax.device_put(listed.reshape(-1), self.layout.replicated())

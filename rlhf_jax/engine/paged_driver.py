@@ -168,17 +168,20 @@ class PagedDriver(Driver):
     out = self._start_waiting()
     growth = self._grow()
     if self.live:
-      # Page-list bounds of the busiest replica.
-      A, B = np.zeros((2, eng.replicas), np.int64)
-      for g in {id(s.group): s.group for s in self.live.values()}.values():
-        A[g.replica] += self.pool_pages_for(g.length)
-      for s in self.live.values():
-        # Device own tokens + this step's <= tokens read + 2 (`_grow`).
-        B[s.group.replica] += self.pool_pages_for(len(s.tokens) + 2)
-      self.state, result = eng.generate(self.params, self.state, growth,
-                                        slots=list(self.live),
-                                        prompt_pages=int(A.max()),
-                                        own_pages=int(B.max()))
+      # Read bounds of the busiest replica: groups with live samples, the
+      # pages of one's prompt, the own pages of one sample (device tokens
+      # + this step's <= tokens read + 2, `_grow`).
+      live_groups = {id(s.group): s.group for s in self.live.values()}
+      per_replica = np.zeros(eng.replicas, np.int64)
+      for g in live_groups.values():
+        per_replica[g.replica] += 1
+      self.state, result = eng.generate(
+          self.params, self.state, growth, slots=list(self.live),
+          groups=int(per_replica.max()),
+          prompt_pages=max(self.pool_pages_for(g.length)
+                           for g in live_groups.values()),
+          own_pages=max(self.pool_pages_for(len(s.tokens) + 2)
+                        for s in self.live.values()))
       result.copy_to_host_async()
       self.stats.steps += 1
       self._events.append(("step", result, self.stats.steps))
@@ -210,7 +213,7 @@ class PagedDriver(Driver):
     only while no group is admitted, then as many as fit."""
     static = self._admission == "static"
     new = not static or not self.groups
-    while self._admit_batch(new) and static:
+    while self._admit_batch(new):
       pass
 
   def _admit_batch(self, new: bool) -> bool:

@@ -65,9 +65,20 @@ def pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
   return min(cap, 1 << max(0, math.ceil(math.log2(max(n, floor, 1)))))
 
 
-# Smallest buckets of a decode step (slots, prompt pages, own pages): tiny
-# batches share one compile instead of one per power of two.
-STEP_FLOORS = (8, 16, 32)
+# Smallest buckets of a decode step: listed slots per replica, then the
+# jnp attention's reads (groups with live samples, pages of one prompt,
+# own pages of one sample). A job whose prompts and responses fit in 8
+# pages compiles one step for the whole rollout; past the floors each
+# doubling costs a compile, and a bound never exceeds its cap.
+STEP_FLOORS = (8, 4, 8, 8)
+
+
+def step_bounds(needs, caps) -> tuple[int, ...]:
+  """The static read bounds of a decode step: each need (groups, prompt
+  pages, own pages) rounded up to a power of two above its floor, at
+  most its cap."""
+  return tuple(pow2_at_least(n, cap, floor)
+               for n, cap, floor in zip(needs, caps, STEP_FLOORS[1:]))
 
 
 def state_fields(cfg: ModelConfig, *, num_slots, num_groups,

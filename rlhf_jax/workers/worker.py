@@ -54,7 +54,7 @@ class EngineSpec:
   def slots(self) -> int:
     """Samples the worker decodes at once."""
     rows = self.num_rows * self.samples_per_row
-    return (self.paged.get("num_slots") or 2 * rows) if self.paged else rows
+    return (self.paged.get("num_slots") or rows) if self.paged else rows
 
 
 @dataclasses.dataclass
@@ -332,7 +332,7 @@ class RolloutWorker:
     pre = eng.prefill(self.params, [(np.ones(1, np.int32), 0)], [0], [0],
                       [list(range(G))])
     state = eng.init_decode_state()
-    starts, prompt_pages, own_pages = [], 0, 0
+    starts, most_groups = [], 0
     for r in range(D):
       n = b // D + (r < b % D)
       groups = -(-n // G)
@@ -346,13 +346,12 @@ class RolloutWorker:
         for j in range(min(G, n - i * G)):
           starts.append((r * (eng.num_slots // D) + i * G + j, entry, j, j,
                          eng.sampling.max_new_tokens, pool.allocate(own, r)))
-      prompt_pages = max(prompt_pages, groups)
-      own_pages = max(own_pages, n * own)
+      most_groups = max(most_groups, groups)
     state = eng.start(state, starts)
     slots = [x[0] for x in starts]
     step = lambda st: eng.generate(self.params, st, slots=slots,
-                                   prompt_pages=prompt_pages,
-                                   own_pages=own_pages)
+                                   groups=most_groups, prompt_pages=1,
+                                   own_pages=own)
     state, res = step(state)  # Warm-up (compiled).
     jax.block_until_ready(res)
     best = float("inf")  # Min over steps: other load only adds time.
