@@ -491,10 +491,11 @@ class PagedEngine(PagedMoves, EngineBase):
         token. Rounded up here (`step_bounds`), like the slot count per
         replica (one compile per bucket); a smaller bound would drop keys.
     """
-    if growth:
+    if growth:  # Placed like the no-growth table: one compile for both.
       g = np.zeros((self.num_slots, 3), np.int32)
       g[:, 0] = self.num_slots
       g[:len(growth)] = growth
+      g = jax.device_put(g, self.layout.replicated())
     else:  # Most steps: no page added (one device array, no copy).
       g = self._no_growth
     if tuple(slots) != self._listed[0]:  # Unchanged between finishes.

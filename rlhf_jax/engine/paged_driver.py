@@ -169,19 +169,17 @@ class PagedDriver(Driver):
     growth = self._grow()
     if self.live:
       # Read bounds of the busiest replica: groups with live samples, the
-      # pages of one's prompt, the own pages of one sample (device tokens
-      # + this step's <= tokens read + 2, `_grow`).
+      # pages of one's prompt, the own pages of one sample (they hold the
+      # device's tokens after this step, `_grow`).
       live_groups = {id(s.group): s.group for s in self.live.values()}
-      per_replica = np.zeros(eng.replicas, np.int64)
+      per_replica = [0] * eng.replicas
       for g in live_groups.values():
         per_replica[g.replica] += 1
       self.state, result = eng.generate(
           self.params, self.state, growth, slots=list(self.live),
-          groups=int(per_replica.max()),
-          prompt_pages=max(self.pool_pages_for(g.length)
-                           for g in live_groups.values()),
-          own_pages=max(self.pool_pages_for(len(s.tokens) + 2)
-                        for s in self.live.values()))
+          groups=max(per_replica),
+          prompt_pages=max(len(g.pages) for g in live_groups.values()),
+          own_pages=max(len(s.pages) for s in self.live.values()))
       result.copy_to_host_async()
       self.stats.steps += 1
       self._events.append(("step", result, self.stats.steps))
@@ -213,7 +211,8 @@ class PagedDriver(Driver):
     only while no group is admitted, then as many as fit."""
     static = self._admission == "static"
     new = not static or not self.groups
-    while self._admit_batch(new):
+    while (self._readmit or (new and self.pending)) and self._admit_batch(
+        new):
       pass
 
   def _admit_batch(self, new: bool) -> bool:
@@ -316,6 +315,9 @@ class PagedDriver(Driver):
     samples that end at a first token already on the host."""
     eng: PagedEngine = self.engine
     started = []
+    if not any(self._free_slots) or not any(g.waiting
+                                            for g in self.groups.values()):
+      return []
     for group in sorted(self.groups.values(), key=lambda g: g.order):
       free_slots = self._free_slots[group.replica]
       while group.waiting and free_slots:
@@ -352,15 +354,20 @@ class PagedDriver(Driver):
     return out
 
   def _grow(self) -> list[tuple[int, int, int]]:
-    """Pages for every live sample's next tokens; preempts on exhaustion."""
+    """Pages for every live sample's next tokens, oldest sample first;
+    preempts on exhaustion."""
+    cap, T = self.engine.max_own_pages, self.engine.page_size
+    short = [slot for slot, it in self.live.items()  # Most steps: none.
+             if len(it.pages) < cap
+             and len(it.pages) * T < max(len(it.tokens), 1) + 2]
     growth = []
-    for slot in sorted(self.live, key=lambda s: self.live[s].order):
+    for slot in sorted(short, key=lambda s: self.live[s].order):
       it = self.live.get(slot)
       if it is None:  # Preempted by an earlier sample of this loop.
         continue
       need = self.pool_pages_for(max(len(it.tokens), 1) + 2)
       r = it.group.replica
-      while len(it.pages) < min(need, self.engine.max_own_pages):
+      while len(it.pages) < min(need, cap):
         try:
           (page,) = self.pool.allocate(1, r)
         except PoolExhausted:
