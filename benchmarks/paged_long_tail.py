@@ -44,7 +44,6 @@ Prints a table, then one JSON line (last stdout line) with
 
 from __future__ import annotations
 
-import math
 import time
 
 from absl import app
@@ -61,38 +60,25 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
+from benchmarks import long_tail_workload
 from benchmarks import report
 from benchmarks import timing
 
+_SIZES = long_tail_workload.SIZES
 _QUICK = flags.DEFINE_bool("quick", False, "One timed run per variant.")
-_PROMPTS = flags.DEFINE_integer("prompts", 32, "Prompts.")
-_G = flags.DEFINE_integer("samples", 8, "Samples per prompt.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens.")
-_MEAN = flags.DEFINE_float("mean_len", 256, "Mean response length.")
-_SIGMA = flags.DEFINE_float("sigma", 1.0, "Lognormal sigma.")
-_CAP = flags.DEFINE_integer("max_new_tokens", 2048, "Length cap.")
-_STATIC_ROWS = flags.DEFINE_integer("static_rows", 2,
-                                    "Rows of the static engine (sets the "
-                                    "KV budget of both).")
-_PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 256, "Paged slots.")
-_PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-_LAYERS = flags.DEFINE_integer("num_layers", 1, "Model layers.")
-_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads.")
-_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 1, "KV heads.")
+_HELP = dict(prompts="Prompts.", samples="Samples per prompt.",
+             prompt_len="Prompt tokens.", mean_len="Mean response length.",
+             sigma="Lognormal sigma.", max_new_tokens="Length cap.",
+             static_rows="Rows of the static engine (sets the KV budget of "
+             "both).", paged_slots="Paged slots.",
+             page_size="Tokens per page.", num_layers="Model layers.",
+             num_heads="Query heads.", num_kv_heads="KV heads.")
+for _name, _help in _HELP.items():  # The workload's sizes, as flags.
+  (flags.DEFINE_float if isinstance(_SIZES[_name], float)
+   else flags.DEFINE_integer)(_name, _SIZES[_name], _help)
 _SMOKE = flags.DEFINE_bool("smoke", False, "4 prompts x 2 samples of up to "
                            "32 tokens, a small prefix case: that it runs "
                            "(tests).")
-
-
-def _requests(rng, cfg):
-  n, G, cap = _PROMPTS.value, _G.value, _CAP.value
-  mu = math.log(_MEAN.value) - _SIGMA.value**2 / 2
-  lengths = np.clip(np.round(rng.lognormal(mu, _SIGMA.value, (n, G))), 1,
-                    cap).astype(int)
-  prompts = rng.integers(0, cfg.vocab_size, (n, _PROMPT_LEN.value))
-  return [Request(i, prompts[i].astype(np.int32), G, seed=7,
-                  max_new_tokens_per_sample=tuple(int(x) for x in lengths[i]))
-          for i in range(n)], lengths
 
 
 def _run(driver, requests):
@@ -104,37 +90,34 @@ def _run(driver, requests):
 def main(argv):
   del argv
   if _SMOKE.value:
-    timing.smoke_defaults(quick=True, prompts=4, samples=2, prompt_len=16,
-                          mean_len=8, max_new_tokens=32, paged_slots=8)
+    timing.smoke_defaults(quick=True, **{
+        k: v for k, v in long_tail_workload.SMOKE.items()
+        if v != long_tail_workload.SIZES[k]})
   t_start = time.perf_counter()
-  cfg = ModelConfig.tiny(num_layers=_LAYERS.value, embed_dim=256,
-                         num_heads=_HEADS.value,
-                         num_kv_heads=_KV_HEADS.value, head_dim=64,
-                         mlp_dim=768, vocab_size=1024)
+  w = long_tail_workload.workload(**{
+      name: flags.FLAGS[name].value for name in long_tail_workload.SIZES})
+  cfg, requests, lengths = w["cfg"], w["requests"], w["lengths"]
   mesh = mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])
   layout = mesh_lib.rollout_layout(mesh)
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   params = mesh_lib.to_layout(params, layout)
-  G, P, M = _G.value, _PROMPT_LEN.value, _CAP.value
+  G, P, M = w["G"], w["P"], w["M"]
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
-  requests, lengths = _requests(np.random.default_rng(0), cfg)
   tokens = int(lengths.sum())
 
-  static = Engine(cfg, graphdef, layout, num_rows=_STATIC_ROWS.value,
+  static = Engine(cfg, graphdef, layout, num_rows=w["static_rows"],
                   samples_per_row=G, prefill_buckets=(P,), sampling=sampling)
-  token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim *
-                 np.dtype(cfg.compute_jnp_dtype).itemsize)
-  budget = _STATIC_ROWS.value * (P + G * M) * token_bytes
-  paged = PagedEngine(cfg, graphdef, layout, num_slots=_PAGED_SLOTS.value,
+  token_bytes, budget = w["token_bytes"], w["budget"]
+  paged = PagedEngine(cfg, graphdef, layout, num_slots=w["paged_slots"],
                       samples_per_group=G, prefill_buckets=(P,),
-                      sampling=sampling, page_size=_PAGE.value,
+                      sampling=sampling, page_size=w["page_size"],
                       kv_budget_bytes=budget)
   print(f"model: {cfg.num_params() / 1e6:.2f}M params, L={cfg.num_layers}; "
         f"{len(requests)} prompts x G={G}, prompt {P}, lengths lognormal "
-        f"mean {_MEAN.value:.0f} sigma {_SIGMA.value} cap {M}: {tokens} "
+        f"mean {w['mean_len']:.0f} sigma {w['sigma']} cap {M}: {tokens} "
         f"tokens (mean {lengths.mean():.0f}, max {lengths.max()}); KV budget "
-        f"{budget / 2**20:.0f} MiB = {_STATIC_ROWS.value} static rows = "
-        f"{paged.num_pages} pages of {_PAGE.value}; quick={_QUICK.value}",
+        f"{budget / 2**20:.0f} MiB = {w['static_rows']} static rows = "
+        f"{paged.num_pages} pages of {w['page_size']}; quick={_QUICK.value}",
         flush=True)
 
   runs = {"static": [], "paged": []}
@@ -167,7 +150,8 @@ def main(argv):
   speedup = static_s / paged_s
   live_bytes = pst.peak_kv_tokens * token_bytes
   reserved_over_live = paged.pool_bytes / live_bytes
-  static_live = max_static_live(requests, lengths, _STATIC_ROWS.value, G, P)
+  static_live = max_static_live(requests, lengths, w["static_rows"], G,
+                                P)
   static_ratio = budget / (static_live * token_bytes)
   print()
   head = (f"{'variant':>7} | {'seconds':>7} | {'tok/s':>6} | {'steps':>6} | "
