@@ -13,9 +13,10 @@ One comparison, each case in the same process for both engines ([one-engine]):
 Each builds two jobs from one config that differ only in `rollout.engine`:
 "rows" (the engine at 35b40dd with its defaults, unchanged) and "paged" (its
 defaults: rows x G slots, pages for all of them at full length). The first
-step of each is timed alone (compiles, `first_step_s`); then the two take
-turns, the order alternating, for --steps steps each: `step_s` and
-`rollout_s` are medians over them.
+step of each is timed (then again in a process of its own, where no compile
+is shared with the other job: `first_step_alone_s`); then the two take
+turns, the order alternating, for --steps steps each: `step_s`,
+`rollout_s` and the other phases are medians over them.
 long_tail: the workload of `benchmarks.paged_long_tail` (32 prompts x G=8,
   lognormal lengths up to 2048, the same KV budget) decoded by the rows
   engine, by the paged engine, and by the plain-jnp static-rows decoder
@@ -64,6 +65,9 @@ from rlhf_jax.trainers import grpo
 
 _CASE = flags.DEFINE_string("case", None, "Run one case in this process "
                             "(the parent runs each as a child).")
+_FIRST_ONLY = flags.DEFINE_string(
+    "first_only", None, "With --case: build only this engine's job and time "
+    "its first step (a fresh process: no compile shared with the other).")
 _QUICK = flags.DEFINE_bool("quick", False, "5 timed steps per engine, one "
                            "timed long-tail run each (~15 minutes).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Timed RL steps per engine.")
@@ -95,10 +99,12 @@ def _config(spec: str, engine: str):
   return config
 
 
-def _rl_case(spec: str) -> dict:
-  """Both engines' jobs in this process: first steps, then turns."""
+def _rl_case(spec: str, engines=("rows", "paged")) -> dict:
+  """Both engines' jobs in this process: first steps, then turns (the
+  second job's first step may reuse compiles of the first's: the
+  comparison of first steps runs each engine alone, `--first_only`)."""
   jobs = {}
-  for engine in ("rows", "paged"):
+  for engine in engines:
     job = grpo.build(_config(spec, engine))
     state = job.learner.init_state(job.params)
     ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
@@ -109,6 +115,8 @@ def _rl_case(spec: str) -> dict:
     jobs[engine] = dict(job=job, state=state, ref=ref,
                         first=time.perf_counter() - t0, steps=[])
     print(f"{engine}: first step {jobs[engine]['first']:.1f} s", flush=True)
+  if len(engines) == 1:
+    return dict(first_step_s=round(jobs[engines[0]]["first"], 3))
   steps = 1 if _SMOKE.value else 5 if _QUICK.value else _STEPS.value
   for i in range(steps):
     order = ("rows", "paged") if i % 2 == 0 else ("paged", "rows")
@@ -187,7 +195,7 @@ def _long_tail_case() -> dict:
               tokens=int(np.sum(w["lengths"])), repeats=repeats)
 
 
-def _child(name: str) -> dict:
+def _child(name: str, first_only: str | None = None) -> dict:
   devices, spec = CASES[name]
   env = dict(os.environ)
   flags_env = env.get("XLA_FLAGS", "")
@@ -198,8 +206,10 @@ def _child(name: str) -> dict:
   cmd = [sys.executable, "-m", "benchmarks.engines", f"--case={name}",
          f"--steps={_STEPS.value}"]
   cmd += ["--quick"] * _QUICK.value + ["--smoke"] * _SMOKE.value
-  print(f"== {name} ({devices} device(s)){': ' + spec if spec else ''}",
-        flush=True)
+  if first_only:
+    cmd.append(f"--first_only={first_only}")
+  print(f"== {name}{' first step of ' + first_only if first_only else ''} "
+        f"({devices} device(s)){': ' + spec if spec else ''}", flush=True)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True,
                         text=True, check=False)
@@ -215,10 +225,17 @@ def main(argv):
   del argv
   if _CASE.value:
     result = (_long_tail_case() if _CASE.value == "long_tail"
+              else _rl_case(CASES[_CASE.value][1], (_FIRST_ONLY.value,))
+              if _FIRST_ONLY.value
               else _rl_case(CASES[_CASE.value][1]))
     print(json.dumps(result), flush=True)
     return
   cases = {name: _child(name) for name in CASES}
+  for name in CASES:  # Compiles: each engine's first step in its own process.
+    if name != "long_tail":
+      for engine in ("rows", "paged"):
+        cases[name][engine]["first_step_alone_s"] = _child(
+            name, engine)["first_step_s"]
   summary = {}
   print(f"{'case':<14}{'engine':<8}{'step s':>9}{'rollout s':>11}"
         f"{'first s':>9}  compiles")
@@ -228,13 +245,14 @@ def main(argv):
     for engine in ("rows", "paged"):
       r = res[engine]
       print(f"{name:<14}{engine:<8}{r['step_s']:>9.3f}{r['rollout_s']:>11.3f}"
-            f"{r['first_step_s']:>9.1f}  {r['compiles']}")
+            f"{r['first_step_alone_s']:>9.1f}  {r['compiles']}")
     summary[f"paged_over_rows_{name}"] = round(
         res["rows"]["step_s"] / res["paged"]["step_s"], 3)
     summary[f"rollout_paged_over_rows_{name}"] = round(
         res["rows"]["rollout_s"] / res["paged"]["rollout_s"], 3)
     summary[f"first_step_paged_over_rows_{name}"] = round(
-        res["paged"]["first_step_s"] / res["rows"]["first_step_s"], 3)
+        res["paged"]["first_step_alone_s"] / res["rows"]["first_step_alone_s"],
+        3)
   lt = cases["long_tail"]["seconds"]
   print(f"long tail: rows engine {lt['rows_engine']:.1f} s, paged "
         f"{lt['paged']:.1f} s, static-rows decoder {lt['static_rows']:.1f} s")
