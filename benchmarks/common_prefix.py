@@ -54,7 +54,8 @@ import jax
 import numpy as np
 
 from benchmarks import report
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib

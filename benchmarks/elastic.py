@@ -111,7 +111,7 @@ def _loop_s(rollout, n_rows, g, prefill_s, steps=32):
   """Seconds per driver iteration of a calibration rollout: `n_rows`
   prompts of `g` samples, all `steps` tokens long (results read one step
   late), prefills taken off. `rollout(requests)` returns its steps."""
-  from rlhf_jax.engine.driver import Request
+  from rlhf_jax.samples import Request
   reqs = [Request(10**6 + r, np.arange(3, 3 + PROMPT_LEN - 4), num_samples=g,
                   seed=3, max_new_tokens_per_sample=(steps,) * g)
           for r in range(n_rows)]
@@ -156,7 +156,8 @@ def main(argv):
   from flax import nnx
   timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
-  from rlhf_jax.engine.driver import Driver, Request
+  from rlhf_jax.engine.driver import Driver
+  from rlhf_jax.samples import Request
   from rlhf_jax.engine.engine import Engine
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib

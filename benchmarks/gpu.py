@@ -146,7 +146,7 @@ SAMPLE_EVERY = 8  # Decode steps timed alone on the device: one in 8.
 def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
                  shared: bool) -> dict:
   """One paged run of N prompts x G samples; per-step times."""
-  from rlhf_jax.engine.driver import Request
+  from rlhf_jax.samples import Request
   from rlhf_jax.engine.paged import PagedEngine
   from rlhf_jax.engine.paged_driver import PagedDriver
   from rlhf_jax.engine.sampling import SamplingParams

@@ -201,7 +201,8 @@ def _time_steps(lt, params, m, prompt, prefill_s, steps=40):
   generate calls with every slot live (results read one step late, as in
   the benchmark's runs); its prefills are taken off.
   """
-  from rlhf_jax.engine.driver import Driver, Request
+  from rlhf_jax.engine.driver import Driver
+  from rlhf_jax.samples import Request
 
   eng, p = lt.engines.engine(m), lt.engines.params_for(params, m)
   G = eng.samples_per_row
@@ -323,7 +324,7 @@ def main(argv):
   import jax
   timing.fake_cpu_devices(DEVICES)
   jax.config.update("jax_platforms", "cpu")
-  from rlhf_jax.engine.driver import Request
+  from rlhf_jax.samples import Request
   from rlhf_jax.engine.engine_set import EngineSet
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib

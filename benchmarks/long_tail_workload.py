@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from rlhf_jax.engine.driver import Request
+from rlhf_jax.samples import Request
 from rlhf_jax.models.config import ModelConfig
 
 SIZES = dict(prompts=32, samples=8, prompt_len=256, mean_len=256.0,

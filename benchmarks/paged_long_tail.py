@@ -51,7 +51,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver

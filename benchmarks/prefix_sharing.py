@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from rlhf_jax.engine.driver import Sample
+from rlhf_jax.samples import Sample
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib

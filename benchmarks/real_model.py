@@ -77,7 +77,7 @@ def _prompts(job, count: int) -> list[np.ndarray]:
 
 def ours_rollout(job, prompts, runs: int) -> dict:
   """Tokens/s of the paged engine on `prompts` x G samples, fixed length."""
-  from rlhf_jax.engine.driver import Request  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.samples import Request  # pylint: disable=g-import-not-at-top
   from rlhf_jax.engine.paged import PagedEngine  # pylint: disable=g-import-not-at-top
   from rlhf_jax.engine.paged_driver import PagedDriver  # pylint: disable=g-import-not-at-top
   from rlhf_jax.engine.sampling import SamplingParams  # pylint: disable=g-import-not-at-top

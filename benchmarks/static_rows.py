@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from rlhf_jax.engine.driver import Request, Sample
+from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig

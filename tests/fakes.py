@@ -131,7 +131,7 @@ def random_samples(rng, groups: int, group_size: int, prompt_lens,
   `prompt_lens` (a range, or one length per group), response lengths from
   the range `response_lens`; random tokens in [1, vocab), sampler
   log-probs in (-1, 0]."""
-  from rlhf_jax.engine.driver import Sample
+  from rlhf_jax.samples import Sample
   out = []
   for n in range(groups):
     p = (prompt_lens[n] if not isinstance(prompt_lens, range)

@@ -20,7 +20,7 @@ from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data.batching import sft_batch
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.engine.driver import Request, Sample
+from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.envs.base import Step

@@ -14,7 +14,8 @@ from kernels_pallas import prefix_decode_attention as pda
 from kernels_pallas import prefix_decode_attention_tpu as pda_tpu
 from rlhf_jax.engine.common_prefix import (
     longest_common_prefix, strip_common_prefix)
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib

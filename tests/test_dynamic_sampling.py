@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from rlhf_jax.data.batching import PromptBatch
-from rlhf_jax.engine.driver import Sample
+from rlhf_jax.samples import PromptBatch
+from rlhf_jax.samples import Sample
 from rlhf_jax.rollout import dynamic_sampling
 from rlhf_jax.rollout.base import Sampled
 

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib

@@ -9,7 +9,8 @@ import pytest
 
 import fakes
 from rlhf_jax.config.sections import LongTail
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.sampling import SamplingParams

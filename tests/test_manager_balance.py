@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Partial, Request
+from rlhf_jax.samples import Partial, Request
 from rlhf_jax.sched.offload import QueueView, balance_moves, select_instance
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers.weights import LocalWeightStore

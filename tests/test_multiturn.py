@@ -7,7 +7,8 @@ recompute with the replies) changes nothing."""
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.paged import PagedEngine

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from rlhf_jax import fetch
-from rlhf_jax.engine.driver import Request
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Sample
+from rlhf_jax.samples import Sample
 from rlhf_jax.engine import migrate
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams

@@ -235,7 +235,7 @@ def _live_and_sim(trace, *, seed, theta, poll_steps, plateau=None):
   replayed on a round clock: one tick per round) and its simulation."""
   import jax
 
-  from rlhf_jax.engine.driver import Request
+  from rlhf_jax.samples import Request
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.workers import manager as manager_lib

@@ -3,7 +3,7 @@ a store holding version 0, reference samples and the check against them."""
 
 import numpy as np
 
-from rlhf_jax.engine.driver import Request
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig

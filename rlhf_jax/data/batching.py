@@ -15,17 +15,7 @@ import numpy as np
 from rlhf_jax.data.tasks import AdditionTask, Example
 from rlhf_jax.data.tokenizer import PAD_ID, CharTokenizer
 from rlhf_jax.errors import CheckpointError
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptBatch:
-  """Prompts for one rollout (or eval) batch."""
-
-  prompt_ids: np.ndarray  # [N] int32, unique per prompt, stable across runs
-  tokens_NxP: np.ndarray  # [N, P] int32, <bos> + prompt, right-padded
-  lengths_N: np.ndarray  # [N] int32, true lengths incl. <bos>
-  prompts: list[str]  # prompt texts, for reward functions
-  metadata: list[dict]  # Example.metadata() per prompt (answer, ...)
+from rlhf_jax.samples import PromptBatch
 
 
 @dataclasses.dataclass(frozen=True)

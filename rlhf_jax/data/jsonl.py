@@ -11,7 +11,7 @@ the file, stable across runs). The prompt text is wrapped as
 `prompt_template.format(prompt=...)`, then rendered with the tokenizer's chat
 template (optional system prompt) or encoded as plain text.
 
-`PromptSource` iterates batches of `batching.PromptBatch` in a seeded
+`PromptSource` iterates batches of `samples.PromptBatch` in a seeded
 per-epoch order with a resumable integer position, like the addition task's
 iterator. Prompts longer than `max_prompt_len` tokens are dropped (and
 counted) when the source is built, so every batch has the same shape.
@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from absl import logging
 import numpy as np
 
-from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.samples import PromptBatch
 from rlhf_jax.errors import (CheckpointError, ConfigError, DataError,
                              MissingFieldError)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from rlhf_jax.config.sections import ConfigError
 from rlhf_jax.data import batching
-from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.samples import PromptBatch
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_SPECIAL = 3

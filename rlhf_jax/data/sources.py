@@ -41,8 +41,8 @@ import numpy as np
 from rlhf_jax import distributed
 from rlhf_jax.data import jsonl
 from rlhf_jax.data import random_tokens
-from rlhf_jax.data.batching import (
-    PromptBatch, PromptIterator, eval_batches, sft_arrays)
+from rlhf_jax.data.batching import PromptIterator, eval_batches, sft_arrays
+from rlhf_jax.samples import PromptBatch
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.config.sections import ConfigError

@@ -24,62 +24,7 @@ import numpy as np
 
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.engine import Engine
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """A prompt to sample `num_samples` responses for."""
-  prompt_id: int
-  tokens: np.ndarray
-  num_samples: int = 1
-  seed: int = 0
-  first_sample_index: int = 0  # Sample indices are first..first+num-1.
-  # Per-sample token budgets (<= the engine's max_new_tokens): a stop rule
-  # that ends sample i after that many tokens, finish_reason "length".
-  max_new_tokens_per_sample: tuple[int, ...] | None = None
-
-  def budget(self, i: int, engine_max: int) -> int:
-    """Token budget of the i-th sample of this request."""
-    if self.max_new_tokens_per_sample is None:
-      return engine_max
-    return min(engine_max, int(self.max_new_tokens_per_sample[i]))
-
-
-@dataclasses.dataclass
-class Sample:
-  """One finished response, addressable by (prompt_id, sample_idx)."""
-  prompt_id: int
-  sample_idx: int
-  prompt_tokens: np.ndarray
-  tokens: list[int]
-  logp: list[float]        # under the distribution sampled from
-  logp_raw: list[float]    # temperature-1 policy log-prob
-  finish_reason: str       # "stop" or "length"
-  weight_version: int
-  # Multi-turn (`engine/multiturn.py`): True at the tokens the environment
-  # appended (not sampled: log-probs 0, kept out of the loss); None: none.
-  env_mask: list[bool] | None = None
-  env_reward: float = 0.0  # The environment's rewards (envs/episodes.py).
-  seed: int = 0            # Its request's (tells batches apart: async RL).
-  # Async RL (`rollout/asynchronous.py`): the weight version of each token
-  # (weight_version is then the oldest); None: all weight_version.
-  token_versions: list[int] | None = None
-
-  @property
-  def key(self):
-    return self.prompt_id, self.sample_idx
-
-
-@dataclasses.dataclass(frozen=True)
-class Partial:
-  """A sample cut mid-response: its request and the tokens so far."""
-  request: Request
-  sample_idx: int
-  tokens: list[int]
-  logp: list[float]
-  logp_raw: list[float]
-  budget: int
-  weight_version: int = 0
+from rlhf_jax.samples import Partial, Request, Sample
 
 
 @dataclasses.dataclass

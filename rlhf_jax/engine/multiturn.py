@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from rlhf_jax.engine.driver import Request
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.page_pool import PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver

@@ -43,8 +43,8 @@ from typing import Iterable
 
 import numpy as np
 
-from rlhf_jax.engine.driver import (Controller, Driver, Partial, Request,
-                                   Sample, most_free_replica)
+from rlhf_jax.engine.driver import Controller, Driver, most_free_replica
+from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_state import PagedPrefill

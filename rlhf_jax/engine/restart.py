@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 
-from rlhf_jax.engine.driver import Partial, Request, Sample
+from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.paged_driver import PagedDriver, _Group, _Waiting
 
 

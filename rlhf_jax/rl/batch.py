@@ -1,6 +1,6 @@
 """Finished samples -> the host arrays of one RL batch, in either layout.
 
-Samples are the rollout's (`engine/driver.Sample`: prompt tokens, response
+Samples are the rollout's (`samples.Sample`: prompt tokens, response
 tokens, sampler log-probs); only their fields are read, so this module
 imports nothing from the engine. Dimension letters: N prompts, G samples
 per prompt, B = N*G sequences, T = P + M (prompt length + max new tokens).

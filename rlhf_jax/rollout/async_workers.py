@@ -14,7 +14,7 @@ workers run elsewhere (Ray actors) or, in tests, in process.
 
 from __future__ import annotations
 
-from rlhf_jax.engine.driver import Partial, Request, Sample
+from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.workers.manager import RolloutManager
 
 

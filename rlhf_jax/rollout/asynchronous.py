@@ -40,9 +40,9 @@ from typing import Iterator
 
 import numpy as np
 
-from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.samples import PromptBatch
 from rlhf_jax.engine import restart
-from rlhf_jax.engine.driver import Partial, Request, Sample
+from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.rollout.base import requests_for, step_seed
 from rlhf_jax.sched import staleness

@@ -29,8 +29,8 @@ from typing import Iterator
 
 import numpy as np
 
-from rlhf_jax.data.batching import PromptBatch
-from rlhf_jax.engine.driver import Request, Sample
+from rlhf_jax.samples import PromptBatch
+from rlhf_jax.samples import Request, Sample
 
 Group = list[Sample]
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.samples import PromptBatch
 from rlhf_jax.rl import dapo
 from rlhf_jax.rollout.base import Sampled
 

@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax.config.sections import Rollout as RolloutSection
-from rlhf_jax.data.batching import PromptBatch
+from rlhf_jax.samples import PromptBatch
 from rlhf_jax.models import lora
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import offload

@@ -8,7 +8,8 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax.config import sections
-from rlhf_jax.engine.driver import Driver, Request
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Request
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import rollout_copy
 from rlhf_jax.parallel import mesh as mesh_lib

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from rlhf_jax.engine.driver import Partial, Request, Sample
+from rlhf_jax.samples import Partial, Request, Sample
 
 
 def remaining_request(request: Request, sample_idx: int, budget: int,

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rlhf_jax.engine.driver import Partial, Request, Sample
+from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import continuation
 from rlhf_jax.workers import weights as weights_lib

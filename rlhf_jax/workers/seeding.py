@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from absl import logging
 
-from rlhf_jax.engine.driver import Request, Sample
+from rlhf_jax.samples import Request, Sample
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers.worker import RolloutWorker

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rlhf_jax.engine.driver import Driver, Partial, Request, Sample
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.page_pool import PagePool
