@@ -397,6 +397,22 @@ def test_rlhfless_assignment_releases_replicas_and_keeps_tokens(setup):
       st["rollout/consolidated_replicas"])
 
 
+def test_rlhfless_on_the_paged_engine_releases_replicas(setup):
+  """RLHFless on the paged engine: each group is admitted onto its own
+  replica only, and the block shrinks from its end as the last replica is
+  done or cuts at tau (its groups move by their pages); the plain engine's
+  tokens, every sample once, every page back (the driver checks)."""
+  samples, scores, st = _run(
+      setup, paged=dict(page_size=4, num_pages=64, num_slots=16),
+      assignment="grouped", cut_tau=0.5, consolidate_below=0.0,
+      score_chunk=4, known=False)
+  assert st["rollout/releases"] >= 4
+  assert st["rollout/consolidations"] == 0
+  assert st["rollout/consolidated_replicas"] == 8 - st["rollout/releases"]
+  assert st["rollout/tail_moves"] > 0  # A cut moved groups.
+  _assert_same(samples, scores, setup[3])
+
+
 def test_rlhfless_admission_and_release_rules():
   """Oracle by hand: the replicas of five prompts on two replicas (equal
   predicted tokens a side, the longest on replica 0), the admission of a
@@ -406,15 +422,19 @@ def test_rlhfless_admission_and_release_rules():
   # Free rows 2, 3 (replica 1 of 2 rows each); pending: replicas 0, 1.
   assert tail.grouped_admission([3, 2], [0, 1], 2) == (1, 2)
   assert tail.grouped_admission([0], [1, 1], 2) is None
+  # The last replica: 4 samples admitted, `unfinished` of them not done.
+  due = dict(replicas=2, queued=0, assigned=4, tau=0.75, fits=True)
+  assert tail.release_due(1, **due)  # 3 of 4 done, and it fits.
+  assert not tail.release_due(1, **{**due, "queued": 1})
+  assert not tail.release_due(2, **due)  # 0.5 < tau.
+  assert not tail.release_due(1, **{**due, "fits": False})
+  assert tail.release_due(0, **{**due, "assigned": 0, "fits": False})  # Done.
+  assert not tail.release_due(1, **{**due, "replicas": 1})
   # Rows 0-1 on replica 0, 2-3 on the last; row -> samples decoding.
-  due = dict(replicas=2, rows_per_replica=2, queued=0, assigned=4,
-             tau=0.75)
-  assert tail.release_due({0: 2, 2: 1}, **due)  # 3 of 4 done, row 1 free.
-  assert not tail.release_due({0: 2, 2: 1}, **{**due, "queued": 1})
-  assert not tail.release_due({0: 2, 2: 2}, **due)  # 0.5 < tau.
-  assert not tail.release_due({0: 2, 1: 2, 2: 1}, **due)  # No free row.
-  assert tail.release_due({0: 2, 1: 2}, **{**due, "assigned": 0})  # Done.
-  assert not tail.release_due({0: 2, 2: 1}, **{**due, "replicas": 1})
+  rows_of = dict(replicas=2, rows_per_replica=2)
+  assert tail.last_replica_rows({0: 2, 2: 1}, **rows_of) == (1, True)
+  assert tail.last_replica_rows({0: 2, 1: 2, 2: 1}, **rows_of) == (1, False)
+  assert tail.last_replica_rows({0: 2, 1: 2}, **rows_of) == (0, True)
 
 
 def test_cost_aware_replica_count(setup):

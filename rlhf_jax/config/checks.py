@@ -253,13 +253,11 @@ def _check_rollout_layers(c: RLJob, num_devices) -> None:
     raise ConfigError(f"config.rollout.long_tail.replicas={lt.replicas} must "
                       f"be a power-of-two divisor of the {replicas} rollout "
                       "replicas")
-  if lt.enabled and lt.assignment == "grouped" and (
-      ro.engine == "paged" or w.num):
+  if lt.enabled and lt.assignment == "grouped" and w.num:
     raise ConfigError(
         "config.rollout.long_tail.assignment='grouped' (RLHFless: each "
-        "replica decodes its own prompts, then leaves) runs on the rows "
-        "engine of the trainer's mesh: set rollout.engine='rows' and "
-        "rollout.workers.num=0, or assignment='length'")
+        "replica decodes its own prompts, then leaves) runs on the "
+        "trainer's mesh: set rollout.workers.num=0, or assignment='length'")
   if not w.num:
     return
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():

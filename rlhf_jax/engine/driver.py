@@ -73,6 +73,15 @@ class Controller:
     pending request, into `choose_row`'s row)."""
     return 0, self.choose_row(driver, free_rows, driver.pending[0])
 
+  def pick(self, driver, room_for) -> tuple[int, int] | None:
+    """The paged engine's next admission: (index into `driver.pending`,
+    the replica its group goes to), or None to admit nothing more now.
+    `room_for(request)` lists the replicas with room for it. Default: the
+    first pending request, onto `choose_replica`'s replica."""
+    request = driver.pending[0]
+    room = room_for(request)
+    return (0, self.choose_replica(driver, room, request)) if room else None
+
   def choose_replica(self, driver, replicas: list[int],
                      request: Request) -> int:
     """The data replica of the paged engine `request`'s group goes to,

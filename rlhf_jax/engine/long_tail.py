@@ -194,11 +194,13 @@ class TailController(Controller):
     if self._replica_of is None:
       return False
     G, last = driver.engine.samples_per_row, self.m - 1
-    return tail_rules.release_due(
+    unfinished, fits = tail_rules.last_replica_rows(
         collections.Counter(s // G for s in driver.live), replicas=self.m,
-        rows_per_replica=self.o.rows_per_replica,
+        rows_per_replica=self.o.rows_per_replica)
+    return tail_rules.release_due(
+        unfinished, replicas=self.m,
         queued=sum(self._replica_of[id(r)] == last for r in driver.pending),
-        assigned=self.assigned[last], tau=self.tail.cut_tau)
+        assigned=self.assigned[last], tau=self.tail.cut_tau, fits=fits)
 
   def _release(self, driver):
     """The block's last replica leaves: its live rows (the cut) move by KV
@@ -421,7 +423,12 @@ class PagedTailController(TailController):
   fused scoring and R_t trigger, at group level.
 
     * assignment: a prompt's group goes to the replica with the least
-      predicted work admitted (RLHFless), among those with room;
+      predicted work admitted ("length"), or ("grouped", RLHFless) to its
+      own replica's run of similar predicted lengths
+      (`sched.assignment.replica_of`), among those with room; with
+      "grouped" the block's last replica leaves once it is done or cuts at
+      tau (`sched.tail.release_due`): its groups move to the others as in
+      a consolidation;
     * consolidation: onto the smallest block whose replicas hold the
       unfinished groups, their samples and pages
       (`sched.tail.paged_consolidation_block`); `PagedDriver.consolidate`
@@ -435,15 +442,33 @@ class PagedTailController(TailController):
     super().__init__(engines, tail, predict, **kw)
     self._no_gain = engines.paged_engine().num_groups + 1
 
+  def pick(self, driver, room_for):
+    if self.tail.assignment != "grouped":
+      return super().pick(driver, room_for)
+    if self._replica_of is None:  # Every request is pending at the start.
+      reqs = list(driver.pending)
+      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
+          [self.predict(r) for r in reqs], self.m)))
+    for i, request in enumerate(driver.pending):  # Its own replica only.
+      r = self._replica_of[id(request)]
+      if r in room_for(request):
+        self._count(request, r)
+        return i, r
+    return None
+
   def choose_replica(self, driver, replicas, request):
     if self.tail.assignment == "length":
       r = min(replicas, key=lambda r: (self.load[r], -driver.pool.free_in(r),
                                        r))
     else:
       r = super().choose_replica(driver, replicas, request)
-    self.load[r] += self.predict(request) * request.num_samples
-    self.admitted += request.num_samples
+    self._count(request, r)
     return r
+
+  def _count(self, request, r: int) -> None:
+    self.load[r] += self.predict(request) * request.num_samples
+    self.assigned[r] += request.num_samples
+    self.admitted += request.num_samples
 
   def _busy_replicas(self, driver) -> set[int]:
     return {driver.engine.replica_of(s) for s in driver.live}
@@ -453,25 +478,52 @@ class PagedTailController(TailController):
     return len(driver.live) + sum(len(g.waiting)
                                   for g in driver.groups.values())
 
+  def _block(self, driver, sizes) -> int:
+    """The smallest of `sizes` whose replicas hold the unfinished groups
+    (else the current block)."""
+    eng = driver.engine
+    D = eng.replicas
+    return tail_rules.paged_consolidation_block(
+        len(driver.groups), self._unfinished(driver),
+        driver.pool.num_used + eng.max_own_pages,
+        (eng.num_groups // D, eng.num_slots // D, eng.num_pages // D),
+        sizes, self.m)
+
+  def _release_due(self, driver) -> bool:
+    if self._replica_of is None:
+      return False
+    last = self.m - 1
+    unfinished = (
+        sum(it.group.replica == last for it in driver.live.values()) +
+        sum(len(g.waiting) for g in driver.groups.values()
+            if g.replica == last))
+    return tail_rules.release_due(
+        unfinished, replicas=self.m,
+        queued=sum(self._replica_of[id(r)] == last for r in driver.pending),
+        assigned=self.assigned[last], tau=self.tail.cut_tau,
+        fits=self._block(driver, [last]) == last)
+
   def wants_switch(self, driver):
-    return tail_rules.consolidation_due(
+    return self._release_due(driver) or tail_rules.consolidation_due(
         self._unfinished(driver), self.admitted, self.tail.consolidate_below,
         pending=bool(driver.pending), replicas=self.m,
         live_rows=len(driver.groups), no_gain=self._no_gain)
 
   def switch(self, driver):
-    eng, o = driver.engine, self.o
-    D = eng.replicas
-    m = tail_rules.paged_consolidation_block(
-        len(driver.groups), self._unfinished(driver),
-        driver.pool.num_used + eng.max_own_pages,
-        (eng.num_groups // D, eng.num_slots // D, eng.num_pages // D),
-        o.sizes, self.m)
+    if self._release_due(driver):
+      self.releases += 1
+      return self._move(driver, self.m - 1, f"release of replica "
+                        f"{self.m - 1}", release=True)
+    m = self._block(driver, self.o.sizes)
     if m >= self.m:  # Nothing to gain yet: ask again with fewer groups.
       self._no_gain = len(driver.groups)
       return
+    self._move(driver, m, f"{len(driver.groups)} unfinished groups")
+
+  def _move(self, driver, m: int, what: str, release: bool = False):
+    """The run continues on replicas [0, m) (`PagedDriver.consolidate`)."""
+    o, t = self.o, self.tail
     now = self.timeline.now()
-    groups = len(driver.groups)
 
     def kv_groups(gone):  # `migration`: which groups move their pages.
       tokens = {g.order: sum(len(it.tokens) for it in driver.live.values()
@@ -480,11 +532,10 @@ class PagedTailController(TailController):
                                              t.reprefill_max_tokens))
       return [g for g in gone if g.order not in redo]
 
-    t = self.tail
     moved, redo, nbytes = driver.consolidate(
         o.paged_engine(m), o.params_for(self.full_params, m), kv_groups)
     self.moves += moved + redo
     self.reprefilled += redo
     self.moved_bytes += nbytes
-    self._switched(now, driver.state, m, f"{groups} unfinished groups",
-                   moved + redo, redo)
+    self._switched(now, driver.state, m, what, moved + redo, redo,
+                   release=release)

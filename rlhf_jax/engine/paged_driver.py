@@ -222,25 +222,36 @@ class PagedDriver(Driver):
     for g in self.groups.values():
       waiting[g.replica] += len(g.waiting)
     batch = []
-    while ((self._readmit or (new and self.pending))
-           and len(batch) < eng.prefill_batch):
-      again = self._readmit[0] if self._readmit else None
-      req = again.request if again else self.pending[0]
-      own = np.asarray(req.tokens, np.int32)[self._common.size:]
-      need = self.pool_pages_for(own.size)
-      # Prompt pages never take the last sample's worth of a replica's
-      # pool: with nothing live there, any waiting sample can start and
-      # run to its end.
-      room = [r for r in range(eng.replicas)
+    def room_for(req) -> list[int]:
+      """Replicas with a free entry, a slot no waiting sample will take,
+      and pages for the prompt. Prompt pages never take the last sample's
+      worth of a replica's pool: with nothing live there, any waiting
+      sample can start and run to its end."""
+      need = self.pool_pages_for(len(req.tokens) - self._common.size)
+      return [r for r in range(eng.replicas)
               if self._free_entries[r]
               and len(self._free_slots[r]) > waiting[r]
               and self.pool.free_in(r) - need >= eng.max_own_pages]
-      if not room:
-        break
-      # A readmitted group's samples were already counted where they were
-      # admitted: it goes where the pages are, outside the policy's load.
-      r = (most_free_replica(self.pool, room) if again
-           else self._controller.choose_replica(self, room, req))
+
+    while ((self._readmit or (new and self.pending))
+           and len(batch) < eng.prefill_batch):
+      again = self._readmit[0] if self._readmit else None
+      if again:
+        # A readmitted group's samples were already counted where they
+        # were admitted: it goes where the pages are, outside the policy.
+        req, room = again.request, room_for(again.request)
+        if not room:
+          break
+        r = most_free_replica(self.pool, room)
+      else:
+        pick = self._controller.pick(self, room_for)
+        if pick is None:
+          break
+        i, r = pick
+        req = self.pending[i]
+        del self.pending[i]
+      own = np.asarray(req.tokens, np.int32)[self._common.size:]
+      need = self.pool_pages_for(own.size)
       pages = self.pool.allocate(need, r)
       self.paged.groups_by_replica[r] += 1
       if again:
@@ -248,7 +259,6 @@ class PagedDriver(Driver):
         group.entry, group.pages, group.replica = (
             self._free_entries[r].pop(), pages, r)
       else:
-        self.pending.popleft()
         self._order += 1
         group = _Group(req, self._free_entries[r].pop(), int(own.size), pages,
                        collections.deque(

@@ -150,25 +150,30 @@ def grouped_admission(free_rows: Sequence[int], pending_replicas: Sequence[int],
   return None
 
 
-def release_due(live: Mapping[int, int], *, replicas: int,
-                rows_per_replica: int, queued: int, assigned: int,
-                tau: float) -> bool:
+def release_due(unfinished: int, *, replicas: int, queued: int,
+                assigned: int, tau: float, fits: bool) -> bool:
   """RLHFless's release of the block's last replica (our engine shrinks
   from its end: replicas [0, m) -> [0, m - 1)), once no prompt is queued
-  for it and either it holds no live row, or the finished fraction of its
-  samples (`assigned` admitted) reached `tau` and its live rows fit the
-  free rows of the replicas before it: the local cut, its rows move there
-  (`remap_rows`). `live`: row -> samples still decoding in it, over the
-  block's rows. tau >= 1: no cut."""
+  for it and either nothing of it is unfinished, or the finished fraction
+  of its samples (`assigned` admitted, `unfinished` of them live or
+  waiting) reached `tau` and its unfinished work `fits` the replicas
+  before it: the local cut, that work moves there. tau >= 1: no cut."""
   if replicas <= 1 or queued:
     return False
+  if not unfinished:
+    return True
+  return assigned > 0 and (assigned - unfinished) / assigned >= tau and fits
+
+
+def last_replica_rows(live: Mapping[int, int], *, replicas: int,
+                      rows_per_replica: int) -> tuple[int, bool]:
+  """`release_due`'s view of a row layout (`live`: row -> samples still
+  decoding in it): the samples live on the last replica's rows, and
+  whether those rows fit the free rows of the replicas before it."""
   cap = (replicas - 1) * rows_per_replica
   mine = [n for r, n in live.items() if r >= cap]
-  if not mine:
-    return True
   free_before = cap - sum(r < cap for r in live)
-  return (assigned > 0 and (assigned - sum(mine)) / assigned >= tau
-          and len(mine) <= free_before)
+  return sum(mine), len(mine) <= free_before
 
 
 def remap_rows(live_rows: Sequence[int], cap: int,

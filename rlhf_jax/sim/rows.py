@@ -228,10 +228,14 @@ def simulate(lengths_PxG, *, replicas: int, rows_per_replica: int,
     steps += 1
     finished(read(k))
     n_live = sum(len(v) for v in rows.values())
+    if grouped and rows:
+      unfinished, fits = tail.last_replica_rows(
+          {r: len(v) for r, v in rows.items()}, replicas=m,
+          rows_per_replica=rpr)
     release = grouped and rows and tail.release_due(
-        {r: len(v) for r, v in rows.items()}, replicas=m,
-        rows_per_replica=rpr, queued=sum(replica[q] == m - 1 for q in pending),
-        assigned=assigned[m - 1], tau=cut_tau)
+        unfinished, replicas=m,
+        queued=sum(replica[q] == m - 1 for q in pending),
+        assigned=assigned[m - 1], tau=cut_tau, fits=fits)
     if release or (ours and tail.consolidation_due(
         n_live, total, consolidate_below, pending=bool(pending), replicas=m,
         live_rows=len(rows), no_gain=no_gain)):
