@@ -98,6 +98,18 @@ def _assert_same(a, b):
     np.testing.assert_allclose(a[k].logp_raw, b[k].logp_raw, atol=1e-5)
 
 
+def test_static_rows_decoder_equals_rows_engine(model, layouts, oracle):
+  """The plain-jnp static-rows decoder (`benchmarks/static_rows.py`, the
+  oracle once the rows engine goes) samples the rows engine's tokens and
+  log-probs: ragged budgets, a stop token, rows refilled as they empty."""
+  from benchmarks.static_rows import StaticRows  # pylint: disable=g-import-not-at-top
+  graphdef, params = model
+  decoder = StaticRows(CFG, graphdef, mesh_lib.to_layout(params, layouts[0]),
+                       rows=2, samples_per_row=G, bucket=16,
+                       sampling=SAMPLED)
+  _assert_same(decoder.run(_requests()), oracle)
+
+
 @pytest.mark.parametrize("pages", [200, 48], ids=["roomy", "tight"])
 def test_paged_equals_rows_engine(model, layouts, oracle, pages):
   """Same samples as the row engine (other layout: 4 replicas x tensor 2,
