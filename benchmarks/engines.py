@@ -73,8 +73,10 @@ _FIRST_ONLY = flags.DEFINE_string(
 _QUICK = flags.DEFINE_bool("quick", False, "5 timed steps per engine, one "
                            "timed long-tail run each (~15 minutes).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Timed RL steps per engine.")
-_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny sizes, one step: that it "
-                           "runs (tests), not a measurement.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "The 4x4 and long-tail cases "
+                           "only, tiny sizes, one step, one first-step "
+                           "process each: that it runs (tests), not a "
+                           "measurement.")
 
 SYNTHETIC = ("configs/synthetic_grpo.py:runlocal,prompt_len={P},"
              "new_tokens={M},samples={G},prompts={N},steps=100")
@@ -233,12 +235,14 @@ def main(argv):
               else _rl_case(CASES[_CASE.value][1]))
     print(json.dumps(result), flush=True)
     return
-  cases = {name: _child(name) for name in CASES}
-  for name in CASES:  # Compiles: each engine's first step in its own
+  names = ("4x4", "long_tail") if _SMOKE.value else tuple(CASES)
+  cases = {name: _child(name) for name in names}
+  for name in names:  # Compiles: each engine's first step in its own
     if name != "long_tail":  # process, twice (the fixed work: the min).
       for engine in ("rows", "paged"):
         cases[name][engine]["first_step_alone_s"] = min(
-            _child(name, engine)["first_step_s"] for _ in range(2))
+            _child(name, engine)["first_step_s"]
+            for _ in range(1 if _SMOKE.value else 2))
   summary = {}
   print(f"{'case':<14}{'engine':<8}{'step s':>9}{'rollout s':>11}"
         f"{'first s':>9}  compiles")

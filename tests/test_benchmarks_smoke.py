@@ -10,6 +10,9 @@ covered by the runs that import it:
   timing         every benchmark but the engine-only ones (`smoke_defaults`,
                  `fake_cpu_devices`, `median_time`, `count_compiles`);
   report         every benchmark (`emit`: the last line and `--out`);
+  long_tail_workload  paged_long_tail and engines (their long-tail trace);
+  static_rows    engines (the long tail's third decoder; tokens checked)
+                 and tests/test_paged.py (against the rows engine);
   cpu_allocator  repartition re-executes itself through it
                  (`retained_allocator` must come back true);
   long_tail_ppo  long_tail's PPO step (`--ppo`, on by default: the
@@ -37,7 +40,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HELPERS = ("cpu_allocator", "long_tail_ppo", "report", "timing")
+HELPERS = ("cpu_allocator", "long_tail_ppo", "long_tail_workload", "report",
+           "static_rows", "timing")
 # name -> the package it drives (importable name).
 EXTERNAL = {"tunix_grpo": "tunix"}
 # XLA:CPU's older (elemental) fusion emitters in the runs: they are
@@ -81,6 +85,10 @@ BENCHMARKS = {
     "engine": _case(
         ["--smoke"], ("decode_tok_s", "prefix_rows_speedup_g16_p512"), 120,
         slow=True),
+    "engines": _case(
+        ["--smoke"], ("paged_over_rows_4x4", "first_step_paged_over_rows_4x4",
+                      "long_tail_paged_speedup_vs_static_rows",
+                      "static_rows_over_rows_engine"), 600, slow=True),
     "gpu": _case(
         ["--smoke"], ("prompt_once_decode_speedup", "decode_hbm_fraction",
                       "train_mfu", "repartition_vs_one_shot", "decode",

@@ -122,16 +122,22 @@ class TailController(Controller):
   def admit(self, driver, free_rows):
     if self.tail.assignment != "grouped":
       return super().admit(driver, free_rows)
-    if self._replica_of is None:  # Every request is pending at the start.
-      reqs = list(driver.pending)
-      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
-          [self.predict(r) for r in reqs], self.m)))
+    replica_of = self._grouped_replicas(driver)
     pick = tail_rules.grouped_admission(
-        free_rows, [self._replica_of[id(r)] for r in driver.pending],
+        free_rows, [replica_of[id(r)] for r in driver.pending],
         self.o.rows_per_replica)
     if pick is not None:
       self._admitted(driver.pending[pick[0]], pick[1])
     return pick
+
+  def _grouped_replicas(self, driver) -> dict[int, int]:
+    """RLHFless: id(request) -> its replica (`assignment.replica_of`),
+    fixed at the first admission, when every request is pending."""
+    if self._replica_of is None:
+      reqs = list(driver.pending)
+      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
+          [self.predict(r) for r in reqs], self.m)))
+    return self._replica_of
 
   def _admitted(self, request, row):
     r = row // self.o.rows_per_replica
@@ -445,12 +451,9 @@ class PagedTailController(TailController):
   def pick(self, driver, room_for):
     if self.tail.assignment != "grouped":
       return super().pick(driver, room_for)
-    if self._replica_of is None:  # Every request is pending at the start.
-      reqs = list(driver.pending)
-      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
-          [self.predict(r) for r in reqs], self.m)))
+    replica_of = self._grouped_replicas(driver)
     for i, request in enumerate(driver.pending):  # Its own replica only.
-      r = self._replica_of[id(request)]
+      r = replica_of[id(request)]
       if r in room_for(request):
         self._count(request, r)
         return i, r
