@@ -36,6 +36,7 @@ or on being preempted and recomputed.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -168,9 +169,14 @@ class PagedEngine(PagedMoves, EngineBase):
     no_growth[:, 0] = self.num_slots
     self._no_growth = jax.device_put(no_growth, rep)
     self._listed = ((), None)  # (slots, their device list) of the last step
-    self._generate_jit = jax.jit(
-        self._generate_fn, static_argnums=(4,),
-        out_shardings=(st, ResultTokens(rep)), donate_argnums=1)
+    # One jitted step per triple of read bounds (bound into the function:
+    # no static argument to hash at every call).
+    self._generate_jits: dict = {}
+    self._generate_sh = dict(in_shardings=(params, st, rep, rep),
+                             out_shardings=(st, ResultTokens(rep)),
+                             donate_argnums=1)
+    # The kernel walks the page tables (no page-list bounds needed).
+    self._walks_tables = pda.resolve_impl(self.attention_impl) == "pallas"
 
   # ---------------------------------------------------------------- shapes
   @property
@@ -193,12 +199,6 @@ class PagedEngine(PagedMoves, EngineBase):
   def max_prefill_length(self) -> int:
     """The longest prompt accepted (chunked past the largest bucket)."""
     return self.max_prompt_length
-
-  @property
-  def _walks_tables(self) -> bool:
-    """Whether decode attention is a kernel (it walks the page tables: no
-    page-list bounds needed)."""
-    return pda.resolve_impl(self.attention_impl) == "pallas"
 
   @property
   def chunk_length(self) -> int:
@@ -508,7 +508,12 @@ class PagedEngine(PagedMoves, EngineBase):
                            (self.num_groups // self.replicas,
                             self.max_prompt_pages,
                             self.max_own_pages))
-    return self._generate_jit(params, state, g, listed, bounds)
+    step = self._generate_jits.get(bounds)
+    if step is None:
+      step = self._generate_jits[bounds] = jax.jit(
+          functools.partial(self._generate_fn, bounds=bounds),
+          **self._generate_sh)
+    return step(params, state, g, listed)
 
   def _list_slots(self, slots) -> jax.Array:
     """The slot list of a step: replica r's slots in block r (decode
