@@ -63,6 +63,7 @@ R, D = "README.md", "docs/results.md"
 DJ = "default_job_quiet_cpu.json"
 H100, H200 = "gpu_h100.json", "gpu_h200.json"
 MEM, PLT = "memory_cpu.json", "paged_long_tail_cpu.json"
+EN, EJ = "engines_cpu.json", "engines_jobs_cpu.json"
 LT, AF = "long_tail_cpu.json", "async_rl_full_cpu.json"
 PPO = "job_tiny_ppo_cpu.json"
 SG = "smollm2_grpo_cpu.json"
@@ -283,6 +284,34 @@ PINS: list[Pin] = [
       "result/qwen2.5-7b.decode_argument_gib",
       "result/qwen2.5-7b.decode_argument_gib_int8"),
     P(D, "needs\n35.95x our temporary", MEM, "result/small.train_temp_ratio"),
+    P(D, "one CPU device or 8 fake ones, nothing else\nrunning but a short "
+      "profiling script beside the 8 x 8 case", EN, None, None, None),
+    P(D, "the default job 0.997 on 1\ndevice and 1.212 on 8; 4 prompts x 4 "
+      "samples at 32 + 32 tokens 0.976; 8 x\n8 at 128 + 64 tokens 0.987", EN,
+      "result/paged_over_rows_default_1dev", None,
+      "result/paged_over_rows_default_8dev", None, None, None, None, None,
+      "result/paged_over_rows_4x4", None, None, None, None,
+      "result/paged_over_rows_8x8"),
+    P(D, "The rollout phase alone: 1.014, 1.422, 0.95,\n0.983", EN,
+      "result/rollout_paged_over_rows_default_1dev",
+      "result/rollout_paged_over_rows_default_8dev",
+      "result/rollout_paged_over_rows_4x4",
+      "result/rollout_paged_over_rows_8x8"),
+    P(D, "paged\n/ rows: 0.891, 1.173, 0.979, 1.177", EN,
+      "result/first_step_paged_over_rows_default_1dev",
+      "result/first_step_paged_over_rows_default_8dev",
+      "result/first_step_paged_over_rows_4x4",
+      "result/first_step_paged_over_rows_8x8"),
+    P(D, "the paged engine is 4.885x faster than the\nrows engine and 5.227x "
+      "the static-rows decoder", EN, "result/long_tail_paged_speedup_vs_rows",
+      "result/long_tail_paged_speedup_vs_static_rows"),
+    P(D, "which takes 1.07x the rows engine's time", EN,
+      "result/static_rows_over_rows_engine"),
+    P(D, "the default job +0.230, PPO -0.055 (the\nreward model's score "
+      "+1.127), LoRA +0.245; tool use +0.750 and async GRPO\n+0.230 (2 "
+      "devices)", EJ, "gain/tiny_grpo_paged", "gain/tiny_ppo_paged",
+      "eval_reward_gain/tiny_ppo_paged", "gain/tiny_grpo_lora_paged",
+      "gain/tiny_tool_paged", "gain/tiny_grpo_async_paged", None),
     P(D, "is 4.22x faster than the rows engine with the same KV bytes (15.0 s"
       "\nagainst 63.25 s), its pool 1.14x the peak live KV (rows engine: "
       "9.81x)", PLT, "result/long_tail_speedup_vs_static",
