@@ -233,17 +233,17 @@ def test_extend_appends_tokens_to_a_live_sample(model, layouts):
   state = eng.insert(state, pre, [1], [[0, 1, 2]], [prompt.size], [0], [0])
   state = eng.start(state, [(3, 1, 0, 0, 20, [3, 4, 5, 6, 7, 8])])
   response = [int(pre.first_tokens[0, 0])]
-  for _ in range(4):
-    state, res = eng.generate(p, state, slots=[3], groups=1,
-                              prompt_pages=3, own_pages=6)
-    response.append(int(res.convert_to_numpy().tokens[3]))
+  state, res = eng.generate(p, state, slots=[3], groups=1, prompt_pages=3,
+                            own_pages=6, steps=4)  # One call, 4 tokens.
+  host = res.convert_to_numpy()
+  response += [int(host.window(j).tokens[3]) for j in range(4)]
   user = [30, 31, 32, 33, 34, 35]
   state = eng.extend(p, state, 3, [3, 4, 5, 6, 7, 8], user)
   after = []
   for _ in range(5):
     state, res = eng.generate(p, state, slots=[3], groups=1,
                               prompt_pages=3, own_pages=6)
-    after.append(int(res.convert_to_numpy().tokens[3]))
+    after.append(int(res.convert_to_numpy().window(0).tokens[3]))
   whole = np.concatenate([prompt, response, user]).astype(np.int32)
   rows = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=1,
                 prefill_buckets=(32,), sampling=dataclasses.replace(

@@ -19,9 +19,10 @@ from worker_env import reference, requests
 
 # 4 slots and 12 pages of 4 tokens per worker: a group's prompt takes 2
 # pages, a sample of 12 tokens 4, so 4 live samples outgrow the pool and
-# the newest is preempted (recomputed later with the same tokens).
+# the newest is preempted (recomputed later with the same tokens). One
+# decode step a call: the polls land mid-response, as the cases need.
 PAGED = dataclasses.replace(SPEC, paged=dict(page_size=4, num_pages=12,
-                                             num_slots=4))
+                                             num_slots=4, decode_window=1))
 
 
 @pytest.fixture(scope="module")

@@ -243,6 +243,10 @@ class Rollout:
   # trainer's mesh, long_tail and the elastic workers alike).
   engine: str = "rows"
   page_size: int = 16            # paged: tokens per page.
+  # paged: most decode steps one engine call runs while no sample waits
+  # for a slot (one dispatch, one result copy for all; a sample that ends
+  # inside the window is read at its end).
+  decode_window: int = 8
   kv_pages: int = 0              # paged: pool pages; 0: every slot's
                                  # sample at max_new_tokens with its prompt.
   num_slots: int = 0             # paged: samples decoding at once; 0:
@@ -258,7 +262,8 @@ class Rollout:
   workers: Workers = dataclasses.field(default_factory=Workers)
 
   def __post_init__(self):
-    _positive_ints(self, "num_rows", "samples_per_row", "page_size")
+    _positive_ints(self, "num_rows", "samples_per_row", "page_size",
+                   "decode_window")
     self.check_sampling()
     _one_of(self, "engine", ("rows", "paged"))
     _one_of(self, "quantize", ("none", "int8", "fp8"))

@@ -58,7 +58,16 @@ def most_free_replica(pool, replicas) -> int:
 
 
 class Controller:
-  """Scheduling hooks of `Driver.run` (defaults: plain continuous batching)."""
+  """Scheduling hooks of `Driver.run` (defaults: plain continuous batching).
+
+  `window`: the most decode steps one paged engine call may run before
+  these hooks run again (None: the engine's `decode_window`).
+  """
+
+  window: int | None = None
+
+  def __init__(self, window: int | None = None):
+    self.window = window
 
   def choose_row(self, driver: "Driver", free_rows: list[int],
                  request: Request) -> int:
@@ -90,7 +99,11 @@ class Controller:
     return most_free_replica(driver.pool, replicas)
 
   def after_step(self, driver: "Driver") -> None:
-    """Called after each decode step is dispatched."""
+    """Called after each decode call is dispatched."""
+
+  def decode_window(self, driver: "Driver") -> int:
+    """The most decode steps the paged driver may run in one call."""
+    return self.window or driver.engine.decode_window
 
   def wants_switch(self, driver: "Driver") -> bool:
     """Whether to move the live samples onto another engine now."""

@@ -58,6 +58,7 @@ class EngineSet:
       if m != self.replicas:
         full = self.paged_engine()
         pa = dict(page_size=full.page_size,
+                  decode_window=full.decode_window,
                   num_pages=full.num_pages // self.replicas * m,
                   num_slots=full.num_slots // self.replicas * m,
                   num_groups=full.num_groups // self.replicas * m)

@@ -67,6 +67,8 @@ class TailController(Controller):
   it did are in `stats()`.
   """
 
+  window = 1  # Step times, phases, scoring and the switch check: per step.
+
   def __init__(self, engines: EngineSet, tail: LongTail, predict, *,
                full_params, m: int, timeline: Timeline, step: int = 0,
                scorer: Scorer | None = None):

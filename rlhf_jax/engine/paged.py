@@ -26,7 +26,7 @@ donated `PagedState`:
   prefill(params, prompts)                 batched: several prompts a call
   insert(state, prefill, entries, pages)   prompt KV into pages, group rows
   start(state, starts)                     samples into free slots
-  generate(params, state, growth, A, B)    one token for every live slot
+  generate(params, state, growth, ...)     up to W tokens for every live slot
   stop(state, slots)                       deactivate slots (preemption)
 and the KV appends and moves of `paged_moves.PagedMoves` (extend,
 prefill_chunk, recompute, gather_kv, place, adopt_state). Sampling keys are (seed, prompt id, sample index, position) as in `Engine`:
@@ -66,7 +66,8 @@ class PagedEngine(PagedMoves, EngineBase):
                kv_budget_bytes: int | None = None,
                num_groups: int | None = None, prefill_batch: int = 4,
                max_prompt_length: int | None = None,
-               attention_impl: str = "auto", max_common_length: int = 0):
+               attention_impl: str = "auto", max_common_length: int = 0,
+               decode_window: int = 8):
     """Builds the jitted functions; nothing is compiled until first use.
 
     Args:
@@ -91,6 +92,9 @@ class PagedEngine(PagedMoves, EngineBase):
         elsewhere), "xla" or "pallas" (the backend's kernel, interpreted
         on CPU; `kernels_pallas/paged_decode_attention.py`).
       max_common_length: capacity of the common prefix (0: none).
+      decode_window: W, the most decode steps one `generate` call runs
+        (the driver asks for several while no sample waits for a slot:
+        one dispatch and one result copy for all of them).
     """
     super().__init__(cfg, graphdef, layout, prefill_buckets=prefill_buckets,
                      sampling=sampling, attention_impl=attention_impl,
@@ -128,6 +132,9 @@ class PagedEngine(PagedMoves, EngineBase):
     self.samples_per_row = G  # The Driver's name for the same limit.
     self.num_pages, self.num_groups = int(num_pages), num_groups
     self.prefill_batch = int(prefill_batch)
+    if decode_window < 1:
+      raise ValueError(f"decode_window={decode_window} must be >= 1")
+    self.decode_window = int(decode_window)
     self.max_prompt_length = int(max_prompt_length or self.buckets[-1])
     if self.max_prompt_length < self.buckets[-1]:
       raise ValueError(f"max_prompt_length={self.max_prompt_length} is "
@@ -165,14 +172,19 @@ class PagedEngine(PagedMoves, EngineBase):
     self._prompt_chunk_jit = jax.jit(
         self._prompt_chunk_fn, out_shardings=(st, (rep,) * 3),
         donate_argnums=1)
-    no_growth = np.zeros((self.num_slots, 3), np.int32)
+    # Growth rows of one call: a slot gains at most this many pages in a
+    # window (its tokens plus the spare cross a page boundary that often).
+    self._growth_rows = self.num_slots * (
+        math.ceil(self.decode_window / self.page_size) + 1)
+    no_growth = np.zeros((self._growth_rows, 3), np.int32)
     no_growth[:, 0] = self.num_slots
     self._no_growth = jax.device_put(no_growth, rep)
     self._listed = ((), None)  # (slots, their device list) of the last step
     # One jitted step per triple of read bounds (bound into the function:
     # no static argument to hash at every call).
     self._generate_jits: dict = {}
-    self._generate_sh = dict(in_shardings=(params, st, rep, rep),
+    self._step_counts: dict = {}
+    self._generate_sh = dict(in_shardings=(params, st, rep, rep, rep),
                              out_shardings=(st, ResultTokens(rep)),
                              donate_argnums=1)
     # The kernel walks the page tables (no page-list bounds needed).
@@ -328,6 +340,32 @@ class PagedEngine(PagedMoves, EngineBase):
     return state.replace(active=state.active.at[slots_X].set(False,
                                                              mode="drop"))
 
+  def _window_fn(self, params, state: PagedState, growth_Sx3, slots_X,
+                 steps, bounds: tuple[int, int, int]):
+    """Up to `steps` (<= W) decode steps of the listed slots; stops early
+    once none of them is active. growth_Sx3 covers the pages of all of
+    them. Results: [W, S, 6], rows past the last step not valid."""
+    S, W = state.active.shape[0], self.decode_window
+    state, first = self._generate_fn(params, state, growth_Sx3, slots_X,
+                                     bounds)
+    out = jnp.zeros((W,) + first.data.shape, jnp.int32).at[0].set(first.data)
+    no_growth = jnp.full_like(growth_Sx3, S).at[:, 1:].set(0)
+    listed = jnp.minimum(slots_X, S - 1)
+
+    def more(carry):
+      j, state, _ = carry
+      return (j < steps) & jnp.any(state.active[listed] & (slots_X < S))
+
+    def step(carry):
+      j, state, out = carry
+      state, res = self._generate_fn(params, state, no_growth, slots_X,
+                                     bounds)
+      return j + 1, state, jax.lax.dynamic_update_index_in_dim(
+          out, res.data, j, 0)
+
+    _, state, out = jax.lax.while_loop(more, step, (jnp.int32(1), state, out))
+    return state, ResultTokens(out)
+
   def _generate_fn(self, params, state: PagedState, growth_Sx3, slots_X,
                    bounds: tuple[int, int, int]):
     """One token for each live slot of `slots_X` (padding: slot S).
@@ -477,8 +515,9 @@ class PagedEngine(PagedMoves, EngineBase):
     return slot // (self.num_slots // self.replicas)
 
   def generate(self, params, state: PagedState, growth=(), *, slots,
-               groups: int, prompt_pages: int, own_pages: int):
-    """One decode step.
+               groups: int, prompt_pages: int, own_pages: int,
+               steps: int = 1):
+    """`steps` decode steps (at most `decode_window`), one call.
 
     Args:
       params, state: weights and the decode state (donated).
@@ -487,12 +526,19 @@ class PagedEngine(PagedMoves, EngineBase):
         listed; others may be).
       groups: at least the groups with live samples on one replica;
         prompt_pages: at least the prompt pages of one of them; own_pages:
-        at least the own pages one live sample holds after this step's
+        at least the own pages one live sample holds after the last step's
         token. Rounded up here (`step_bounds`), like the slot count per
         replica (one compile per bucket); a smaller bound would drop keys.
+      steps: decode steps to run; fewer run once no listed slot is active.
+
+    Returns:
+      (state, ResultTokens [W, S, 6]): row j is step j's result (rows past
+      the steps run are not valid).
     """
+    if not 1 <= steps <= self.decode_window:
+      raise ValueError(f"steps={steps}: 1..{self.decode_window}")
     if growth:  # Placed like the no-growth table: one compile for both.
-      g = np.zeros((self.num_slots, 3), np.int32)
+      g = np.zeros((self._growth_rows, 3), np.int32)
       g[:, 0] = self.num_slots
       g[:len(growth)] = growth
       g = jax.device_put(g, self.layout.replicated())
@@ -511,9 +557,13 @@ class PagedEngine(PagedMoves, EngineBase):
     step = self._generate_jits.get(bounds)
     if step is None:
       step = self._generate_jits[bounds] = jax.jit(
-          functools.partial(self._generate_fn, bounds=bounds),
+          functools.partial(self._window_fn, bounds=bounds),
           **self._generate_sh)
-    return step(params, state, g, listed)
+    n = self._step_counts.get(steps)
+    if n is None:  # One device scalar per count (no copy per call).
+      n = self._step_counts[steps] = jax.device_put(
+          np.int32(steps), self.layout.replicated())
+    return step(params, state, g, listed, n)
 
   def _list_slots(self, slots) -> jax.Array:
     """The slot list of a step: replica r's slots in block r (decode

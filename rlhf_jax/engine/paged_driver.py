@@ -140,6 +140,7 @@ class PagedDriver(Driver):
     self._controller = controller or Controller()
     self._readmit: collections.deque[_Group] = collections.deque()
     self._events = collections.deque()
+    self._unread = 0  # Decode steps dispatched whose results are unread.
     self._order = 0
 
   @property
@@ -166,11 +167,12 @@ class PagedDriver(Driver):
     eng: PagedEngine = self.engine
     self._admit()
     out = self._start_waiting()
-    growth = self._grow()
+    steps = self._window()
+    growth = self._grow(steps)
     if self.live:
       # Read bounds of the busiest replica: groups with live samples, the
       # pages of one's prompt, the own pages of one sample (they hold the
-      # device's tokens after this step, `_grow`).
+      # device's tokens after the window, `_grow`).
       live_groups = {id(s.group): s.group for s in self.live.values()}
       per_replica = [0] * eng.replicas
       for g in live_groups.values():
@@ -179,10 +181,12 @@ class PagedDriver(Driver):
           self.params, self.state, growth, slots=list(self.live),
           groups=max(per_replica),
           prompt_pages=max(len(g.pages) for g in live_groups.values()),
-          own_pages=max(len(s.pages) for s in self.live.values()))
+          own_pages=max(len(s.pages) for s in self.live.values()),
+          steps=steps)
       result.copy_to_host_async()
-      self.stats.steps += 1
-      self._events.append(("step", result, self.stats.steps))
+      self._events.append(("step", result, self.stats.steps, steps))
+      self.stats.steps += steps
+      self._unread += steps
       self._controller.after_step(self)
     self.paged.peak_live = max(self.paged.peak_live, len(self.live))
     kv_tokens = (sum(g.length for g in self.groups.values()) +
@@ -363,19 +367,52 @@ class PagedDriver(Driver):
       self.state = eng.recompute(self.params, self.state, entry, samples)
     return out
 
-  def _grow(self) -> list[tuple[int, int, int]]:
-    """Pages for every live sample's next tokens, oldest sample first;
-    preempts on exhaustion."""
+  def _window(self) -> int:
+    """Decode steps of the next `generate` call: the engine's window while
+    nothing waits for a slot (a finish is read only after the window) and
+    the controller allows it, no more than a live sample has left, and
+    only if the pool holds their pages; else one."""
+    most = min(self.engine.decode_window,
+               self._controller.decode_window(self))
+    if (most == 1 or not self.live or self.pending or self._readmit
+        or any(g.waiting for g in self.groups.values())):
+      return 1
+    left = max(it.budget - self._device_tokens(it)
+               for it in self.live.values())
+    steps = max(1, min(most, left))
+    short = [0] * self.engine.replicas
+    for it in self.live.values():
+      short[it.group.replica] += max(
+          0, self.pool_pages_for(self._tokens_ahead(it, steps))
+          - len(it.pages))
+    if any(n > self.pool.free_in(r) for r, n in enumerate(short)):
+      return 1  # A window must not preempt.
+    return steps
+
+  def _device_tokens(self, it: _Slot) -> int:
+    """At least the tokens the device has generated for `it` (the host's,
+    plus one per unread step; the first comes with the start)."""
+    return max(len(it.tokens), 1) + self._unread
+
+  def _tokens_ahead(self, it: _Slot, steps: int) -> int:
+    """Own tokens whose KV the pool holds after `steps` more steps, and
+    one spare: the device's, one a step, no further than the budget."""
+    dev = self._device_tokens(it)
+    return dev + 1 + min(steps - 1, max(it.budget - dev, 0))
+
+  def _grow(self, steps: int = 1) -> list[tuple[int, int, int]]:
+    """Pages for every live sample's tokens of the next `steps` steps,
+    oldest sample first; preempts on exhaustion."""
     cap, T = self.engine.max_own_pages, self.engine.page_size
     short = [slot for slot, it in self.live.items()  # Most steps: none.
              if len(it.pages) < cap
-             and len(it.pages) * T < max(len(it.tokens), 1) + 2]
+             and len(it.pages) * T < self._tokens_ahead(it, steps)]
     growth = []
     for slot in sorted(short, key=lambda s: self.live[s].order):
       it = self.live.get(slot)
       if it is None:  # Preempted by an earlier sample of this loop.
         continue
-      need = self.pool_pages_for(max(len(it.tokens), 1) + 2)
+      need = self.pool_pages_for(self._tokens_ahead(it, steps))
       r = it.group.replica
       while len(it.pages) < min(need, cap):
         try:
@@ -579,12 +616,15 @@ class PagedDriver(Driver):
         if id(it.group) in batch and not it.tokens:
           yield from self._take_first(slot, it)
       return
-    res, step = event[1].convert_to_numpy(), event[2]
-    for s in np.nonzero(res.valid)[0]:
-      it = live.get(int(s))
-      if it is not None and step > it.started:
-        yield from self._append(int(s), live, int(res.tokens[s]),
-                                float(res.logp[s]), float(res.logp_raw[s]))
+    window, base, steps = event[1].convert_to_numpy(), event[2], event[3]
+    self._unread -= steps
+    for j in range(steps):
+      res, step = window.window(j), base + j + 1
+      for s in np.nonzero(res.valid)[0]:
+        it = live.get(int(s))
+        if it is not None and step > it.started:
+          yield from self._append(int(s), live, int(res.tokens[s]),
+                                  float(res.logp[s]), float(res.logp_raw[s]))
 
   def _take_first(self, slot, it: _Slot):
     toks, logp, raw = it.group.first

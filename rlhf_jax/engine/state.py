@@ -100,7 +100,8 @@ NUM_COLUMNS = 6
 
 @struct.dataclass
 class ResultTokens:
-  """One step's output for every slot packed in ONE int32 array [S, 6].
+  """One step's output for every slot packed in ONE int32 array [S, 6]
+  (the paged engine: [W, S, 6], one row block per step of its window).
 
   Columns: token, valid (slot produced a token), done (it finished now),
   length (tokens generated so far), sampling log-prob and raw log-prob (fp32
@@ -128,6 +129,10 @@ class ResultTokens:
 class HostResult:
   """Numpy view of ResultTokens."""
   data: np.ndarray
+
+  def window(self, j: int) -> "HostResult":
+    """Step j of a paged decode window ([W, S, 6] results)."""
+    return HostResult(self.data[j])
 
   @property
   def tokens(self):

@@ -42,6 +42,7 @@ import numpy as np
 
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.engine import restart
+from rlhf_jax.engine.driver import Controller
 from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.rollout.base import requests_for, step_seed
@@ -339,7 +340,8 @@ class PagedBackend:
            pending: list[Request]):
     """A started driver with weights `version`: the partials first."""
     driver = self.engines.driver(params, version)
-    driver.start(pending)
+    # One decode step a call: the weight switch is checked between calls.
+    driver.start(pending, controller=Controller(window=1))
     restart.readmit(driver, partials)
     return driver
 

@@ -46,7 +46,8 @@ def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
                    attention_impl=ro.attention_impl,
                    max_common_length=ro.max_common_length,
                    paged=(dict(page_size=ro.page_size, num_pages=ro.kv_pages,
-                               num_slots=ro.num_slots)
+                               num_slots=ro.num_slots,
+                               decode_window=ro.decode_window)
                           if ro.engine == "paged" else None))
 
 
@@ -62,7 +63,8 @@ def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
       rows_per_replica=num_rows // layout.mesh.shape["data"],
       samples_per_row=1, prefill_buckets=tuple(ro.prefill_buckets),
       sampling=greedy,
-      paged=dict(page_size=ro.page_size, num_pages=0, num_slots=0)
+      paged=dict(page_size=ro.page_size, num_pages=0, num_slots=0,
+                 decode_window=ro.decode_window)
       if episodes is not None else None), episodes=episodes)
 
 

@@ -245,7 +245,7 @@ def _worker_pages(ro: RolloutSection, replicas: int,
     return None
   per = lambda n: n // replicas * devices
   return dict(page_size=ro.page_size, num_pages=per(ro.kv_pages),
-              num_slots=per(ro.num_slots))
+              num_slots=per(ro.num_slots), decode_window=ro.decode_window)
 
 
 def _local_workers(w, spec):
