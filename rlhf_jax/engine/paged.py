@@ -51,7 +51,7 @@ from rlhf_jax.engine.paged_state import (
     STEP_FLOORS, PagedPrefill, PagedState, pow2_at_least, state_fields,
     step_bounds)
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
-from rlhf_jax.engine.state import CommonPrefix, ResultTokens
+from rlhf_jax.engine.state import NUM_COLUMNS, CommonPrefix, ResultTokens
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel.layout import Layout, use_layout
@@ -342,14 +342,15 @@ class PagedEngine(PagedMoves, EngineBase):
 
   def _window_fn(self, params, state: PagedState, growth_Sx3, slots_X,
                  steps, bounds: tuple[int, int, int]):
-    """Up to `steps` (<= W) decode steps of the listed slots; stops early
-    once none of them is active. growth_Sx3 covers the pages of all of
-    them. Results: [W, S, 6], rows past the last step not valid."""
+    """Up to `steps` (<= W) decode steps of the listed slots, stopping
+    once none of them is active. growth_Sx3 rows (slot, column, page) add
+    own pages first (slot S: none), for all the steps. Results: [W, S, 6],
+    rows past the last step run not valid."""
     S, W = state.active.shape[0], self.decode_window
-    state, first = self._generate_fn(params, state, growth_Sx3, slots_X,
-                                     bounds)
-    out = jnp.zeros((W,) + first.data.shape, jnp.int32).at[0].set(first.data)
-    no_growth = jnp.full_like(growth_Sx3, S).at[:, 1:].set(0)
+    state = state.replace(own_pages=state.own_pages.at[
+        growth_Sx3[:, 0], growth_Sx3[:, 1]].set(growth_Sx3[:, 2],
+                                                 mode="drop"))
+    out = jnp.zeros((W, S, NUM_COLUMNS), jnp.int32)
     listed = jnp.minimum(slots_X, S - 1)
 
     def more(carry):
@@ -358,31 +359,28 @@ class PagedEngine(PagedMoves, EngineBase):
 
     def step(carry):
       j, state, out = carry
-      state, res = self._generate_fn(params, state, no_growth, slots_X,
-                                     bounds)
+      state, res = self._generate_fn(params, state, slots_X, bounds)
       return j + 1, state, jax.lax.dynamic_update_index_in_dim(
           out, res.data, j, 0)
 
-    _, state, out = jax.lax.while_loop(more, step, (jnp.int32(1), state, out))
+    _, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), state, out))
     return state, ResultTokens(out)
 
-  def _generate_fn(self, params, state: PagedState, growth_Sx3, slots_X,
+  def _generate_fn(self, params, state: PagedState, slots_X,
                    bounds: tuple[int, int, int]):
     """One token for each live slot of `slots_X` (padding: slot S).
 
     Only the X listed slots run through the model (X is the live count
     rounded up: a step of the tail costs what its few samples cost).
-    growth_Sx3 rows (slot, column, page) add own pages first (slot S:
-    none); bounds: static (groups with live samples, pages of one's
-    prompt, own pages of one sample) the jnp attention reads this step.
+    bounds: static (groups with live samples, pages of one's prompt, own
+    pages of one sample) the jnp attention reads this step.
     """
     self.trace_counts["generate"] += 1
     with use_layout(self.layout):
       T, num_pages = self.page_size, state.k_pages.shape[2]
       S = state.active.shape[0]
       X = slots_X.shape[0]
-      own_pages = state.own_pages.at[growth_Sx3[:, 0], growth_Sx3[:, 1]].set(
-          growth_Sx3[:, 2], mode="drop")
+      own_pages = state.own_pages
       sl = jnp.minimum(slots_X, S - 1)
       live = state.active[sl] & (slots_X < S)                  # [X]
       own_len = state.own_len[sl]
@@ -422,7 +420,7 @@ class PagedEngine(PagedMoves, EngineBase):
       done = live & (self._is_stop(tokens) | (generated >= state.budget[sl]))
       put = lambda a, x: a.at[slots_X].set(x, mode="drop")
       new_state = state.replace(
-          k_pages=k_pages, v_pages=v_pages, own_pages=own_pages,
+          k_pages=k_pages, v_pages=v_pages,
           own_len=put(state.own_len, own_len + step),
           tokens=put(state.tokens, jnp.where(live, tokens, state.tokens[sl])),
           positions=put(state.positions, state.positions[sl] + step),
