@@ -284,29 +284,31 @@ PINS: list[Pin] = [
       "result/qwen2.5-7b.decode_argument_gib",
       "result/qwen2.5-7b.decode_argument_gib_int8"),
     P(D, "needs\n35.95x our temporary", MEM, "result/small.train_temp_ratio"),
-    P(D, "one CPU device or 8 fake ones, nothing else\nrunning but a short "
-      "profiling script beside the 8 x 8 case", EN, None, None, None),
-    P(D, "the default job 0.997 on 1\ndevice and 1.212 on 8; 4 prompts x 4 "
-      "samples at 32 + 32 tokens 0.976; 8 x\n8 at 128 + 64 tokens 0.987", EN,
+    P(D, "one CPU device or 8 fake ones, nothing else\nrunning", EN, None),
+    P(D, "the default job 1.023 on 1\ndevice and 1.208 on 8; 4 prompts x 4 "
+      "samples at 32 + 32 tokens 1.024; 8 x\n8 at 128 + 64 tokens 1.034", EN,
       "result/paged_over_rows_default_1dev", None,
       "result/paged_over_rows_default_8dev", None, None, None, None, None,
       "result/paged_over_rows_4x4", None, None, None, None,
       "result/paged_over_rows_8x8"),
-    P(D, "The rollout phase alone: 1.014, 1.422, 0.95,\n0.983", EN,
+    P(D, "The rollout phase alone: 0.996, 1.498, 1.126,\n1.109", EN,
       "result/rollout_paged_over_rows_default_1dev",
       "result/rollout_paged_over_rows_default_8dev",
       "result/rollout_paged_over_rows_4x4",
       "result/rollout_paged_over_rows_8x8"),
-    P(D, "paged\n/ rows: 0.891, 1.173, 0.979, 1.177", EN,
+    P(D, "paged\n/ rows: 1.175, 1.309, 1.076, 1.206", EN,
       "result/first_step_paged_over_rows_default_1dev",
       "result/first_step_paged_over_rows_default_8dev",
       "result/first_step_paged_over_rows_4x4",
       "result/first_step_paged_over_rows_8x8"),
-    P(D, "the paged engine is 4.885x faster than the\nrows engine and 5.227x "
+    P(D, "the paged engine is 4.883x faster than the\nrows engine and 4.768x "
       "the static-rows decoder", EN, "result/long_tail_paged_speedup_vs_rows",
       "result/long_tail_paged_speedup_vs_static_rows"),
-    P(D, "which takes 1.07x the rows engine's time", EN,
+    P(D, "which takes 0.976x the rows engine's time", EN,
       "result/static_rows_over_rows_engine"),
+    P(D, "at 8 devices (1.309) and at 8 x 8\n(1.206)", EN, None,
+      "result/first_step_paged_over_rows_default_8dev", None, None,
+      "result/first_step_paged_over_rows_8x8"),
     P(D, "the default job +0.230, PPO -0.055 (the\nreward model's score "
       "+1.127), LoRA +0.245; tool use +0.750 and async GRPO\n+0.230 (2 "
       "devices)", EJ, "gain/tiny_grpo_paged", "gain/tiny_ppo_paged",
