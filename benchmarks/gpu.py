@@ -161,7 +161,8 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
       prefill_buckets=(P,), sampling=SamplingParams(temperature=1.0,
                                                     max_new_tokens=M),
       page_size=T, num_pages=num_pages, num_groups=groups,
-      prefill_batch=_PREFILL_BATCH.value, attention_impl=impl)
+      prefill_batch=_PREFILL_BATCH.value, attention_impl=impl,
+      decode_window=1)  # Timed per decode step.
   if shared:
     requests = [Request(i, prompts_NxP[i], G, seed=1) for i in range(N)]
   else:
