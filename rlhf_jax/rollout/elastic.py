@@ -245,7 +245,10 @@ def _worker_pages(ro: RolloutSection, replicas: int,
     return None
   per = lambda n: n // replicas * devices
   return dict(page_size=ro.page_size, num_pages=per(ro.kv_pages),
-              num_slots=per(ro.num_slots), decode_window=ro.decode_window)
+              num_slots=per(ro.num_slots),
+              # One decode step a call: a poll of `poll_steps` iterations
+              # is that many tokens a sample.
+              decode_window=1)
 
 
 def _local_workers(w, spec):
