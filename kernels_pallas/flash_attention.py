@@ -23,8 +23,8 @@ Implementations (`attention(..., impl=)`):
     query block (jnp + `jax.lax.scan`), with its own VJP that recomputes the
     scores block by block from the saved log-sum-exp (flash attention's
     backward), so neither pass holds more than a [bq, bk] block of scores
-    per head; blocks with no allowed pair are skipped (`lax.cond`). Runs on
-    every backend; the default on CPU, and on GPU and TPU whenever the
+    per head; blocks with no allowed pair are skipped (`lax.cond`) where
+    `SKIP_EMPTY_BLOCKS` says so (not on GPU). Runs on every backend; the default on CPU, and on GPU and TPU whenever the
     vendor kernel cannot take a feature.
   "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU
     flash): causal self-attention of one sequence per row, right padding,
@@ -55,6 +55,22 @@ NO_WINDOW = np.iinfo(np.int32).max
 # (the chunked path's own block size: holding them is what it does too).
 _ONE_BLOCK = 128
 _PAD_Q, _PAD_K = -2, -3  # Segments of block padding: match nothing.
+# Whether the chunked path skips a block pair with no allowed (query, key)
+# by `lax.cond`, per backend (default: skip). Not on GPU: XLA's GPU
+# conditional copies its predicate to the host and waits for it, so a step
+# of ~10^5 block pairs spent most of its time in those waits (a whole GRPO
+# step's train step ran > 105 s on an H200, docs/results.md, GPU); there a
+# masked block is computed and contributes nothing, which costs at most the
+# causal half's FLOPs. `tools/lowered_step.py --noskip` counts a step so.
+SKIP_EMPTY_BLOCKS = {"gpu": False}
+
+
+def _if_any(ok, update, carry):
+  """update(carry) where some pair of the block is allowed, else carry;
+  unconditionally where the backend does not skip (`SKIP_EMPTY_BLOCKS`)."""
+  if not SKIP_EMPTY_BLOCKS.get(jax.default_backend(), True):
+    return update(carry)
+  return jax.lax.cond(jnp.any(ok), update, lambda c: c, carry)
 
 
 def _softcap(s, cap):
@@ -169,7 +185,7 @@ def _chunked_fwd_impl(q, k, v, q_pos, k_pos, q_seg, k_seg, window, scale,
             "bnhqs,bsnk->bnhqk", p, vb.astype(jnp.float32))
         return m_new, l, acc
 
-      return jax.lax.cond(jnp.any(ok), update, lambda c: c, carry), None
+      return _if_any(ok, update, carry), None
 
     init = (jnp.full((B, N, Q, bq), -jnp.inf, jnp.float32),
             jnp.zeros((B, N, Q, bq), jnp.float32),
@@ -241,7 +257,7 @@ def _chunked_bwd(scale, softcap, causal, bq, bk, res, cotangents):
                                 qb.astype(jnp.float32)),
                 dv + jnp.einsum("bnhqs,bqnhk->bsnk", p, dob))
 
-      return jax.lax.cond(jnp.any(ok), add, lambda c: c, carry), None
+      return _if_any(ok, add, carry), None
 
     zeros = jnp.zeros(kb.shape, jnp.float32)
     (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), q_side)
@@ -260,7 +276,7 @@ def _chunked_bwd(scale, softcap, causal, bq, bk, res, cotangents):
         return dq + jnp.einsum("bnhqs,bsnk->bqnhk", ds,
                                kb.astype(jnp.float32))
 
-      return jax.lax.cond(jnp.any(ok), add, lambda d: d, dq), None
+      return _if_any(ok, add, dq), None
 
     dq, _ = jax.lax.scan(step, jnp.zeros(qb.shape, jnp.float32), k_side)
     return dq

@@ -1,7 +1,7 @@
 r"""What a GRPO train step executes, read from its compiled HLO (no run).
 
-python tools/lowered_step.py [--layers=1] [--no_share] [--prefix_block_scores=N]
-    [--json_out=PATH]
+python tools/lowered_step.py [--layers=1] [--noshare] [--prefix_block_scores=N]
+    [--noskip] [--attention_block=N] [--json_out=PATH]
 
 Builds `configs/synthetic_grpo.py` (Qwen2.5-1.5B widths; 16 prompts of 2048
 tokens x G=16 responses of 1024 tokens, 16 micro-batches) with `--layers`
@@ -31,6 +31,12 @@ _SHARE = flags.DEFINE_bool("share", True, "rl.share_prompt (the grouped "
                            "layout); --no_share: prompt repeated per sample.")
 _BLOCK = flags.DEFINE_integer("prefix_block_scores", 0, "Override "
                               "model.prefix_block_scores (0: the default).")
+_SKIP_BLOCKS = flags.DEFINE_bool("skip", True, "The chunked attention skips empty "
+                          "block pairs by lax.cond, as on CPU; --noskip: "
+                          "computes them, as on GPU (flash_attention."
+                          "SKIP_EMPTY_BLOCKS).")
+_ATTN_BLOCK = flags.DEFINE_integer("attention_block", 0, "Override "
+                                   "model.attention_block (0: the default).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON here.")
 
 _SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
@@ -130,13 +136,17 @@ def main(argv):
   import numpy as np
 
   from configs import synthetic_grpo
+  from kernels_pallas import flash_attention
   from rlhf_jax.rl.batch import PackedBatch
   from rlhf_jax.trainers import grpo
 
+  flash_attention.SKIP_EMPTY_BLOCKS[jax.default_backend()] = _SKIP_BLOCKS.value
   c = synthetic_grpo.get_config()
   c.model.overrides.num_layers = _LAYERS.value
   if _BLOCK.value:
     c.model.overrides.prefix_block_scores = _BLOCK.value
+  if _ATTN_BLOCK.value:
+    c.model.overrides.attention_block = _ATTN_BLOCK.value
   c.rl.share_prompt = _SHARE.value
   job = grpo.build(c)
   N, G = c.rollout.num_rows, c.rollout.samples_per_row
@@ -169,6 +179,9 @@ def main(argv):
   hlo = job.learner._step_jit.lower(state, abstract).compile().as_text()
   result = {**dynamic_counts(*computations(hlo)),
             "layers": _LAYERS.value, "share_prompt": _SHARE.value,
+            "skip_empty_blocks": _SKIP_BLOCKS.value,
+            "attention_block": job.c.model.overrides.get(
+                "attention_block", 0) or "default",
             "prefix_block_scores": job.c.model.overrides.get(
                 "prefix_block_scores", 0) or "default",
             "shapes": dict(N=N, G=G, P=P, R=R,

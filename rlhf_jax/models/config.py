@@ -87,6 +87,10 @@ class ModelConfig:
   # Full-sequence attention (training, prefill): "auto" | "chunked" |
   # "reference" | "splash" | "cudnn" (kernels_pallas/flash_attention.py).
   attention: str = "auto"
+  # The chunked path's query and key block (each block pair is one step of
+  # its loops): a GPU pays per step in launches, so larger blocks there trade
+  # score memory ([rows, heads, block, block] fp32) for fewer steps.
+  attention_block: int = 128
   # Log-probs from hidden states in [rows, vocab] blocks of logits
   # (`rl/logprobs.head_logprobs`); (0, 0): one block, the whole [B*T, V].
   logprob_chunks: tuple[int, int] = (1024, 8192)

@@ -59,7 +59,8 @@ def self_attention(q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT, seg_BxT,
       seg_BxT, window=window, softcap=cfg.attn_logit_softcap,
       scale=cfg.scores_scale, impl=cfg.attention, return_lse=return_lse,
       q_sub=sub_BxT, k_sub=sub_BxT, self_attention=True,
-      padded_rows=padded_rows)
+      padded_rows=padded_rows, block_q=cfg.attention_block,
+      block_k=cfg.attention_block)
 
 
 def parts_impl(cfg: ModelConfig) -> str:
