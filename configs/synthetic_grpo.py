@@ -12,8 +12,9 @@ paged engine, then the policy update. Prompts and the "even_tokens" reward
 come from `data/random_tokens.py`: a random model rarely samples <eos>, so
 responses run to the cap. Arguments: preset, prompt_len (the longest
 prompt; the shortest is half), new_tokens, samples (G), prompts (per step),
-steps, attention_block (the chunked attention's block, `ModelConfig`),
-runlocal (the tiny model, a few tokens: tests).
+steps, attention_block (the chunked attention's block, `ModelConfig`; 512,
+what ran the whole step on an H200, docs/results.md), runlocal (the tiny
+model, a few tokens: tests).
 """
 
 import ml_collections
@@ -28,7 +29,7 @@ def get_config(arg=None):
       arg, runlocal=False, preset="qwen2.5-1.5b",
       prompt_len=16 if small else 2048, new_tokens=24 if small else 1024,
       samples=4 if small else 16, prompts=8 if small else 16,
-      steps=2 if small else 10, attention_block=128)
+      steps=2 if small else 10, attention_block=512)
   c = ml_collections.ConfigDict()
   c.name = "synthetic_grpo"
   c.job = "grpo"

@@ -62,6 +62,8 @@ def _summary(file: str, under: str | None = None) -> str:
 R, D = "README.md", "docs/results.md"
 DJ = "default_job_quiet_cpu.json"
 H100, H200 = "gpu_h100.json", "gpu_h200.json"
+# The whole GRPO step on the H200 (2026-11-29) and its train MFU.
+WS, MFU29 = "session_2026_11_29/whole_step/", "session_2026_11_29/train_mfu/"
 MEM, PLT = "memory_cpu.json", "paged_long_tail_cpu.json"
 EN, EJ = "engines_cpu.json", "engines_jobs_cpu.json"
 LT, AF = "long_tail_cpu.json", "async_rl_full_cpu.json"
@@ -77,9 +79,13 @@ PINS: list[Pin] = [
     P(R, "1.33x on the H100", H100, "decode/pallas.prompt_once_speedup"),
     P(R, "39.6 % MFU", H200, ("train/remat-dots_micro_batches-1/mfu", 100)),
     P(R, "32.8 % on the H100", H100, ("train/mfu", 100)),
-    P(R, "> 105 s", H200, ("text", "session_2026_11_28_b/whole_step/"
-                           "call2_timeline_s/train step executing when "
-                           "killed")),
+    P(R, "in 40.0 s, 59.12 GiB peak; its first step\n> takes 100.0 s with "
+      "a cold compilation cache, 58.5 s warm", H200, WS + "cold_cache/step_s",
+      (WS + "cold_cache/peak_bytes", 2**-30), WS + "cold_cache/first_step_s",
+      WS + "warm_cache/first_step_s"),
+    P(R, "takes 24.38 s (11.3 % MFU), slower than the\n> repeated prompt's "
+      "19.90 s", H200, WS + "cold_cache/train_s", (MFU29 + "prompt_shared", 100),
+      WS + "repeated_prompt/train_s"),
     P(R, "35 min", "suite_cpu.json", ("runs/0/pytest_s", 1 / 60)),
     P(R, "**0.195 -> 0.885** in 30 steps, **1354.6 s**", SG,
       "result/eval_accuracy_first", "result/eval_accuracy_last", None,
@@ -232,6 +238,20 @@ PINS: list[Pin] = [
       ("ratio", "paged_kernel_sweep/shared_prompt/default_s",
        "paged_kernel_new_default/shared_prompt/default_s")),
     P(D, "read 2.34x", H200, "paged_kernel_sweep/shared_prompt/best_vs_default"),
+    P(D, "in 40.0 s (repartition 0.12 s,\nrollout 10.35 s, scoring 5.13 s, "
+      "train 24.38 s), 59.12 GiB peak", H200,
+      *(WS + "cold_cache/" + k for k in ("step_s", "repartition_s",
+                                         "rollout_s", "scoring_s", "train_s")),
+      (WS + "cold_cache/peak_bytes", 2**-30)),
+    P(D, "took 100.0 s after an 88.3 s build with a cold compilation cache, "
+      "and\n58.5 s after a 7.4 s build with it warm", H200,
+      WS + "cold_cache/first_step_s", WS + "cold_cache/build_s",
+      WS + "warm_cache/first_step_s", WS + "warm_cache/build_s"),
+    P(D, "(24.38 s against 19.90 s a train\nstep; 11.3 % against 37.0 % MFU), "
+      "at 59.12 against 97.10 GiB peak", H200, WS + "cold_cache/train_s",
+      WS + "repeated_prompt/train_s", (MFU29 + "prompt_shared", 100),
+      (MFU29 + "repeated_prompt", 100), (WS + "cold_cache/peak_bytes", 2**-30),
+      (WS + "repeated_prompt/peak_bytes", 2**-30)),
     P(D, "took 83.9 s", H200, "session_2026_11_28_b/whole_step/"
       "call2_timeline_s/build (random init, reference copy; compiles)"),
     P(D, "killed at 315 s inside the first\ntrain step", H200,

@@ -133,15 +133,19 @@ def test_scan_remat_chunked_equal_the_loop_reference(gemma_params, reference,
     np.testing.assert_allclose(y, x, rtol=2e-4, atol=5e-6)
 
 
+@pytest.mark.parametrize("skip_empty", [True, False])
 @pytest.mark.parametrize("window,softcap,causal", [
     (fa.NO_WINDOW, None, True), (6, None, True), (fa.NO_WINDOW, 5.0, True),
     (9, 3.0, True), (fa.NO_WINDOW, None, False)])
-def test_chunked_attention_equals_reference_with_lse_grads(window, softcap,
-                                                          causal):
+def test_chunked_attention_equals_reference_with_lse_grads(
+    window, softcap, causal, skip_empty, monkeypatch):
   """Chunked == T x T reference in value, log-sum-exp and every gradient
   (the lse's too: the grouped layout merges parts by it), with padding,
   packed segments, GQA, windows and soft-caps; blocks that do not divide
-  the lengths."""
+  the lengths. Both ways of treating a block pair with no allowed pair:
+  skipped by `lax.cond` (CPU, TPU) and computed masked (GPU, whose
+  conditionals wait on the host: a whole GRPO step took minutes so)."""
+  monkeypatch.setitem(fa.SKIP_EMPTY_BLOCKS, jax.default_backend(), skip_empty)
   rng = np.random.default_rng(0)
   B, T, S, H, N, K = 2, 37, 29, 4, 2, 16
   q = jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32)
@@ -176,6 +180,12 @@ def test_chunked_attention_equals_reference_with_lse_grads(window, softcap,
     np.testing.assert_allclose(s1, s0, atol=2e-6, err_msg=str(block))
     for x, y in zip(g0, g1):
       np.testing.assert_allclose(y, x, atol=5e-6, err_msg=str(block))
+  # The compiled forward and backward hold conditionals exactly when skipping.
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fa.chunked_attention(
+      q, k, v, q_pos, k_pos, q_seg, k_seg, window=window, softcap=softcap,
+      causal=causal, block_q=8, block_k=8)[0]), argnums=(0, 1, 2)))
+  hlo = grad.lower(q, k, v).compile().as_text()
+  assert (" conditional(" in hlo) == skip_empty
 
 
 def test_splash_equals_reference_interpreted():
