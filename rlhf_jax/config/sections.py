@@ -237,11 +237,12 @@ class Rollout:
   # > 0: a token prefix all prompts of a batch share (system prompt, chat
   # template) is prefilled and stored once, up to this length.
   max_common_length: int = 0
-  # "rows": R rows x G slots, KV reserved at max length (every rollout
-  # layer). "paged": KV in a page pool (engine/paged.py): a finished sample
-  # frees its pages and slot at once, decode reads live pages only (the
-  # trainer's mesh, long_tail and the elastic workers alike).
-  engine: str = "rows"
+  # "paged" (the default): KV in a page pool (engine/paged.py): a finished
+  # sample frees its pages and slot at once, decode reads live pages only
+  # (the trainer's mesh, long_tail and the elastic workers alike); the same
+  # tokens as "rows" (engines_jobs_cpu.json). "rows": R rows x G slots, KV
+  # reserved at max length; it is being removed ([one-engine]).
+  engine: str = "paged"
   page_size: int = 16            # paged: tokens per page.
   # paged: most decode steps one engine call runs while no sample waits
   # for a slot (one dispatch, one result copy for all; a sample that ends
