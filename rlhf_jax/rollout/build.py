@@ -54,8 +54,8 @@ def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
                  graphdef, layout: Layout, stop_tokens=(),
                  episodes=None) -> LocalRollout:
-  """Greedy, one sample per row: held-out evaluation (multi-turn with
-  `episodes`, on the paged engine)."""
+  """Greedy, one sample per row, on the paged engine: held-out evaluation
+  (multi-turn with `episodes`)."""
   greedy = SamplingParams(temperature=0.0, max_new_tokens=ro.max_new_tokens,
                           stop_tokens=tuple(stop_tokens))
   return LocalRollout(EngineSet(
@@ -64,8 +64,7 @@ def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
       samples_per_row=1, prefill_buckets=tuple(ro.prefill_buckets),
       sampling=greedy,
       paged=dict(page_size=ro.page_size, num_pages=0, num_slots=0,
-                 decode_window=ro.decode_window)
-      if episodes is not None else None), episodes=episodes)
+                 decode_window=ro.decode_window)), episodes=episodes)
 
 
 def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
