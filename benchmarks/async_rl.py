@@ -74,7 +74,7 @@ def _config(mode: str, steps: int):
   c.train.update(steps=steps, prompts_per_step=n, checkpoint_every=1000)
   c.eval.update(every=1000, batch_size=8, num_rows=8)
   c.task.num_eval = 8
-  c.rollout.update(engine="paged", num_rows=n,
+  c.rollout.update(num_rows=n,
                    max_new_tokens=_MAX_NEW.value,
                    max_seq_len=max(c.rollout.prefill_buckets)
                    + 2 * _MAX_NEW.value)

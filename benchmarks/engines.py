@@ -10,9 +10,11 @@ One comparison, each case in the same process for both engines ([one-engine]):
   4x4: 4 prompts x 4 samples of 16-32 + 32 tokens, 8x8: 8 x 8 of 64-128 + 64
     (configs/synthetic_grpo.py:runlocal; random weights over 512 ids rarely
     sample <eos>, so responses run to the cap), on 1 device.
-Each builds two jobs from one config that differ only in `rollout.engine`:
-"rows" (the engine at 35b40dd with its defaults, unchanged) and "paged" (its
-defaults: rows x G slots, pages for all of them at full length). The first
+Each builds two jobs from one config that differ only in the engine their
+rollout decodes on: "rows" (the engine at 35b40dd with its defaults,
+unchanged; swapped into the built job, since jobs decode on the paged
+engine only) and "paged" (its defaults: rows x G slots, pages for all of
+them at full length). The first
 step of each is timed (then again in a process of its own, where no compile
 is shared with the other job: `first_step_alone_s`); then the two take
 turns, the order alternating, for --steps steps each: `step_s`,
@@ -59,6 +61,7 @@ from benchmarks import timing
 from benchmarks.static_rows import StaticRows
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
@@ -90,18 +93,28 @@ CASES = {
 }
 
 
-def _config(spec: str, engine: str):
+def _config(spec: str):
   path, _, arg = report.repo_path(spec).partition(":")
   module = importlib.util.module_from_spec(
       importlib.util.spec_from_file_location("config", path))
   module.__spec__.loader.exec_module(module)
   config = module.get_config(arg or None)
-  config.rollout.engine = engine
   config.sft.steps = 0
   if _SMOKE.value:
     config.train.prompts_per_step = min(config.train.prompts_per_step, 8)
     config.rollout.num_rows = min(config.rollout.num_rows, 8)
   return config
+
+
+def _decode_on_rows(job) -> None:
+  """The job's rollout decodes on the rows engine, which jobs no longer
+  select (`rollout.engine` is gone, [one-engine]): the same engine
+  arguments without the paged ones. The comparison's baseline until the
+  rows engine is deleted."""
+  e = job.rollout.engines
+  job.rollout.engines = EngineSet(e.cfg, e.graphdef, e.layout,
+                                  rows_per_replica=e.rows_per_replica,
+                                  **e._engine_args)
 
 
 def _rl_case(spec: str, engines=("rows", "paged")) -> dict:
@@ -110,7 +123,9 @@ def _rl_case(spec: str, engines=("rows", "paged")) -> dict:
   comparison of first steps runs each engine alone, `--first_only`)."""
   jobs = {}
   for engine in engines:
-    job = grpo.build(_config(spec, engine))
+    job = grpo.build(_config(spec))
+    if engine == "rows":
+      _decode_on_rows(job)
     state = job.learner.init_state(job.params)
     ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
     jax.block_until_ready((state, ref))

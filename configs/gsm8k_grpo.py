@@ -60,11 +60,10 @@ def get_config(arg=None):
       c,
       # max_common_length > 0: the prefix every prompt of a batch shares
       # (the chat template's system turn) is prefilled and stored once.
-      # The paged engine: long responses of uneven lengths, KV in pages of
-      # the rows engine's bytes, a finished sample's slot reused at once.
+      # Long responses of uneven lengths: the paged engine reuses a finished
+      # sample's slot and pages at once.
       rollout=dict(num_rows=64, samples_per_row=8, prefill_buckets=(128, 256),
-                   max_new_tokens=384, max_seq_len=640, max_common_length=64,
-                   engine="paged"),
+                   max_new_tokens=384, max_seq_len=640, max_common_length=64),
       rl=dict(advantage="grpo", policy_loss="ppo",
               clip_low=0.2, clip_high=0.28, kl_coef=0.001,
               kl_estimator="k3", kl_in_loss=True, aggregation="token-mean",

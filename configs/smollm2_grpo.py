@@ -59,7 +59,7 @@ def get_config(arg=None):
       c,
       rollout=dict(num_rows=8, samples_per_row=8, prefill_buckets=(44,),
                    max_new_tokens=24, max_seq_len=68, max_common_length=0,
-                   engine="paged", kv_pages=400),
+                   kv_pages=400),
       rl=dict(advantage="grpo", policy_loss="ppo",
               clip_low=0.2, clip_high=0.28, kl_coef=0.001,
               kl_estimator="k3", kl_in_loss=True, aggregation="token-mean",

@@ -53,8 +53,7 @@ def get_config(arg=None):
       rollout=dict(num_rows=arg.prompts, samples_per_row=arg.samples,
                    prefill_buckets=(arg.prompt_len,),
                    max_new_tokens=arg.new_tokens,
-                   max_seq_len=arg.prompt_len + arg.new_tokens,
-                   engine="paged"),
+                   max_seq_len=arg.prompt_len + arg.new_tokens),
       # A micro-batch of ~16 sequences: 32k tokens at the default lengths.
       rl=dict(advantage="grpo", policy_loss="ppo", clip_low=0.2,
               clip_high=0.28, kl_coef=0.001, kl_estimator="k3",

@@ -17,7 +17,6 @@ from rlhf_jax.config import sections
 def get_config(arg=None):
   c = tiny_grpo.get_config(arg)
   c.name = "tiny_grpo_async"
-  c.rollout.engine = "paged"  # Samples move to new weights with their pages.
   # switch_after_groups=0: the rollout takes version v once batch v is
   # complete, so fewer tokens are a version old (0.15 per token, against
   # 0.68 with half a batch); on 3 seeds that matched the synchronous gain

@@ -41,7 +41,7 @@ def get_config(arg=None):
   common.rl_sections(
       c,
       rollout=dict(num_rows=64, samples_per_row=8, prefill_buckets=(8,),
-                   max_new_tokens=32, max_seq_len=64, engine="paged"),
+                   max_new_tokens=32, max_seq_len=64),
       rl=dict(advantage="grpo", policy_loss="ppo",
               clip_low=0.2, clip_high=0.28,
               kl_coef=0.01, kl_estimator="k3", kl_in_loss=True,

@@ -59,15 +59,13 @@ def local_rollout(job, **tail):
 
 
 def plain_rollout(job):
-  """The job's rollout with every layer off: its trainer's mesh, the rows
-  engine, no common prefix, no long-tail policies, no workers (new
-  engines)."""
+  """The job's rollout with every layer off: its trainer's mesh, no common
+  prefix, no long-tail policies, no workers (new engines)."""
   from rlhf_jax.config.sections import LongTail, Workers
   from rlhf_jax.rollout import build as rollout_build
 
   ro = dataclasses.replace(job.c.rollout, workers=Workers(),
-                           long_tail=LongTail(), max_common_length=0,
-                           engine="rows")
+                           long_tail=LongTail(), max_common_length=0)
   return rollout_build.build(ro, job.cfg, job.graphdef, job.rollout_layout,
                              job.source.stop_ids)
 

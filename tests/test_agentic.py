@@ -266,7 +266,6 @@ def test_tool_task_demos_train_the_call_not_the_reply():
 
 # ---------------------------------------------------------- config checks
 @pytest.mark.parametrize("key,value,match", [
-    ("rollout.engine", "rows", "engine='paged'"),
     ("rollout.workers.num", 2, "workers"),
     ("agent.format", "json", "agent.format"),
     ("agent.tools", ("calc", "abacus"), "unknown tool 'abacus'"),

@@ -98,7 +98,6 @@ def test_eta_zero_equals_the_synchronous_job(tmp_path):
   lengths) and the same updates to fp32 rounding."""
   steps = {"train.steps": 4, "eval.every": 2}
   sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
-  sync.rollout.engine = "paged"
   sync.rl.importance_weight = "tis"
   grpo.run(sync, str(tmp_path / "sync"))
   grpo.run(_async_config(**steps, **{"asynchronous.max_staleness": 0}),
@@ -123,7 +122,6 @@ def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
   steps = {"train.steps": 3, "eval.every": 3}
   workers = dict(num=2, theta=2, poll_steps=2)
   sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
-  sync.rollout.engine = "paged"
   sync.rl.importance_weight = "tis"
   sync.rollout.workers.update(**workers)
   grpo.run(sync, str(tmp_path / "sync"))
@@ -143,7 +141,6 @@ def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("rollout.engine", "rows", "config.rollout.engine='rows'"),
     ("rl.stream", True, "rl.stream is not implemented"),
     ("asynchronous.rollout_devices", 8, "the rollout takes 8 of 8 devices"),
 ])

@@ -196,7 +196,7 @@ def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
     ("rl.pack_length", 10, "config.rl.pack_length=10 is shorter than one "
      "sequence"),
     ("rl.pack_length", -1, "pack_length=-1: must be an int >= 0"),
-    ("rollout.engine", "vllm", "config.rollout.engine='vllm'"),
+    ("rollout.engine", "rows", "config.rollout.engine is not a known key"),
     ("rollout.kv_pages", -1, "config.rollout.kv_pages=-1"),
 ])
 def test_config_errors(key, value, message):

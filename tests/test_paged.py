@@ -277,30 +277,33 @@ def test_worker_continuation(model, layouts, oracle):
     assert got[k].tokens == oracle[k].tokens, k
 
 
-def test_rollout_section_selects_the_paged_engine(model, layouts):
-  """`rollout.engine='paged'`: the job's LocalRollout decodes on the paged
-  engine (same samples as the rows engine); config errors: test_grpo."""
+def test_rollout_section_builds_the_paged_engine(model, layouts):
+  """The job's LocalRollout decodes on the paged engine, sized by the
+  rollout section's defaults, with the rows engine's samples (the same
+  engine arguments without pages); config errors: test_grpo."""
   from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.engine.engine_set import EngineSet  # pylint: disable=g-import-not-at-top
   from rlhf_jax.rollout import build  # pylint: disable=g-import-not-at-top
   from rlhf_jax.rollout.local import LocalRollout  # pylint: disable=g-import-not-at-top
   graphdef, params = model
   layout = layouts[1]
   reqs = _requests(4)
+  ro = sections.Rollout(num_rows=4, samples_per_row=G, prefill_buckets=(16,),
+                        max_new_tokens=20, max_seq_len=36, page_size=4)
+  paged = build.engines(ro, CFG, graphdef, layout)
+  rows = EngineSet(CFG, graphdef, layout, rows_per_replica=4,
+                   **paged._engine_args)
   out = {}
-  for kind in ("rows", "paged"):
-    ro = sections.Rollout(num_rows=4, samples_per_row=G,
-                          prefill_buckets=(16,), max_new_tokens=20,
-                          max_seq_len=36, engine=kind, page_size=4)
-    rollout = LocalRollout(build.engines(ro, CFG, graphdef, layout))
+  for kind, engines in (("rows", rows), ("paged", paged)):
+    rollout = LocalRollout(engines)
     rollout.set_weights(mesh_lib.to_layout(params, layout), 0)
     out[kind] = {s.key: s for s in rollout.run(reqs)}
-    if kind == "paged":
-      assert rollout.metrics()["rollout/preemptions"] >= 0
-      eng = rollout.engines.paged_engine()
-      # Defaults: rows x G slots, and pages for all of them at full length:
-      # 4 prompts of 16 tokens (4 pages each), 16 samples of 20 tokens + 1
-      # (6 pages each).
-      assert (eng.num_slots, eng.num_pages) == (4 * G, 4 * 4 + 16 * 6)
+  assert paged.is_paged and not rows.is_paged
+  eng = paged.paged_engine()
+  # Defaults: rows x G slots, and pages for all of them at full length:
+  # 4 prompts of 16 tokens (4 pages each), 16 samples of 20 tokens + 1
+  # (6 pages each).
+  assert (eng.num_slots, eng.num_pages) == (4 * G, 4 * 4 + 16 * 6)
   _assert_same(out["paged"], out["rows"])
 
 

@@ -43,16 +43,12 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
 
 
 def _check_agent(c: RLJob, job: str) -> None:
-  """Multi-turn rollouts: GRPO, the paged engine, the trainer's mesh."""
+  """Multi-turn rollouts: GRPO, the trainer's mesh."""
   if not c.agent.enabled:
     return
   if job != "grpo":
     raise ConfigError("config.agent.enabled=True: multi-turn rollouts are "
                       "implemented for the GRPO job only")
-  if c.rollout.engine != "paged":
-    raise ConfigError("config.agent.enabled=True needs "
-                      "config.rollout.engine='paged' (replies are appended "
-                      "to a sample's pages)")
   if c.rollout.workers.num:
     raise ConfigError("config.agent.enabled=True with config.rollout.workers"
                       ".num > 0 is not implemented (a sample handed to a "
@@ -73,9 +69,6 @@ def _check_async(c: RLJob, job: str, num_devices) -> None:
   key = "config.asynchronous.enabled=True"
   unsupported = [
       (job != "grpo", "the PPO job"),
-      (c.rollout.engine != "paged" and not c.rollout.workers.num,
-       "config.rollout.engine='rows' (on the trainer's mesh it needs "
-       "'paged': samples move to new weights with their pages)"),
       (c.rollout.workers.num > 0 and c.rollout.workers.seed,
        "rollout.workers.seed (the trainer's devices only train)"),
       (c.rollout.workers.num > 0 and c.rollout.workers.scale != "all",

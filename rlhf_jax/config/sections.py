@@ -237,13 +237,11 @@ class Rollout:
   # > 0: a token prefix all prompts of a batch share (system prompt, chat
   # template) is prefilled and stored once, up to this length.
   max_common_length: int = 0
-  # "paged" (the default): KV in a page pool (engine/paged.py): a finished
-  # sample frees its pages and slot at once, decode reads live pages only
-  # (the trainer's mesh, long_tail and the elastic workers alike); the same
-  # tokens as "rows" (engines_jobs_cpu.json). "rows": R rows x G slots, KV
-  # reserved at max length; it is being removed ([one-engine]).
-  engine: str = "paged"
-  page_size: int = 16            # paged: tokens per page.
+  # Decoding runs on the paged engine (engine/paged.py: KV in a page pool,
+  # a finished sample frees its pages and slot at once, decode reads live
+  # pages only) on the trainer's mesh, in evaluation and on the elastic
+  # workers alike.
+  page_size: int = 16            # Tokens per page.
   # paged: most decode steps one engine call runs while no sample waits
   # for a slot (one dispatch, one result copy for all; a sample that ends
   # inside the window is read at its end).
@@ -266,7 +264,6 @@ class Rollout:
     _positive_ints(self, "num_rows", "samples_per_row", "page_size",
                    "decode_window")
     self.check_sampling()
-    _one_of(self, "engine", ("rows", "paged"))
     _one_of(self, "quantize", ("none", "int8", "fp8"))
     if self.kv_pages < 0 or self.num_slots < 0:
       _fail(self, "kv_pages" if self.kv_pages < 0 else "num_slots",

@@ -45,10 +45,9 @@ def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
                    sampling=sampling_params(ro, stop_tokens),
                    attention_impl=ro.attention_impl,
                    max_common_length=ro.max_common_length,
-                   paged=(dict(page_size=ro.page_size, num_pages=ro.kv_pages,
-                               num_slots=ro.num_slots,
-                               decode_window=ro.decode_window)
-                          if ro.engine == "paged" else None))
+                   paged=dict(page_size=ro.page_size, num_pages=ro.kv_pages,
+                              num_slots=ro.num_slots,
+                              decode_window=ro.decode_window))
 
 
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,

@@ -237,12 +237,9 @@ def build_manager(ro: RolloutSection, cfg, stop_tokens, *,
   return mgr, pool, spec
 
 
-def _worker_pages(ro: RolloutSection, replicas: int,
-                  devices: int) -> dict | None:
-  """A worker's paged engine arguments (`rollout.engine="paged"`): the
-  pages and slots per device of the trainer's mesh (0 stays automatic)."""
-  if ro.engine != "paged":
-    return None
+def _worker_pages(ro: RolloutSection, replicas: int, devices: int) -> dict:
+  """A worker's paged engine arguments: the pages and slots per device of
+  the trainer's mesh (0 stays automatic)."""
   per = lambda n: n // replicas * devices
   return dict(page_size=ro.page_size, num_pages=per(ro.kv_pages),
               num_slots=per(ro.num_slots),
