@@ -16,21 +16,14 @@ all rows. Every query of every row attends to it in one matmul per kv head
 ([R*G*H/N, K] x [K, C]); it merges with the other two by the same rule, which
 is associative, so the order of the merge does not matter.
 
-`prefix_decode_attention` dispatches by `impl`: "xla" is the jnp reference
-below (used on CPU and as the oracle), "pallas" a Pallas kernel, "auto" picks
-by backend.
+`prefix_decode_attention` runs the jnp reference below on every backend
+(the rows engine's Pallas TPU kernel was removed with [one-engine]).
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
-from absl import logging
-
-from kernels_pallas import prefix_decode_attention_tpu as tpu
 from kernels_pallas.attention_parts import (
     attention_part, common_prefix_part, merge_parts, softcap)
 
@@ -110,109 +103,20 @@ def prefix_decode_attention_reference(
   return out
 
 
-@functools.cache
-def _say_once(message: str) -> None:
-  logging.warning(message)
+def prefix_decode_attention(*args, impl: str = "auto", **kwargs):
+  """The rows engine's decode attention: the jnp reference on every backend.
 
-
-def prefix_decode_attention(*args, impl: str = "auto", block_sizes=None,
-                            interpret: bool | None = None, **kwargs):
-  """Dispatch: "xla" (jnp reference), "pallas" (kernel), "auto" (by backend).
-
-  "auto" is the Pallas TPU kernel on TPU and the reference elsewhere. On GPU
-  the reference is the prefix path too: XLA lowers its prefix einsum to one
-  batched [G*H/N, K] x [K, P] matmul per row and kv head, which already reads
-  the prompt KV once per row. `jax.nn.dot_product_attention` is not used:
-  its cuDNN residual (the LSE) comes back in the output dtype (bf16), which
-  would make the fp32 merge inexact, and it has no logit soft-cap. "pallas"
-  runs the Mosaic kernel, in interpret mode off TPU (CPU tests); it is not a
-  GPU kernel. The optional common-prefix part is jnp in every implementation
-  (see `prefix_decode_attention_tpu.py`), merged in fp32 with the others.
-
-  Args:
-    *args: as `prefix_decode_attention_reference`.
-    impl: "auto" | "xla" | "pallas".
-    block_sizes: `BlockSizes` for the Pallas kernel (default if None); unused
-      by the reference.
-    interpret: run the Pallas kernel in interpret mode; None: off TPU only
-      (False off TPU lowers the Mosaic kernel, e.g. for `jax.export`).
-    **kwargs: common_k_CxNxK, common_v_CxNxK, common_len (the optional
-      third part), scale, logit_softcap, return_lse, q_pos_RxG and window
-      (sliding window; the jnp path).
-
-  Returns:
-    As `prefix_decode_attention_reference`.
+  "auto" and "xla" run `prefix_decode_attention_reference`. The rows engine
+  had a Pallas TPU kernel; it went with [one-engine] (the rows engine is a
+  benchmark baseline and test oracle until it is deleted; decoding in a job
+  runs the paged engine and its kernels, `paged_decode_attention.py`), so
+  "pallas" is an error rather than a silent fallback.
   """
-  backend = jax.default_backend()
-  if impl == "auto":
-    impl = "pallas" if backend == "tpu" else "xla"
-    if backend == "gpu":
-      _say_once("prefix_decode_attention: no GPU kernel yet; decode runs "
-                "the jnp path (XLA)")
-  if impl == "pallas" and kwargs.get("window") is not None:
-    # The Mosaic kernel has no window mask: Gemma 2's decode runs the jnp
-    # path (said once, never silently).
-    _say_once("prefix_decode_attention: the Pallas kernel has no sliding "
-              "window; windowed models decode with the jnp reference")
-    impl = "xla"
-  if impl == "xla":
+  if impl in ("auto", "xla"):
     return prefix_decode_attention_reference(*args, **kwargs)
   if impl == "pallas":
-    if backend == "gpu":
-      raise ValueError(
-          "attention_impl='pallas' is a TPU (Mosaic) kernel; on GPU use "
-          "attention_impl='auto' or 'xla'.")
-    if block_sizes is not None:
-      kwargs["block_sizes"] = block_sizes
-    if interpret is None:
-      interpret = backend != "tpu"
-    return _sharded_tpu_kernel(*args, interpret=interpret, **kwargs)
+    raise ValueError("attention_impl='pallas': the rows engine has no kernel "
+                     "(removed with [one-engine]); use 'auto' or 'xla', or "
+                     "the paged engine")
   raise ValueError(
       f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
-
-
-def _sharded_tpu_kernel(q, pk, pv, plen, sk, sv, slen, *, common_k_CxNxK=None,
-                        common_v_CxNxK=None, common_len=None,
-                        return_lse=False, **kwargs):
-  """The Pallas TPU kernel under `shard_map` over the active layout's rows
-  (replicas) and heads (tensor): a Pallas call does not partition by
-  itself. Each device runs the kernel on its rows and heads; no
-  communication (rows and kv heads are independent). Without an active
-  layout, the kernel as it is."""
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.parallel.layout import active_layout  # pylint: disable=g-import-not-at-top
-
-  common = common_k_CxNxK is not None
-  kernel = functools.partial(tpu.prefix_decode_attention_tpu,
-                             return_lse=return_lse, **kwargs)
-  layout = active_layout()
-  if common and not isinstance(common_len, jax.Array):
-    common_len = jnp.asarray(common_len, jnp.int32)
-  if layout is None or layout.mesh.size == 1:
-    return kernel(q, pk, pv, plen, sk, sv, slen, common_k_CxNxK=common_k_CxNxK,
-                  common_v_CxNxK=common_v_CxNxK, common_len=common_len)
-  R, _, H, _ = q.shape
-  N = pk.shape[2]
-  rows = layout.spec(("batch",), (R,))[0]
-  heads = layout.spec(("heads",), (H,))[0]
-  kv = layout.spec(("kv_heads",), (N,))[0]
-  if (heads is None) != (kv is None):  # GQA groups must stay whole.
-    heads = kv = None
-
-  def local(q, pk, pv, plen, sk, sv, slen, *common_kv):
-    ck, cv, clen = common_kv if common else (None, None, None)
-    return kernel(q, pk, pv, plen, sk, sv, slen, common_k_CxNxK=ck,
-                  common_v_CxNxK=cv, common_len=clen)
-
-  in_specs = [P(rows, None, heads), P(rows, None, kv), P(rows, None, kv),
-              P(rows), P(rows, None, None, kv), P(rows, None, None, kv),
-              P(rows)]
-  args = [q, pk, pv, plen, sk, sv, slen]
-  if common:
-    in_specs += [P(None, kv), P(None, kv), P()]
-    args += [common_k_CxNxK, common_v_CxNxK, common_len]
-  out = P(rows, None, heads)
-  return jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(in_specs),
-                       out_specs=(out, out) if return_lse else out,
-                       check_vma=False)(*args)
-
