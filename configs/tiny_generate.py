@@ -1,4 +1,4 @@
-"""Generation demo on a random tiny model: prefix-shared engine throughput.
+"""Generation demo on a random tiny model: paged engine throughput.
 
 python -m rlhf_jax.main --config=configs/tiny_generate.py
 python -m rlhf_jax.main --config=configs/tiny_generate.py:runlocal

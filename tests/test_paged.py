@@ -323,3 +323,37 @@ def test_chunked_prefill_of_long_prompts(model, layouts, rows_run):
   with pytest.raises(ValueError, match="max_prompt_length=48"):
     list(_paged(model, layouts[1], **MAIN).run(
         [Request(9, np.full(49, 7, np.int32), G)]))
+
+
+def test_generation_demo_samples_the_static_rows_tokens():
+  """The README's generation demo (`configs/tiny_generate.py:runlocal`)
+  decodes on the paged engine: every prompt's G samples run to
+  max_new_tokens (a random model, no stop token) with the tokens of the
+  plain-jnp static-rows decoder on the same random weights."""
+  from benchmarks.static_rows import StaticRows  # pylint: disable=g-import-not-at-top
+  from configs import tiny_generate  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.engine.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.models import model as model_lib  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.samples import Request  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers import generate  # pylint: disable=g-import-not-at-top
+  config = tiny_generate.get_config("runlocal")
+  got = {s.key: s for s in generate.run(config, "")}
+  ro = sections.from_dict(sections.Rollout, config.rollout, "rollout")
+  cfg = sections.from_dict(sections.Model, config.model,
+                           "model").model_config()
+  graphdef, params = model_lib.init_params(cfg, config.seed)
+  rng = np.random.default_rng(config.seed)
+  G = ro.samples_per_row
+  requests = [Request(i, rng.integers(0, cfg.vocab_size, config.prompt_len),
+                      G, seed=config.seed) for i in range(config.num_prompts)]
+  oracle = StaticRows(cfg, graphdef, params, rows=2, samples_per_row=G,
+                      bucket=max(ro.prefill_buckets),
+                      sampling=SamplingParams(
+                          temperature=ro.temperature, top_k=ro.top_k,
+                          top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+                      ).run(requests)
+  assert len(got) == config.num_prompts * G
+  assert all(len(s.tokens) == ro.max_new_tokens for s in got.values())
+  assert {k: s.tokens for k, s in got.items()} == {
+      k: s.tokens for k, s in oracle.items()}
