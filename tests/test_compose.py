@@ -19,13 +19,11 @@ def _assert_same_samples(ours, plain):
   np.testing.assert_allclose(ours.rewards, plain.rewards, rtol=1e-5)
 
 
-@pytest.mark.parametrize("engine", ["rows", "paged"])
 def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
-                                                        round_clock, engine):
+                                                        round_clock):
   """configs/gsm8k_grpo.py:runlocal (a ChatML system turn in front of every
   prompt) with the common prefix stored once, the long-tail policies on the
-  trainer's engine while it seeds, and 2 local elastic workers, on either
-  engine; the plain run is on the rows engine. On the paged engine the
+  trainer's engine while it seeds, and 2 local elastic workers; the
   rollout also runs its layers unrolled (`rollout.unroll_layers`, the
   trainer's engine and the workers'); the plain run scans them."""
   del mesh8
@@ -36,8 +34,7 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   c = sources.prepare(gsm8k_grpo.get_config("runlocal"), str(tmp_path))
   assert c.rollout.max_common_length > 0
   # Long responses with a tail: the untrained model rarely stops early.
-  c.rollout.update(max_new_tokens=12, max_seq_len=80, engine=engine,
-                   unroll_layers=engine == "paged")
+  c.rollout.update(max_new_tokens=12, max_seq_len=80, unroll_layers=True)
   c.rollout.long_tail.update(enabled=True, consolidate_below=0.6)
   # The trainer's engine seeds and never hands off in this short rollout:
   # it decodes beside the workers (its long-tail policies on), the workers
@@ -64,6 +61,6 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   engines = [job.rollout.seed_window.worker.engine] + [
       h.worker.engine for h in job.rollout.manager.handles.values()]
   assert len(engines) == 3 and {type(e).__name__ for e in engines} == {
-      "PagedEngine" if engine == "paged" else "Engine"}
-  assert {e.cfg.scan_layers for e in engines} == {engine == "rows"}
+      "PagedEngine"}
+  assert {e.cfg.scan_layers for e in engines} == {False}
   assert job.cfg.scan_layers  # The trainer and the plain run scan.

@@ -28,7 +28,7 @@ from absl import logging
 from rlhf_jax.config.sections import LongTail
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.engine import common_prefix as common_lib
-from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.driver import Controller, Driver
 from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.engine_set import EngineSet
@@ -175,7 +175,11 @@ class LocalRollout(Rollout):
     later); with the long-tail policies on, on every replica."""
     if not self.tail.enabled:
       driver = self.engines.driver(params, version)
-      driver.start(requests, common_prefix=common_prefix)
+      # One decode step a call, as on the elastic workers' engines: a
+      # worker's poll of `poll_steps` iterations is that many tokens a
+      # sample, and the seed window's T_seed is checked between calls.
+      driver.start(requests, common_prefix=common_prefix,
+                   controller=Controller(window=1))
       return driver
     self.params, self.version = params, version
     driver, ctl = self._tail_driver(self.engines.replicas, step, None)
