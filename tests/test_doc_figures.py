@@ -129,18 +129,20 @@ PINS: list[Pin] = [
       "decode_old_launch/pallas.shared/prefill_s"),
     P(R, "Qwen2.5-7B: 26.83 GiB per device", "memory_cpu.json",
       "result/qwen2.5-7b.train_gib_per_device"),
-    P(R, "live pages (4.2x faster", "paged_long_tail_cpu.json",
+    P(R, "live pages (4.4x faster", "paged_long_tail_cpu.json",
       "result/long_tail_speedup_vs_static"),
     P(R, "train 26.83 GiB with FSDP 8, bf16, remat; 36× less temporary",
       "memory_cpu.json", "result/qwen2.5-7b.train_gib_per_device", None,
       "result/small.train_temp_ratio"),
     P(R, "bf16 base 21.37 GiB", "memory_cpu.json",
       "result/qwen2.5-7b.train_gib_per_device_lora"),
-    P(R, "same KV bytes: 4.2x faster, pool / peak live KV 1.14 (rows engine "
-      "9.81); a group's prompt read once: 2.48x", "paged_long_tail_cpu.json",
+    P(R, "same KV bytes: 4.4x faster, pool / peak live KV 1.15 (rows engine "
+      "9.81); a group's prompt read once: 1.65x", "paged_long_tail_cpu.json",
       "result/long_tail_speedup_vs_static", "result/kv_reserved_over_live",
       "result/static_kv_reserved_over_live",
       "result/paged_prefix_speedup_g16_p512"),
+    P(R, "(2.48x before 6a7de68", "paged_long_tail_cpu.json",
+      "previous/result/paged_prefix_speedup_g16_p512", None),
     P(R, "is 1.35× continuous batching, the fair baseline (2.01× static "
       "waves; 1.18× RLHFless's", LT, "result/speedup_vs_continuous",
       "result/speedup_vs_static", "result/ours_vs_rlhfless"),
@@ -334,13 +336,16 @@ PINS: list[Pin] = [
       "devices)", EJ, "gain/tiny_grpo_paged", "gain/tiny_ppo_paged",
       "eval_reward_gain/tiny_ppo_paged", "gain/tiny_grpo_lora_paged",
       "gain/tiny_tool_paged", "gain/tiny_grpo_async_paged", None),
-    P(D, "is 4.22x faster than the rows engine with the same KV bytes (15.0 s"
-      "\nagainst 63.25 s), its pool 1.14x the peak live KV (rows engine: "
-      "9.81x)", PLT, "result/long_tail_speedup_vs_static",
+    P(D, "is 4.37x faster than the rows engine with the same KV\nbytes "
+      "(9.83 s against 42.96 s), its pool 1.15x the peak live KV (rows\n"
+      "engine: 9.81x)", PLT, "result/long_tail_speedup_vs_static",
       "result/paged_seconds", "result/static_seconds",
       "result/kv_reserved_over_live", "result/static_kv_reserved_over_live"),
-    P(D, "2.48x\nfaster than the prompt repeated", PLT,
-      "result/paged_prefix_speedup_g16_p512"),
+    P(D, "decode step 1.65x faster than the prompt repeated for each sample",
+      PLT, "result/paged_prefix_speedup_g16_p512"),
+    P(D, "engine, G = 16, P = 512, the jnp path): down from 2.48x, a "
+      "regression of\n6a7de68", PLT, None, None,
+      "previous/result/paged_prefix_speedup_g16_p512", None),
     P(D, "**1.35x continuous batching**", LT, "result/speedup_vs_continuous"),
     P(D, "2.01x static waves; 1.18x RLHFless's", LT,
       "result/speedup_vs_static", "result/ours_vs_rlhfless"),
@@ -380,8 +385,10 @@ PINS: list[Pin] = [
     P(D, "update is 0.33x the whole-batch step's; the step as a whole is "
       "slower,\n1.14x", "streaming_cpu.json", "result/tail_vs_whole_batch",
       "result/step_vs_whole_batch"),
-    P(D, "decode step 2.48x faster", PLT,
+    P(D, "decode step 1.65x faster", PLT,
       "result/paged_prefix_speedup_g16_p512"),
+    P(D, "P = 512; 2.48x\nbefore 6a7de68", PLT, None,
+      "previous/result/paged_prefix_speedup_g16_p512", None),
     P(D, "1.71x on\nthe rows engine", "engine_rows_cpu.json",
       "result/prefix_rows_speedup_g16_p512"),
     P(D, "caps it at 1.76x against\na KV-read theory of 8.5x",
