@@ -61,7 +61,6 @@ from benchmarks import timing
 from benchmarks.static_rows import StaticRows
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
-from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
@@ -108,13 +107,9 @@ def _config(spec: str):
 
 def _decode_on_rows(job) -> None:
   """The job's rollout decodes on the rows engine, which jobs no longer
-  select (`rollout.engine` is gone, [one-engine]): the same engine
-  arguments without the paged ones. The comparison's baseline until the
-  rows engine is deleted."""
-  e = job.rollout.engines
-  job.rollout.engines = EngineSet(e.cfg, e.graphdef, e.layout,
-                                  rows_per_replica=e.rows_per_replica,
-                                  **e._engine_args)
+  select (`rollout.engine` is gone, [one-engine]): the comparison's
+  baseline until the rows engine is deleted."""
+  job.rollout.engines = job.rollout.engines.rows_baseline()
 
 
 def _rl_case(spec: str, engines=("rows", "paged")) -> dict:

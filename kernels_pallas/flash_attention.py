@@ -24,8 +24,9 @@ Implementations (`attention(..., impl=)`):
     scores block by block from the saved log-sum-exp (flash attention's
     backward), so neither pass holds more than a [bq, bk] block of scores
     per head; blocks with no allowed pair are skipped (`lax.cond`) where
-    `SKIP_EMPTY_BLOCKS` says so (not on GPU). Runs on every backend; the default on CPU, and on GPU and TPU whenever the
-    vendor kernel cannot take a feature.
+    `SKIP_EMPTY_BLOCKS` says so (not on GPU). Runs on every backend; the
+    default on CPU, and on GPU and TPU whenever the vendor kernel cannot
+    take a feature.
   "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU
     flash): causal self-attention of one sequence per row, right padding,
     sliding window; no soft-cap, no packed segments, no log-sum-exp.

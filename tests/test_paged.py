@@ -282,7 +282,6 @@ def test_rollout_section_builds_the_paged_engine(model, layouts):
   rollout section's defaults, with the rows engine's samples (the same
   engine arguments without pages); config errors: test_grpo."""
   from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.engine.engine_set import EngineSet  # pylint: disable=g-import-not-at-top
   from rlhf_jax.rollout import build  # pylint: disable=g-import-not-at-top
   from rlhf_jax.rollout.local import LocalRollout  # pylint: disable=g-import-not-at-top
   graphdef, params = model
@@ -291,8 +290,7 @@ def test_rollout_section_builds_the_paged_engine(model, layouts):
   ro = sections.Rollout(num_rows=4, samples_per_row=G, prefill_buckets=(16,),
                         max_new_tokens=20, max_seq_len=36, page_size=4)
   paged = build.engines(ro, CFG, graphdef, layout)
-  rows = EngineSet(CFG, graphdef, layout, rows_per_replica=4,
-                   **paged._engine_args)
+  rows = paged.rows_baseline()
   out = {}
   for kind, engines in (("rows", rows), ("paged", paged)):
     rollout = LocalRollout(engines)

@@ -41,6 +41,14 @@ class EngineSet:
     self._paged_args = paged
     self._paged: dict[int, PagedEngine] = {}
 
+  def rows_baseline(self) -> "EngineSet":
+    """The same engine arguments without pages: the rows engine, which jobs
+    no longer decode on ([one-engine]); a benchmark baseline and a test
+    oracle until it is deleted."""
+    return EngineSet(self.cfg, self.graphdef, self.layout,
+                     rows_per_replica=self.rows_per_replica,
+                     **self._engine_args)
+
   @property
   def is_paged(self) -> bool:
     return self._paged_args is not None
