@@ -13,9 +13,9 @@ import pytest
 from kernels_pallas import prefix_decode_attention as pda
 from rlhf_jax.engine.common_prefix import (
     longest_common_prefix, strip_common_prefix)
-from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -169,18 +169,19 @@ def test_common_prefix_equals_whole_prompts(mesh8, sampling, kv_heads):
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)  # 4 replicas x TP 2.
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   g = 4
-  make = lambda **kw: Engine(cfg, graphdef, layout, num_rows=4,
-                             samples_per_row=g, sampling=sampling, **kw)
+  make = lambda **kw: PagedEngine(cfg, graphdef, layout, num_slots=16,
+                                  samples_per_group=g, sampling=sampling,
+                                  page_size=4, prefill_batch=4, **kw)
   plain = make(prefill_buckets=(32,))
   shared = make(prefill_buckets=(16,), max_common_length=16)
-  shared_driver = Driver(shared, params)
+  shared_driver = PagedDriver(shared, params)
   rng = np.random.default_rng(0)
   # Two batches with different common prefixes (13 and 7 tokens) through
   # the same engines: 6 prompts over 4 rows, so rows are reused.
   for batch, clen in enumerate((13, 7)):
     common = rng.integers(6, CFG.vocab_size, clen).astype(np.int32)
     prompts = _batch(common, 6, seed=batch)
-    want = {s.key: s for s in Driver(plain, params).run(
+    want = {s.key: s for s in PagedDriver(plain, params).run(
         _requests(prompts, g))}
     declared = common if batch == 0 else "auto"
     got = {s.key: s for s in shared_driver.run(
@@ -200,24 +201,32 @@ def test_common_prefix_equals_whole_prompts(mesh8, sampling, kv_heads):
     _assert_same(got, want)
     if not sampling.greedy:  # The G samples of a prompt really differ.
       assert len({tuple(got[0, j].tokens) for j in range(g)}) > 1
-  # Shapes are static: one generate and one common prefill compile for all.
-  assert shared.trace_counts["generate"] == 1
+  # One common prefill compile for both batches; one prefill per bucket.
   assert shared.trace_counts["common_prefill"] == 1
-  assert shared.trace_counts["prefill"] <= len(shared.buckets)
-  # Decode state: the common prefix once, rows only their own tokens.
+  assert shared.trace_counts["prefill"] == len(shared.buckets) == 1
+  # KV: the common prefix once in the state; a group's prompt pages hold
+  # only its own tokens (16-token bucket: 4 pages of 4, not 8), and the
+  # default pool has room for 4 groups' prompts (16 slots / G=4).
   L, N, K = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   saved = (4 * 32 - 4 * 16 - 16) * 2 * L * N * K * 4
-  assert plain.decode_state_bytes() - shared.decode_state_bytes() == saved
-  # Prefill work: 16 padded common tokens once + 16 per prompt, vs 32.
-  assert shared_driver.stats.prefill_tokens == 2 * (16 + 6 * 16)
+  common_bytes = 16 * 2 * L * N * K * 4
+  assert plain.pool_bytes - (shared.pool_bytes + common_bytes) == saved
+  assert shared.max_prompt_pages == 4 and plain.max_prompt_pages == 8
+  # Prefill work: 16 padded common tokens once a batch + per prefill call
+  # of up to 4 prompts 4 x 16 (not 4 x 32); 6 prompts need >= 2 calls.
+  stats = shared_driver.stats
+  assert stats.prefills >= 2 * 2
+  assert stats.prefill_tokens == 2 * 16 + stats.prefills * 4 * 16
 
 
 def test_bad_inputs_raise_clear_errors(mesh8):
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
   graphdef, params = model_lib.init_params(CFG, 0, layout)
-  engine = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=2,
-                  prefill_buckets=(8,), sampling=GREEDY, max_common_length=6)
-  driver = Driver(engine, params)
+  make = lambda **kw: PagedEngine(CFG, graphdef, layout, num_slots=8,
+                                  samples_per_group=2, prefill_buckets=(8,),
+                                  sampling=GREEDY, page_size=4, **kw)
+  engine = make(max_common_length=6)
+  driver = PagedDriver(engine, params)
   run = lambda reqs, **kw: list(driver.run(reqs, **kw))
   common = np.arange(6, 12, dtype=np.int32)
   ok = np.concatenate([common, [20, 21]]).astype(np.int32)
@@ -237,23 +246,22 @@ def test_bad_inputs_raise_clear_errors(mesh8):
         common_prefix=common)
   with pytest.raises(ValueError, match="common_prefix must be None, 'auto'"):
     run([Request(0, ok, 1)], common_prefix="yes")
-  plain = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=2,
-                 prefill_buckets=(8,), sampling=GREEDY)
+  plain = make()
   with pytest.raises(ValueError, match="max_common_length=0"):
     plain.set_common_prefix(params, common)
   with pytest.raises(ValueError, match="'auto' needs an engine"):
-    list(Driver(plain, params).run([Request(0, ok, 1)], common_prefix="auto"))
+    list(PagedDriver(plain, params).run([Request(0, ok, 1)],
+                                        common_prefix="auto"))
   with pytest.raises(ValueError, match="max_common_length must be >= 0"):
-    Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=2,
-           prefill_buckets=(8,), sampling=GREEDY, max_common_length=-1)
-  # Prefills and decode states are tied to the common prefix they saw.
+    make(max_common_length=-1)
+  # A decode state is tied to the common prefix it was made with.
   engine.set_common_prefix(params, common)
   state = engine.init_decode_state()
-  prefix = engine.prefill(params, *engine.pad_prompt([20, 21]))
+  prompt = np.array([20, 21], np.int32)
+  insert = lambda state, pre: engine.insert(state, pre, [0], [[0]], [2], [0],
+                                            [0])
   engine.set_common_prefix(params, common[:4])
-  with pytest.raises(ValueError, match="prefilled after a different common"):
-    engine.bulk_insert(prefix, state, [0])
-  prefix = engine.prefill(params, *engine.pad_prompt([20, 21]))
+  pre = engine.prefill(params, [(prompt, 0)], [0], [0], [[0]])
   with pytest.raises(ValueError, match="decode state holds an older common"):
-    engine.bulk_insert(prefix, state, [0])
-  engine.bulk_insert(prefix, engine.init_decode_state(), [0])
+    insert(state, pre)
+  insert(engine.init_decode_state(), pre)

@@ -1,4 +1,9 @@
-"""Engine and driver: prefix sharing, placement independence, compiles, errors."""
+"""Engine and driver: prompt sharing, placement independence, compiles, errors.
+
+The oracles are independent of the sharing under test: a prompt's G samples
+in one group (its KV stored and read once) against G one-sample requests
+(each its own copy), one layout against another, a scanned model against
+an unrolled one, a run with stop tokens against one without."""
 
 import dataclasses
 
@@ -6,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import rollout_copy
@@ -36,12 +41,19 @@ def _prompts(n=5, seed=0):
 def _run(model, layout, requests, *, rows, per_row, sampling=SAMPLED,
          buckets=(8, 16), cfg=CFG):
   graphdef, params = model
-  engine = Engine(cfg, graphdef, layout, num_rows=rows,
-                  samples_per_row=per_row, prefill_buckets=buckets,
-                  sampling=sampling)
-  driver = Driver(engine, mesh_lib.to_layout(params, layout))
+  engine = _engine(cfg, graphdef, layout, rows=rows, per_row=per_row,
+                   buckets=buckets, sampling=sampling)
+  driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
   out = {s.key: s for s in driver.run(requests)}
   return out, engine, driver
+
+
+def _engine(cfg, graphdef, layout, *, rows, per_row, buckets=(8, 16),
+            sampling=SAMPLED):
+  """`rows` groups of `per_row` samples: as many slots as samples."""
+  return PagedEngine(cfg, graphdef, layout, num_slots=rows * per_row,
+                     samples_per_group=per_row, prefill_buckets=buckets,
+                     sampling=sampling, page_size=4)
 
 
 def _grouped(prompts, g, seed=3):
@@ -63,7 +75,7 @@ def _assert_same(a, b, logp_atol=1e-5):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_prefix_rows_equal_independent_copies(model, mesh8, sampling):
+def test_groups_equal_independent_copies(model, mesh8, sampling):
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
   prompts, g = _prompts(), 4
   shared, *_ = _run(model, layout, _grouped(prompts, g), rows=4, per_row=g,
@@ -192,8 +204,8 @@ def test_bad_inputs_raise_clear_errors(model, mesh8):
                    (dict(max_new_tokens=0), "max_new_tokens"),
                    (dict(stop_tokens=(64,)), "stop_tokens")]:
     with pytest.raises(ValueError, match=f"invalid sampling parameters.*{msg}"):
-      Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=2,
-             prefill_buckets=(8,), sampling=SamplingParams(**bad))
-  with pytest.raises(ValueError, match="divisible by the rollout replicas"):
-    Engine(CFG, graphdef, layout, num_rows=3, samples_per_row=2,
-           prefill_buckets=(8,), sampling=SAMPLED)
+      _engine(CFG, graphdef, layout, rows=4, per_row=2, buckets=(8,),
+              sampling=SamplingParams(**bad))
+  with pytest.raises(ValueError, match="num_slots=6 must be a multiple of "
+                     "the layout's 4 data replicas"):
+    _engine(CFG, graphdef, layout, rows=3, per_row=2, buckets=(8,))

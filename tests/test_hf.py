@@ -13,9 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
@@ -123,7 +121,7 @@ def test_logits_match_transformers(family, checkpoints, loaded):
 
 @needs_torch
 @pytest.mark.parametrize("family,engine_kind", [
-    (f, kind) for f in sorted(FAMILIES) for kind in ("rows", "paged")] + [
+    (f, "paged") for f in sorted(FAMILIES)] + [
         # The Mosaic paged kernel (interpreted): Gemma 2's window and
         # soft-cap, and Llama's 4:1 GQA.
         ("gemma2", "paged_kernel"), ("llama", "paged_kernel")])
@@ -135,17 +133,13 @@ def test_greedy_generation_matches_transformers(family, engine_kind,
   prompts = [rng.integers(0, V, n).astype(np.int32) for n in (5, BUCKET)]
   layout = mesh_lib.rollout_layout(mesh1)
   sampling = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
-  if engine_kind == "rows":
-    engine = Engine(cfg, graphdef, layout, num_rows=2, samples_per_row=1,
-                    prefill_buckets=(BUCKET,), sampling=sampling)
-    driver = Driver(engine, mesh_lib.to_layout(params, layout))
-  else:  # Pages of 4: Gemma 2's window of 8 spans pages.
-    engine = PagedEngine(
-        cfg, graphdef, layout, num_slots=2, samples_per_group=1,
-        prefill_buckets=(BUCKET,), sampling=sampling, page_size=4,
-        num_pages=32, attention_impl=("pallas" if engine_kind ==
-                                      "paged_kernel" else "auto"))
-    driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
+  # Pages of 4: Gemma 2's window of 8 spans pages.
+  engine = PagedEngine(
+      cfg, graphdef, layout, num_slots=2, samples_per_group=1,
+      prefill_buckets=(BUCKET,), sampling=sampling, page_size=4,
+      num_pages=32, attention_impl=("pallas" if engine_kind ==
+                                    "paged_kernel" else "auto"))
+  driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
   ours = {s.prompt_id: s.tokens for s in driver.run(
       [Request(i, p) for i, p in enumerate(prompts)])}
   model.generation_config.eos_token_id = None  # Always 32 tokens.

@@ -9,10 +9,11 @@ import pytest
 
 import fakes
 from rlhf_jax.config.sections import LongTail
-from rlhf_jax.engine.driver import Driver
+from benchmarks.static_rows import StaticRows
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.engine_set import EngineSet
+from rlhf_jax.engine.long_tail import PagedTailController
+from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -27,6 +28,8 @@ M = 12
 SAMPLING = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=M)
 G, RPR = 2, 1
 BUCKETS = (8, 8 + M)  # The long bucket lets a sample be re-prefilled.
+# 8 replicas: 2 slots (one group of G) and a pool of 8 pages of 4 each.
+PAGED = dict(page_size=4, num_pages=64, num_slots=16)
 
 
 def _requests(n=20):
@@ -77,13 +80,14 @@ def setup(mesh8):
   layout = mesh_lib.rollout_layout(mesh, 1)
   graphdef, params = model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh))
   params = jax.device_put(params, layout.param_shardings(params))
-  engine = Engine(CFG, graphdef, layout, num_rows=8 * RPR, samples_per_row=G,
-                  prefill_buckets=BUCKETS, sampling=SAMPLING)
-  plain = {s.key: s for s in Driver(engine, params).run(_requests())}
+  # The oracle: the plain-jnp static-rows decoder (nothing moved, paged or
+  # scheduled), one row of G samples a replica.
+  plain = StaticRows(CFG, graphdef, params, rows=8 * RPR, samples_per_row=G,
+                     bucket=BUCKETS[0], sampling=SAMPLING).run(_requests())
   return graphdef, layout, params, plain
 
 
-def _rollout(setup, history=None, paged=None, **tail) -> LocalRollout:
+def _rollout(setup, history=None, paged=PAGED, **tail) -> LocalRollout:
   graphdef, layout, params, _ = setup
   engines = EngineSet(CFG, graphdef, layout, rows_per_replica=RPR,
                       samples_per_row=G, prefill_buckets=BUCKETS,
@@ -94,7 +98,7 @@ def _rollout(setup, history=None, paged=None, **tail) -> LocalRollout:
   return lt
 
 
-def _run(setup, paged=None, known=True, **tail):
+def _run(setup, paged=PAGED, known=True, **tail):
   """(samples, device scores, metrics) of the long-tail rollout; `known`:
   the lengths are predicted from an earlier epoch (else all M / 2)."""
   history = LengthHistory(0.5)
@@ -116,26 +120,28 @@ def _assert_same(samples, scores, plain):
 
 
 @pytest.mark.parametrize("migration,assignment",
-                         [("kv", "fifo"), ("reprefill", "length")])
-def test_paged_consolidation_keeps_tokens(setup, migration, assignment):
-  """The paged engine's long tail on 8 replicas (pools of 8 pages each):
-  groups on the dropped replicas move onto the kept ones, their pages
-  ("kv") or a re-prefill and recompute; the plain row engine's tokens,
-  every sample once, scores for all, and every page back (the driver
-  checks)."""
+                         [("kv", "fifo"), ("reprefill", "length"),
+                          ("auto", "fifo")])
+def test_consolidation_keeps_tokens(setup, migration, assignment):
+  """The long tail on 8 replicas (pools of 8 pages each): groups on the
+  dropped replicas move onto the kept ones, their pages ("kv"), a
+  re-prefill and recompute, or either by the sample's tokens so far
+  ("auto", re-prefill up to 2); the static-rows decoder's tokens, every
+  sample once, scores for all in several chunks, and every page back (the
+  driver checks)."""
   samples, scores, st = _run(
-      setup, paged=dict(page_size=4, num_pages=64, num_slots=16),
-      consolidate_below=0.5, migration=migration, score_chunk=4,
-      assignment=assignment)
+      setup, consolidate_below=0.5, migration=migration, score_chunk=4,
+      assignment=assignment, reprefill_max_tokens=2)
   assert st["rollout/consolidated_replicas"] < 8
   assert st["rollout/consolidations"] >= 1
   assert st["rollout/tail_moves"] > 0
   if migration == "kv":
     assert st["rollout/moved_bytes"] > 0
     assert st["rollout/reprefilled"] < st["rollout/tail_moves"]
-  else:
+  elif migration == "reprefill":
     assert st["rollout/reprefilled"] == st["rollout/tail_moves"]
     assert st["rollout/moved_bytes"] == 0
+  assert st["rollout/scoring_chunks"] >= 2
   _assert_same(samples, scores, setup[3])
 
 
@@ -150,29 +156,10 @@ def test_budgets_force_the_lengths(setup):
     assert (len(s.tokens), s.finish_reason) == (by_key[key], "length"), key
 
 
-@pytest.mark.parametrize("migration,assignment",
-                         [("kv", "fifo"), ("reprefill", "length"),
-                          ("auto", "fifo")])
-def test_consolidation_keeps_tokens(setup, migration, assignment):
-  # FIFO rows put long prompts on high replicas, so the KV move has rows to
-  # move; re-prefill moves every live sample, with length-aware rows on.
-  samples, scores, st = _run(
-      setup, consolidate_below=0.5, migration=migration, score_chunk=4,
-      assignment=assignment, reprefill_max_tokens=2)
-  assert st["rollout/consolidated_replicas"] < 8
-  if migration == "kv":
-    assert st["rollout/tail_moves"] > 0 and st["rollout/reprefilled"] == 0
-  elif migration == "reprefill":
-    assert st["rollout/reprefilled"] > 0
-  assert st["rollout/scoring_chunks"] >= 2
-  _assert_same(samples, scores, setup[3])
-
-
 def test_scoring_chunks_go_out_after_a_decode_step(setup, monkeypatch):
   """While the tail decodes, a chunk is dispatched only right after a
   decode step is (its host work hides behind the device's step): never
   as a sample finishes, nor as a consolidation ends."""
-  from rlhf_jax.engine import long_tail
   events = []
 
   def logged(name, fn):
@@ -181,10 +168,11 @@ def test_scoring_chunks_go_out_after_a_decode_step(setup, monkeypatch):
       return fn(*args, **kwargs)
     return call
 
-  monkeypatch.setattr(Engine, "generate", logged("generate", Engine.generate))
+  monkeypatch.setattr(PagedEngine, "generate",
+                      logged("generate", PagedEngine.generate))
   for name in ("finished", "_switched"):
-    monkeypatch.setattr(long_tail.TailController, name,
-                        logged(name, getattr(long_tail.TailController, name)))
+    monkeypatch.setattr(PagedTailController, name,
+                        logged(name, getattr(PagedTailController, name)))
   scorer = _Scorer(setup[0], setup[2])
   monkeypatch.setattr(scorer, "score", logged("score", scorer.score))
   history = LengthHistory(0.5)
@@ -215,7 +203,7 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
   from rlhf_jax.rl import scoring_passes
 
   compiles, steps = [], []
-  real_compile, real_generate = scoring_passes._compile, Engine.generate
+  real_compile, real_generate = scoring_passes._compile, PagedEngine.generate
 
   def slow_compile(*args):
     start = time.perf_counter()
@@ -242,7 +230,7 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
     if not ahead:
       passes.compile = None  # The controller then scores at once.
     monkeypatch.setattr(scoring_passes, "_compile", slow_compile)
-    monkeypatch.setattr(Engine, "generate", timed_generate)
+    monkeypatch.setattr(PagedEngine, "generate", timed_generate)
     passes.begin(policy=setup[2])
     samples = list(lt.run(requests, scorer=passes))
     passes.end()
@@ -269,8 +257,8 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
 def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
     setup, monkeypatch):
   """[fuse] The room check's two sides are the bytes devices hold: the
-  reference placed on a replica, and a replica's share of the decode
-  state. When the freed replicas cannot hold the scoring weights (here a
+  reference placed on a replica, and a replica's share of the page
+  pool. When the freed replicas cannot hold the scoring weights (here a
   budget of 0 bytes), no chunk goes out while the tail decodes; every
   sample is scored at the end, with the sampler's log-probs."""
   from rlhf_jax.rl import scoring_passes
@@ -278,11 +266,10 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
   graphdef, layout, params, plain = setup
   engines = _rollout(setup).engines
   state = engines.whole().init_decode_state()
-  on_device0 = sum(shard.data.nbytes for x in jax.tree.leaves(state)
+  on_device0 = sum(shard.data.nbytes for x in (state.k_pages, state.v_pages)
                    for shard in x.addressable_shards
                    if shard.device == jax.devices()[0])
-  # (Small fields differ by a few bytes: they count 4 a value.)
-  assert engines.kv_bytes_per_device() == pytest.approx(on_device0, rel=1e-3)
+  assert engines.kv_bytes_per_device() == on_device0  # Its share of pages.
   passes = scoring_passes.ScoringPasses(graphdef, prompt_len=8, max_new=M)
   passes.begin(policy=params, ref=params)
   placed = jax.device_put(params, layout.param_shardings(params))
@@ -319,47 +306,6 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
                                  atol=1e-5, err_msg=(s.key, name))
 
 
-def test_a_row_move_sends_only_the_rows_that_change_replica(setup):
-  """[engine] A consolidation's row move (`migrate.move_rows`) holds, on a
-  device, its share of the decode state and the rows it sends or receives
-  (a gather of rows across replicas made XLA gather the whole state on
-  every device); rows land in their target rows, others stay, rows left
-  out go inactive."""
-  from rlhf_jax.engine import migrate
-
-  graphdef, layout = setup[0], setup[1]
-  per = 4  # Rows per replica.
-  kw = dict(samples_per_row=G, prefill_buckets=BUCKETS, sampling=SAMPLING)
-  engines = EngineSet(CFG, graphdef, layout, rows_per_replica=per, **kw)
-  src, dst = engines.engine(8), engines.engine(2)
-  state = src.init_decode_state()
-  state = state.replace(  # Row r: token r, every slot live.
-      tokens=state.tokens + jnp.arange(src.num_rows, dtype=jnp.int32)[:, None],
-      active=jnp.ones_like(state.active))
-  device0 = jax.devices()[0]
-  share = sum(sh.data.nbytes for x in jax.tree.leaves(state)
-              for sh in x.addressable_shards if sh.device == device0)
-  row_map = {0: 0, 6: 6,            # Kept where they are.
-             9: 1, 13: 2, 29: 5}    # From replicas 2, 3 and 7.
-  shifts, send, recv, valid = migrate._exchange_plan(row_map, 8, per)
-  # Replica 7 -> 1 (shift 2), 3 -> 0 (shift 5), 2 -> 0 (shift 6): a row each.
-  assert shifts == ((2, 1), (5, 1), (6, 1))
-  m = migrate._exchange_fn(src.state_shardings, layout.mesh, shifts).lower(
-      state, send, recv, valid).compile().memory_analysis()
-  held = (m.argument_size_in_bytes + m.output_size_in_bytes
-          - m.alias_size_in_bytes + m.temp_size_in_bytes)
-  # One row out and one in per shift, beside the (donated) share.
-  assert held <= share * (1 + 2 * len(shifts) / per) * 1.01, (held, share)
-  moved = migrate.move_rows(src, state, dst, row_map)
-  tokens = np.asarray(moved.tokens)[:, 0].tolist()
-  active = np.asarray(moved.active)[:, 0].tolist()
-  want = {d: s for s, d in row_map.items()}
-  assert [tokens[r] for r in sorted(want)] == [want[r] for r in sorted(want)]
-  assert active == [r in want for r in range(dst.num_rows)]
-  for x in jax.tree.leaves(moved):
-    assert set(x.sharding.device_set) == set(dst.layout.mesh.devices.flat)
-
-
 def test_static_and_fifo_keep_tokens(setup):
   samples, scores, st = _run(setup, admission="static", assignment="fifo",
                              consolidate_below=0.0, fusion=False)
@@ -374,37 +320,13 @@ def test_static_and_fifo_keep_tokens(setup):
 
 
 def test_rlhfless_assignment_releases_replicas_and_keeps_tokens(setup):
-  """RLHFless on the rows engine: each replica decodes its own run of
-  prompts (no length history: runs in prompt order) and the block shrinks
-  by one replica as its last finishes or cuts at tau (rows moved by KV);
-  the plain engine's tokens, every sample once, and the row simulator
-  replays the trace to the same steps and releases."""
-  samples, scores, st = _run(setup, assignment="grouped", cut_tau=0.5,
-                             consolidate_below=0.0, score_chunk=4,
-                             known=False)
-  assert st["rollout/releases"] >= 4
-  assert st["rollout/consolidations"] == 0
-  assert st["rollout/consolidated_replicas"] == 8 - st["rollout/releases"]
-  assert st["rollout/tail_moves"] > 0  # A cut moved rows.
-  _assert_same(samples, scores, setup[3])
-  trace = np.array([r.max_new_tokens_per_sample for r in _requests()])
-  sim = rows.simulate(trace, replicas=8, rows_per_replica=RPR,
-                      policy="rlhfless", consolidate_below=0.0, cut_tau=0.5,
-                      predicted=np.full(len(trace), M / 2),
-                      costs=rows.UnitCosts(lambda m: 1.0, 0.0, 0.0))
-  assert (sim.steps, sim.releases, sim.final_replicas) == (
-      st["rollout/steps"], st["rollout/releases"],
-      st["rollout/consolidated_replicas"])
-
-
-def test_rlhfless_on_the_paged_engine_releases_replicas(setup):
-  """RLHFless on the paged engine: each group is admitted onto its own
-  replica only, and the block shrinks from its end as the last replica is
-  done or cuts at tau (its groups move by their pages); the plain engine's
-  tokens, every sample once, every page back (the driver checks)."""
+  """RLHFless: each replica decodes its own run of prompts (no length
+  history: runs in prompt order), a group is admitted onto its own replica
+  only, and the block shrinks from its end as the last replica is done or
+  cuts at tau (its groups move by their pages); the static-rows tokens,
+  every sample once, every page back (the driver checks)."""
   samples, scores, st = _run(
-      setup, paged=dict(page_size=4, num_pages=64, num_slots=16),
-      assignment="grouped", cut_tau=0.5, consolidate_below=0.0,
+      setup, assignment="grouped", cut_tau=0.5, consolidate_below=0.0,
       score_chunk=4, known=False)
   assert st["rollout/releases"] >= 4
   assert st["rollout/consolidations"] == 0

@@ -1,15 +1,14 @@
 """Multi-turn sampling with the conversation's KV kept (engine/multiturn.py):
 a trajectory equals the same trajectory re-prefilled at every turn on the
-rows engine (greedy; the oracle prefills prompt + everything so far anew
-each turn), appended tokens are masked, and a tight pool (preemption,
-recompute with the replies) changes nothing."""
+static-rows decoder (greedy; the oracle prefills prompt + everything so
+far anew each turn), appended tokens are masked, and a tight pool
+(preemption, recompute with the replies) changes nothing."""
 
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Driver
+from benchmarks.static_rows import StaticRows
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.sampling import SamplingParams
@@ -50,22 +49,21 @@ def _requests():
 
 
 def _oracle(model, layout, reply=None):
-  """Each sample turn by turn on the rows engine, prompt + all tokens so
-  far prefilled anew every turn (`reply`: the environment, by default
-  `_reply_fn()`)."""
+  """Each sample turn by turn on the static-rows decoder, prompt + all
+  tokens so far prefilled anew every turn (`reply`: the environment, by
+  default `_reply_fn()`)."""
   graphdef, params = model
-  rows = Engine(CFG, graphdef, layout, num_rows=2, samples_per_row=1,
-                prefill_buckets=(48,), sampling=GREEDY)
-  p = mesh_lib.to_layout(params, layout)
+  rows = StaticRows(CFG, graphdef, mesh_lib.to_layout(params, layout),
+                    rows=2, samples_per_row=1, bucket=48, sampling=GREEDY)
   reply, out = reply or _reply_fn(), {}
   for req in _requests():
     for j, budget in enumerate(BUDGETS):
       tokens, mask, reason = [], [], "length"
       while len(tokens) < budget:
-        (s,) = Driver(rows, p).run([Request(
+        (s,) = rows.run([Request(
             req.prompt_id, np.concatenate([req.tokens, tokens]).astype(
                 np.int32), 1, seed=1, first_sample_index=j,
-            max_new_tokens_per_sample=(budget - len(tokens),))])
+            max_new_tokens_per_sample=(budget - len(tokens),))]).values()
         tokens, mask = tokens + s.tokens, mask + [False] * len(s.tokens)
         reason = s.finish_reason
         if reason != "stop":

@@ -1,10 +1,11 @@
-"""The paged engine and its driver against the row engine (the oracle).
+"""The paged engine and its driver against the static-rows decoder.
 
-The row engine (`Engine` + `Driver`) is tested against transformers and
-against independent copies of each prompt (test_engine.py, test_hf.py);
-here the paged engine must sample exactly its tokens, on another layout,
-with pools small enough to force preemption, with sample-level slot reuse,
-common prefixes, appended tokens and worker continuations.
+The oracle is `benchmarks/static_rows.StaticRows`: plain jnp, one device,
+rows of one prompt's KV and G suffix buffers, nothing paged, moved or
+preempted (it shares only the sampling keys and the model). The engine must
+sample exactly its tokens on another layout, with pools small enough to
+force preemption, with sample-level slot reuse, common prefixes, appended
+tokens and worker continuations; against transformers: test_hf.py.
 """
 
 import dataclasses
@@ -12,9 +13,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.driver import Driver
+from benchmarks.static_rows import StaticRows
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
@@ -56,13 +56,12 @@ def _requests(n=6, seed=0, common=()):
 
 @pytest.fixture(scope="module")
 def rows_run(model, layouts):
-  """Row-engine samples of some requests, on one device (one engine for
-  the module: compiles are most of these tests' time)."""
+  """Static-rows samples of some requests, on one device (prompts of up
+  to 48 tokens, prefilled whole)."""
   graphdef, params = model
-  engine = Engine(CFG, graphdef, layouts[0], num_rows=4, samples_per_row=G,
-                  prefill_buckets=(8, 16, 32, 48), sampling=SAMPLED)
-  p = mesh_lib.to_layout(params, layouts[0])
-  return lambda reqs: {s.key: s for s in Driver(engine, p).run(reqs)}
+  decoder = StaticRows(CFG, graphdef, mesh_lib.to_layout(params, layouts[0]),
+                       rows=2, samples_per_row=G, bucket=48, sampling=SAMPLED)
+  return decoder.run
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +97,9 @@ def _assert_same(a, b):
     np.testing.assert_allclose(a[k].logp_raw, b[k].logp_raw, atol=1e-5)
 
 
-def test_static_rows_decoder_equals_rows_engine(model, layouts, oracle):
-  """The plain-jnp static-rows decoder (`benchmarks/static_rows.py`, the
-  oracle once the rows engine goes) samples the rows engine's tokens and
-  log-probs: ragged budgets, a stop token, rows refilled as they empty."""
-  from benchmarks.static_rows import StaticRows  # pylint: disable=g-import-not-at-top
-  graphdef, params = model
-  decoder = StaticRows(CFG, graphdef, mesh_lib.to_layout(params, layouts[0]),
-                       rows=2, samples_per_row=G, bucket=16,
-                       sampling=SAMPLED)
-  _assert_same(decoder.run(_requests()), oracle)
-
-
 @pytest.mark.parametrize("pages", [200, 48], ids=["roomy", "tight"])
-def test_paged_equals_rows_engine(model, layouts, oracle, pages):
-  """Same samples as the row engine (other layout: 4 replicas x tensor 2,
+def test_paged_equals_static_rows(model, layouts, oracle, pages):
+  """Same samples as the static-rows decoder (other layout: 4 replicas x tensor 2,
   each replica its own pool, a quarter of the pages); a tight pool (12
   pages a replica) preempts and recomputes, and every page comes back."""
   driver = (_paged(model, layouts[1], **MAIN) if pages == 200 else
@@ -135,7 +122,7 @@ def test_paged_equals_rows_engine(model, layouts, oracle, pages):
 def test_tpu_kernel_in_the_engine(model, layouts, oracle):
   """The engine with attention_impl="pallas" decodes with the Mosaic
   paged kernel (interpret mode here) under shard_map over tensor 2: the
-  row engine's samples, and every page back."""
+  static-rows samples, and every page back."""
   driver = _paged(model, layouts[1], pages=40, attention_impl="pallas")
   got = {s.key: s for s in driver.run(_requests(3))}
   _assert_same(got, {k: v for k, v in oracle.items() if k in got})
@@ -221,8 +208,8 @@ def test_common_prefix(model, layouts, rows_run):
 
 def test_extend_appends_tokens_to_a_live_sample(model, layouts):
   """Multi-turn: appending tokens to a live sample and decoding on gives
-  the greedy continuation of prompt + response + appended tokens (the row
-  engine run on that whole prompt is the oracle)."""
+  the greedy continuation of prompt + response + appended tokens (the
+  static-rows decoder run on that whole prompt is the oracle)."""
   graphdef, params = model
   layout = layouts[0]
   p = mesh_lib.to_layout(params, layout)
@@ -245,10 +232,9 @@ def test_extend_appends_tokens_to_a_live_sample(model, layouts):
                               prompt_pages=3, own_pages=6)
     after.append(int(res.convert_to_numpy().window(0).tokens[3]))
   whole = np.concatenate([prompt, response, user]).astype(np.int32)
-  rows = Engine(CFG, graphdef, layout, num_rows=4, samples_per_row=1,
-                prefill_buckets=(32,), sampling=dataclasses.replace(
-                    GREEDY, max_new_tokens=5))
-  (want,) = Driver(rows, p).run([Request(0, whole)])
+  rows = StaticRows(CFG, graphdef, p, rows=1, samples_per_row=1, bucket=32,
+                    sampling=dataclasses.replace(GREEDY, max_new_tokens=5))
+  (want,) = rows.run([Request(0, whole)]).values()
   assert after == want.tokens
 
 
@@ -279,8 +265,8 @@ def test_worker_continuation(model, layouts, oracle):
 
 def test_rollout_section_builds_the_paged_engine(model, layouts):
   """The job's LocalRollout decodes on the paged engine, sized by the
-  rollout section's defaults, with the rows engine's samples (the same
-  engine arguments without pages); config errors: test_grpo."""
+  rollout section's defaults, with the static-rows samples; config
+  errors: test_grpo."""
   from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
   from rlhf_jax.rollout import build  # pylint: disable=g-import-not-at-top
   from rlhf_jax.rollout.local import LocalRollout  # pylint: disable=g-import-not-at-top
@@ -289,26 +275,25 @@ def test_rollout_section_builds_the_paged_engine(model, layouts):
   reqs = _requests(4)
   ro = sections.Rollout(num_rows=4, samples_per_row=G, prefill_buckets=(16,),
                         max_new_tokens=20, max_seq_len=36, page_size=4)
-  paged = build.engines(ro, CFG, graphdef, layout)
-  rows = paged.rows_baseline()
-  out = {}
-  for kind, engines in (("rows", rows), ("paged", paged)):
-    rollout = LocalRollout(engines)
-    rollout.set_weights(mesh_lib.to_layout(params, layout), 0)
-    out[kind] = {s.key: s for s in rollout.run(reqs)}
-  assert paged.is_paged and not rows.is_paged
-  eng = paged.paged_engine()
+  engines = build.engines(ro, CFG, graphdef, layout)
+  rollout = LocalRollout(engines)
+  rollout.set_weights(mesh_lib.to_layout(params, layout), 0)
+  got = {s.key: s for s in rollout.run(reqs)}
+  eng = engines.paged_engine()
   # Defaults: rows x G slots, and pages for all of them at full length:
   # 4 prompts of 16 tokens (4 pages each), 16 samples of 20 tokens + 1
   # (6 pages each).
   assert (eng.num_slots, eng.num_pages) == (4 * G, 4 * 4 + 16 * 6)
-  _assert_same(out["paged"], out["rows"])
+  oracle = StaticRows(CFG, graphdef, mesh_lib.to_layout(params, layouts[0]),
+                      rows=2, samples_per_row=G, bucket=16,
+                      sampling=engines.sampling)
+  _assert_same(got, oracle.run(reqs))
 
 
 def test_chunked_prefill_of_long_prompts(model, layouts, rows_run):
   """Prompts longer than the largest bucket (16) are prefilled in chunks
-  of 16 that attend to the prompt so far: same samples as the rows engine
-  prefilling them whole (bucket 48), beside short prompts."""
+  of 16 that attend to the prompt so far: same samples as the static-rows
+  decoder prefilling them whole (bucket 48), beside short prompts."""
   rng = np.random.default_rng(4)
   reqs = [Request(i, rng.integers(6, CFG.vocab_size, n).astype(np.int32), G,
                   seed=5, max_new_tokens_per_sample=(12, 3, 20, 7))

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhf_jax.samples import Sample
-from rlhf_jax.engine import migrate
-from rlhf_jax.engine.engine import Engine
+from rlhf_jax.samples import Request, Sample
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -260,34 +260,22 @@ def test_layer_groups_cover_layers_and_top_level_entries():
   assert len(rp.layer_groups(per_layer, 2)) == 2 + 2
 
 
-def _decode(engines, params, prompts, switch):
-  """Tokens per slot of a rollout that runs on engines[switch[step]]."""
-  eng = engines[switch[0]]
-  state = eng.init_decode_state()
-  tokens = {}
-  for row, (pid, prompt) in enumerate(prompts):
-    padded, n = eng.pad_prompt(prompt, pid)
-    prefix = eng.prefill_multisampling(params[switch[0]], padded, n,
-                                       eng.samples_per_row, prompt_id=pid,
-                                       seed=5)
-    slots = eng.slots_of_row[row]
-    state = eng.bulk_insert(prefix, state, slots)
-    for s, t in zip(slots, np.asarray(prefix.first_tokens)):
-      tokens[s] = [int(t)]
-  cur = switch[0]
-  for step, part in enumerate(switch[1:]):
-    if part != cur:  # Split or merge with the rollout in flight.
-      state = migrate.move_decode(state, engines[cur], engines[part])
-      cur = part
-    state, result = engines[cur].generate(params[cur], state)
-    res = result.convert_to_numpy()
-    for s in np.nonzero(res.valid)[0]:
-      tokens[int(s)].append(int(res.tokens[s]))
-  assert not np.asarray(state.active).any()
-  return tokens
+def _decode(engines, params, prompts, split_after=None):
+  """Samples of a rollout on engines["all"]; with `split_after`, it
+  continues on engines["part"] (the split's rollout part) after that many
+  decode steps, the samples on the dropped replicas moved there."""
+  driver = PagedDriver(engines["all"], params["all"])
+  driver.start([Request(pid, p, 2, seed=5) for pid, p in prompts])
+  out = []
+  while driver.busy:
+    if driver.stats.steps == split_after:
+      out += driver.step()  # Read the step in flight, then move.
+      assert driver.consolidate(engines["part"], params["part"])[0] > 0
+    out += driver.step()
+  return {s.key: s.tokens for s in out}
 
 
-def test_split_and_merge_keep_an_in_flight_rollout_identical():
+def test_a_split_keeps_an_in_flight_rollout_identical():
   train, rollout = _layouts(4, 2, 2)  # 4 replicas x TP 2.
   graphdef, params = _init(train)
   rparams = colocate.Colocation(train, rollout, params,
@@ -300,9 +288,11 @@ def test_split_and_merge_keep_an_in_flight_rollout_identical():
   assert merged.mesh.devices.tolist() == rollout.mesh.devices.tolist()
 
   M = 6
-  make = lambda layout: Engine(
-      CFG, graphdef, layout, num_rows=4, samples_per_row=2,
-      prefill_buckets=(8,), sampling=SamplingParams(max_new_tokens=M))
+  make = lambda layout: PagedEngine(
+      CFG, graphdef, layout, num_slots=4 * layout.mesh.shape["data"],
+      samples_per_group=2, prefill_buckets=(8,), page_size=4,
+      num_pages=16 * layout.mesh.shape["data"], decode_window=1,
+      sampling=SamplingParams(max_new_tokens=M))
   engines = {"all": make(rollout), "part": make(part)}
   params = {"all": rparams,
             "part": submesh.move(rparams, engines["part"].param_shardings,
@@ -310,9 +300,8 @@ def test_split_and_merge_keep_an_in_flight_rollout_identical():
   rng = np.random.default_rng(3)
   prompts = [(100 + i, rng.integers(1, CFG.vocab_size, 3 + i))
              for i in range(4)]
-  whole = _decode(engines, params, prompts, ["all"] * M)
-  split = _decode(engines, params, prompts,
-                  ["all", "all", "part", "part", "all", "all"])
+  whole = _decode(engines, params, prompts)
+  split = _decode(engines, params, prompts, split_after=2)
   assert whole == split
   assert all(len(t) == M for t in whole.values())
   assert len({tuple(t) for t in whole.values()}) > 4  # Samples differ.
