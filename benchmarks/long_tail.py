@@ -4,11 +4,14 @@
 
 Setting: a tiny random model (`ModelConfig.tiny`, vocab 256) on 8 forced CPU
 devices, rollout layout 8 replicas x TP 1 (`--replicas`: the first that
-many devices), `rows_per_replica` rows of G
-samples each, max M new tokens. Lengths are long-tailed by construction:
-each prompt draws a mean from a lognormal (median `median_len`, sigma 0.9),
-each of its G samples a length from a lognormal around it (sigma 0.5),
-clipped to [1, M] (seeded numpy). The stop rule forces them: the engine
+many devices), the paged engine jobs decode on (`EngineSet(paged=...)`,
+one per replica block) with `rows_per_replica` x G slots a replica
+(`rows_per_replica` groups of G samples), a page pool sized to them (no
+sample waits for pages) and one decode step a call, max M new tokens.
+Lengths are long-tailed by construction: each prompt draws a mean from a
+lognormal (median `median_len`, sigma 0.9), each of its G samples a
+length from a lognormal around it (sigma 0.5), clipped to [1, M] (seeded
+numpy). The stop rule forces them: the engine
 samples with `max_new_tokens=M` and each request carries its samples'
 budgets (`Request.max_new_tokens_per_sample`; the driver ends sample i
 after that many tokens, finish_reason "length"), so every mode decodes the
@@ -18,17 +21,19 @@ response (a full forward of prompt + response padded to P + M, chunks of
 
 Modes, each on the same trace (`rollout/local.LocalRollout` with the
 long-tail policies of `engine/long_tail.py`):
-  static      a new wave of prompts only once every row is free (FIFO), then
-              scoring of the whole batch;
-  continuous  a prompt enters any row as soon as it frees (FIFO), then
-              scoring of the whole batch;
+  static      a new wave of prompts only once every group of the last one
+              is done (FIFO), then scoring of the whole batch;
+  continuous  a prompt's group enters as soon as a slot frees, its samples
+              taking slots as they free (FIFO), then scoring of the whole
+              batch;
   ours        continuous + longest predicted first on the least-loaded
-              replica + consolidation at R_t onto fewer replicas (KV moved)
-              + scoring fused into decoding;
+              replica + consolidation at R_t onto fewer replicas (pages
+              moved) + scoring fused into decoding;
   rlhfless    RLHFless's assignment (each replica decodes its own run of
               similar predicted lengths, the longest on replica 0) and
               release (the block shrinks by its last replica once that
-              one is done, or cut at tau = `cut_tau`, its rows moved by KV)
+              one is done, or cut at tau = `cut_tau`, its groups' pages
+              moved)
               + scoring fused into decoding on the released replicas.
 Predictions come from the length history of another epoch: the trace has
 two epochs of the same prompts (each prompt's mean length is the same, its
@@ -40,19 +45,22 @@ The simulator predicts from the same history. Wall time of the
 rollout+scoring phase: median over repeats, the modes interleaved repeat
 by repeat (the machine is shared). Idle fraction: from the rollout's
 timeline, idle replica-seconds / (replicas x phase time); a replica with no
-live sample that is not scoring is idle (stepping empty rows is wasted).
+live sample that is not scoring is idle (stepping empty slots is wasted).
 
 Simulator: `rlhf_jax/sim/rows.py` replays the same trace through the same
-row-level policies with unit costs measured here on the same engines:
-`step_s(m)` (generate of each m-replica engine in the driver's loop: a
-calibration rollout with every row full and equal budgets after each
-repeat, prefills taken off), `prefill_s` (prefill + insert), `score_s`
-(one chunk on all replicas), `move_s` (the live run's consolidation time
-per move; rlhfless's: per release) and `score_overlap` (the fraction of a
-chunk on freed replicas
-hidden behind tail decoding: ~0 here, 8 fake devices share 2 cores). It
-predicts the speedup of ours over static, the step counts (equal to the
-live driver's) and the idle fractions.
+policies, modelled at row level, with unit costs measured here on the same
+paged engines: `step_s(m)` (a decode step of each m-replica paged engine
+in its driver's loop: a calibration rollout with every slot live and equal
+budgets after each repeat, its prefill calls taken off), `prefill_s` (one
+prefill call + insert on the whole engine), `score_s` (one chunk on all
+replicas), `move_s` (the live run's consolidation time per move;
+rlhfless's: per release) and `score_overlap` (the fraction of a chunk on
+freed replicas hidden behind tail decoding: ~0 here, 8 fake devices share
+2 cores). It predicts the speedup of ours over static, the step counts
+and the idle fractions. Its rows free when their last sample ends; the
+paged driver starts a waiting sample in any slot that frees, so the live
+continuous modes can take a few steps fewer than the model's (static
+waves are the same).
 
 `--smoke` (tests/test_benchmarks_smoke.py): --quick's modes and PPO step
 on 4 replicas (the fewest where ours consolidates and rlhfless releases),
@@ -182,71 +190,105 @@ class RefScorer:
 
 
 # ------------------------------------------------------------ unit costs
-def _stepper(lt, params, m):
-  """One decode step of the m-replica engine (state reused)."""
-  eng, p = lt.engines.engine(m), lt.engines.params_for(params, m)
-  box = [eng.init_decode_state()]
+def _full_run(lt, params, m, prompt, budget):
+  """(the paged driver of the m-replica engine, requests that fill every
+  slot): one group of G samples of `prompt` per G slots, each sample
+  stopping after `budget` tokens. The engines take one decode step a call
+  (`decode_window=1`, as the long-tail controller asks), so a driver step
+  is one decode step."""
+  from rlhf_jax.samples import Request
+
+  engines = lt.engines
+  eng = engines.paged_engine(m)
+  G = eng.samples_per_group
+  reqs = [Request(10**6 + r, prompt, num_samples=G, seed=3,
+                  max_new_tokens_per_sample=(budget,) * G)
+          for r in range(eng.num_slots // G)]
+  driver = engines.make_driver(eng, engines.params_for(params, m), 0)
+  return driver, reqs
+
+
+def _stepper(lt, params, m, prompt):
+  """One decode step of the m-replica paged engine with every slot live,
+  in the driver's loop (the previous step's results read); a call returns
+  a device array of its step to wait on. The samples run to
+  `max_new_tokens`; before their last step a call starts a fresh run
+  (every group prefilled and started, one step), and `step.refill(k)`
+  does so unless k more steps fit (outside a timed loop)."""
+  budget = lt.engines.sampling.max_new_tokens
+  driver, reqs = _full_run(lt, params, m, prompt, budget)
+  left = [0]  # Steps the run's samples have left, every slot live.
+
+  def refill(k=1):
+    if left[0] < k:
+      driver.start(reqs)
+      driver.step()  # Admits and starts every group; its first step.
+      left[0] = budget - 2
 
   def step():
-    box[0], res = eng.generate(p, box[0])
-    return res.data
+    refill()
+    driver.step()
+    left[0] -= 1
+    return driver.state.tokens
+  step.refill = refill
   return step
 
 
 def _time_steps(lt, params, m, prompt, prefill_s, steps=40):
-  """Seconds per decode step of the m-replica engine in the driver's loop.
+  """Seconds per decode step of the m-replica paged engine in its driver's
+  loop.
 
-  A calibration rollout (`Driver`, no controller): every row holds a prompt
-  whose G samples all stop after `steps` tokens, so the loop runs `steps`
-  generate calls with every slot live (results read one step late, as in
-  the benchmark's runs); its prefills are taken off.
+  A calibration rollout (`PagedDriver` via `EngineSet.make_driver`, no
+  controller, one step a call): every slot holds a sample of one of
+  num_slots / G groups, all stopping after `steps` tokens, so the loop
+  runs `steps` decode calls with every slot live (results read one step
+  late, as in the benchmark's runs; the last call finds nothing active);
+  its prefill calls are taken off.
   """
-  from rlhf_jax.engine.driver import Driver
-  from rlhf_jax.samples import Request
-
-  eng, p = lt.engines.engine(m), lt.engines.params_for(params, m)
-  G = eng.samples_per_row
-  reqs = [Request(10**6 + r, prompt, num_samples=G, seed=3,
-                  max_new_tokens_per_sample=(steps,) * G)
-          for r in range(eng.num_rows)]
-  driver = Driver(eng, p)
+  driver, reqs = _full_run(lt, params, m, prompt, steps)
   t0 = time.perf_counter()
   for _ in driver.run(reqs):
     pass
-  return ((time.perf_counter() - t0 - len(reqs) * prefill_s)
+  return ((time.perf_counter() - t0 - driver.stats.prefills * prefill_s)
           / driver.stats.steps)
 
 
 def _time_prefill(lt, params, req):
-  """Seconds of one prompt's prefill + insert on the full engine."""
-  eng = lt.engines.engine(lt.engines.replicas)
+  """Seconds of one prompt's prefill + insert on the full paged engine:
+  one `prefill` call (the batch padded to `prefill_batch`, as the
+  driver's calls are) and the insert of its KV into a group entry's
+  pages."""
+  eng = lt.engines.paged_engine()
   box = [eng.init_decode_state()]
-  padded, n = eng.pad_prompt(req.tokens, req.prompt_id)
-  slots = eng.slots_of_row[0][:req.num_samples]
+  tokens = np.asarray(req.tokens, np.int32)
+  pages = list(range(-(-tokens.size // eng.page_size)))  # Replica 0's.
+  members = list(range(req.first_sample_index,
+                       req.first_sample_index + req.num_samples))
 
   def admit():
-    prefix = eng.prefill_multisampling(params, padded, n, req.num_samples,
-                                       prompt_id=req.prompt_id, seed=req.seed)
-    box[0] = eng.bulk_insert(prefix, box[0], slots)
-    for s in slots:
-      eng.free_resource(s)
-    return box[0].tokens
+    pre = eng.prefill(params, [(tokens, req.prompt_id)], [req.prompt_id],
+                      [req.seed], [members])
+    box[0] = eng.insert(box[0], pre, [0], [pages], [tokens.size],
+                        [req.prompt_id], [req.seed])
+    return box[0].group_len
   return timing.median_time(admit, 5)
 
 
-def _score_overlap(lt, params, scorer, chunk, m, step_s, score_s, n=5):
+def _score_overlap(lt, params, scorer, chunk, m, step_s, score_s, prompt,
+                   n=5):
   """Fraction of a chunk on the replicas freed by m hidden behind decoding.
 
   Dispatches a chunk on replicas [m, R), then as many blocking m-replica
-  steps as the chunk lasts alone, and waits for both: the loop paid
-  (1 - overlap) * score_s on top of the steps.
+  paged steps (`_stepper`) as the chunk lasts alone, and waits for both:
+  the loop paid (1 - overlap) * score_s on top of the steps.
   """
   import jax
-  step, rest = _stepper(lt, params, m), lt.engines.parts(m)[1]
+  step, rest = _stepper(lt, params, m, prompt), lt.engines.parts(m)[1]
   k = max(1, round(score_s / step_s))
   jax.block_until_ready((scorer.score(chunk, rest), step()))  # Warm.
   times = []
   for _ in range(n):
+    step.refill(k)
     t0 = time.perf_counter()
     out = scorer.score(chunk, rest)
     for _ in range(k):
@@ -368,10 +410,15 @@ def main(argv):
   scorer = RefScorer(graphdef, ref, PROMPT_LEN + M, chunk)
   # One set of engines for every mode and the PPO step: the modes run one
   # after another (a rollout starts from a fresh decode state), and each
-  # engine size compiles once instead of once per mode.
+  # engine size compiles once instead of once per mode. The paged engine
+  # (the one jobs decode on): rows x G slots, a pool sized to them (no
+  # sample waits for pages), one decode step a call (the long-tail
+  # controller's window).
   engines = EngineSet(cfg, graphdef, layout, rows_per_replica=rpr,
                       samples_per_row=G, prefill_buckets=(PROMPT_LEN,),
-                      sampling=sampling)
+                      sampling=sampling,
+                      paged=dict(page_size=16, num_pages=0, num_slots=0,
+                                 decode_window=1))
   rollouts = {}
   for name, tail in _tail_configs(chunk, _R_T.value).items():
     lt = LocalRollout(engines, tail=tail, history=LengthHistory(1.0),
@@ -417,7 +464,8 @@ def main(argv):
   tail_sizes = [m for m in ours.engines.sizes
                 if o_stats["rollout/consolidated_replicas"] <= m < replicas]
   overlaps = {m: _score_overlap(ours, params, scorer, samples, m, step_s[m],
-                                score_s, n=1 if _SMOKE.value else 5)
+                                score_s, requests[0].tokens,
+                                n=1 if _SMOKE.value else 5)
               for m in tail_sizes}
   overlap = statistics.fmean(overlaps.values()) if overlaps else 0.0
 

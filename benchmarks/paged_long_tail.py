@@ -1,4 +1,4 @@
-"""Long-tailed responses: the paged engine vs the static-row engine.
+"""Long-tailed responses: the paged engine vs static-row batching.
 
   python -m benchmarks.paged_long_tail [--quick]
 
@@ -7,9 +7,11 @@ tokens, response lengths lognormal (mean 256, sigma 1) capped at 2048 and
 forced by per-sample token budgets (no stop tokens), the same weights,
 seeds and budgets in both variants, so both produce the same samples (the
 run checks it token by token). Both variants get the same KV byte budget:
-  static: `Engine` + `Driver` (today's code, unchanged): R rows x G slots,
-    each row reserving its prompt bucket plus G x max_new_tokens (2048) of
-    suffix KV; a row frees when the last of its G samples ends. R sets the
+  static: `benchmarks/static_rows.StaticRows`, the static-row batching
+    most RL frameworks run, in plain jnp: R rows x G slots, each row
+    reserving its prompt bucket plus G x max_new_tokens (2048) of suffix
+    KV; a row takes its next prompt only when the last of its G samples
+    ends; results read one step late, as the paged driver does. R sets the
     budget (--static_rows, default 2: 16 slots, 33k tokens of KV).
   paged:  `PagedEngine` + `PagedDriver`: a pool of the same bytes in pages
     of --page_size tokens, --paged_slots slots (default 256: slots cost
@@ -17,17 +19,19 @@ run checks it token by token). Both variants get the same KV byte budget:
     and slot at once, decode reads live pages only, and when the pool runs
     out the newest sample is preempted and recomputed later.
 Metric: wall time to finish all 256 samples with everything compiled: an
-untimed short static run and a whole untimed paged run compile first (the
+untimed short static run (its prefill, insert and step) and a whole
+untimed paged run compile first (the
 paged engine compiles one decode step per triple of live slot / prompt
 page / own page buckets, ~20 here), then the variants alternate, 3 timed
 runs each (1 with --quick). `long_tail_speedup_vs_static` = median static
 seconds / median paged seconds. `kv_reserved_over_live` = pool bytes / the peak bytes of
 KV actually held (each group's prompt once + each live sample's tokens),
-measured in the paged run; the static engine's is printed next to it.
+measured in the paged run; the static rows' is printed next to it
+(`static_kv_reserved_over_live`, from a replay of their row schedule).
 
 Model: ModelConfig.tiny with 1 layer, embed 256, 4 query heads, 1 kv head
 of dim 64, MLP 768, vocab 1024 (fp32), one CPU device: small enough that
-the static engine's ~6700 decode steps fit the 3-minute --quick budget.
+the static rows' ~6700 decode steps fit the 3-minute --quick budget.
 
 A second, small case checks that the paged engine still reads a group's
 prompt once for its G samples (`paged_prefix_speedup_g16_p512`,
@@ -51,9 +55,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.paged import PagedEngine
 from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
@@ -64,6 +66,7 @@ from rlhf_jax.parallel import mesh as mesh_lib
 from benchmarks import long_tail_workload
 from benchmarks import report
 from benchmarks import timing
+from benchmarks.static_rows import StaticRows
 
 _SIZES = long_tail_workload.SIZES
 _QUICK = flags.DEFINE_bool("quick", False, "One timed run per variant.")
@@ -82,9 +85,12 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "4 prompts x 2 samples of up to "
                            "(tests).")
 
 
-def _run(driver, requests):
+def _run(run, requests):
+  """(seconds, {sample key: Sample}) of `run(requests)`, which returns
+  or yields the samples."""
   t0 = time.perf_counter()
-  out = {s.key: s for s in driver.run(requests)}
+  out = run(requests)
+  out = dict(out) if isinstance(out, dict) else {s.key: s for s in out}
   return time.perf_counter() - t0, out
 
 
@@ -106,8 +112,8 @@ def main(argv):
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
   tokens = int(lengths.sum())
 
-  static = Engine(cfg, graphdef, layout, num_rows=w["static_rows"],
-                  samples_per_row=G, prefill_buckets=(P,), sampling=sampling)
+  static = StaticRows(cfg, graphdef, params, rows=w["static_rows"],
+                      samples_per_row=G, bucket=P, sampling=sampling)
   token_bytes, budget = w["token_bytes"], w["budget"]
   paged = PagedEngine(cfg, graphdef, layout, num_slots=w["paged_slots"],
                       samples_per_group=G, prefill_buckets=(P,),
@@ -122,25 +128,24 @@ def main(argv):
         flush=True)
 
   runs = {"static": [], "paged": []}
-  outputs, drivers = {}, {}
-  make = {"static": lambda: Driver(static, params),
-          "paged": lambda: PagedDriver(paged, params)}
-  # Untimed first: a short static run compiles its three functions; a
-  # whole paged run compiles its decode-step shapes (and extend lengths).
-  _run(make["static"](), [dataclass_replace_budget(r, 16)
-                          for r in requests[:2]])
-  secs, _ = _run(make["paged"](), requests)
+  outputs = {}
+  # Untimed first: a short static run compiles its prefill, insert and
+  # step; a whole paged run compiles its decode-step shapes (and extend
+  # lengths).
+  _run(static.run, [dataclass_replace_budget(r, 16) for r in requests[:2]])
+  secs, _ = _run(PagedDriver(paged, params).run, requests)
   print(f"  paged compile run: {secs:.1f} s, {paged.trace_counts['generate']}"
         f" decode-step shapes ({time.perf_counter() - t_start:.0f} s)",
         flush=True)
   for _ in range(1 if _QUICK.value else 3):
-    for name in ("static", "paged"):
-      drivers[name] = make[name]()
-      secs, outputs[name] = _run(drivers[name], requests)
+    paged_driver = PagedDriver(paged, params)
+    for name, run in (("static", static.run), ("paged", paged_driver.run)):
+      secs, outputs[name] = _run(run, requests)
       runs[name].append(secs)
-      print(f"  {name}: {secs:.1f} s, {drivers[name].stats.steps} decode "
-            f"steps ({time.perf_counter() - t_start:.0f} s)", flush=True)
-  paged_driver = drivers["paged"]
+      steps = ("" if name == "static" else
+               f", {paged_driver.stats.steps} decode steps")
+      print(f"  {name}: {secs:.1f} s{steps} "
+            f"({time.perf_counter() - t_start:.0f} s)", flush=True)
   a, b = outputs["static"], outputs["paged"]
   if a.keys() != b.keys() or any(a[k].tokens != b[k].tokens for k in a):
     raise AssertionError("static and paged runs sampled different tokens")
@@ -265,7 +270,7 @@ def dataclass_replace_budget(req: Request, cap: int) -> Request:
 
 
 def max_static_live(requests, lengths, rows, G, P) -> int:
-  """Peak tokens the static engine holds live: replays its schedule (a row
+  """Peak tokens the static rows hold live: replays their schedule (a row
   takes the next prompt when its longest sample ends; live = prompt + the
   tokens so far of each sample still running)."""
   free_at = [0] * rows

@@ -4,20 +4,29 @@
 
 In one run, on one CPU device, the same model and the same code, two ways:
 
-Rollout (the engine, prefill + decode until every sample has M tokens):
-  shared:   Engine(samples_per_row=G): each prompt is prefilled ONCE and its
-            G samples decode against one copy of its KV (prefix rows).
-  repeated: Engine(samples_per_row=1): the prompt is submitted G times
-            (sample indices 0..G-1), G prefills and G copies of its KV.
+Rollout (the paged engine, `PagedEngine` + `PagedDriver` as jobs run it:
+admission, prefill and decode until every sample has M tokens):
+  shared:   one request of G samples per prompt: each prompt is prefilled
+            ONCE and its G samples decode against one copy of its KV pages
+            (one group, its prompt pages read once per step for all G).
+  repeated: G requests of 1 sample per prompt (sample indices 0..G-1): G
+            prefills and G copies of its KV pages.
   Settings (G, P, M): (16, 512, 64) and (4, 128, 64), 16 samples each
-  (1 resp. 4 prompts). Timed: prefill of every prompt copy, bulk_insert, and
-  M - 1 `generate` steps (temperature 1, no stop tokens), blocking at the
-  end of each phase.
+  (1 resp. 4 prompts). Engines: 16 slots, one prompt bucket P, pages of 16
+  tokens, the default page pool (nothing waits for a slot or a page),
+  `num_groups` = the run's requests (all admitted at once), prefills of
+  up to 4 prompts a call (the default), the default decode window (8 steps
+  a `generate` call). Both variants draw the same tokens (same keys;
+  `rollout_same_tokens` in the JSON). Timed: one `PagedDriver.run`,
+  split where its first `generate` call waits for the decode state: prefill
+  = admission (every prompt copy's prefill, insert, the samples' starts),
+  decode = the rest (every decode call and the driver's host work,
+  pipelined as in a job). Temperature 1, no stop tokens.
 
 Common prefix (the engine's two-level sharing, `benchmarks/common_prefix.py`,
 also run here): 16 prompts = a 256-token prefix common to all + 8..32 own
-tokens, G=4; baseline prefills every whole prompt into its row, ours
-prefills and stores the 256 tokens once.
+tokens, G=4; baseline prefills every whole prompt into its group's pages,
+ours prefills and stores the 256 tokens once.
 
 Train step (Learner.step, GRPO policy loss with k3 KL, token-mean):
   shared:   the grouped layout (rl/grouped.py): prompt tokens [N, P] run once,
@@ -30,11 +39,16 @@ Train step (Learner.step, GRPO policy loss with k3 KL, token-mean):
 Compile runs are excluded; variants alternate repeat by repeat (the machine
 is shared); the speedup is the median over repeats of the paired time ratio
 repeated / shared. Next to each measured ratio is the theoretical one:
-  rollout: KV read per decode step, ((P+M) G) / (P + G M) (the engine reads
-    the whole padded prompt and suffix buffers), and prefill FLOPs, G;
+  rollout: KV tokens read per decode step, repeated / shared, as the
+    engine's jnp attention reads them (`common_prefix.kv_tokens_read`: each
+    group's prompt pages once, each sample's own pages, up to the step's
+    page-rounded bounds; averaged over the decode steps), and prefill
+    FLOPs, G;
   train: tokens through the weights, G (P+R) / (P + G R) (matmul FLOPs;
     attention FLOPs favour sharing a bit more).
-Decode-state bytes are `Engine.decode_state_bytes` of the two engines.
+Decode-state bytes are those of the two engines
+(`common_prefix.decode_state_bytes`: the default page pool, sized for the
+run's prompts and samples, and the tables).
 
 Model: `ModelConfig.tiny` widened as in benchmarks/engine.py (4 layers, embed
 256, 8 query / 2 kv heads of dim 64, MLP 768, vocab 1024: 4.2M params, fp32),
@@ -47,8 +61,8 @@ repeat, and the common prefix's smoke; the numbers mean nothing.
 
 Prints a table, then one JSON line (last stdout line) with
 `rollout_speedup` and `theoretical_kv_read_ratio` (G=16, P=512),
-`train_step_speedup`, `kv_bytes_ratio` (repeated / shared decode state,
-G=16, P=512) and the per-setting numbers.
+`train_step_speedup`, `kv_bytes_ratio` (repeated / shared decode-state
+bytes, G=16, P=512) and the per-setting numbers.
 """
 
 from __future__ import annotations
@@ -61,8 +75,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from rlhf_jax.samples import Sample
-from rlhf_jax.engine.engine import Engine
+from rlhf_jax.samples import Request, Sample
+from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -82,6 +97,7 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "A 1-layer 64-wide model, 3 new "
                            "tokens, one repeat: that it runs (tests).")
 
 SAMPLES = 16                                # Live samples per rollout.
+PAGE_SIZE = 16                              # Tokens per KV page.
 ROLLOUT_CASES = ((16, 512, 64), (4, 128, 64))  # (G, P, M); headline first.
 TRAIN_CASE = (8, 256, 64)                   # (G, P, R).
 
@@ -97,46 +113,38 @@ def _model_config() -> ModelConfig:
 
 # ----------------------------------------------------------------- rollout
 class _Rollout:
-  """One engine plus its request list; `run` times one whole rollout."""
+  """One paged engine plus its request list; `run` times one rollout."""
 
   def __init__(self, cfg, graphdef, params, layout, G, P, M, prompts_NxP,
                shared: bool):
     N = prompts_NxP.shape[0]
-    self.engine = Engine(
-        cfg, graphdef, layout, num_rows=N if shared else N * G,
-        samples_per_row=G if shared else 1, prefill_buckets=(P,),
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=M))
+    n = N if shared else N * G  # Requests = groups.
+    self.engine = PagedEngine(
+        cfg, graphdef, layout, num_slots=N * G,
+        samples_per_group=G if shared else 1, prefill_buckets=(P,),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=M),
+        page_size=PAGE_SIZE, num_groups=n, prefill_batch=min(n, 4))
     self.params, self.M = params, M
-    # (prompt id, tokens, num samples, first sample index) per prefill.
-    self.requests = ([(n, prompts_NxP[n], G, 0) for n in range(N)] if shared
-                     else [(n, prompts_NxP[n], 1, j) for n in range(N)
-                           for j in range(G)])
+    self.requests = ([Request(i, prompts_NxP[i], G, seed=0)
+                      for i in range(N)] if shared
+                     else [Request(i, prompts_NxP[i], 1, seed=0,
+                                   first_sample_index=j)
+                           for i in range(N) for j in range(G)])
     self.times = []  # (prefill_s, decode_s) per timed run.
+    self.kv_read = 0.0
+    self.tokens = None
 
   def run(self, timed=True):
-    """One rollout; untimed = compile only (one prompt, one step)."""
-    eng = self.engine
-    requests = self.requests if timed else self.requests[:1]
-    state = eng.init_decode_state()
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    prefixes = [eng.prefill_multisampling(
-        self.params, tokens, tokens.shape[0], num, prompt_id=pid, seed=0,
-        first_sample_index=first) for pid, tokens, num, first in requests]
-    jax.block_until_ready(prefixes)
-    t1 = time.perf_counter()
-    for r, prefix in enumerate(prefixes):
-      state = eng.bulk_insert(prefix, state,
-                              eng.slots_of_row[r][:len(prefix.sample_indices)])
-    # The first token came with the prefill: M - 1 steps finish every sample.
-    for _ in range(self.M - 1 if timed else 1):
-      state, result = eng.generate(self.params, state)
-    result.data.block_until_ready()
-    t2 = time.perf_counter()
+    """One rollout; untimed = the compile run."""
+    res = common_prefix.timed_run(PagedDriver(self.engine, self.params),
+                                  self.requests)
+    if len(res.tokens) != SAMPLES or any(
+        len(t) != self.M for t in res.tokens.values()):
+      raise AssertionError(f"expected {SAMPLES} samples of {self.M} tokens")
+    # The first token comes with the prefill: M - 1 decode steps.
+    self.kv_read, self.tokens = res.kv_read(self.M - 1), res.tokens
     if timed:
-      if int(np.asarray(state.active).sum()):
-        raise AssertionError("samples still live after M - 1 steps")
-      self.times.append((t1 - t0, t2 - t1))
+      self.times.append((res.admit_s, res.decode_s))
 
 
 def _rollout_case(cfg, graphdef, params, layout, G, P, M, repeats, rng):
@@ -144,7 +152,7 @@ def _rollout_case(cfg, graphdef, params, layout, G, P, M, repeats, rng):
   prompts = rng.integers(0, cfg.vocab_size, (N, P)).astype(np.int32)
   shared = _Rollout(cfg, graphdef, params, layout, G, P, M, prompts, True)
   repeated = _Rollout(cfg, graphdef, params, layout, G, P, M, prompts, False)
-  shared.run(timed=False)  # Compiles prefill, insert, generate.
+  shared.run(timed=False)  # Compiles prefill, insert, start, generate.
   repeated.run(timed=False)
   for _ in range(repeats):
     shared.run()
@@ -159,13 +167,14 @@ def _rollout_case(cfg, graphdef, params, layout, G, P, M, repeats, rng):
   # read per step), solved from the two variants (same projections, MLP,
   # logits and sampling; they differ only in prompt KV reads).
   step_sh, step_rep = (1e3 * med(v, 1) / (M - 1) for v in (shared, repeated))
-  kv_sh, kv_rep = N * P + SAMPLES * M, SAMPLES * P + SAMPLES * M
+  kv_sh, kv_rep = shared.kv_read, repeated.kv_read
   c = (step_rep - step_sh) / (kv_rep - kv_sh)
   rest = step_rep - c * kv_rep
   return dict(
       step_ms_shared=step_sh, step_ms_repeated=step_rep, rest_ms=rest,
       kv_ms_shared=c * kv_sh, kv_ms_repeated=c * kv_rep,
-      G=G, P=P, M=M, N=N,
+      kv_tokens_shared=kv_sh, kv_tokens_repeated=kv_rep,
+      same_tokens=shared.tokens == repeated.tokens, G=G, P=P, M=M, N=N,
       speedup=float(np.median(tot(repeated) / tot(shared))),
       shared_s=float(np.median(tot(shared))),
       repeated_s=float(np.median(tot(repeated))),
@@ -173,9 +182,10 @@ def _rollout_case(cfg, graphdef, params, layout, G, P, M, repeats, rng):
       shared_decode_s=med(shared, 1), repeated_decode_s=med(repeated, 1),
       decode_speedup=med(repeated, 1) / med(shared, 1),
       prefill_speedup=med(repeated, 0) / med(shared, 0),
-      theory_kv_read=(P + M) * G / (P + G * M), theory_prefill=float(G),
-      shared_state_bytes=shared.engine.decode_state_bytes(),
-      repeated_state_bytes=repeated.engine.decode_state_bytes())
+      theory_kv_read=kv_rep / kv_sh, theory_prefill=float(G),
+      shared_state_bytes=common_prefix.decode_state_bytes(shared.engine),
+      repeated_state_bytes=common_prefix.decode_state_bytes(
+          repeated.engine))
 
 
 # -------------------------------------------------------------- train step
@@ -253,12 +263,15 @@ def _table(rollouts, train) -> str:
         f"{r['shared_state_bytes'] / 2**20:>15.2f} "
         f"{r['repeated_state_bytes'] / 2**20:>6.2f}")
   lines += [
-      f"{SAMPLES} samples per rollout; prefill = every prompt copy, decode = "
-      f"M-1 generate steps; speedup = median paired ratio repeated/shared of "
-      f"the whole rollout, prefill/decode columns = ratio of medians. "
-      f"KV-read theory = ((P+M)G)/(P+GM) per decode step; prefill theory = "
-      f"G.", ""]
-  head = (f"{'decode':<9}{'G':>3}{'P':>5} | {'step ms shared':>14} "
+      f"{SAMPLES} samples per rollout on the paged engine (pages of "
+      f"{PAGE_SIZE}); prefill = admission of every prompt copy (prefill, "
+      f"insert, start), decode = the rest of the run (M-1 decode steps, "
+      f"8 a call); speedup = median paired ratio repeated/shared of the "
+      f"whole rollout, prefill/decode columns = ratio of medians. KV-read "
+      f"theory = repeated / shared KV tokens a decode step reads (the "
+      f"attention's page-rounded reads); prefill theory = G.", ""]
+  head = (f"{'decode':<9}{'G':>3}{'P':>5} | {'KV tok/step shared':>18} "
+          f"{'repeat':>6} | {'step ms shared':>14} "
           f"{'repeat':>6} | {'KV-read ms shared':>17} {'repeat':>6} | "
           f"{'rest ms':>7} | {'bound':>6}")
   lines += [head, "-" * len(head)]
@@ -267,13 +280,15 @@ def _table(rollouts, train) -> str:
     bound = (f"{r['step_ms_repeated'] / r['rest_ms']:>5.1f}x"
              if r["rest_ms"] > 0.05 * r["step_ms_repeated"] else "KV-bnd")
     lines.append(
-        f"{'':<9}{r['G']:>3}{r['P']:>5} | {r['step_ms_shared']:>14.2f} "
+        f"{'':<9}{r['G']:>3}{r['P']:>5} | {r['kv_tokens_shared']:>18.0f} "
+        f"{r['kv_tokens_repeated']:>6.0f} | {r['step_ms_shared']:>14.2f} "
         f"{r['step_ms_repeated']:>6.2f} | {r['kv_ms_shared']:>17.2f} "
         f"{r['kv_ms_repeated']:>6.2f} | {r['rest_ms']:>7.2f} | {bound}")
   lines += [
       "Decode time split (estimate): step = rest + c * KV tokens read per "
-      "step (shared: N P + S M, repeated: S P + S M), solved from the two "
-      "variants; rest = weight-bound work both do alike. bound = repeated "
+      "step (the KV tok/step columns), solved from the two variants; step "
+      "= decode time / (M-1), the driver's host work included; rest = "
+      "weight-bound work both do alike. bound = repeated "
       "step / rest, the decode speedup if KV reads were free (KV-bnd: rest "
       "< 5% of the step, i.e. decode is bound by KV reads and the decode "
       "speedup can reach the KV-read theory).", ""]
@@ -359,6 +374,8 @@ def main(argv):
       train_repeated_s=round(train["repeated_s"], 4),
       decode_state_bytes_shared=head["shared_state_bytes"],
       decode_state_bytes_repeated=head["repeated_state_bytes"],
+      rollout_same_tokens=all(r["same_tokens"] for r in rollouts),
+      engine="paged", page_size=PAGE_SIZE,
       common256_rollout_speedup=common["rollout_speedup_common256"],
       common256_prefill_speedup=common["prefill_speedup_common256"],
       common256_prefill_tokens_ratio=common["prefill_tokens_ratio"],

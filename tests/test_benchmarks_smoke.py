@@ -83,7 +83,7 @@ BENCHMARKS = {
                       "cpu_throughput_vs_trainer_only", "sim_rel_error"), 120,
         slow=True),
     "engine": _case(
-        ["--smoke"], ("decode_tok_s", "prefix_rows_speedup_g16_p512"), 120,
+        ["--smoke"], ("decode_tok_s", "prompt_once_speedup_g16_p512"), 120,
         slow=True),
     "engines": _case(
         ["--smoke"], ("paged_over_rows_4x4", "first_step_paged_over_rows_4x4",

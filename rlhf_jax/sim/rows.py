@@ -1,15 +1,20 @@
-"""Row-level event simulation of our decode engine (`engine/long_tail.py`).
+"""Row-level simulation of our long-tail policies (`engine/long_tail.py`).
 
 The cluster simulator (`step.py`) models instances with roofline costs of
-real accelerators; this one replays a length trace through OUR engine's
-row-level continuous batching with unit costs measured on it, so the live
-benchmark (`benchmarks/long_tail.py`) can check its prediction. Exact and
-deterministic, in simulated seconds, one host loop as in `engine/driver.py`:
+real accelerators; this one replays a length trace through OUR policies
+as row-level continuous batching, with unit costs measured on the paged
+engine jobs decode on (`benchmarks/long_tail.py` calibrates them there
+and checks the prediction against its live runs). A model, not a replay of
+the paged driver: a row here is a group of G slots that frees when its last
+sample ends, where the paged driver starts a waiting sample in any slot
+that frees (its continuous runs can take a few steps fewer), and a step
+costs `step_s(m)` however many slots are live. Exact and deterministic, in
+simulated seconds, one host loop as in the engine's driver:
   - R replicas x `rows_per_replica` rows; a row holds one prompt's G samples
     and frees only when all of them end; row r lives on replica r // rows.
   - Iteration k: admit pending prompts into free rows (`prefill_s` each; the
     first token comes from the prefill), one decode step (`step_s(m)` on an
-    m-replica engine, however many slots are live: static shapes), then read
+    m-replica engine, however many slots are live), then read
     step k-1's tokens (the host reads one step late). A sample of length L
     admitted at iteration a is read finished at iteration a + L - 1, and
     its row is free for admission at the next iteration.
