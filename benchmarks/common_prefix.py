@@ -5,12 +5,12 @@
 Setting: N prompts (16) that all start with the same C = 256 tokens (a system
 prompt / few-shot block) followed by 8..32 tokens of their own, G samples
 (4) per prompt, temperature-1 sampling with no stop tokens. Two paged
-engines (`PagedEngine` + `PagedDriver`, what jobs decode on), measured in
+engines (`Engine` + `Driver`, what jobs decode on), measured in
 the same run:
   baseline: the engine fed the whole prompts (prompt bucket C + 32): every
     group prefills the common tokens again and holds them in its prompt
     pages;
-  common:   `PagedEngine(max_common_length=C)` + `PagedDriver.run(
+  common:   `Engine(max_common_length=C)` + `Driver.run(
     common_prefix="auto")`: the common prefix is detected, prefilled once
     and stored once (one dense copy in the decode state, outside the page
     pool); groups prefill and page only their own tokens (bucket 32), which
@@ -25,7 +25,7 @@ slot or a page) and the default decode window (8 steps a `generate` call).
 
 Measured per variant (a first run of each, which compiles, excluded;
 variants interleaved repeat by repeat; medians):
-  rollout_s: `PagedDriver.run` end to end (set_common_prefix, prefills,
+  rollout_s: `Driver.run` end to end (set_common_prefix, prefills,
     inserts, starts, every decode call until all N*G samples finish);
   prefill_s: the admission phase of a second run, from its start until the
     decode state is ready for the first decode call (set_common_prefix, the
@@ -38,7 +38,7 @@ for common: what the phase timings predict for the end-to-end ratio (a
 cross-check; on a loaded shared CPU the end-to-end runs are the noisiest).
 Ratios: speedups are baseline time / common time. Resource ratios are
 common / baseline (smaller is better): `prefill_tokens_ratio` (padded tokens
-run through prefill, `PagedDriver.stats.prefill_tokens`: the common prefix
+run through prefill, `Driver.stats.prefill_tokens`: the common prefix
 counted once, at its capacity C), `kv_bytes_ratio` (decode-state bytes,
 `decode_state_bytes`: the page pool, the common prefix's KV and the
 tables), `kv_read_ratio_theory` (KV tokens a decode step with every sample
@@ -73,9 +73,9 @@ import numpy as np
 
 from benchmarks import report
 from kernels_pallas import paged_decode_attention as pda
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
-from rlhf_jax.engine.paged_state import STEP_FLOORS, pow2_at_least, step_bounds
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.state import STEP_FLOORS, pow2_at_least, step_bounds
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -99,24 +99,24 @@ def _model_config(smoke: bool = False) -> ModelConfig:
 
 
 # ------------------------------------------- paged-run helpers (importable)
-def decode_state_bytes(engine: PagedEngine) -> int:
-  """Bytes of the engine's decode state (`PagedState`): the page pool, the
+def decode_state_bytes(engine: Engine) -> int:
+  """Bytes of the engine's decode state (`DecodeState`): the page pool, the
   common prefix's KV (its capacity) and the group and slot tables."""
   fields = engine._fields()  # pylint: disable=protected-access
   return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
              for _, shape, dtype in fields.values())
 
 
-def kv_tokens_read(engine: PagedEngine, slots, groups: int,
+def kv_tokens_read(engine: Engine, slots, groups: int,
                    prompt_pages: int, own_pages: int) -> int:
   """KV tokens one decode step of `engine.generate(slots=..., groups=...,
   prompt_pages=..., own_pages=...)` reads, as its attention reads them.
 
   The jnp attention (CPU) reads dense rows up to the step's bounds, each
   rounded up to a power of two above its floor and capped by the engine's
-  tables (`paged_state.step_bounds`; padding is read and masked): groups x
+  tables (`engine/state.step_bounds`; padding is read and masked): groups x
   prompt pages (once per group, for all its samples) plus listed slots
-  (`PagedEngine._list_slots`) x own pages, per data replica. The Pallas
+  (`Engine._list_slots`) x own pages, per data replica. The Pallas
   kernels (TPU, GPU) walk each table to its length, counted here at the
   driver's page counts. Plus the common prefix, once for all slots (the jnp
   part reads its whole capacity).
@@ -140,7 +140,7 @@ def kv_tokens_read(engine: PagedEngine, slots, groups: int,
 
 @dataclasses.dataclass
 class TimedRun:
-  """One `PagedDriver.run`, timed by `timed_run`."""
+  """One `Driver.run`, timed by `timed_run`."""
   tokens: dict    # (prompt id, sample index) -> sampled tokens
   admit_s: float  # run start -> decode state ready for the first decode call
   decode_s: float  # from then to the run's end (decode calls + host work)
@@ -168,9 +168,9 @@ class TimedRun:
     return sum(n * kv for _, n, kv in live) / sum(n for _, n, _ in live)
 
 
-def timed_run(driver: PagedDriver, requests, *, common_prefix=None,
+def timed_run(driver: Driver, requests, *, common_prefix=None,
               each_call: bool = False) -> TimedRun:
-  """Runs `requests` through `driver` (`PagedDriver.run`), timing phases.
+  """Runs `requests` through `driver` (`Driver.run`), timing phases.
 
   The first `generate` call waits for the decode state (admission done:
   common prefix, prefills, inserts, starts): `admit_s` ends there. With
@@ -217,7 +217,7 @@ class _Variant:
   def __init__(self, name, engine, params, requests, common_prefix):
     self.name, self.engine, self.params = name, engine, params
     self.requests, self.common_prefix = requests, common_prefix
-    self.driver = PagedDriver(engine, params)
+    self.driver = Driver(engine, params)
     self.rollout_s, self.prefill_s, self.step_ms = [], [], []
     self.kv_read = 0.0
     self.samples = None
@@ -269,7 +269,7 @@ def measure(quick: bool, log=print, smoke: bool = False) -> dict:
     own = rng.integers(0, cfg.vocab_size, rng.integers(8, OWN_MAX + 1))
     prompts.append(np.concatenate([common, own]).astype(np.int32))
   requests = [Request(i, p, group, seed=1) for i, p in enumerate(prompts)]
-  make = lambda **kw: PagedEngine(
+  make = lambda **kw: Engine(
       cfg, graphdef, layout, num_slots=n_prompts * group,
       samples_per_group=group, sampling=sampling, page_size=PAGE_SIZE,
       num_groups=n_prompts, **kw)

@@ -2,10 +2,14 @@
 
   python -m benchmarks.elastic [--quick]
 
-A tiny random model on 8 forced CPU devices. Trainer-only: one engine over
-all 8 devices (8 replicas x `rows_per_replica` rows). Elastic: in-process
-`RolloutWorker`s of one device and `rows_per_replica` rows each (the same
-per-device program, so the same tokens), driven by a `RolloutManager`
+A tiny random model on 8 forced CPU devices, every engine the paged one
+(`engine/engine.py`, as jobs and their workers decode). Trainer-only: one
+engine over all 8 devices (8 replicas x `rows_per_replica` rows: a row is
+a group entry of G slots), driven by one `Driver`. Elastic:
+in-process `RolloutWorker`s of one device and `rows_per_replica` rows each
+(the same per-replica block of slots, entries and pages; a sample's tokens
+depend on its seed, prompt, index and position only, so they are the
+trainer-only run's), driven by a `RolloutManager`
 while an `AvailabilityReplayer` replays a short spot trace in the
 simulator's format: workers join, are preempted mid-response, and others
 join (event times are fractions of T, the wall time of a trainer-only run
@@ -14,7 +18,12 @@ trace, as a spot instance that finished booting). Response lengths are
 long-tailed and forced by per-sample budgets, as in
 `benchmarks/long_tail.py`. Each repeat runs trainer-only, then the elastic
 rollout on the same trace, then a step-cost calibration (the machine is
-shared: ratios are paired within a repeat, medians over repeats).
+shared: ratios are paired within a repeat, medians over repeats). Every
+engine has one group entry per row (`num_groups` = rows, `num_slots` =
+rows x G: a group starts once a row frees, as the row-level simulator
+models it), a page pool for every slot (automatic: no pool preemption) and
+one decode step a call (`decode_window=1`, as the jobs' workers: a poll of
+n steps is n tokens a sample).
 
 Reports tokens lost to preemption (reference tokens not reproduced: must
 be 0), re-prefill tokens spent on continuations, weight pull latency,
@@ -27,8 +36,9 @@ rounds (in-process workers poll one after the other: a round costs the sum)
 with unit costs measured here: a worker's driver iteration (calibration
 rollouts through `RolloutWorker.poll`, every slot live vs one live sample:
 a step cost plus a per-live-sample cost, prefills taken off; measured
-before and after each repeat, the mean used), prefill + insert per prompt
-bucket (short prompts, long continuations), a joiner's weight load, and
+before and after each repeat, the mean used), a prefill call + insert per
+prompt bucket (short prompts, long continuations; a call prefills up to
+the engine's `prefill_batch` prompts), a joiner's weight load, and
 the per-poll overhead of the manager and the call (the residual of
 calibration manager runs over another long-tailed trace, no events, minus
 their zero-overhead simulation). Trainer-only: `worker_rows.simulate_driver`
@@ -85,6 +95,7 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "8 prompts of up to 16 tokens, "
                            "one repeat: that it runs (tests).")
 
 PROMPT_LEN = 16
+PAGE_SIZE = 16  # Tokens per KV page.
 THETA, POLL_STEPS = 2, 4
 EVENTS = (  # (fraction of T, instance, kind)
     (0.0, "a", "add"), (0.0, "b", "add"), (0.0, "c", "add"),
@@ -93,39 +104,42 @@ EVENTS = (  # (fraction of T, instance, kind)
 
 
 def _prefill_s(eng, params, prompt_len, num_samples):
-  """Seconds of one prompt's prefill + insert into row 0 (freed again)."""
-  padded, n = eng.pad_prompt(np.arange(prompt_len) % 250 + 3)
-  slots = eng.slots_of_row[0][:num_samples]
+  """Seconds of one prefill call (one prompt; a call computes all of the
+  engine's `prefill_batch` rows) + its insert into group entry 0 (the
+  same pages every time)."""
+  tokens = np.arange(prompt_len) % 250 + 3
+  pages = list(range(-(-prompt_len // eng.page_size)))
   box = [eng.init_decode_state()]
 
   def admit():
-    prefix = eng.prefill_multisampling(params, padded, n, num_samples)
-    box[0] = eng.bulk_insert(prefix, box[0], slots)
-    for s in slots:
-      eng.free_resource(s)
-    return box[0].tokens
+    pre = eng.prefill(params, [(tokens, 0)], [0], [5],
+                      [list(range(num_samples))])
+    box[0] = eng.insert(box[0], pre, [0], [pages], [prompt_len], [0], [5])
+    return box[0].group_first
   return timing.median_time(admit, 7)
 
 
-def _loop_s(rollout, n_rows, g, prefill_s, steps=32):
+def _loop_s(rollout, n_rows, g, prefill_s, prefill_batch, steps=32):
   """Seconds per driver iteration of a calibration rollout: `n_rows`
-  prompts of `g` samples, all `steps` tokens long (results read one step
-  late), prefills taken off. `rollout(requests)` returns its steps."""
+  prompts of `g` samples (admitted together: prefilled `prefill_batch` a
+  call), all `steps` tokens long (results read one step late), prefills
+  taken off. `rollout(requests)` returns its steps."""
   from rlhf_jax.samples import Request
   reqs = [Request(10**6 + r, np.arange(3, 3 + PROMPT_LEN - 4), num_samples=g,
                   seed=3, max_new_tokens_per_sample=(steps,) * g)
           for r in range(n_rows)]
+  calls = -(-n_rows // prefill_batch)
   t0 = time.perf_counter()
   n = rollout(reqs)
-  return (time.perf_counter() - t0 - n_rows * prefill_s) / n
+  return (time.perf_counter() - t0 - calls * prefill_s) / n
 
 
-def _step_costs(rollout, num_rows, G, prefill_s):
+def _step_costs(rollout, num_rows, G, prefill_s, prefill_batch):
   """(step_s, sample_s) of an engine: its iteration with every slot live
-  vs with one live sample, linear in between (the host reads each live
-  sample's token)."""
-  full = _loop_s(rollout, num_rows, G, prefill_s)
-  one = _loop_s(rollout, 1, 1, prefill_s)
+  vs with one live sample, linear in between (the paged engine runs the
+  listed live slots, and the host reads each live sample's token)."""
+  full = _loop_s(rollout, num_rows, G, prefill_s, prefill_batch)
+  one = _loop_s(rollout, 1, 1, prefill_s, prefill_batch)
   sample_s = max(0.0, (full - one) / (num_rows * G - 1))
   return one - sample_s, sample_s
 
@@ -156,8 +170,8 @@ def main(argv):
   from flax import nnx
   timing.fake_cpu_devices(8)
   jax.config.update("jax_platforms", "cpu")
-  from rlhf_jax.engine.driver import Driver
   from rlhf_jax.samples import Request
+  from rlhf_jax.engine.driver import Driver
   from rlhf_jax.engine.engine import Engine
   from rlhf_jax.engine.sampling import SamplingParams
   from rlhf_jax.models import model as model_lib
@@ -202,10 +216,15 @@ def main(argv):
   sampling = SamplingParams(temperature=1.0, max_new_tokens=M)
   buckets = (PROMPT_LEN, PROMPT_LEN + M)  # The long one: continuations.
 
+  # One group entry per row (G slots), pages for every slot (automatic),
+  # one decode step a call: the row-level simulator's engine.
+  paged = dict(page_size=PAGE_SIZE, decode_window=1)
+
   # Trainer-only: one engine over the mesh (warm-up compiles).
-  engine = Engine(cfg, graphdef, layout, num_rows=8 * rpr, samples_per_row=G,
-                  prefill_buckets=buckets, sampling=sampling)
-  rparams = jax.device_put(params, layout.param_shardings(params))
+  engine = Engine(cfg, graphdef, layout, num_slots=8 * rpr * G,
+                  samples_per_group=G, num_groups=8 * rpr,
+                  prefill_buckets=buckets, sampling=sampling, **paged)
+  rparams = jax.device_put(params, engine.param_shardings)
 
   def trainer_only():
     driver = Driver(engine, rparams)
@@ -220,7 +239,9 @@ def main(argv):
 
   spec = EngineSpec(cfg, num_rows=rpr, samples_per_row=G,
                     prefill_buckets=buckets, sampling=sampling,
-                    lora=lora_spec)
+                    lora=lora_spec,
+                    paged=dict(paged, num_pages=0, num_slots=rpr * G,
+                               num_groups=rpr))
   devices = jax.devices()
   store = LocalWeightStore()
 
@@ -260,9 +281,12 @@ def main(argv):
                buckets[1]: _prefill_s(w0.engine, w0.params, PROMPT_LEN + 8, 1)}
   trainer_prefill_s = _prefill_s(engine, rparams, PROMPT_LEN - 4, G)
 
+  batch = w0.engine.prefill_batch  # Prompts per prefill call (both).
+  assert engine.prefill_batch == batch
+
   def worker_step_costs():
     return tuple(statistics.median(x) for x in zip(*(
-        _step_costs(_poll_rollout(w), rpr, G, prefill_s[PROMPT_LEN])
+        _step_costs(_poll_rollout(w), rpr, G, prefill_s[PROMPT_LEN], batch)
         for w in ready[:3])))
 
   def trainer_rollout(reqs):
@@ -275,13 +299,14 @@ def main(argv):
     """(worker step_s, sample_s, trainer step_s, sample_s), measured
     around every repeat."""
     return worker_step_costs() + _step_costs(trainer_rollout, 8 * rpr, G,
-                                             trainer_prefill_s)
+                                             trainer_prefill_s, batch)
 
   if not _SMOKE.value:  # Warm-up (--smoke: its costs mean nothing).
     step_costs()
 
   sim_kw = dict(rows_per_worker=rpr, buckets=buckets, theta=THETA,
-                poll_steps=POLL_STEPS, wait_for_workers_s=30.0)
+                poll_steps=POLL_STEPS, wait_for_workers_s=30.0,
+                prefill_batch=batch)
 
   # Per-poll overhead: calibration manager runs over 3 workers (another
   # long-tailed trace, no events), each minus its simulation without
@@ -374,7 +399,7 @@ def main(argv):
     sim_tr_s, sim_tr_steps = worker_rows.simulate_driver(
         trace, prompt_lens, worker_rows.WorkerCosts(
             tr_step_s, {PROMPT_LEN: trainer_prefill_s}, tr_sample_s),
-        num_rows=8 * rpr, buckets=buckets)
+        num_rows=8 * rpr, buckets=buckets, prefill_batch=batch)
     sim_el = worker_rows.simulate(trace, prompt_lens, events, costs,
                                   **sim_kw)
     sim_al = worker_rows.simulate(trace, prompt_lens, live["aligned"], costs,

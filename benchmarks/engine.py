@@ -3,7 +3,7 @@
   python -m benchmarks.engine [--quick] [--num_layers=4 --embed_dim=256 ...]
 
 For G in {1, 4, 16} and prompt length P in {64, 512}, the paged engine
-(`PagedEngine` + `PagedDriver`, what jobs decode on) decodes S live samples
+(`Engine` + `Driver`, what jobs decode on) decodes S live samples
 (S = --slots, 16) two ways, in the same run:
   shared:   S/G requests of G samples each: one group per prompt, whose
     prompt pages are stored once and read once per decode step for all its
@@ -24,7 +24,7 @@ waits for a slot or a page), `num_groups` = the run's prompts (all
 admitted at once; a larger group table lets the jnp attention read up to
 its floor of 4 group rows, empty ones included, at G=16) and
 `decode_window=1`, so that one `generate` call is one decode step. A
-repeat is one `PagedDriver.run` of all requests: admission and prefill are
+repeat is one `Driver.run` of all requests: admission and prefill are
 untimed; every `generate` call runs alone (the device idle before it,
 waited for after it) and the max_new_tokens - 1 calls during which every
 sample is live are timed (temperature-1 sampling, no stop tokens). A first
@@ -37,7 +37,7 @@ Next to the measured ratio: the theoretical KV-read ratio, repeated /
 shared KV tokens a step reads as the engine's jnp attention reads them
 (`common_prefix.kv_tokens_read`: the prompt pages of each group once, and
 each listed slot's own pages, up to the step's bounds rounded up to
-powers of two, `paged_state.step_bounds`): here (S P + S B) / ((S/G) P +
+powers of two, `engine/state.step_bounds`): here (S P + S B) / ((S/G) P +
 S B), B = ceil((M + 1) / T) T own tokens read per sample (while that is at
 most 8 pages), M = max_new_tokens, T the page size; decode-state bytes
 (`common_prefix.decode_state_bytes`: the page pool and the tables); and an
@@ -88,8 +88,8 @@ import numpy as np
 from benchmarks import common_prefix as paged_runs
 from benchmarks import report
 from benchmarks import timing
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -139,7 +139,7 @@ def _model_config() -> ModelConfig:
 class _Variant:
   """A paged engine, the requests of one variant, and their step times."""
 
-  def __init__(self, engine: PagedEngine, params, requests):
+  def __init__(self, engine: Engine, params, requests):
     self.engine, self.params, self.requests = engine, params, requests
     self.times: list[list[float]] = []
     self.kv_read = 0.0
@@ -147,7 +147,7 @@ class _Variant:
 
   def run_once(self, timed: bool = True) -> None:
     """One whole rollout; the decode steps with every sample live timed."""
-    run = paged_runs.timed_run(PagedDriver(self.engine, self.params),
+    run = paged_runs.timed_run(Driver(self.engine, self.params),
                                self.requests, each_call=True)
     # Every sample is live for max_new_tokens - 1 decode steps.
     live = self.engine.sampling.max_new_tokens - 1
@@ -267,7 +267,7 @@ def main(argv):
     prompts = rng.integers(0, cfg.vocab_size, (S, P)).astype(np.int32)
     # One engine per samples_per_group: the repeated variant (S groups of
     # one sample) is that engine for every G, and shared with G=1 is it too.
-    engines = {g: PagedEngine(
+    engines = {g: Engine(
         cfg, graphdef, layout, num_slots=S, samples_per_group=g,
         prefill_buckets=(P,), sampling=sampling, page_size=T,
         num_groups=S // g, prefill_batch=S // g, decode_window=1)

@@ -147,8 +147,8 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
                  shared: bool) -> dict:
   """One paged run of N prompts x G samples; per-step times."""
   from rlhf_jax.samples import Request
-  from rlhf_jax.engine.paged import PagedEngine
-  from rlhf_jax.engine.paged_driver import PagedDriver
+  from rlhf_jax.engine.engine import Engine
+  from rlhf_jax.engine.driver import Driver
   from rlhf_jax.engine.sampling import SamplingParams
 
   N, P = prompts_NxP.shape
@@ -156,7 +156,7 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
   S = N * G
   groups = N if shared else S
   num_pages = groups * math.ceil(P / T) + S * (math.ceil((M + 2) / T) + 1)
-  engine = PagedEngine(
+  engine = Engine(
       cfg, graphdef, layout, num_slots=S, samples_per_group=G if shared else 1,
       prefill_buckets=(P,), sampling=SamplingParams(temperature=1.0,
                                                     max_new_tokens=M),
@@ -168,7 +168,7 @@ def _decode_case(cfg, graphdef, params, layout, prompts_NxP, *, impl: str,
   else:
     requests = [Request(i, prompts_NxP[i], 1, seed=1, first_sample_index=j)
                 for i in range(N) for j in range(G)]
-  driver = PagedDriver(engine, params)
+  driver = Driver(engine, params)
   driver.start(requests, admission="static")  # Everything prefilled at once.
   steps, samples, device_s, alone_steps, profile = [], [], [], set(), {}
   # Every SAMPLE_EVERY-th decode step runs alone: the device idle before it,

@@ -25,7 +25,7 @@ log=$dir/tests.log
 optax.__version__, jax.devices())"
 } >"$log" 2>&1
 # Nothing else is worth the device time if the package does not import.
-python3 -c "import benchmarks.gpu, rlhf_jax.engine.paged, rlhf_jax.rl.learner" \
+python3 -c "import benchmarks.gpu, rlhf_jax.engine.engine, rlhf_jax.rl.learner" \
   >>"$log" 2>&1 || { echo "import failed" >>"$log"; cat "$log"; exit 1; }
 t0=$SECONDS
 # Correctness on the device: kernels (compiled Triton kernel vs fp64

@@ -199,7 +199,7 @@ def _full_run(lt, params, m, prompt, budget):
   from rlhf_jax.samples import Request
 
   engines = lt.engines
-  eng = engines.paged_engine(m)
+  eng = engines.engine(m)
   G = eng.samples_per_group
   reqs = [Request(10**6 + r, prompt, num_samples=G, seed=3,
                   max_new_tokens_per_sample=(budget,) * G)
@@ -238,7 +238,7 @@ def _time_steps(lt, params, m, prompt, prefill_s, steps=40):
   """Seconds per decode step of the m-replica paged engine in its driver's
   loop.
 
-  A calibration rollout (`PagedDriver` via `EngineSet.make_driver`, no
+  A calibration rollout (`Driver` via `EngineSet.make_driver`, no
   controller, one step a call): every slot holds a sample of one of
   num_slots / G groups, all stopping after `steps` tokens, so the loop
   runs `steps` decode calls with every slot live (results read one step
@@ -258,7 +258,7 @@ def _time_prefill(lt, params, req):
   one `prefill` call (the batch padded to `prefill_batch`, as the
   driver's calls are) and the insert of its KV into a group entry's
   pages."""
-  eng = lt.engines.paged_engine()
+  eng = lt.engines.engine()
   box = [eng.init_decode_state()]
   tokens = np.asarray(req.tokens, np.int32)
   pages = list(range(-(-tokens.size // eng.page_size)))  # Replica 0's.

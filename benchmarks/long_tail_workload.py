@@ -1,5 +1,4 @@
-"""The long-tailed decode workload of `benchmarks.paged_long_tail` (and of
-`benchmarks.engines`, which compares engines on it).
+"""The long-tailed decode workload of `benchmarks.paged_long_tail`.
 
 32 prompts x G=8 samples, prompts of 256 random tokens, response lengths
 lognormal (mean 256, sigma 1) capped at 2048 and forced by per-sample token

@@ -17,24 +17,41 @@ device of XLA:CPU's allocation (a proxy for an accelerator's):
                          chunked attention and log-probs;
   logprob_gib_per_device the forward-only log-prob pass on the same batch
                          (the ADVANTAGES stage runs two);
-  decode_gib_per_device  one engine decode step, 256 live samples (32 rows
-                         x G=8) with 4096 tokens of context each (prompt
-                         512 shared per row, 3584 of their own), the
-                         rollout copy of the weights as the engine holds it
-                         (in the compute dtype, bf16; `parallel/colocate`).
-                         Also `decode_argument_gib` (weights + KV cache) and
-                         `decode_temp_gib`: XLA:CPU upcasts bf16 weights to
-                         f32 copies for its dots, which an accelerator does
-                         not. `decode_argument_gib_int8`: the arguments
-                         with the projections stored int8
-                         (`rollout.quantize=int8`).
-  move_gib_per_device    a rows-engine consolidation from 8 replicas to 4
-                         (`migrate.move_rows`: the rows that change replica
-                         sent by collective permutes, the target a view) on the
-                         decode state of `decode_gib_per_device`, 4 rows
-                         moving; `move_gib_per_device_before`: the gather it
-                         replaced (the target's rows replicated on every
-                         device, then put on the block), in the same run.
+  decode_gib_per_device  one decode step of the paged engine
+                         (`engine/engine.py`, `decode_window=1`), 256 live
+                         samples (32 groups x G=8) with 4096 tokens of
+                         context each (prompt 512 in its group's pages,
+                         read once per group, 3584 in each sample's own
+                         pages), the page pool sized for them (the
+                         engine's automatic size: pages of 16 tokens, 32 x
+                         32 prompt pages + 256 x 225 own pages of up to
+                         3584 + 1 tokens), the rollout copy of the weights
+                         as the engine holds it (in the compute dtype,
+                         bf16; `parallel/colocate`). On CPU the step is the
+                         jnp attention, reading dense rows up to its bounds
+                         (the accelerators' Pallas kernel walks the page
+                         tables instead). Also `decode_argument_gib`
+                         (weights + page pool) and `decode_temp_gib`:
+                         XLA:CPU upcasts bf16 weights to f32 copies for its
+                         dots, which an accelerator does not.
+                         `decode_argument_gib_int8`: the arguments with the
+                         projections stored int8 (`rollout.quantize=int8`).
+  move_gib_per_device    a paged consolidation from 8 replicas to 4
+                         (`Driver.consolidate`) on the engine of
+                         `decode_gib_per_device`: the state is viewed on
+                         the kept replicas (`adopt_state`, no copy), and 4
+                         groups of G=8 samples at 3584 tokens, one from
+                         each dropped replica, move their pages to kept
+                         ones: `gather_kv` reads their prompt and own pages
+                         dense and replicated on every device, `insert`
+                         and `place` write them into the target's pages.
+                         The largest of those programs (compiled here)
+                         with the other gathered KV alive beside it;
+                         `move_gathered_gib`: that gathered KV (prompt +
+                         own pages of the moving groups, on every device).
+                         (The rows engine's `move_gib_per_device_before`,
+                         the target's rows gathered whole, has no paged
+                         counterpart: the kept replicas' state is a view.)
 `<preset>.train_gib_per_device_lora`: the same train step of a LoRA policy
 (rank 16 on all seven projections, fp32 adapters and their AdamW state,
 the frozen base in bf16: it needs no fp32 master; `models/lora.py`).
@@ -73,7 +90,9 @@ _DEVICES = 8
 GIB = 2**30
 # Per device per micro-batch: 4 sequences of 512 + 3584 tokens, G = 8.
 SEQ_PER_DEVICE, PROMPT, RESPONSE, G = 4, 512, 3584, 8
-DECODE_ROWS, DECODE_G = 32, 8
+DECODE_GROUPS, DECODE_G = 32, 8
+PAGE_SIZE = 16  # Tokens per KV page (`rollout.page_size`'s default).
+MOVE_GROUPS = 4  # Groups moving in a consolidation, one per dropped replica.
 SMALL = "qwen2.5-0.5b"  # The baseline's model (`small.*`).
 NUM_LAYERS = None  # None: each preset's own.
 
@@ -143,12 +162,43 @@ def _train(cfg, learner_of):
   return _memory(train), _memory(logp), compile_s
 
 
+def _paged_engine(cfg, graphdef, layout, groups=DECODE_GROUPS, **pool):
+  """The paged engine of `groups` groups of G=`DECODE_G` slots on `layout`
+  (one decode step a call; the pool: automatic, or `pool`'s num_pages)."""
+  from rlhf_jax.engine.engine import Engine
+  from rlhf_jax.engine.sampling import SamplingParams
+  return Engine(cfg, graphdef, layout, num_slots=groups * DECODE_G,
+                samples_per_group=DECODE_G, num_groups=groups,
+                prefill_buckets=(PROMPT,),
+                sampling=SamplingParams(max_new_tokens=RESPONSE),
+                page_size=PAGE_SIZE, decode_window=1, **pool)
+
+
+def _abstract_state(engine):
+  """The engine's decode state as ShapeDtypeStructs on its shardings."""
+  import jax
+  from rlhf_jax.engine.state import DecodeState
+  return DecodeState(**{
+      name: jax.ShapeDtypeStruct(shape, dtype,
+                                 sharding=getattr(engine.state_shardings,
+                                                  name))
+      for name, (_, shape, dtype) in engine._fields().items()})  # pylint: disable=protected-access
+
+
+def _replicated(engine, shape, dtype):
+  import jax
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              sharding=engine.layout.replicated())
+
+
 def _decode(cfg, quant: str = "none"):
   """(decode step memory, compile seconds) on 8 rollout replicas; `quant`:
   the rollout copy's projections stored int8 (`rollout.quantize`)."""
+  import functools
+
   import jax
-  from rlhf_jax.engine.engine import Engine
-  from rlhf_jax.engine.sampling import SamplingParams
+  import numpy as np
+  from rlhf_jax.engine import state as state_lib
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.models import rollout_copy
   from rlhf_jax.parallel import mesh as mesh_lib
@@ -158,9 +208,7 @@ def _decode(cfg, quant: str = "none"):
   graphdef, params = model_lib.abstract_params(cfg)
   rollout_cfg, graphdef, to_rollout = rollout_copy.rollout_model(
       cfg, graphdef, quant=quant)
-  engine = Engine(rollout_cfg, graphdef, layout, num_rows=DECODE_ROWS,
-                  samples_per_row=DECODE_G, prefill_buckets=(PROMPT,),
-                  sampling=SamplingParams(max_new_tokens=RESPONSE))
+  engine = _paged_engine(rollout_cfg, graphdef, layout)
   # The rollout copy as `Colocation` makes it: floating leaves in the
   # compute dtype (the fp32 master weights wait in host memory), or what
   # `models/rollout_copy.py` derives (int8 projections, fp32 scales).
@@ -171,53 +219,82 @@ def _decode(cfg, quant: str = "none"):
   else:
     params = jax.eval_shape(to_rollout, params)
   params = _abstract(params, engine.param_shardings)
-  state = _abstract(engine.abstract_state(), engine.state_shardings)
+  state = _abstract_state(engine)
+  # Every slot live: each replica's 4 groups, a prompt's 32 pages, a
+  # sample's own pages up to its cap (`Engine.generate`'s bounds;
+  # the Pallas kernel walks the tables and needs none).
+  D = engine.replicas
+  caps = (engine.num_groups // D, engine.max_prompt_pages,
+          engine.max_own_pages)
+  bounds = ((0, 0, 0) if engine._walks_tables  # pylint: disable=protected-access
+            else state_lib.step_bounds(caps, caps))
+  listed = D * state_lib.pow2_at_least(
+      engine.num_slots // D, engine.num_slots // D,
+      state_lib.STEP_FLOORS[0])
+  step = jax.jit(functools.partial(engine._window_fn, bounds=bounds),  # pylint: disable=protected-access
+                 **engine._generate_sh)  # pylint: disable=protected-access
   t0 = time.perf_counter()
-  step = engine._generate_jit.lower(params, state).compile()  # pylint: disable=protected-access
-  return _memory(step), time.perf_counter() - t0
+  compiled = step.lower(
+      params, state,
+      _replicated(engine, (engine._growth_rows, 3), np.int32),  # pylint: disable=protected-access
+      _replicated(engine, (listed,), np.int32),
+      _replicated(engine, (), np.int32)).compile()
+  return _memory(compiled), time.perf_counter() - t0
 
 
-def _move(cfg) -> tuple[dict, dict]:
-  """(memory of a consolidation's row move from 8 replicas to 4, of the
-  replicated gather it replaced) on the decode state of `_decode`: 8 live
-  rows, 4 of them on the dropped replicas (one row from each to a kept
-  replica)."""
+def _move(cfg) -> tuple[dict, float]:
+  """(memory of a paged consolidation's KV move from 8 replicas to 4: the
+  largest of its programs with the other gathered KV alive beside it, GiB
+  of that gathered KV per device) on the engine of `_decode`:
+  `MOVE_GROUPS` groups of G samples at their longest move."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
-  from rlhf_jax.engine import migrate
-  from rlhf_jax.engine.engine import Engine
-  from rlhf_jax.engine.sampling import SamplingParams
-  from rlhf_jax.engine.state import STATE_AXES, DecodeState
+  from rlhf_jax.engine.state import Prefill
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.parallel import mesh as mesh_lib
   from rlhf_jax.parallel import submesh
 
   layout = mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=_DEVICES), 1)
   graphdef, _ = model_lib.abstract_params(cfg)
-  kw = dict(samples_per_row=DECODE_G, prefill_buckets=(PROMPT,),
-            sampling=SamplingParams(max_new_tokens=RESPONSE))
-  src = Engine(cfg, graphdef, layout, num_rows=DECODE_ROWS, **kw)
+  src = _paged_engine(cfg, graphdef, layout)
   half = submesh.split(layout, [_DEVICES // 2, _DEVICES // 2])[0]
-  dst = Engine(cfg, graphdef, half, num_rows=DECODE_ROWS // 2, **kw)
-  state = _abstract(src.abstract_state(), src.state_shardings)
-  per = DECODE_ROWS // _DEVICES
-  row_map = {r * per: r * per for r in range(4)}  # Kept in place.
-  row_map.update({r * per: (r - 4) * per + 1 for r in range(4, 8)})
-  shifts, send, recv, valid = migrate._exchange_plan(  # pylint: disable=protected-access
-      row_map, _DEVICES, per)
-  ours = migrate._exchange_fn(  # pylint: disable=protected-access
-      src.state_shardings, layout.mesh, shifts).lower(
-          state, send, recv, valid).compile()
-
-  def gather(state, idx):  # Before: the target's rows, replicated.
-    return DecodeState(**{
-        name: jnp.take(getattr(state, name), idx, axis=axes.index("batch"))
-        if "batch" in axes else getattr(state, name)
-        for name, axes in STATE_AXES.items()})
-  before = jax.jit(gather, out_shardings=layout.replicated()).lower(
-      state, jax.ShapeDtypeStruct((dst.num_rows,), np.int32)).compile()
-  return _memory(ours), _memory(before)
+  # As `EngineSet.engine(4)`: the same blocks per replica.
+  dst = _paged_engine(cfg, graphdef, half, groups=DECODE_GROUPS // 2,
+                      num_pages=src.num_pages // 2)
+  i32 = np.int32
+  X, A = MOVE_GROUPS * DECODE_G, src.max_own_pages
+  prompt_rows = _replicated(src, (MOVE_GROUPS, src.max_prompt_pages), i32)
+  own_rows = _replicated(src, (X, A), i32)
+  state = _abstract_state(src)
+  gather = src._gather_jit  # pylint: disable=protected-access
+  kv_prompt = jax.eval_shape(gather, state, prompt_rows)
+  kv_own = jax.eval_shape(gather, state, own_rows)
+  size = lambda tree: sum(x.size * x.dtype.itemsize
+                          for x in jax.tree.leaves(tree)) / GIB
+  P, O = size(kv_prompt), size(kv_own)  # Replicated: whole on each device.
+  on_dst = lambda x, dtype=None: _replicated(dst, x.shape, dtype or x.dtype)
+  kv_prompt = [on_dst(x) for x in kv_prompt]
+  kv_own = [on_dst(x) for x in kv_own]
+  target = _abstract_state(dst)
+  B, G = MOVE_GROUPS, DECODE_G
+  pre = Prefill(*kv_prompt, on_dst(np.zeros((B, G), i32)),
+                on_dst(np.zeros((B, G), np.float32)),
+                on_dst(np.zeros((B, G), np.float32)))
+  memory = lambda c: _memory(c)["gib"]
+  programs = [  # (GiB of the program, GiB of gathered KV alive beside it)
+      (memory(gather.lower(state, prompt_rows).compile()), 0.0),
+      (memory(gather.lower(state, own_rows).compile()), P),
+      (memory(dst._insert_jit.lower(  # pylint: disable=protected-access
+          target, pre, on_dst(np.zeros(B, i32)),
+          on_dst(np.zeros((B, src.max_prompt_pages), i32)),
+          *(on_dst(np.zeros(B, i32)) for _ in range(2)),
+          on_dst(np.zeros(B, np.uint32))).compile()), O),
+      (memory(dst._place_jit.lower(  # pylint: disable=protected-access
+          target, on_dst(np.zeros(X, i32)),
+          on_dst(np.zeros((X, dst.max_own_pages), i32)), *kv_own,
+          on_dst(np.zeros(X, i32)), on_dst(np.zeros(X, i32))).compile()), P),
+  ]
+  return {"gib": max(a + b for a, b in programs)}, P + O
 
 
 def _learner_of(cfg):
@@ -296,13 +373,12 @@ def main(argv):
           f"{decode['argument_gib']:.2f} GiB (int8 projections "
           f"{int8['argument_gib']:.2f}) ({time.perf_counter() - t_start:.0f}s)",
           flush=True)
-    move, move_before = _move(_configs(preset)[0])
+    move, gathered = _move(_configs(preset)[0])
     out[f"{preset}.move_gib_per_device"] = round(move["gib"], 2)
-    out[f"{preset}.move_gib_per_device_before"] = round(move_before["gib"], 2)
+    out[f"{preset}.move_gathered_gib"] = round(gathered, 2)
     print(f"  {preset} consolidation move 8 -> 4 replicas: "
-          f"{move['gib']:.2f} GiB a device (replicated gather "
-          f"{move_before['gib']:.2f}) ({time.perf_counter() - t_start:.0f}s)",
-          flush=True)
+          f"{move['gib']:.2f} GiB a device (gathered KV {gathered:.2f}) "
+          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
     if not _QUICK.value:
       measure(preset, preset, before=True)
   for before in (False, True):  # The baseline on a model both compile for.
@@ -330,12 +406,12 @@ def main(argv):
           f"{logp['gib']:>10.2f}{compile_s:>11.1f}")
   for preset in presets:
     print(f"{preset} decode step: {out[f'{preset}.decode_gib_per_device']:.2f}"
-          f" GiB per device ({DECODE_ROWS * DECODE_G} samples x "
-          f"{PROMPT + RESPONSE} context)")
+          f" GiB per device ({DECODE_GROUPS * DECODE_G} samples x "
+          f"{PROMPT + RESPONSE} context, paged)")
     print(f"{preset} consolidation move 8 -> 4 replicas: "
           f"{out[f'{preset}.move_gib_per_device']:.2f} GiB per device "
-          f"(replicated gather: "
-          f"{out[f'{preset}.move_gib_per_device_before']:.2f})")
+          f"({MOVE_GROUPS} groups moving; their KV gathered on every "
+          f"device: {out[f'{preset}.move_gathered_gib']:.2f})")
   out["quick"] = _QUICK.value
   out["wall_s"] = round(time.perf_counter() - t_start, 1)
   sys.stdout.flush()

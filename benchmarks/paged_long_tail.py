@@ -13,7 +13,7 @@ run checks it token by token). Both variants get the same KV byte budget:
     KV; a row takes its next prompt only when the last of its G samples
     ends; results read one step late, as the paged driver does. R sets the
     budget (--static_rows, default 2: 16 slots, 33k tokens of KV).
-  paged:  `PagedEngine` + `PagedDriver`: a pool of the same bytes in pages
+  paged:  `Engine` + `Driver`: a pool of the same bytes in pages
     of --page_size tokens, --paged_slots slots (default 256: slots cost
     no KV, the pool limits what runs); a finished sample frees its pages
     and slot at once, decode reads live pages only, and when the pool runs
@@ -56,8 +56,8 @@ import jax
 import numpy as np
 
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -115,7 +115,7 @@ def main(argv):
   static = StaticRows(cfg, graphdef, params, rows=w["static_rows"],
                       samples_per_row=G, bucket=P, sampling=sampling)
   token_bytes, budget = w["token_bytes"], w["budget"]
-  paged = PagedEngine(cfg, graphdef, layout, num_slots=w["paged_slots"],
+  paged = Engine(cfg, graphdef, layout, num_slots=w["paged_slots"],
                       samples_per_group=G, prefill_buckets=(P,),
                       sampling=sampling, page_size=w["page_size"],
                       kv_budget_bytes=budget)
@@ -133,12 +133,12 @@ def main(argv):
   # step; a whole paged run compiles its decode-step shapes (and extend
   # lengths).
   _run(static.run, [dataclass_replace_budget(r, 16) for r in requests[:2]])
-  secs, _ = _run(PagedDriver(paged, params).run, requests)
+  secs, _ = _run(Driver(paged, params).run, requests)
   print(f"  paged compile run: {secs:.1f} s, {paged.trace_counts['generate']}"
         f" decode-step shapes ({time.perf_counter() - t_start:.0f} s)",
         flush=True)
   for _ in range(1 if _QUICK.value else 3):
-    paged_driver = PagedDriver(paged, params)
+    paged_driver = Driver(paged, params)
     for name, run in (("static", static.run), ("paged", paged_driver.run)):
       secs, outputs[name] = _run(run, requests)
       runs[name].append(secs)
@@ -227,7 +227,7 @@ def _prefix_case(repeats: int, smoke: bool = False) -> dict:
       "shared": (S, [Request(0, prompt, S, seed=1)]),
       "repeated": (1, [Request(0, prompt, 1, seed=1, first_sample_index=j)
                        for j in range(S)])}
-  engines = {name: PagedEngine(
+  engines = {name: Engine(
       cfg, graphdef, layout, num_slots=S, samples_per_group=g,
       prefill_buckets=(P,), sampling=sampling, page_size=16,
       num_pages=S * (P // 16 + 3), prefill_batch=S,
@@ -235,7 +235,7 @@ def _prefix_case(repeats: int, smoke: bool = False) -> dict:
              for name, (g, _) in variants.items()}
 
   def decode_seconds(name):
-    driver = PagedDriver(engines[name], params)
+    driver = Driver(engines[name], params)
     driver.start(variants[name][1])
     out, secs, n = [], 0.0, 0
     while driver.busy:

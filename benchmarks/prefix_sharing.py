@@ -4,7 +4,7 @@
 
 In one run, on one CPU device, the same model and the same code, two ways:
 
-Rollout (the paged engine, `PagedEngine` + `PagedDriver` as jobs run it:
+Rollout (the paged engine, `Engine` + `Driver` as jobs run it:
 admission, prefill and decode until every sample has M tokens):
   shared:   one request of G samples per prompt: each prompt is prefilled
             ONCE and its G samples decode against one copy of its KV pages
@@ -17,7 +17,7 @@ admission, prefill and decode until every sample has M tokens):
   `num_groups` = the run's requests (all admitted at once), prefills of
   up to 4 prompts a call (the default), the default decode window (8 steps
   a `generate` call). Both variants draw the same tokens (same keys;
-  `rollout_same_tokens` in the JSON). Timed: one `PagedDriver.run`,
+  `rollout_same_tokens` in the JSON). Timed: one `Driver.run`,
   split where its first `generate` call waits for the decode state: prefill
   = admission (every prompt copy's prefill, insert, the samples' starts),
   decode = the rest (every decode call and the driver's host work,
@@ -76,8 +76,8 @@ import numpy as np
 from absl import app, flags
 
 from rlhf_jax.samples import Request, Sample
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -119,7 +119,7 @@ class _Rollout:
                shared: bool):
     N = prompts_NxP.shape[0]
     n = N if shared else N * G  # Requests = groups.
-    self.engine = PagedEngine(
+    self.engine = Engine(
         cfg, graphdef, layout, num_slots=N * G,
         samples_per_group=G if shared else 1, prefill_buckets=(P,),
         sampling=SamplingParams(temperature=1.0, max_new_tokens=M),
@@ -136,7 +136,7 @@ class _Rollout:
 
   def run(self, timed=True):
     """One rollout; untimed = the compile run."""
-    res = common_prefix.timed_run(PagedDriver(self.engine, self.params),
+    res = common_prefix.timed_run(Driver(self.engine, self.params),
                                   self.requests)
     if len(res.tokens) != SAMPLES or any(
         len(t) != self.M for t in res.tokens.values()):

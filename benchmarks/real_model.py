@@ -78,8 +78,8 @@ def _prompts(job, count: int) -> list[np.ndarray]:
 def ours_rollout(job, prompts, runs: int) -> dict:
   """Tokens/s of the paged engine on `prompts` x G samples, fixed length."""
   from rlhf_jax.samples import Request  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.engine.paged import PagedEngine  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.engine.paged_driver import PagedDriver  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.engine.engine import Engine  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.engine.driver import Driver  # pylint: disable=g-import-not-at-top
   from rlhf_jax.engine.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
   from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   c = job.c
@@ -89,11 +89,11 @@ def ours_rollout(job, prompts, runs: int) -> dict:
                             max_new_tokens=M, stop_tokens=())
   page = c.rollout.page_size
   pages = len(prompts) * (G + 1) * -(-c.rollout.max_seq_len // page)
-  engine = PagedEngine(job.cfg, job.graphdef, layout,
+  engine = Engine(job.cfg, job.graphdef, layout,
                        num_slots=len(prompts) * G, samples_per_group=G,
                        prefill_buckets=tuple(c.rollout.prefill_buckets),
                        sampling=sampling, page_size=page, num_pages=pages)
-  driver = PagedDriver(engine, mesh_lib.to_layout(job.params, layout))
+  driver = Driver(engine, mesh_lib.to_layout(job.params, layout))
   seed = [0]
 
   def run():

@@ -12,8 +12,8 @@ Sampling keys are the engine's (seed, prompt id, sample index, position,
 wherever and whenever either decodes it: tests compare the two token by
 token. Results are read one step late (the host never waits for the step
 it has just dispatched), as the engine's driver does, so its time is the
-static layout's, not a synchronising host's (`benchmarks.engines`,
-`benchmarks.paged_long_tail`).
+static layout's, not a synchronising host's
+(`benchmarks.paged_long_tail`).
 
   decoder = StaticRows(cfg, graphdef, params, rows=4, samples_per_row=G,
                        bucket=64, sampling=SamplingParams(...))

@@ -16,8 +16,11 @@ all rows. Every query of every row attends to it in one matmul per kv head
 ([R*G*H/N, K] x [K, C]); it merges with the other two by the same rule, which
 is associative, so the order of the merge does not matter.
 
-`prefix_decode_attention` runs the jnp reference below on every backend
-(the rows engine's Pallas TPU kernel was removed with [one-engine]).
+`prefix_decode_attention` runs the jnp reference below on every backend: it
+is the attention of the model's row decode (`Decoder.decode`), which only
+the plain-jnp static-rows decoder runs (`benchmarks/static_rows.py`, the
+tests' oracle and the long-tail benchmark's baseline). The engine decodes
+with `paged_decode_attention.py`.
 """
 
 from __future__ import annotations
@@ -104,19 +107,17 @@ def prefix_decode_attention_reference(
 
 
 def prefix_decode_attention(*args, impl: str = "auto", **kwargs):
-  """The rows engine's decode attention: the jnp reference on every backend.
+  """The row decode's attention: the jnp reference on every backend.
 
-  "auto" and "xla" run `prefix_decode_attention_reference`. The rows engine
-  had a Pallas TPU kernel; it went with [one-engine] (the rows engine is a
-  benchmark baseline and test oracle until it is deleted; decoding in a job
-  runs the paged engine and its kernels, `paged_decode_attention.py`), so
-  "pallas" is an error rather than a silent fallback.
+  "auto" and "xla" run `prefix_decode_attention_reference`; there is no
+  kernel (the rows engine's went with [one-engine]), so "pallas" is an
+  error rather than a silent fallback.
   """
   if impl in ("auto", "xla"):
     return prefix_decode_attention_reference(*args, **kwargs)
   if impl == "pallas":
-    raise ValueError("attention_impl='pallas': the rows engine has no kernel "
+    raise ValueError("attention_impl='pallas': the row decode has no kernel "
                      "(removed with [one-engine]); use 'auto' or 'xla', or "
-                     "the paged engine")
+                     "the engine (paged_decode_attention)")
   raise ValueError(
       f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")

@@ -22,7 +22,7 @@ from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.multiturn import MultiTurnDriver
-from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.engine import Engine
 from rlhf_jax.envs.base import Step
 from rlhf_jax.envs.episodes import Episodes, ReplayLog
 from rlhf_jax.envs.tools import Calculator, QwenFormat, TaggedFormat, ToolEnv
@@ -111,7 +111,7 @@ def model(mesh8):
 def _run_episodes(model, mesh8, episodes):
   graphdef, params = model
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
-  engine = PagedEngine(CFG, graphdef, layout, num_slots=8,
+  engine = Engine(CFG, graphdef, layout, num_slots=8,
                        samples_per_group=2, prefill_buckets=(16,),
                        sampling=mt.GREEDY, page_size=4, num_pages=200,
                        prefill_batch=2)

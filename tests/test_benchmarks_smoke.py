@@ -10,9 +10,9 @@ covered by the runs that import it:
   timing         every benchmark but the engine-only ones (`smoke_defaults`,
                  `fake_cpu_devices`, `median_time`, `count_compiles`);
   report         every benchmark (`emit`: the last line and `--out`);
-  long_tail_workload  paged_long_tail and engines (their long-tail trace);
-  static_rows    engines (the long tail's third decoder; tokens checked)
-                 and tests/test_paged.py (against the rows engine);
+  long_tail_workload  paged_long_tail (its long-tail trace);
+  static_rows    paged_long_tail (its static baseline; tokens checked)
+                 and the engine tests (their oracle, tests/test_paged.py);
   cpu_allocator  repartition re-executes itself through it
                  (`retained_allocator` must come back true);
   long_tail_ppo  long_tail's PPO step (`--ppo`, on by default: the
@@ -85,10 +85,6 @@ BENCHMARKS = {
     "engine": _case(
         ["--smoke"], ("decode_tok_s", "prompt_once_speedup_g16_p512"), 120,
         slow=True),
-    "engines": _case(
-        ["--smoke"], ("paged_over_rows_4x4", "first_step_paged_over_rows_4x4",
-                      "long_tail_paged_speedup_vs_static_rows",
-                      "static_rows_over_rows_engine"), 600, slow=True),
     "gpu": _case(
         ["--smoke"], ("prompt_once_decode_speedup", "decode_hbm_fraction",
                       "train_mfu", "repartition_vs_one_shot", "decode",

@@ -13,8 +13,8 @@ import pytest
 from kernels_pallas import prefix_decode_attention as pda
 from rlhf_jax.engine.common_prefix import (
     longest_common_prefix, strip_common_prefix)
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
@@ -169,19 +169,19 @@ def test_common_prefix_equals_whole_prompts(mesh8, sampling, kv_heads):
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)  # 4 replicas x TP 2.
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   g = 4
-  make = lambda **kw: PagedEngine(cfg, graphdef, layout, num_slots=16,
+  make = lambda **kw: Engine(cfg, graphdef, layout, num_slots=16,
                                   samples_per_group=g, sampling=sampling,
                                   page_size=4, prefill_batch=4, **kw)
   plain = make(prefill_buckets=(32,))
   shared = make(prefill_buckets=(16,), max_common_length=16)
-  shared_driver = PagedDriver(shared, params)
+  shared_driver = Driver(shared, params)
   rng = np.random.default_rng(0)
   # Two batches with different common prefixes (13 and 7 tokens) through
   # the same engines: 6 prompts over 4 rows, so rows are reused.
   for batch, clen in enumerate((13, 7)):
     common = rng.integers(6, CFG.vocab_size, clen).astype(np.int32)
     prompts = _batch(common, 6, seed=batch)
-    want = {s.key: s for s in PagedDriver(plain, params).run(
+    want = {s.key: s for s in Driver(plain, params).run(
         _requests(prompts, g))}
     declared = common if batch == 0 else "auto"
     got = {s.key: s for s in shared_driver.run(
@@ -222,11 +222,11 @@ def test_common_prefix_equals_whole_prompts(mesh8, sampling, kv_heads):
 def test_bad_inputs_raise_clear_errors(mesh8):
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
   graphdef, params = model_lib.init_params(CFG, 0, layout)
-  make = lambda **kw: PagedEngine(CFG, graphdef, layout, num_slots=8,
+  make = lambda **kw: Engine(CFG, graphdef, layout, num_slots=8,
                                   samples_per_group=2, prefill_buckets=(8,),
                                   sampling=GREEDY, page_size=4, **kw)
   engine = make(max_common_length=6)
-  driver = PagedDriver(engine, params)
+  driver = Driver(engine, params)
   run = lambda reqs, **kw: list(driver.run(reqs, **kw))
   common = np.arange(6, 12, dtype=np.int32)
   ok = np.concatenate([common, [20, 21]]).astype(np.int32)
@@ -250,7 +250,7 @@ def test_bad_inputs_raise_clear_errors(mesh8):
   with pytest.raises(ValueError, match="max_common_length=0"):
     plain.set_common_prefix(params, common)
   with pytest.raises(ValueError, match="'auto' needs an engine"):
-    list(PagedDriver(plain, params).run([Request(0, ok, 1)],
+    list(Driver(plain, params).run([Request(0, ok, 1)],
                                         common_prefix="auto"))
   with pytest.raises(ValueError, match="max_common_length must be >= 0"):
     make(max_common_length=-1)

@@ -61,6 +61,6 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   engines = [job.rollout.seed_window.worker.engine] + [
       h.worker.engine for h in job.rollout.manager.handles.values()]
   assert len(engines) == 3 and {type(e).__name__ for e in engines} == {
-      "PagedEngine"}
+      "Engine"}
   assert {e.cfg.scan_layers for e in engines} == {False}
   assert job.cfg.scan_layers  # The trainer and the plain run scan.

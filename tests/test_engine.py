@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
@@ -43,7 +43,7 @@ def _run(model, layout, requests, *, rows, per_row, sampling=SAMPLED,
   graphdef, params = model
   engine = _engine(cfg, graphdef, layout, rows=rows, per_row=per_row,
                    buckets=buckets, sampling=sampling)
-  driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
+  driver = Driver(engine, mesh_lib.to_layout(params, layout))
   out = {s.key: s for s in driver.run(requests)}
   return out, engine, driver
 
@@ -51,7 +51,7 @@ def _run(model, layout, requests, *, rows, per_row, sampling=SAMPLED,
 def _engine(cfg, graphdef, layout, *, rows, per_row, buckets=(8, 16),
             sampling=SAMPLED):
   """`rows` groups of `per_row` samples: as many slots as samples."""
-  return PagedEngine(cfg, graphdef, layout, num_slots=rows * per_row,
+  return Engine(cfg, graphdef, layout, num_slots=rows * per_row,
                      samples_per_group=per_row, prefill_buckets=buckets,
                      sampling=sampling, page_size=4)
 

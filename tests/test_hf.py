@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import hf
 from rlhf_jax.models import hf_config
@@ -134,12 +134,12 @@ def test_greedy_generation_matches_transformers(family, engine_kind,
   layout = mesh_lib.rollout_layout(mesh1)
   sampling = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
   # Pages of 4: Gemma 2's window of 8 spans pages.
-  engine = PagedEngine(
+  engine = Engine(
       cfg, graphdef, layout, num_slots=2, samples_per_group=1,
       prefill_buckets=(BUCKET,), sampling=sampling, page_size=4,
       num_pages=32, attention_impl=("pallas" if engine_kind ==
                                     "paged_kernel" else "auto"))
-  driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
+  driver = Driver(engine, mesh_lib.to_layout(params, layout))
   ours = {s.prompt_id: s.tokens for s in driver.run(
       [Request(i, p) for i, p in enumerate(prompts)])}
   model.generation_config.eos_token_id = None  # Always 32 tokens.

@@ -1,4 +1,5 @@
-"""Tests for the rows engine's prefix-shared decode attention (jnp).
+"""Tests for the row decode's prefix-shared attention (jnp; the static-rows
+decoder's, `benchmarks/static_rows.py`).
 
 The jnp reference equals plain softmax attention over the concatenated keys
 [prefix[:len] ; suffix[:len]], computed directly in float64 numpy; the
@@ -146,7 +147,7 @@ class DispatchTest(absltest.TestCase):
           pda.prefix_decode_attention(*args, impl=impl), _reference(*args))
 
   def test_pallas_and_unknown_impls_raise(self):
-    with self.assertRaisesRegex(ValueError, "rows engine has no kernel"):
+    with self.assertRaisesRegex(ValueError, "row decode has no kernel"):
       pda.prefix_decode_attention(*self._args(), impl="pallas")
     with self.assertRaisesRegex(ValueError, "attention_impl"):
       pda.prefix_decode_attention(*self._args(), impl="triton")

@@ -12,8 +12,8 @@ from rlhf_jax.config.sections import LongTail
 from benchmarks.static_rows import StaticRows
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine_set import EngineSet
-from rlhf_jax.engine.long_tail import PagedTailController
-from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.long_tail import TailController
+from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -168,11 +168,11 @@ def test_scoring_chunks_go_out_after_a_decode_step(setup, monkeypatch):
       return fn(*args, **kwargs)
     return call
 
-  monkeypatch.setattr(PagedEngine, "generate",
-                      logged("generate", PagedEngine.generate))
+  monkeypatch.setattr(Engine, "generate",
+                      logged("generate", Engine.generate))
   for name in ("finished", "_switched"):
-    monkeypatch.setattr(PagedTailController, name,
-                        logged(name, getattr(PagedTailController, name)))
+    monkeypatch.setattr(TailController, name,
+                        logged(name, getattr(TailController, name)))
   scorer = _Scorer(setup[0], setup[2])
   monkeypatch.setattr(scorer, "score", logged("score", scorer.score))
   history = LengthHistory(0.5)
@@ -203,7 +203,7 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
   from rlhf_jax.rl import scoring_passes
 
   compiles, steps = [], []
-  real_compile, real_generate = scoring_passes._compile, PagedEngine.generate
+  real_compile, real_generate = scoring_passes._compile, Engine.generate
 
   def slow_compile(*args):
     start = time.perf_counter()
@@ -230,7 +230,7 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
     if not ahead:
       passes.compile = None  # The controller then scores at once.
     monkeypatch.setattr(scoring_passes, "_compile", slow_compile)
-    monkeypatch.setattr(PagedEngine, "generate", timed_generate)
+    monkeypatch.setattr(Engine, "generate", timed_generate)
     passes.begin(policy=setup[2])
     samples = list(lt.run(requests, scorer=passes))
     passes.end()
@@ -265,7 +265,7 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
 
   graphdef, layout, params, plain = setup
   engines = _rollout(setup).engines
-  state = engines.whole().init_decode_state()
+  state = engines.engine().init_decode_state()
   on_device0 = sum(shard.data.nbytes for x in (state.k_pages, state.v_pages)
                    for shard in x.addressable_shards
                    if shard.device == jax.devices()[0])

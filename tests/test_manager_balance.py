@@ -239,30 +239,41 @@ def test_running_samples_move_to_idle_worker(live):
   assert not a.driver.busy and not b.driver.busy
 
 
-def test_take_running_cuts_longest_row_and_source_never_emits_it(live):
-  """The cut row frees at once, is reused by the continuations on the same
-  worker, and nothing of its samples comes out of the source."""
+def test_take_running_cuts_most_budget_left_and_source_never_emits_it(live):
+  """The cut samples free their slots at once (a group with none left its
+  entry and pages too), the continuations take them on the same worker,
+  and nothing of the cut samples comes out of the source."""
   from rlhf_jax.workers import continuation
 
   store, a, _, want = live
   a.pull(store)
-  budgets = [(4, 5), (9, 11)]  # Request 1's row has the most budget left.
+  budgets = [(4, 5), (9, 11)]  # Request 1's samples have the most left.
   a.submit(_requests(budgets=budgets))
   res = a.poll(3)
   assert not res.finished and len(res.partials) == 4
-  cut = a.take_running(3)  # Whole rows only: one row of 2.
-  assert sorted(p.sample_idx for p in cut) == [0, 1]
-  assert {p.request.prompt_id for p in cut} == {1}
-  assert len(a.engine.free_rows()) == 1
-  assert {p.request.prompt_id for p in a.driver.partials()} == {0}
+  used = a.driver.pool.num_used
+  cut = a.take_running(3)  # Single samples: budget left 8, 6, then 2.
+  assert [(p.request.prompt_id, p.sample_idx) for p in cut] == [
+      (0, 1), (1, 0), (1, 1)]
+  assert [len(p.tokens) for p in cut] == [3, 3, 3]
+  # 3 slots free; request 1's group freed its entry and prompt pages,
+  # prompt 0's keeps its entry for the sample left.
+  assert len(a.driver.live) == 1 and list(a.driver.groups.values())[
+      0].request.prompt_id == 0
+  assert a.driver.pool.num_used < used
+  assert [(p.request.prompt_id, p.sample_idx)
+          for p in a.driver.partials()] == [(0, 0)]
   a.submit([continuation.continuation(p) for p in cut])
   finished = []
   while a.driver.busy:
     finished += a.poll(4).finished
+  assert a.driver.pool.num_used == 0
   heads = {(p.request.prompt_id, p.sample_idx): p for p in cut}
+  assert sorted(s.key for s in finished) == sorted(
+      (p, i) for p in range(2) for i in range(2))
   samples = []
   for s in finished:
-    if s.prompt_id == 1:  # A continuation: its prompt is prompt + head.
+    if s.key in heads:  # A continuation: its prompt is prompt + head.
       head = heads[s.key]
       assert s.prompt_tokens.size == head.request.tokens.size + len(
           head.tokens)
@@ -276,8 +287,8 @@ def test_measure_plateau(live):
   store, _, b, _ = live
   b.pull(store)  # Weights, whichever test of the module ran first.
   slots = b.engine.max_concurrent_decodes
-  # Two fractions: near the full batch at 0.8 (this engine's step time is
-  # nearly flat in b), and a small batch at 0.25.
+  # Two fractions: 0.8 and 0.25 (the paged engine runs only the listed
+  # live slots: its step time grows with b).
   for fraction in (0.8, 0.25):
     plateau = b.measure_plateau(fraction=fraction, steps=2)
     # Measured at 1 sample and at every multiple of the row size (G=2).
@@ -293,4 +304,6 @@ def test_measure_plateau(live):
     reaches = throughput >= fraction * throughput[-1]
     assert plateau == batch[np.argmax(reaches)], (fraction, times)
     assert reaches[plateau - 1] and not reaches[:plateau - 1].any()
-  assert not b.driver.busy and len(b.engine.free_rows()) == SPEC.num_rows
+  # Measured on a state and pool of its own: the driver's stay empty.
+  assert not b.driver.busy and not b.driver.live and not b.driver.groups
+  assert b.driver.pool.num_used == 0

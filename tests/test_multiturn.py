@@ -10,7 +10,7 @@ import pytest
 from benchmarks.static_rows import StaticRows
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.multiturn import MultiTurnDriver
-from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -84,7 +84,7 @@ def test_turns_keep_their_kv_and_equal_reprefill(model, mesh8, mesh1,
                                                  pages):
   graphdef, params = model
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)  # 4 replicas x 2.
-  engine = PagedEngine(CFG, graphdef, layout, num_slots=8,
+  engine = Engine(CFG, graphdef, layout, num_slots=8,
                        samples_per_group=2, prefill_buckets=(16,),
                        sampling=GREEDY, page_size=4, num_pages=pages,
                        prefill_batch=2)

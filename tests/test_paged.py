@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from benchmarks.static_rows import StaticRows
+from rlhf_jax.engine import moves
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -82,11 +83,11 @@ def _paged(model, layout, *, pages, slots=8, sampling=SAMPLED, page_size=4,
   key = (id(layout), pages, slots, sampling, page_size, buckets,
          tuple(sorted(kw.items())))
   if key not in _ENGINES:
-    _ENGINES[key] = PagedEngine(CFG, graphdef, layout, num_slots=slots,
+    _ENGINES[key] = Engine(CFG, graphdef, layout, num_slots=slots,
                                 samples_per_group=G, prefill_buckets=buckets,
                                 sampling=sampling, page_size=page_size,
                                 num_pages=pages, prefill_batch=2, **kw)
-  return PagedDriver(_ENGINES[key], mesh_lib.to_layout(params, layout))
+  return Driver(_ENGINES[key], mesh_lib.to_layout(params, layout))
 
 
 def _assert_same(a, b):
@@ -225,7 +226,7 @@ def test_extend_appends_tokens_to_a_live_sample(model, layouts):
   host = res.convert_to_numpy()
   response += [int(host.window(j).tokens[3]) for j in range(4)]
   user = [30, 31, 32, 33, 34, 35]
-  state = eng.extend(p, state, 3, [3, 4, 5, 6, 7, 8], user)
+  state = moves.extend(eng, p, state, 3, [3, 4, 5, 6, 7, 8], user)
   after = []
   for _ in range(5):
     state, res = eng.generate(p, state, slots=[3], groups=1,
@@ -279,7 +280,7 @@ def test_rollout_section_builds_the_paged_engine(model, layouts):
   rollout = LocalRollout(engines)
   rollout.set_weights(mesh_lib.to_layout(params, layout), 0)
   got = {s.key: s for s in rollout.run(reqs)}
-  eng = engines.paged_engine()
+  eng = engines.engine()
   # Defaults: rows x G slots, and pages for all of them at full length:
   # 4 prompts of 16 tokens (4 pages each), 16 samples of 20 tokens + 1
   # (6 pages each).

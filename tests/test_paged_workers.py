@@ -1,8 +1,8 @@
 """Elastic rollout workers on the paged engine: a preempted worker loses
 nothing, running samples move one at a time to an idle worker, and every
-sample's tokens equal the rows engine's uninterrupted run (the oracle:
-another engine, another driver, nothing cut); every page goes back to its
-pool."""
+sample's tokens equal an uninterrupted run on a `worker_env.SPEC` worker
+(the oracle: another engine, its pool sized for every slot, nothing cut or
+preempted); every page goes back to its pool."""
 
 import dataclasses
 
@@ -30,10 +30,10 @@ def env(mesh8):
   del mesh8
   store, _ = published_store()
   devices = jax.devices()
-  rows = RolloutWorker("rows", SPEC, devices=devices[:1])
+  oracle = RolloutWorker("oracle", SPEC, devices=devices[:1])
   paged = [RolloutWorker(f"p{i}", PAGED, devices=[devices[i + 1]])
            for i in range(3)]
-  want = reference(store, rows, requests(), poll_steps=3)
+  want = reference(store, oracle, requests(), poll_steps=3)
   return store, paged, want
 
 

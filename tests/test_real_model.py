@@ -24,8 +24,8 @@ import pytest
 
 from rlhf_jax import fetch
 from rlhf_jax.samples import Request
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import hf
 from rlhf_jax.models import model as model_lib
@@ -252,10 +252,10 @@ def test_greedy_paged_engine_matches_gguf_generate(
                             stop_tokens=(IM_END,))
   bucket = 64
   assert max(len(p) for p in prompts) <= bucket
-  engine = PagedEngine(cfg, graphdef, layout, num_slots=len(prompts),
+  engine = Engine(cfg, graphdef, layout, num_slots=len(prompts),
                        samples_per_group=1, prefill_buckets=(bucket,),
                        sampling=sampling, page_size=16, num_pages=64)
-  driver = PagedDriver(engine, mesh_lib.to_layout(params, layout))
+  driver = Driver(engine, mesh_lib.to_layout(params, layout))
   samples = list(driver.run([Request(i, p) for i, p in enumerate(prompts)]))
   ours = {s.prompt_id: s.tokens for s in samples}
   # Both ends are exercised: <|im_end|> (kept) and the 24-token budget.

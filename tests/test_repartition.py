@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from rlhf_jax.samples import Request, Sample
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
@@ -264,7 +264,7 @@ def _decode(engines, params, prompts, split_after=None):
   """Samples of a rollout on engines["all"]; with `split_after`, it
   continues on engines["part"] (the split's rollout part) after that many
   decode steps, the samples on the dropped replicas moved there."""
-  driver = PagedDriver(engines["all"], params["all"])
+  driver = Driver(engines["all"], params["all"])
   driver.start([Request(pid, p, 2, seed=5) for pid, p in prompts])
   out = []
   while driver.busy:
@@ -288,7 +288,7 @@ def test_a_split_keeps_an_in_flight_rollout_identical():
   assert merged.mesh.devices.tolist() == rollout.mesh.devices.tolist()
 
   M = 6
-  make = lambda layout: PagedEngine(
+  make = lambda layout: Engine(
       CFG, graphdef, layout, num_slots=4 * layout.mesh.shape["data"],
       samples_per_group=2, prefill_buckets=(8,), page_size=4,
       num_pages=16 * layout.mesh.shape["data"], decode_window=1,

@@ -136,12 +136,3 @@ def test_worker_moves_drop_self_moves_and_running_without_plateau():
   idle = [offload.QueueView(0, 6, 8), offload.QueueView(0, 0, 8)]
   assert offload.worker_moves(idle, None) == []           # No plateau.
   assert offload.worker_moves(idle, 2) == [(0, 1, 4, True)]
-
-
-def test_rows_to_cut_whole_rows_most_budget_left_first():
-  left = {0: [5, 1], 1: [9], 2: [2, 2], 3: [9, 8]}
-  # Row 3 (max 9, sum 17) before row 1 (9, 9); row 3 fits in n=3, row 1 then
-  # fits too; rows 0 and 2 no longer do.
-  assert offload.rows_to_cut(left, 3, num_rows=4, samples_per_row=2) == [3, 1]
-  # The cap max(num_rows, G) = 2 samples: only row 3.
-  assert offload.rows_to_cut(left, 9, num_rows=1, samples_per_row=2) == [3]

@@ -90,7 +90,7 @@ def test_seed_window_caps_the_held_workers(mesh8):
   # The trainer's engine (one device) and the step's params in its layout.
   engine = RolloutWorker("t", SPEC, devices=[d0]).engine
   local = types.SimpleNamespace(
-      engines=types.SimpleNamespace(whole=lambda: engine),
+      engines=types.SimpleNamespace(engine=lambda: engine),
       start_driver=None)
   clock = fakes.Clock()
   window = SeedWindow(local, offload.SeedWindowController(

@@ -1,6 +1,7 @@
 """Row-level replay of the elastic rollout (`rlhf_jax/sim/worker_rows.py`):
 hand-checked schedules, preemption, round costs, Theta and balancing, no
-sample lost; and the same step counts as a live manager run."""
+sample lost; and the same step counts as a live manager run over paged
+workers of one group entry per row."""
 
 import numpy as np
 import pytest
@@ -172,25 +173,49 @@ def test_theta_keeps_work_in_the_queue_for_joiners(monkeypatch):
     assert max(seen) == {1: 1, 100: 5}[theta]
 
 
-def test_running_row_moves_to_an_idle_worker():
+def test_running_samples_move_to_an_idle_worker():
   # One row; a runs prompt 0 (lengths 6, 6), b joins idle at round 1.
-  # After a's second poll (4 tokens each) B=0 moves the row: two
-  # continuations of prompt + 4 = 9 tokens (long bucket), 2 left each, run
-  # one after the other on b. a reads the cut step in flight in one more,
-  # empty iteration (no decode, no cost). B=1: the row's 2 samples exceed
-  # the 1 to move, and whole rows only move: nothing moves.
+  # After a's second poll (4 tokens each) B=0 asks for both running
+  # samples, B=1 for one; single samples move, at most b's rows (1): (0, 0)
+  # (budgets left tie at 2: key order), continued on b as prompt + 4 = 9
+  # tokens (long bucket) with 2 left. a keeps (0, 1) in its row (read
+  # finished at iteration 6); b runs the continuation in 2 iterations.
+  # B=2 or none: nothing moves.
   trace = _events((0, "a", "add"), (1, "b", "add"))
   costs = wr.WorkerCosts(1.0, {8: 0.0, 20: 0.5})
-  r = wr.simulate([[6, 6]], [5], trace, costs, theta=1, clock="rounds",
-                  plateau=0, **ONE_ROW)
-  assert (r.moved_running, r.migrated_samples, r.preemptions) == (2, 2, 0)
-  assert (r.kept_tokens, r.reprefill_tokens) == (8, 2 * 9)
-  assert r.steps == {"a": 5, "b": 4} and r.produced == {"b": 2}
-  assert r.rounds == 4 and r.makespan == pytest.approx(2 + 2 + 2 * 2.5)
-  for plateau in (None, 1):
+  for plateau in (0, 1):
+    r = wr.simulate([[6, 6]], [5], trace, costs, theta=1, clock="rounds",
+                    plateau=plateau, **ONE_ROW)
+    assert (r.moved_running, r.migrated_samples, r.preemptions) == (1, 1, 0)
+    assert (r.kept_tokens, r.reprefill_tokens) == (4, 9)
+    assert r.steps == {"a": 6, "b": 2}
+    assert r.produced == {"a": 1, "b": 1}
+    assert r.rounds == 3 and r.makespan == pytest.approx(2 + 2 + 2 + 2.5)
+  for plateau in (None, 2):
     r = wr.simulate([[6, 6]], [5], trace, costs, theta=1, clock="rounds",
                     plateau=plateau, **ONE_ROW)
     assert (r.moved_running, r.steps, r.rounds) == (0, {"a": 6, "b": 0}, 3)
+  # G=1: the move empties a's row. a reads the cut step in flight in one
+  # more, empty, iteration (no decode, no cost).
+  r = wr.simulate([[6]], [5], trace, costs, theta=1, clock="rounds",
+                  plateau=0, **ONE_ROW)
+  assert (r.moved_running, r.kept_tokens, r.reprefill_tokens) == (1, 4, 9)
+  assert r.steps == {"a": 5, "b": 2} and r.produced == {"b": 1}
+  assert r.rounds == 3 and r.makespan == pytest.approx(2 + 2 + 2.5)
+
+
+def test_prefill_calls_batch_the_prompts_admitted_together():
+  # Three rows, 5 prompts of one sample admitted together at iteration 1
+  # (3) and 2 (2): prefill_batch=2 makes calls of (5, 5) and (12) tokens,
+  # then (5, 12): buckets 8, 20, then 20.
+  costs = wr.WorkerCosts(1.0, {8: 0.25, 20: 0.5})
+  lengths, prompts = [[1], [1], [1], [1], [1]], [5, 5, 12, 5, 12]
+  t, steps = wr.simulate_driver(lengths, prompts, costs, num_rows=3,
+                                buckets=(8, 20), prefill_batch=2)
+  assert steps == 2 and t == pytest.approx(0.25 + 0.5 + 1 + 0.5 + 1)
+  t1, _ = wr.simulate_driver(lengths, prompts, costs, num_rows=3,
+                             buckets=(8, 20))
+  assert t1 == pytest.approx(3 * 0.25 + 2 * 0.5 + 2)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -244,9 +269,13 @@ def _live_and_sim(trace, *, seed, theta, poll_steps, plateau=None):
   from worker_env import published_store
 
   M, G, R = 12, 2, 2
+  # Paged workers with one group entry per row (the sim's rows), pages for
+  # every slot, one decode step a call.
   spec = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=R,
                     samples_per_row=G, prefill_buckets=(8, 8 + M),
-                    sampling=SamplingParams(max_new_tokens=M))
+                    sampling=SamplingParams(max_new_tokens=M),
+                    paged=dict(page_size=4, num_pages=0, num_slots=R * G,
+                               num_groups=R, decode_window=1))
   store, _ = published_store(spec)
   rng = np.random.default_rng(seed)
   lengths, prompt_lens = rng.integers(1, M + 1, (8, G)), rng.integers(2, 8, 8)
@@ -299,19 +328,21 @@ def test_matches_a_live_manager_run(mesh8):
 
 
 @pytest.mark.parametrize("plateau,seed,trace,theta", [
-    # B = one row: c joins idle at round 6 and takes b's row with the
-    # most budget left (the other row first would give other counts).
+    # B = one row: c joins idle at round 6 and takes b's 2 samples with
+    # the most budget left: (6, 1) with 5, then (6, 0) with 4, which ties
+    # (7, 0) and wins on key order (another pick would give other counts).
     (2, 0, ((0, "a", "add"), (1, "b", "add"), (3, "a", "remove"),
             (6, "c", "add")), 2),
-    # B = 0: any running row may move, sources are left with no work
-    # (their next poll reads the cut rows' step in flight: one more,
-    # empty, iteration); moves are capped at max(rows, G) samples.
+    # B = 0: any running sample may move, sources are left with no work
+    # (their next poll reads the cut samples' step in flight: one more,
+    # empty, iteration); moves are capped at the rows (group entries, 2):
+    # one asks for 3 samples and gets 2.
     (0, 3, ((0, "a", "add"), (1, "b", "add"), (3, "c", "add"),
             (5, "a", "remove")), 100),
 ])
 def test_running_moves_match_a_live_manager_run(mesh8, plateau, seed, trace,
                                                 theta):
-  """With `plateau` set the live manager moves running rows to idle
+  """With `plateau` set the live manager moves running samples to idle
   workers; the sim makes the same moves: the same steps per worker,
   rounds, samples per worker, moves, migrations and re-prefill tokens."""
   del mesh8

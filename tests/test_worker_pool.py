@@ -16,7 +16,7 @@ from rlhf_jax.workers import pool as pool_lib
 from rlhf_jax.workers.worker import RolloutWorker
 from worker_env import M, SPEC, check as _check, published_store
 from worker_env import reference, requests as _requests
-SLOTS = SPEC.num_rows * SPEC.samples_per_row
+SLOTS = SPEC.slots
 
 
 class _Fake:

@@ -103,12 +103,12 @@ def test_samples_of_old_weights_are_sampled_again(pool):
   samples = mgr.run(_requests())
   assert {s.weight_version for s in samples} == {1}
   assert len({s.key for s in samples}) == 12
-  # Only the samples decoding at the publish ran on v0: the 2 rows x 2 of
-  # the first two requests (every sample runs its M=12 tokens; two poll
-  # rounds of 2 steps decode at most 4 of them), so exactly 4 are sampled
-  # again; queued requests start on v1. Each version was sent once, not
-  # every round.
-  assert mgr.stats.stale_resampled == SPEC.num_rows * SPEC.samples_per_row
+  # Only the samples decoding at the publish ran on v0: the 4 slots (2
+  # groups x 2) of the first two requests (every sample runs its M=12
+  # tokens; two poll rounds of 2 steps decode at most 4 of them), so
+  # exactly 4 are sampled again; queued requests start on v1. Each version
+  # was sent once, not every round.
+  assert mgr.stats.stale_resampled == SPEC.slots == 4
   assert mgr.stats.pulls == 2
 
 

@@ -1,5 +1,6 @@
-"""Shared setup of the rollout-worker tests: a tiny engine spec, requests,
-a store holding version 0, reference samples and the check against them."""
+"""Shared setup of the rollout-worker tests: a tiny paged engine spec,
+requests, a store holding version 0, reference samples and the check
+against them."""
 
 import numpy as np
 
@@ -12,10 +13,16 @@ from rlhf_jax.workers.weights import LocalWeightStore
 from rlhf_jax.workers.worker import EngineSpec
 
 M = 12  # Max new tokens.
+# The paged engine, as jobs' workers run it (`rollout/elastic.py`): 4 slots
+# (2 rows x G=2), pages of 4 tokens, the pool sized for every slot (0: no
+# pool preemption), one decode step a call (a poll of n steps is n tokens
+# a sample, so polls land mid-response).
 SPEC = EngineSpec(ModelConfig.tiny(vocab_size=64), num_rows=2,
                   samples_per_row=2, prefill_buckets=(8, 8 + M),
                   sampling=SamplingParams(temperature=1.0, top_k=40,
-                                          max_new_tokens=M))
+                                          max_new_tokens=M),
+                  paged=dict(page_size=4, num_pages=0, num_slots=0,
+                             decode_window=1))
 
 
 def requests(n=6, *, rng_seed=0, seed=3, budgets=None):

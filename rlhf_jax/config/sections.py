@@ -237,7 +237,7 @@ class Rollout:
   # > 0: a token prefix all prompts of a batch share (system prompt, chat
   # template) is prefilled and stored once, up to this length.
   max_common_length: int = 0
-  # Decoding runs on the paged engine (engine/paged.py: KV in a page pool,
+  # Decoding runs on the paged engine (engine/engine.py: KV in a page pool,
   # a finished sample frees its pages and slot at once, decode reads live
   # pages only) on the trainer's mesh, in evaluation and on the elastic
   # workers alike.

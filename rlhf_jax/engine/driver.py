@@ -1,44 +1,60 @@
-"""Continuous batching over the engine, streaming finished samples.
+"""Sample-level continuous batching over the engine, streaming samples.
 
-JetStream-orchestrator style, in one thread: admit prompts into free rows as
-soon as they free up (prefill once, bulk_insert G slots), dispatch one
-`generate` per step, start the async device->host copy of its packed result,
-and read the previous step's result only after the next step is dispatched,
-so the host never stalls the device. Finished samples are yielded as soon as
-they complete (scoring can start while others still decode).
+JetStream-orchestrator style, in one thread: requests in, `Sample`s out as
+soon as they finish; each `generate` call's packed result is copied to the
+host asynchronously and read only after the next call is dispatched, so the
+host never stalls the device. `run(requests, common_prefix=...)` adds
+two-level sharing: a token prefix common to all requests (declared, or
+detected with "auto") is prefilled once and stored once; each group then
+holds only its tokens after it (same samples as without it). The
+decisions a page pool needs are all taken here on the host:
 
-`run(requests, common_prefix=...)` adds two-level sharing: a token prefix
-common to all requests (declared, or detected with "auto") is prefilled once
-and stored once; each request's row then holds only its tokens after it.
-Samples are the same as without it (same keys, same positions).
+- Admission: pending prompts are prefilled `prefill_batch` at a time into
+  free group entries when the pool has their prompt pages and there are
+  free slots no waiting sample will take ("static", the baseline: only
+  when no group is admitted, then as many as fit). Their samples wait in
+  the group until a slot frees. With data replicas, a group lives on one
+  replica (its entry, its samples' slots and all its pages): the one with
+  the most free pages among those with room.
+- Slots: a slot whose sample finished takes the next waiting sample at once
+  (oldest group first of its replica), whatever group it belongs to; the
+  rest of the old group keeps reading its prompt pages once per step.
+- Pages: before each step every live sample is given pages for its known
+  length + 2 tokens (the step in flight and the one dispatched now).
+- Exhaustion policy (stated and tested): when a live sample needs a page and
+  none is free on its replica, the most recently started live sample of
+  that replica is preempted: it is stopped on the device, its own pages
+  are freed, and it goes back to the front of its group's waiting samples
+  with the tokens read so far. When it gets a slot again,
+  `moves.recompute` recomputes its KV (one call for the samples of a group
+  started together) and it continues with the same tokens (sampling keys
+  do not depend on the slot). Admission and restarts never preempt: they
+  wait for pages. A prompt whose one sample cannot fit its replica's pool
+  is refused in one line before any work (`_validate`), never silently
+  truncated.
+- Consolidation (`consolidate`, called by a long-tail controller): the run
+  continues on an engine over the first replicas only. Their slots, groups
+  and pages stay as they are (the state is viewed there, no copy); a group
+  on a dropped replica moves its pages to a kept one, or is admitted again
+  (its prompt prefilled anew and its live samples recomputed), with the
+  same tokens.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import time
+import math
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from rlhf_jax.engine import common_prefix as common_lib
-from rlhf_jax.engine.engine import Engine
 from rlhf_jax.samples import Partial, Request, Sample
-
-
-@dataclasses.dataclass
-class _Live:
-  request: Request
-  sample_idx: int
-  tokens: list
-  logp: list
-  logp_raw: list
-  budget: int
-  # Decode steps dispatched before the sample entered its slot: results of
-  # those steps for this slot belong to its previous occupant (a sample the
-  # host ended on its budget while the device kept stepping it).
-  since_step: int = 0
+from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
+from rlhf_jax.engine import common_prefix as common_lib
+from rlhf_jax.engine import moves
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.state import Prefill
 
 
 @dataclasses.dataclass
@@ -48,7 +64,6 @@ class DriverStats:
   prefill_tokens: int = 0       # Padded tokens run through prefill.
   common_prefix_length: int = 0  # Of the last run (0: none).
   generated_tokens: int = 0
-  decode_s: float = 0.0
 
 
 def most_free_replica(pool, replicas) -> int:
@@ -60,8 +75,8 @@ def most_free_replica(pool, replicas) -> int:
 class Controller:
   """Scheduling hooks of `Driver.run` (defaults: plain continuous batching).
 
-  `window`: the most decode steps one paged engine call may run before
-  these hooks run again (None: the engine's `decode_window`).
+  `window`: the most decode steps one engine call may run before these
+  hooks run again (None: the engine's `decode_window`).
   """
 
   window: int | None = None
@@ -69,22 +84,9 @@ class Controller:
   def __init__(self, window: int | None = None):
     self.window = window
 
-  def choose_row(self, driver: "Driver", free_rows: list[int],
-                 request: Request) -> int:
-    """The free row `request` goes to."""
-    del driver, request
-    return free_rows[0]
-
-  def admit(self, driver: "Driver", free_rows: list[int]
-            ) -> tuple[int, int] | None:
-    """The next admission: (index into `driver.pending`, the free row it
-    goes to), or None to admit nothing more now (default: the first
-    pending request, into `choose_row`'s row)."""
-    return 0, self.choose_row(driver, free_rows, driver.pending[0])
-
   def pick(self, driver, room_for) -> tuple[int, int] | None:
-    """The paged engine's next admission: (index into `driver.pending`,
-    the replica its group goes to), or None to admit nothing more now.
+    """The next admission: (index into `driver.pending`, the replica its
+    group goes to), or None to admit nothing more now.
     `room_for(request)` lists the replicas with room for it. Default: the
     first pending request, onto `choose_replica`'s replica."""
     request = driver.pending[0]
@@ -93,8 +95,8 @@ class Controller:
 
   def choose_replica(self, driver, replicas: list[int],
                      request: Request) -> int:
-    """The data replica of the paged engine `request`'s group goes to,
-    among those with room (default: the one with the most free pages)."""
+    """The data replica `request`'s group goes to, among those with room
+    (default: the one with the most free pages)."""
     del request
     return most_free_replica(driver.pool, replicas)
 
@@ -102,7 +104,7 @@ class Controller:
     """Called after each decode call is dispatched."""
 
   def decode_window(self, driver: "Driver") -> int:
-    """The most decode steps the paged driver may run in one call."""
+    """The most decode steps the driver may run in one call."""
     return self.window or driver.engine.decode_window
 
   def wants_switch(self, driver: "Driver") -> bool:
@@ -114,13 +116,74 @@ class Controller:
     """Replaces driver.engine / params / state / live (slot keys)."""
 
 
+def _member_samples(req: Request) -> list[int]:
+  """Sample index of each member of a request's group: first tokens are
+  drawn and kept per member (also for a group admitted again, whose
+  waiting samples are a reordered subset)."""
+  return list(range(req.first_sample_index,
+                    req.first_sample_index + req.num_samples))
+
+
+@dataclasses.dataclass
+class _Waiting:
+  """A sample of an admitted group without a slot (new, or preempted)."""
+  member: int
+  sample_idx: int
+  budget: int
+  tokens: list = dataclasses.field(default_factory=list)
+  logp: list = dataclasses.field(default_factory=list)
+  logp_raw: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Group:
+  request: Request
+  entry: int
+  length: int                      # prompt tokens after the common prefix
+  pages: list[int]
+  waiting: collections.deque
+  replica: int = 0
+  order: int = 0                   # admission order
+  live: int = 0
+  first: tuple | None = None       # host copies of (tokens, logp, raw) [G]
+
+
+@dataclasses.dataclass
+class _Slot:
+  group: _Group
+  member: int
+  sample_idx: int
+  budget: int
+  pages: list[int]
+  started: int                     # decode steps dispatched before start
+  order: int                       # start order (preemption picks newest)
+  tokens: list = dataclasses.field(default_factory=list)
+  logp: list = dataclasses.field(default_factory=list)
+  logp_raw: list = dataclasses.field(default_factory=list)
+
+  @property
+  def request(self) -> Request:
+    return self.group.request
+
+
+@dataclasses.dataclass
+class PagedStats:
+  preemptions: int = 0
+  recomputed_tokens: int = 0
+  peak_pages: int = 0
+  peak_live: int = 0
+  peak_kv_tokens: int = 0    # Tokens with KV in the pool (prompts once).
+  groups_by_replica: list = dataclasses.field(default_factory=list)
+  moved_samples: int = 0     # Left a dropped replica (`consolidate`).
+
+
 class Driver:
   """Streams samples for a stream of requests through one Engine.
 
-  During `run`, `engine`, `params`, `state` (the decode state), `live`
-  (slot -> in-flight sample) and `pending` (requests not yet admitted) are
-  the run's state; a `Controller` may read them and, in `switch`, replace
-  them (the samples continue on the new engine).
+  During a run, `engine`, `params`, `state` (the decode state), `live`
+  (slot -> sample decoding), `groups` (entry -> admitted prompt) and
+  `pending` (requests not yet admitted) are its state; a `Controller` may
+  read them and, in `switch`, move the run (`consolidate`).
   """
 
   def __init__(self, engine: Engine, params, *, weight_version: int = 0):
@@ -129,6 +192,7 @@ class Driver:
     self.weight_version = weight_version
     self.stats = DriverStats()
     self._controller = None
+    self.paged = PagedStats(groups_by_replica=[0] * engine.replicas)
 
   def run(self, requests: Iterable[Request], *,
           common_prefix: str | Sequence[int] | np.ndarray | None = None,
@@ -142,14 +206,15 @@ class Driver:
         prefix of all requests, if >= `min_common_length`, capped at the
         engine's `max_common_length`), or the common tokens themselves,
         which every request must start with. It is prefilled once and
-        stored once for all rows (`Engine.set_common_prefix`).
+        stored once for all groups (`Engine.set_common_prefix`).
       min_common_length: threshold of "auto".
-      admission: "continuous" (a prompt enters any row as soon as it frees)
-        or "static" (a new wave of prompts enters only once every row is
-        free: the synchronous batching of most RL frameworks).
-      controller: optional scheduling hooks (`Controller`): the row a
-        prompt goes to, and a switch of engine between decode steps
-        (long-tail consolidation, `long_tail.py`).
+      admission: "continuous" (a prompt is admitted as soon as pages and
+        a slot allow) or "static" (a new wave of prompts only once no
+        group is admitted: the synchronous batching of most RL
+        frameworks).
+      controller: optional scheduling hooks (`Controller`): the replica a
+        prompt's group goes to, and a move of the run between decode
+        steps (long-tail consolidation, `long_tail.py`).
 
     Yields:
       `Sample`s; `prompt_tokens` is the whole request prompt.
@@ -160,22 +225,31 @@ class Driver:
     while self.busy:
       yield from self.step()
 
-  # ------------------------------------------------- step-by-step control
-  def start(self, requests: Iterable[Request] = (), *,
-            common_prefix: str | Sequence[int] | np.ndarray | None = None,
+  # ------------------------------------------------------------ the run
+  def start(self, requests: Iterable[Request] = (), *, common_prefix=None,
             min_common_length: int = 16, admission: str = "continuous",
-            controller: "Controller | None" = None) -> None:
+            controller: Controller | None = None) -> None:
     """Begins a run (arguments as `run`); drive it with `step()`."""
     if admission not in ("continuous", "static"):
-      raise ValueError(f"admission must be 'continuous' or 'static', got "
-                       f"{admission!r}")
+      raise ValueError(f"admission={admission!r}: 'continuous' or 'static'")
+    eng: Engine = self.engine
     pending, common = self._open(requests, common_prefix, min_common_length)
-    self.live: dict[int, _Live] = {}
+    D = eng.replicas
+    self.pool = PagePool(eng.num_pages, eng.page_size, D)
     self.pending = pending
+    self.live: dict[int, _Slot] = {}
+    self.groups: dict[int, _Group] = {}        # entry -> group
+    # Per replica, lowest ids first.
+    blocks = lambda n: [list(range((r + 1) * n // D - 1, r * n // D - 1, -1))
+                        for r in range(D)]
+    self._free_entries = blocks(eng.num_groups)
+    self._free_slots = blocks(eng.num_slots)
     self._common, self._admission = common, admission
-    self._controller = controller
-    self._events = collections.deque()  # ("insert", slots, prefix) |
-                                        # ("step", res, n)
+    self._controller = controller or Controller()
+    self._readmit: collections.deque[_Group] = collections.deque()
+    self._events = collections.deque()
+    self._unread = 0  # Decode steps dispatched whose results are unread.
+    self._order = 0
 
   def _open(self, requests, common_prefix, min_common_length):
     """Validates every request (bad input fails before any work), sets the
@@ -205,88 +279,13 @@ class Driver:
 
   @property
   def controller(self) -> "Controller | None":
-    """The scheduling hooks of the run under way (None: plain)."""
+    """The scheduling hooks of the run under way (None before a run)."""
     return self._controller
 
   @property
   def busy(self) -> bool:
-    """Requests pending, samples decoding, or results not yet read."""
-    return bool(self.pending or self.live or self._events)
-
-  def step(self) -> list[Sample]:
-    """One iteration: admit into free rows, one decode step, read results.
-
-    Returns the samples that finished (results are read one step late: the
-    host never waits for the step it just dispatched).
-    """
-    t0 = time.perf_counter()
-    eng, ctl, events = self.engine, self._controller, self._events
-    free = eng.free_rows()
-    if self._admission == "static" and self.live:
-      free = []
-    while self.pending and free:
-      pick = ctl.admit(self, free) if ctl else (0, free[0])
-      if pick is None:
-        break
-      i, row = pick
-      req = self.pending[i]
-      del self.pending[i]
-      free.remove(row)
-      self._admit(req, row, self._common, events)
-    if self.live:
-      self.state, result = eng.generate(self.params, self.state)
-      result.copy_to_host_async()
-      self.stats.steps += 1
-      events.append(("step", result, self.stats.steps))
-      if ctl is not None:
-        ctl.after_step(self)
-    out: list[Sample] = []
-    # Read everything but the newest step: it is still in flight.
-    while events and (len(events) > 1 or not self.live or
-                      events[0][0] == "insert"):
-      out.extend(self._consume(events.popleft(), self.live))
-    if ctl is not None and self.live and ctl.wants_switch(self):
-      while events:  # The switch needs every slot's host state current.
-        out.extend(self._consume(events.popleft(), self.live))
-      if self.live:
-        ctl.switch(self)
-    self.stats.decode_s += time.perf_counter() - t0
-    return out
-
-  def partials(self) -> list[Partial]:
-    """The samples still decoding, with the tokens the host has read.
-
-    What a preempted worker hands back: each continues elsewhere as its
-    prompt + these tokens (`workers/continuation.py`).
-    """
-    return [self._partial(it) for _, it in sorted(self.live.items())]
-
-  def evict(self, row: int) -> list[Partial]:
-    """Cuts `row`'s samples out of the run; returns them as `Partial`s.
-
-    For handing running samples to another worker (load balancing): they
-    continue there as prompt + tokens so far. The row frees at once (the
-    next admission may reuse it). Nothing of the cut samples is emitted
-    later: the step in flight still carries a token for their slots, but
-    `_consume` reads only slots in `live`, and a new occupant of the row
-    reads only steps dispatched after it entered (`since_step`). That
-    in-flight token is not in the Partials: the continuation samples it
-    again with the same key at the same position (the same token). On the
-    device the slots keep stepping until the row is refilled, as for a
-    sample the host ended on its budget (static shapes: no extra cost).
-    """
-    if any(e[0] == "insert" and e[1][0] // self.engine.samples_per_row == row
-           for e in self._events):  # `step()` always reads its inserts.
-      raise RuntimeError(f"row {row}: its first tokens are not read yet")
-    slots = [s for s in self.engine.slots_of_row[row] if s in self.live]
-    out = [self._partial(self.live.pop(s)) for s in slots]
-    for s in slots:
-      self.engine.free_resource(s)
-    return out
-
-  def _partial(self, it: _Live) -> Partial:
-    return Partial(it.request, it.sample_idx, list(it.tokens), list(it.logp),
-                   list(it.logp_raw), it.budget, self.weight_version)
+    return bool(self.pending or self.live or self._events or self.groups
+                or self._readmit)
 
   def _validate(self, req: Request, common: np.ndarray) -> None:
     eng = self.engine
@@ -297,38 +296,24 @@ class Driver:
           f"prefix of {common.size}, longer than the largest prefill "
           f"bucket {eng.max_prefill_length}")
     eng.pad_prompt(own, req.prompt_id)
-    if not 1 <= req.num_samples <= eng.samples_per_row:
+    if not 1 <= req.num_samples <= eng.samples_per_group:
       raise ValueError(
           f"prompt {req.prompt_id} asks for num_samples={req.num_samples}; "
-          f"the engine holds 1..{eng.samples_per_row} samples per prompt")
+          f"the engine holds 1..{eng.samples_per_group} samples per prompt")
     budgets = req.max_new_tokens_per_sample
     if budgets is not None and (len(budgets) != req.num_samples or
                                 min(budgets) < 1):
       raise ValueError(
           f"prompt {req.prompt_id}: max_new_tokens_per_sample must hold "
           f"{req.num_samples} budgets >= 1, got {budgets}")
-
-  def _admit(self, req: Request, row: int, common: np.ndarray,
-             events) -> None:
-    """Prefills `req` once and inserts its samples into `row`."""
-    eng = self.engine
-    padded, true_len = eng.pad_prompt(
-        np.asarray(req.tokens)[common.size:], req.prompt_id)
-    prefix = eng.prefill_multisampling(
-        self.params, padded, true_len, req.num_samples,
-        prompt_id=req.prompt_id, seed=req.seed,
-        first_sample_index=req.first_sample_index)
-    slots = eng.slots_of_row[row][:req.num_samples]
-    self.state = eng.bulk_insert(prefix, self.state, slots)
-    max_new = eng.sampling.max_new_tokens
-    for j, (s, i) in enumerate(zip(slots, prefix.sample_indices)):
-      self.live[s] = _Live(req, i, [], [], [], req.budget(j, max_new),
-                           self.stats.steps)
-    for x in (prefix.first_tokens, prefix.first_logp, prefix.first_logp_raw):
-      x.copy_to_host_async()
-    events.append(("insert", slots, prefix))
-    self.stats.prefills += 1
-    self.stats.prefill_tokens += padded.size
+    own = len(req.tokens) - common.size
+    need = self.pool_pages_for(own) + eng.max_own_pages
+    per_replica = eng.num_pages // eng.replicas
+    if need > per_replica:
+      raise ValueError(
+          f"prompt {req.prompt_id}: one sample needs up to {need} pages "
+          f"(prompt + max_new_tokens={eng.sampling.max_new_tokens}), the "
+          f"pool has {per_replica} per replica; give the engine more pages")
 
   def _resolve_common_prefix(self, requests, common_prefix,
                              min_common_length) -> np.ndarray:
@@ -350,34 +335,493 @@ class Driver:
       return np.zeros(0, np.int32)
     return eng.check_common_prefix(common_prefix)
 
-  def _consume(self, event, live) -> Iterator[Sample]:
+  def pool_pages_for(self, tokens: int) -> int:
+    return math.ceil(tokens / self.engine.page_size)
+
+  def step(self) -> list[Sample]:
+    eng: Engine = self.engine
+    self._admit()
+    out = self._start_waiting()
+    steps = self._window()
+    growth = self._grow(steps)
+    if self.live:
+      # Read bounds of the busiest replica: groups with live samples, the
+      # pages of one's prompt, the own pages of one sample (they hold the
+      # device's tokens after the window, `_grow`).
+      live_groups = {id(s.group): s.group for s in self.live.values()}
+      per_replica = [0] * eng.replicas
+      for g in live_groups.values():
+        per_replica[g.replica] += 1
+      self.state, result = eng.generate(
+          self.params, self.state, growth, slots=list(self.live),
+          groups=max(per_replica),
+          prompt_pages=max(len(g.pages) for g in live_groups.values()),
+          own_pages=max(len(s.pages) for s in self.live.values()),
+          steps=steps)
+      result.copy_to_host_async()
+      self._events.append(("step", result, self.stats.steps, steps))
+      self.stats.steps += steps
+      self._unread += steps
+      self._controller.after_step(self)
+    self.paged.peak_live = max(self.paged.peak_live, len(self.live))
+    kv_tokens = (sum(g.length for g in self.groups.values()) +
+                 sum(max(len(s.tokens) - 1, 0) for s in self.live.values()))
+    self.paged.peak_kv_tokens = max(self.paged.peak_kv_tokens, kv_tokens)
+    self.paged.peak_pages = max(self.paged.peak_pages, self.pool.num_used)
+    events = self._events
+    while events and (len(events) > 1 or not self.live or
+                      events[0][0] == "insert"):
+      out.extend(self._consume(events.popleft(), self.live))
+    if self.live and self._controller.wants_switch(self):
+      while events:  # The switch needs every sample's host state current.
+        out.extend(self._consume(events.popleft(), self.live))
+      if self.live:
+        self._controller.switch(self)
+    if not self.busy and self.pool.num_used:  # An invariant, checked.
+      raise RuntimeError(f"{self.pool.num_used} pages still held after the "
+                         "run")
+    return out
+
+  # ---------------------------------------------------------- decisions
+  def _admit(self) -> None:
+    """Prefills pending prompts into free entries, `prefill_batch` a call,
+    while pages and unclaimed slots allow; groups to admit again (from a
+    consolidation) go first. Static admission (the baseline): new prompts
+    only while no group is admitted, then as many as fit."""
+    static = self._admission == "static"
+    new = not static or not self.groups
+    while (self._readmit or (new and self.pending)) and self._admit_batch(
+        new):
+      pass
+
+  def _admit_batch(self, new: bool) -> bool:
+    """One prefill call's groups (`new`: pending prompts too)."""
+    eng: Engine = self.engine
+    waiting = [0] * eng.replicas
+    for g in self.groups.values():
+      waiting[g.replica] += len(g.waiting)
+    batch = []
+    def room_for(req) -> list[int]:
+      """Replicas with a free entry, a slot no waiting sample will take,
+      and pages for the prompt. Prompt pages never take the last sample's
+      worth of a replica's pool: with nothing live there, any waiting
+      sample can start and run to its end."""
+      need = self.pool_pages_for(len(req.tokens) - self._common.size)
+      return [r for r in range(eng.replicas)
+              if self._free_entries[r]
+              and len(self._free_slots[r]) > waiting[r]
+              and self.pool.free_in(r) - need >= eng.max_own_pages]
+
+    while ((self._readmit or (new and self.pending))
+           and len(batch) < eng.prefill_batch):
+      again = self._readmit[0] if self._readmit else None
+      if again:
+        # A readmitted group's samples were already counted where they
+        # were admitted: it goes where the pages are, outside the policy.
+        req, room = again.request, room_for(again.request)
+        if not room:
+          break
+        r = most_free_replica(self.pool, room)
+      else:
+        pick = self._controller.pick(self, room_for)
+        if pick is None:
+          break
+        i, r = pick
+        req = self.pending[i]
+        del self.pending[i]
+      own = np.asarray(req.tokens, np.int32)[self._common.size:]
+      need = self.pool_pages_for(own.size)
+      pages = self.pool.allocate(need, r)
+      self.paged.groups_by_replica[r] += 1
+      if again:
+        group = self._readmit.popleft()
+        group.entry, group.pages, group.replica = (
+            self._free_entries[r].pop(), pages, r)
+      else:
+        self._order += 1
+        group = _Group(req, self._free_entries[r].pop(), int(own.size), pages,
+                       collections.deque(
+                           _Waiting(j, req.first_sample_index + j,
+                                    req.budget(j, eng.sampling.max_new_tokens))
+                           for j in range(req.num_samples)), r, self._order)
+      self.groups[group.entry] = group
+      batch.append((group, own))
+      waiting[r] += len(group.waiting)
+    chunk = eng.chunk_length
+    short = [(g, own) for g, own in batch if own.size <= chunk]
+    if short:
+      self._prefill_batch(short)
+    for group, own in batch:
+      if own.size > chunk:
+        self._prefill_chunked(group, own)
+    return bool(batch)
+
+  def _prefill_batch(self, batch) -> None:
+    """Prompts of at most one bucket: one prefill call for all."""
+    eng: Engine = self.engine
+    reqs = [g.request for g, _ in batch]
+    pre = eng.prefill(
+        self.params, [(own, g.request.prompt_id) for g, own in batch],
+        [r.prompt_id for r in reqs], [r.seed for r in reqs],
+        [_member_samples(g.request) for g, _ in batch])
+    self.state = eng.insert(
+        self.state, pre, [g.entry for g, _ in batch],
+        [g.pages for g, _ in batch], [g.length for g, _ in batch],
+        [r.prompt_id for r in reqs], [r.seed for r in reqs])
+    for x in (pre.first_tokens, pre.first_logp, pre.first_logp_raw):
+      x.copy_to_host_async()
+    self._events.append(("insert", [g for g, _ in batch], pre))
+    self.stats.prefills += 1
+    self.stats.prefill_tokens += pre.k.shape[1] * pre.k.shape[2]
+
+  def _prefill_chunked(self, group: _Group, own: np.ndarray) -> None:
+    """A prompt past the largest bucket: its first bucket like any prompt,
+    then bucket-long chunks that attend to the prompt so far; the G first
+    tokens are drawn after the last chunk."""
+    eng: Engine = self.engine
+    req, chunk = group.request, eng.chunk_length
+    idx = _member_samples(req)
+    pre = eng.prefill(self.params, [(own[:chunk], req.prompt_id)],
+                      [req.prompt_id], [req.seed], [idx])
+    self.state = eng.insert(self.state, pre, [group.entry],
+                            [group.pages[:self.pool_pages_for(chunk)]],
+                            [chunk], [req.prompt_id], [req.seed])
+    for start in range(chunk, own.size, chunk):
+      part = own[start:start + chunk]
+      self.state, first = moves.prefill_chunk(
+          eng, self.params, self.state, group.entry, group.pages, part,
+          start, idx)
+      self.stats.prefill_tokens += eng.bucket_for(part.size)
+    for x in first:
+      x.copy_to_host_async()
+    self._events.append(("insert", [group], Prefill(
+        None, None, first[0][None], first[1][None], first[2][None])))
+    self.stats.prefills += 1 + (own.size - 1) // chunk
+    self.stats.prefill_tokens += chunk
+
+  def _start_waiting(self) -> list[Sample]:
+    """Free slots take waiting samples, oldest group first; returns the
+    samples that end at a first token already on the host."""
+    eng: Engine = self.engine
+    started = []
+    if not any(self._free_slots) or not any(g.waiting
+                                            for g in self.groups.values()):
+      return []
+    for group in sorted(self.groups.values(), key=lambda g: g.order):
+      free_slots = self._free_slots[group.replica]
+      while group.waiting and free_slots:
+        w = group.waiting[0]
+        try:
+          pages = self.pool.allocate(self.pool_pages_for(len(w.tokens) + 2),
+                                     group.replica)
+        except PoolExhausted:
+          break
+        group.waiting.popleft()
+        slot = free_slots.pop()
+        self._order += 1
+        item = _Slot(group, w.member, w.sample_idx, w.budget, pages,
+                     self.stats.steps, self._order, w.tokens, w.logp,
+                     w.logp_raw)
+        self.live[slot] = item
+        group.live += 1
+        started.append((slot, item))
+    if not started:
+      return []
+    self.state = eng.start(self.state, [
+        (slot, it.group.entry, it.member, it.sample_idx, it.budget, it.pages)
+        for slot, it in started])
+    out = []
+    redo = collections.defaultdict(list)  # Group entry -> samples.
+    for slot, it in started:
+      if len(it.tokens) > 1:  # Preempted or moved: recompute its KV.
+        redo[it.group.entry].append((slot, it.pages, it.tokens))
+        self.paged.recomputed_tokens += len(it.tokens) - 1
+      elif not it.tokens and it.group.first is not None:
+        out.extend(self._take_first(slot, it))
+    for entry, samples in redo.items():  # One call per group.
+      self.state = moves.recompute(eng, self.params, self.state, entry,
+                                   samples)
+    return out
+
+  def _window(self) -> int:
+    """Decode steps of the next `generate` call: the engine's window while
+    nothing waits for a slot (a finish is read only after the window) and
+    the controller allows it, no more than a live sample has left, and
+    only if the pool holds their pages; else one."""
+    most = min(self.engine.decode_window,
+               self._controller.decode_window(self))
+    if (most == 1 or not self.live or self.pending or self._readmit
+        or any(g.waiting for g in self.groups.values())):
+      return 1
+    left = max(it.budget - self._device_tokens(it)
+               for it in self.live.values())
+    steps = max(1, min(most, left))
+    short = [0] * self.engine.replicas
+    for it in self.live.values():
+      short[it.group.replica] += max(
+          0, self.pool_pages_for(self._tokens_ahead(it, steps))
+          - len(it.pages))
+    if any(n > self.pool.free_in(r) for r, n in enumerate(short)):
+      return 1  # A window must not preempt.
+    return steps
+
+  def _device_tokens(self, it: _Slot) -> int:
+    """At least the tokens the device has generated for `it` (the host's,
+    plus one per unread step; the first comes with the start)."""
+    return max(len(it.tokens), 1) + self._unread
+
+  def _tokens_ahead(self, it: _Slot, steps: int) -> int:
+    """Own tokens whose KV the pool holds after `steps` more steps, and
+    one spare: the device's, one a step, no further than the budget."""
+    dev = self._device_tokens(it)
+    return dev + 1 + min(steps - 1, max(it.budget - dev, 0))
+
+  def _grow(self, steps: int = 1) -> list[tuple[int, int, int]]:
+    """Pages for every live sample's tokens of the next `steps` steps,
+    oldest sample first; preempts on exhaustion."""
+    cap, T = self.engine.max_own_pages, self.engine.page_size
+    short = [slot for slot, it in self.live.items()  # Most steps: none.
+             if len(it.pages) < cap
+             and len(it.pages) * T < self._tokens_ahead(it, steps)]
+    growth = []
+    for slot in sorted(short, key=lambda s: self.live[s].order):
+      it = self.live.get(slot)
+      if it is None:  # Preempted by an earlier sample of this loop.
+        continue
+      need = self.pool_pages_for(self._tokens_ahead(it, steps))
+      r = it.group.replica
+      while len(it.pages) < min(need, cap):
+        try:
+          (page,) = self.pool.allocate(1, r)
+        except PoolExhausted:
+          victim = max((s for s in self.live if self.live[s].group.replica
+                        == r), key=lambda s: self.live[s].order)
+          self._preempt(victim)
+          growth = [g for g in growth if g[0] != victim]
+          if victim == slot:
+            break
+          continue
+        growth.append((slot, len(it.pages), page))
+        it.pages.append(page)
+    return growth
+
+  def _preempt(self, slot: int) -> None:
+    it = self.live.pop(slot)
+    self.state = self.engine.stop(self.state, [slot])
+    self.pool.release(it.pages)
+    self._free_slots[it.group.replica].append(slot)
+    it.group.live -= 1
+    it.group.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
+                                         it.tokens, it.logp, it.logp_raw))
+    self.paged.preemptions += 1
+
+  def consolidate(self, engine: Engine, params,
+                  kv_groups=lambda groups: groups) -> tuple[int, int, int]:
+    """Continues the run on `engine`, an engine on this one's first
+    replicas (`EngineSet.engine`), with `params` there. Call with
+    every result read. Groups on the dropped replicas move: those that
+    `kv_groups` (a filter of the moving groups) keeps and that fit a kept
+    replica move their pages there (prompt and each live sample's own
+    KV, `moves.gather_kv` / `insert` / `moves.place`); the others are
+    admitted again
+    (prompt re-prefilled) and their live samples recomputed.
+
+    Returns:
+      (samples whose KV moved, samples to recompute, bytes of pages moved).
+    """
+    src, m = self.engine, engine.replicas
+    gone = sorted((g for g in self.groups.values() if g.replica >= m),
+                  key=lambda g: g.order)
+    lives = {id(g): [] for g in gone}
+    for slot, it in sorted(self.live.items()):
+      if it.group.replica >= m:
+        lives[id(it.group)].append((slot, it))
+    pool = self.pool.first(m)
+    free_slots, free_entries = self._free_slots[:m], self._free_entries[:m]
+    plans = []  # (group, replica, entry, prompt pages, [(it, slot, pages)])
+    for g in kv_groups(gone):
+      live = lives[id(g)]
+      need = len(g.pages) + sum(len(it.pages) for _, it in live)
+      room = [r for r in range(m) if free_entries[r]
+              and len(free_slots[r]) >= len(live)
+              and pool.free_in(r) - need >= engine.max_own_pages]
+      if not room or g.first is None or any(not it.tokens for _, it in live):
+        continue
+      r = max(room, key=lambda r: (pool.free_in(r), -r))
+      plans.append((g, r, free_entries[r].pop(), pool.allocate(len(g.pages), r),
+                    [(it, free_slots[r].pop(), pool.allocate(len(it.pages), r))
+                     for _, it in live]))
+    # Read the moving pages before the adopted state's first donation.
+    own_pages = [it.pages for p in plans for it, _, _ in p[4]]
+    kv_prompt = (moves.gather_kv(src, self.state, [p[0].pages for p in plans])
+                 if plans else None)
+    kv_own = (moves.gather_kv(src, self.state, own_pages) if own_pages
+              else None)
+    moving = {id(p[0]) for p in plans}
+    redo = 0
+    for g in gone:
+      del self.groups[g.entry]
+      for slot, it in lives[id(g)]:
+        del self.live[slot]
+      if id(g) in moving:
+        continue
+      for _, it in sorted(lives[id(g)], key=lambda x: -x[1].order):
+        g.live -= 1
+        g.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
+                                      it.tokens, it.logp, it.logp_raw))
+        redo += 1
+      g.pages = []  # Their pages go with the dropped replicas' pool.
+      self._readmit.append(g)
+    self.state = moves.adopt_state(engine, src, self.state)
+    self.engine, self.params, self.pool = engine, params, pool
+    self._free_slots, self._free_entries = free_slots, free_entries
+    moved = 0
+    if plans:
+      self._place_moved(plans, kv_prompt, kv_own)
+      moved = sum(len(p[4]) for p in plans)
+    pages = sum(len(p[3]) + sum(len(x[2]) for x in p[4]) for p in plans)
+    self.paged.moved_samples += moved + redo
+    return moved, redo, pages * engine.page_bytes
+
+  def _place_moved(self, plans, kv_prompt, kv_own) -> None:
+    """The moved groups' prompt KV and meta (`insert`), their samples into
+    slots (`start`) with their own KV (`place`), on the new engine."""
+    eng: Engine = self.engine
+    tok, logp, raw = (np.stack([np.asarray(p[0].first[i]) for p in plans])
+                      for i in range(3))
+    self.state = eng.insert(
+        self.state, Prefill(kv_prompt[0], kv_prompt[1], tok, logp, raw),
+        [p[2] for p in plans], [p[3] for p in plans],
+        [p[0].length for p in plans], [p[0].request.prompt_id for p in plans],
+        [p[0].request.seed for p in plans])
+    starts, samples = [], []
+    for g, r, entry, pages, moved in plans:
+      g.entry, g.replica, g.pages = entry, r, pages
+      self.groups[entry] = g
+      for it, slot, own in moved:
+        it.pages, it.started = own, self.stats.steps
+        self.live[slot] = it
+        starts.append((slot, entry, it.member, it.sample_idx, it.budget, own))
+        samples.append((slot, own, it.tokens))
+    if samples:  # A group may move with only waiting samples.
+      self.state = eng.start(self.state, starts)
+      self.state = moves.place(eng, self.state, samples, *kv_own)
+
+  def budget_left(self) -> dict[tuple[int, int], int]:
+    """(prompt id, sample index) -> tokens left in its budget, for every
+    admitted unfinished sample, live or waiting for a slot (what `cut`
+    may take; a group waiting to be admitted again is not offered)."""
+    out = {(it.request.prompt_id, it.sample_idx): it.budget - len(it.tokens)
+           for it in self.live.values()}
+    for g in self.groups.values():
+      for w in g.waiting:
+        out[g.request.prompt_id, w.sample_idx] = w.budget - len(w.tokens)
+    return out
+
+  def cut(self, keys) -> list[Partial]:
+    """Cuts these samples (keys of `budget_left`) out of the run; returns
+    them as `Partial`s with the tokens read so far.
+
+    For handing samples to another worker (CONTINUOUSLB running moves):
+    they continue there as prompt + tokens so far. A live sample's slot and
+    pages free at once (stopped on the device; the step in flight still
+    carries a token for it, which is not read: the continuation draws it
+    again with the same key); a group left with no sample frees its entry
+    and prompt pages. The group's other samples keep their prompt-once
+    read.
+    """
+    keys, out, slots = set(keys), [], []
+    for slot, it in list(self.live.items()):
+      if (it.request.prompt_id, it.sample_idx) in keys:
+        del self.live[slot]
+        slots.append(slot)
+        self.pool.release(it.pages)
+        self._free_slots[it.group.replica].append(slot)
+        it.group.live -= 1
+        out.append(Partial(it.request, it.sample_idx, list(it.tokens),
+                           list(it.logp), list(it.logp_raw), it.budget,
+                           self.weight_version))
+    for g in list(self.groups.values()):
+      cut = [w for w in g.waiting
+             if (g.request.prompt_id, w.sample_idx) in keys]
+      if cut:
+        gone = {id(w) for w in cut}
+        g.waiting = collections.deque(w for w in g.waiting
+                                      if id(w) not in gone)
+      out += [Partial(g.request, w.sample_idx, list(w.tokens), list(w.logp),
+                      list(w.logp_raw), w.budget, self.weight_version)
+              for w in cut]
+      self._free_if_empty(g)
+    if slots:
+      self.state = self.engine.stop(self.state, slots)
+    return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
+
+  def _free_if_empty(self, group: _Group) -> None:
+    """A group with no sample live or waiting frees its entry and pages."""
+    if not group.live and not group.waiting:
+      self.pool.release(group.pages)
+      del self.groups[group.entry]
+      self._free_entries[group.replica].append(group.entry)
+
+  def partials(self) -> list[Partial]:
+    """Every admitted sample not finished: live ones with the tokens read
+    so far, and those waiting for a slot (new: no tokens; preempted). With
+    `pending`, what a preempted worker hands back
+    (`workers/continuation.py`)."""
+    out = [Partial(it.request, it.sample_idx, list(it.tokens), list(it.logp),
+                   list(it.logp_raw), it.budget, self.weight_version)
+           for it in self.live.values()]
+    for group in self.groups.values():
+      out += [Partial(group.request, w.sample_idx, list(w.tokens),
+                      list(w.logp), list(w.logp_raw), w.budget,
+                      self.weight_version) for w in group.waiting]
+    return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
+
+  # ------------------------------------------------------------ results
+  def _consume(self, event, live):
     if event[0] == "insert":
-      _, slots, prefix = event
-      toks = np.asarray(prefix.first_tokens)
-      logp = np.asarray(prefix.first_logp)
-      raw = np.asarray(prefix.first_logp_raw)
-      for j, s in enumerate(slots):
-        yield from self._append(s, live, int(toks[j]), float(logp[j]),
-                                float(raw[j]), first=True)
+      _, groups, pre = event
+      host = [np.asarray(x) for x in (pre.first_tokens, pre.first_logp,
+                                      pre.first_logp_raw)]
+      for b, group in enumerate(groups):
+        group.first = tuple(x[b] for x in host)
+      batch = {id(g) for g in groups}
+      for slot, it in list(live.items()):
+        if id(it.group) in batch and not it.tokens:
+          yield from self._take_first(slot, it)
       return
-    res, step = event[1].convert_to_numpy(), event[2]
-    for s in np.nonzero(res.valid)[0]:
-      if int(s) in live and step > live[int(s)].since_step:
-        yield from self._append(int(s), live, int(res.tokens[s]),
-                                float(res.logp[s]), float(res.logp_raw[s]))
+    window, base, steps = event[1].convert_to_numpy(), event[2], event[3]
+    self._unread -= steps
+    for j in range(steps):
+      res, step = window.window(j), base + j + 1
+      for s in np.nonzero(res.valid)[0]:
+        it = live.get(int(s))
+        if it is not None and step > it.started:
+          yield from self._append(int(s), live, int(res.tokens[s]),
+                                  float(res.logp[s]), float(res.logp_raw[s]))
+
+  def _take_first(self, slot, it: _Slot):
+    toks, logp, raw = it.group.first
+    j = it.member
+    return list(self._append(slot, self.live, int(toks[j]), float(logp[j]),
+                             float(raw[j])))
 
   def _append(self, slot, live, token, logp, raw, first=False):
-    item = live[slot]
-    item.tokens.append(token)
-    item.logp.append(logp)
-    item.logp_raw.append(raw)
+    del first
+    it = live[slot]
+    it.tokens.append(token)
+    it.logp.append(logp)
+    it.logp_raw.append(raw)
     self.stats.generated_tokens += 1
-    sp = self.engine.sampling
-    stop = token in sp.stop_tokens
-    if stop or len(item.tokens) >= item.budget:
+    stop = token in self.engine.sampling.stop_tokens
+    if stop or len(it.tokens) >= it.budget:
       del live[slot]
-      self.engine.free_resource(slot)
-      yield Sample(item.request.prompt_id, item.sample_idx,
-                   np.asarray(item.request.tokens, np.int32), item.tokens,
-                   item.logp, item.logp_raw, "stop" if stop else "length",
-                   self.weight_version, seed=item.request.seed)
+      self.pool.release(it.pages)
+      group = it.group
+      self._free_slots[group.replica].append(slot)
+      group.live -= 1
+      self._free_if_empty(group)
+      yield Sample(group.request.prompt_id, it.sample_idx,
+                   np.asarray(group.request.tokens, np.int32), it.tokens,
+                   it.logp, it.logp_raw, "stop" if stop else "length",
+                   self.weight_version, seed=group.request.seed)

@@ -2,10 +2,10 @@
 
 Each block (`parallel/submesh.split`; built on first use: the power-of-two
 blocks consolidation picks, and every size down from the whole under
-RLHFless's release) has the same rows per replica, so decode runs the same
-per-device program wherever a row is and tokens equal the plain run's;
-weights are viewed on a block without a copy. `engine/long_tail.py`'s
-controller moves a run between them.
+RLHFless's release) has the same slots, group entries and pages per
+replica, so decode runs the same per-device program wherever a group is and
+tokens equal the plain run's; weights are viewed on a block without a copy.
+`engine/long_tail.py`'s controller moves a run between them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import jax
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.multiturn import MultiTurnDriver
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.parallel import submesh
 from rlhf_jax.parallel.layout import Layout
 from rlhf_jax.sched import tail as tail_rules
@@ -27,85 +25,62 @@ class EngineSet:
 
   def __init__(self, cfg, graphdef, layout: Layout, *, rows_per_replica: int,
                paged: dict | None = None, **engine_args):
-    """`engine_args`: the `Engine` arguments other than layout and rows
-    (samples_per_row, prefill_buckets, sampling, attention_impl,
-    max_common_length). `paged`: the `PagedEngine` arguments of its own
-    (page_size, num_pages, num_slots): the rollout then decodes on one
-    paged engine over the whole layout."""
+    """`engine_args`: samples_per_row (G), prefill_buckets, sampling,
+    attention_impl, max_common_length. `paged`: the `Engine` arguments of
+    its own (page_size, num_pages, num_slots, decode_window, ...; a 0 or
+    missing num_pages / num_slots: sized to rows_per_replica x G slots a
+    replica, every one at full length)."""
     self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
     self.replicas = layout.mesh.shape["data"]
     self.rows_per_replica = rows_per_replica
     self.sizes = tail_rules.block_sizes(self.replicas)
     self._engine_args = engine_args
+    self._paged_args = dict(paged or {})
     self._engines: dict[int, Engine] = {}
-    self._paged_args = paged
-    self._paged: dict[int, PagedEngine] = {}
 
-  def rows_baseline(self) -> "EngineSet":
-    """The same engine arguments without pages: the rows engine, which jobs
-    no longer decode on ([one-engine]); a benchmark baseline and a test
-    oracle until it is deleted."""
-    return EngineSet(self.cfg, self.graphdef, self.layout,
-                     rows_per_replica=self.rows_per_replica,
-                     **self._engine_args)
-
-  @property
-  def is_paged(self) -> bool:
-    return self._paged_args is not None
-
-  def paged_engine(self, m: int | None = None) -> PagedEngine:
-    """The paged engine on replicas [0, m) (default: all; built on first
-    use). Every block's engine has the same slots, group entries and pages
-    per replica, so a block's decode state is the first replicas' part of
-    the whole one (`PagedEngine.adopt_state`)."""
+  def engine(self, m: int | None = None) -> Engine:
+    """The engine on replicas [0, m) (default: all; built on first use).
+    Every block's engine has the same slots, group entries and pages per
+    replica, so a block's decode state is the first replicas' part of the
+    whole one (`moves.adopt_state`)."""
     m = self.replicas if m is None else m
-    if m not in self._paged:
+    if m not in self._engines:
       a, pa = self._engine_args, dict(self._paged_args)
       rows = self.rows_per_replica * self.replicas
       pa["num_pages"] = pa.get("num_pages") or None  # 0: sized to the slots.
       if m != self.replicas:
-        full = self.paged_engine()
+        full = self.engine()
         pa = dict(page_size=full.page_size,
                   decode_window=full.decode_window,
                   num_pages=full.num_pages // self.replicas * m,
                   num_slots=full.num_slots // self.replicas * m,
                   num_groups=full.num_groups // self.replicas * m)
-      self._paged[m] = PagedEngine(
+      self._engines[m] = Engine(
           self.cfg, self.graphdef, self.parts(m)[0],
-          num_slots=pa.pop("num_slots") or rows * a["samples_per_row"],
+          num_slots=pa.pop("num_slots", 0) or rows * a["samples_per_row"],
           samples_per_group=a["samples_per_row"],
           prefill_buckets=a["prefill_buckets"], sampling=a["sampling"],
           attention_impl=a.get("attention_impl", "auto"),
           max_common_length=a.get("max_common_length", 0), **pa)
-    return self._paged[m]
+    return self._engines[m]
 
   def kv_bytes_per_device(self) -> int:
-    """Bytes of the whole engine's decode state (the rows' KV, or the
-    page pool) on each device: what a replica frees when the tail leaves
-    it."""
-    whole = self.whole()
-    total = whole.pool_bytes if self.is_paged else whole.decode_state_bytes()
-    return total // len(submesh.devices_of(self.layout))
-
-  def whole(self) -> Engine | PagedEngine:
-    """The engine over every replica: the paged one, or the rows one."""
-    return self.paged_engine() if self.is_paged else self.engine(self.replicas)
+    """Bytes of the whole engine's page pool on each device: what a
+    replica frees when the tail leaves it."""
+    return self.engine().pool_bytes // len(submesh.devices_of(self.layout))
 
   def driver(self, params, version: int, reply=None) -> Driver:
-    """A plain driver (no long-tail policies) on `whole()`."""
-    return self.make_driver(self.whole(), params, version, reply=reply)
+    """A plain driver (no long-tail policies) on the whole engine."""
+    return self.make_driver(self.engine(), params, version, reply=reply)
 
   @staticmethod
   def make_driver(engine, params, version: int, reply=None) -> Driver:
     """The driver of `engine`: multi-turn with an environment's `reply`
-    (`engine/multiturn.py`; paged engines only)."""
+    (`engine/multiturn.py`)."""
     if reply is not None:
-      if not isinstance(engine, PagedEngine):
-        raise ValueError("multi-turn sampling needs the paged engine")
       return MultiTurnDriver(engine, params, reply=reply,
                              weight_version=version)
-    kind = PagedDriver if isinstance(engine, PagedEngine) else Driver
-    return kind(engine, params, weight_version=version)
+    return Driver(engine, params, weight_version=version)
 
   @property
   def sampling(self):
@@ -116,14 +91,6 @@ class EngineSet:
     if m == self.replicas:
       return self.layout, None
     return submesh.split(self.layout, [m, self.replicas - m])
-
-  def engine(self, m: int) -> Engine:
-    """The engine on replicas [0, m) (built on first use)."""
-    if m not in self._engines:
-      self._engines[m] = Engine(
-          self.cfg, self.graphdef, self.parts(m)[0],
-          num_rows=self.rows_per_replica * m, **self._engine_args)
-    return self._engines[m]
 
   def params_for(self, params, m: int):
     """`params` (full rollout layout) viewed on replicas [0, m): no copy.

@@ -4,20 +4,25 @@ RL response lengths are long-tailed: near the end of a rollout a few samples
 keep every replica stepping. Two pieces execute the decisions of
 `rlhf_jax/sched` (the same functions the row simulator `sim/rows.py` runs):
   - `EngineSet` (`engine/engine_set.py`): an engine on each prefix block
-    of the rollout layout's replicas, the same rows per replica.
+    of the rollout layout's replicas, the same slots, group entries and
+    pages per replica.
   - `TailController`: a `Driver` controller that
-      * puts each request into a free row of the least-loaded replica
-        (`sched.tail.least_loaded_row`), or with `assignment="grouped"`
-        (RLHFless) onto its own replica's run of similar predicted lengths
-        (`sched.assignment.replica_of`, `sched.tail.grouped_admission`),
-        and releases the block's last replica once it finishes or its
-        finished fraction reaches tau (`sched.tail.release_due`: its
-        live rows move to free rows of the others, the local cut);
-      * consolidates (RLHFuse R_t, `sched.tail.consolidation_due`): the live
-        rows move onto the smallest block that holds them
-        (`consolidation_block`, `remap_rows`), their KV moved or the samples
-        re-prefilled (`reprefill_choice`, `migrate.py`); the freed replicas
-        become the scoring part;
+      * puts each prompt's group onto the replica with the least predicted
+        work admitted ("length"), or with `assignment="grouped"` (RLHFless)
+        onto its own replica's run of similar predicted lengths
+        (`sched.assignment.replica_of`), among those with room, and
+        releases the block's last replica once it finishes or its finished
+        fraction reaches tau (`sched.tail.release_due`: its groups move to
+        the others, the local cut);
+      * consolidates (RLHFuse R_t, `sched.tail.consolidation_due`): onto
+        the smallest block whose replicas hold the unfinished groups, their
+        samples and pages (`sched.tail.paged_consolidation_block`);
+        `Driver.consolidate` keeps the block's groups where they are and
+        moves the others there: their pages (`migration="kv"`), or a
+        re-prefill of the prompt and a recompute of the samples
+        ("reprefill"; "auto": groups whose samples hold at most
+        `reprefill_max_tokens` tokens, `reprefill_choice`); the freed
+        replicas become the scoring part;
       * with a device `scorer` (the RL jobs' passes,
         `rl/scoring_passes.py`), hands it chunks of finished samples as
         `sched.tail.scoring_chunk` releases them: on the freed replicas
@@ -28,7 +33,6 @@ The rollout that runs prompt batches through these is `rollout/local.py`.
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -36,7 +40,6 @@ from absl import logging
 
 from rlhf_jax import distributed
 from rlhf_jax.config.sections import LongTail
-from rlhf_jax.engine import migrate
 from rlhf_jax.engine.driver import Controller
 from rlhf_jax.samples import Sample
 from rlhf_jax.engine.engine_set import EngineSet
@@ -60,7 +63,8 @@ class Scorer(Protocol):
 
 
 class TailController(Controller):
-  """Row choice, consolidation, fused device scoring and per-replica spans.
+  """Group placement, consolidation, fused device scoring and per-replica
+  spans.
 
   `predict(request)` gives a request's predicted response length (the
   length history); `m` is the block the driver starts on. Counts of what
@@ -98,8 +102,9 @@ class TailController(Controller):
     per = len(devs) // engines.replicas
     self.groups = [device_group(f"replica{r}", devs[r * per:(r + 1) * per])
                    for r in range(engines.replicas)]
-    self._no_gain = tail_rules.no_gain_rows(engines.replicas,
-                                            engines.rows_per_replica)
+    # Group count at which a consolidation had nothing to gain: asked
+    # again only once fewer groups are left.
+    self._no_gain = engines.engine().num_groups + 1
     # Open span per replica: decode replicas prefill from the start.
     self._phase = ["rollout" if r < m else "idle"
                    for r in range(engines.replicas)]
@@ -110,42 +115,6 @@ class TailController(Controller):
     self.assigned = [0] * engines.replicas  # Samples admitted.
     self.releases = 0
     self._replica_of: dict[int, int] | None = None  # id(request) -> replica
-
-  # ---------------------------------------------------------- assignment
-  def choose_row(self, driver, free_rows, request):
-    rpr = self.o.rows_per_replica
-    if self.tail.assignment == "length":
-      row = tail_rules.least_loaded_row(free_rows, self.load, rpr)
-    else:
-      row = free_rows[0]
-    self._admitted(request, row)
-    return row
-
-  def admit(self, driver, free_rows):
-    if self.tail.assignment != "grouped":
-      return super().admit(driver, free_rows)
-    replica_of = self._grouped_replicas(driver)
-    pick = tail_rules.grouped_admission(
-        free_rows, [replica_of[id(r)] for r in driver.pending],
-        self.o.rows_per_replica)
-    if pick is not None:
-      self._admitted(driver.pending[pick[0]], pick[1])
-    return pick
-
-  def _grouped_replicas(self, driver) -> dict[int, int]:
-    """RLHFless: id(request) -> its replica (`assignment.replica_of`),
-    fixed at the first admission, when every request is pending."""
-    if self._replica_of is None:
-      reqs = list(driver.pending)
-      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
-          [self.predict(r) for r in reqs], self.m)))
-    return self._replica_of
-
-  def _admitted(self, request, row):
-    r = row // self.o.rows_per_replica
-    self.load[r] += self.predict(request) * request.num_samples
-    self.assigned[r] += request.num_samples
-    self.admitted += request.num_samples
 
   # -------------------------------------------------------- accounting
   def _set_phase(self, r: int, phase: str, now: float) -> None:
@@ -169,8 +138,7 @@ class TailController(Controller):
     self._dispatch_due()  # Samples that finished, or a freed queue slot.
 
   def _busy_replicas(self, driver) -> set[int]:
-    rpr, G = self.o.rows_per_replica, driver.engine.samples_per_row
-    return {s // G // rpr for s in driver.live}
+    return {driver.engine.replica_of(s) for s in driver.live}
 
   def close_spans(self):
     now = self.timeline.now()
@@ -189,93 +157,108 @@ class TailController(Controller):
             "rollout/scoring_compile_waits": self.compile_waits,
             "rollout/scoring_waited_for_room": float(self.no_room)}
 
+  # ---------------------------------------------------------- assignment
+  def pick(self, driver, room_for):
+    if self.tail.assignment != "grouped":
+      return super().pick(driver, room_for)
+    replica_of = self._grouped_replicas(driver)
+    for i, request in enumerate(driver.pending):  # Its own replica only.
+      r = replica_of[id(request)]
+      if r in room_for(request):
+        self._count(request, r)
+        return i, r
+    return None
+
+  def choose_replica(self, driver, replicas, request):
+    if self.tail.assignment == "length":
+      r = min(replicas, key=lambda r: (self.load[r], -driver.pool.free_in(r),
+                                       r))
+    else:
+      r = super().choose_replica(driver, replicas, request)
+    self._count(request, r)
+    return r
+
+  def _grouped_replicas(self, driver) -> dict[int, int]:
+    """RLHFless: id(request) -> its replica (`assignment.replica_of`),
+    fixed at the first admission, when every request is pending."""
+    if self._replica_of is None:
+      reqs = list(driver.pending)
+      self._replica_of = dict(zip(map(id, reqs), assignment.replica_of(
+          [self.predict(r) for r in reqs], self.m)))
+    return self._replica_of
+
+  def _count(self, request, r: int) -> None:
+    self.load[r] += self.predict(request) * request.num_samples
+    self.assigned[r] += request.num_samples
+    self.admitted += request.num_samples
+
   # ------------------------------------------------------ consolidation
-  def wants_switch(self, driver):
-    G = driver.engine.samples_per_row
-    return self._release_due(driver) or tail_rules.consolidation_due(
-        len(driver.live), self.admitted, self.tail.consolidate_below,
-        pending=bool(driver.pending), replicas=self.m,
-        live_rows=len({s // G for s in driver.live}), no_gain=self._no_gain)
+  @staticmethod
+  def _unfinished(driver) -> int:
+    return len(driver.live) + sum(len(g.waiting)
+                                  for g in driver.groups.values())
+
+  def _block(self, driver, sizes) -> int:
+    """The smallest of `sizes` whose replicas hold the unfinished groups
+    (else the current block)."""
+    eng = driver.engine
+    D = eng.replicas
+    return tail_rules.paged_consolidation_block(
+        len(driver.groups), self._unfinished(driver),
+        driver.pool.num_used + eng.max_own_pages,
+        (eng.num_groups // D, eng.num_slots // D, eng.num_pages // D),
+        sizes, self.m)
 
   def _release_due(self, driver) -> bool:
-    """`tail_rules.release_due` of the block's last replica (RLHFless)."""
     if self._replica_of is None:
       return False
-    G, last = driver.engine.samples_per_row, self.m - 1
-    unfinished, fits = tail_rules.last_replica_rows(
-        collections.Counter(s // G for s in driver.live), replicas=self.m,
-        rows_per_replica=self.o.rows_per_replica)
+    last = self.m - 1
+    unfinished = (
+        sum(it.group.replica == last for it in driver.live.values()) +
+        sum(len(g.waiting) for g in driver.groups.values()
+            if g.replica == last))
     return tail_rules.release_due(
         unfinished, replicas=self.m,
         queued=sum(self._replica_of[id(r)] == last for r in driver.pending),
-        assigned=self.assigned[last], tau=self.tail.cut_tau, fits=fits)
+        assigned=self.assigned[last], tau=self.tail.cut_tau,
+        fits=self._block(driver, [last]) == last)
 
-  def _release(self, driver):
-    """The block's last replica leaves: its live rows (the cut) move by KV
-    to free rows of the others; the engine of one replica fewer runs on."""
-    o, G = self.o, driver.engine.samples_per_row
-    m = self.m - 1
-    now = self.timeline.now()
-    row_map, _ = tail_rules.remap_rows(sorted({s // G for s in driver.live}),
-                                       m * o.rows_per_replica)
-    src, dst = driver.engine, o.engine(m)
-    state = migrate.move_rows(src, driver.state, dst, row_map)
-    moved = sum(1 for s in driver.live if row_map[s // G] != s // G)
-    driver.live = {row_map[s // G] * G + s % G: it
-                   for s, it in driver.live.items()}
-    driver.engine, driver.state = dst, state
-    driver.params = o.params_for(self.full_params, m)
-    self.moves += moved
-    self.moved_bytes += migrate.row_bytes(src) * sum(
-        1 for a, b in row_map.items() if a != b)
-    self.releases += 1
-    self._switched(now, state, m, f"release of replica {m}", moved, 0,
-                   release=True)
+  def wants_switch(self, driver):
+    return self._release_due(driver) or tail_rules.consolidation_due(
+        self._unfinished(driver), self.admitted, self.tail.consolidate_below,
+        pending=bool(driver.pending), replicas=self.m,
+        live_rows=len(driver.groups), no_gain=self._no_gain)
 
   def switch(self, driver):
     if self._release_due(driver):
-      return self._release(driver)
-    t, o = self.tail, self.o
-    G = driver.engine.samples_per_row
-    live_rows = sorted({s // G for s in driver.live})
-    row_tokens = {r: sum(len(it.tokens) for s, it in driver.live.items()
-                         if s // G == r) for r in live_rows}
-    redo = tail_rules.reprefill_choice(row_tokens, t.migration,
-                                       t.reprefill_max_tokens)
-    keep = [r for r in live_rows if r not in redo]
-    redo_samples = [(s, it) for s, it in sorted(driver.live.items())
-                    if s // G in redo]
-    m = tail_rules.consolidation_block(
-        len(keep) + len(redo_samples), o.rows_per_replica, o.sizes, self.m)
-    if m >= self.m:  # Nothing to gain yet: ask again with fewer rows.
-      self._no_gain = len(live_rows)
+      self.releases += 1
+      return self._move(driver, self.m - 1, f"release of replica "
+                        f"{self.m - 1}", release=True)
+    m = self._block(driver, self.o.sizes)
+    if m >= self.m:  # Nothing to gain yet: ask again with fewer groups.
+      self._no_gain = len(driver.groups)
       return
+    self._move(driver, m, f"{len(driver.groups)} unfinished groups")
+
+  def _move(self, driver, m: int, what: str, release: bool = False):
+    """The run continues on replicas [0, m) (`Driver.consolidate`)."""
+    o, t = self.o, self.tail
     now = self.timeline.now()
-    src, dst = driver.engine, o.engine(m)
-    params = o.params_for(self.full_params, m)
-    row_map, redo_rows = tail_rules.remap_rows(keep, dst.num_rows,
-                                               len(redo_samples))
-    old_live = driver.live
-    state = migrate.move_rows(src, driver.state, dst, row_map)
-    if redo_samples:
-      state = migrate.reprefill_rows(
-          dst, params, state,
-          [(it.request, it.sample_idx, it.tokens) for _, it in redo_samples],
-          redo_rows)
-    live = {row_map[s // G] * G + s % G: it for s, it in old_live.items()
-            if s // G in row_map}
-    for (_, it), row in zip(redo_samples, redo_rows):
-      live[row * G] = it
-    driver.engine, driver.params, driver.state = dst, params, state
-    driver.live = live
-    # Moves: live samples that leave a freed replica (KV or re-prefill).
-    off = [r for r in row_map if r // o.rows_per_replica >= m]
-    moved = sum(1 for s in old_live if s // G in off)
-    self.moves += moved + len(redo_samples)
-    self.reprefilled += len(redo_samples)
-    self.moved_bytes += migrate.row_bytes(src) * len(off)
-    self._switched(now, state, m, f"{len(live_rows)} live rows",
-                   moved + len(redo_samples), len(redo_samples))
+
+    def kv_groups(gone):  # `migration`: which groups move their pages.
+      tokens = {g.order: sum(len(it.tokens) for it in driver.live.values()
+                             if it.group is g) for g in gone}
+      redo = set(tail_rules.reprefill_choice(tokens, t.migration,
+                                             t.reprefill_max_tokens))
+      return [g for g in gone if g.order not in redo]
+
+    moved, redo, nbytes = driver.consolidate(
+        o.engine(m), o.params_for(self.full_params, m), kv_groups)
+    self.moves += moved + redo
+    self.reprefilled += redo
+    self.moved_bytes += nbytes
+    self._switched(now, driver.state, m, what, moved + redo, redo,
+                   release=release)
 
   def _switched(self, now, state, m, what, moved, reprefilled, *,
                 release=False):
@@ -424,123 +407,3 @@ class TailController(Controller):
 def _held_whole(out) -> bool:
   """Whether this process holds every leaf of `out` (one process)."""
   return all(x.is_fully_addressable for x in jax.tree.leaves(out))
-
-
-class PagedTailController(TailController):
-  """`TailController` for the paged engine (`PagedDriver`): the same spans,
-  fused scoring and R_t trigger, at group level.
-
-    * assignment: a prompt's group goes to the replica with the least
-      predicted work admitted ("length"), or ("grouped", RLHFless) to its
-      own replica's run of similar predicted lengths
-      (`sched.assignment.replica_of`), among those with room; with
-      "grouped" the block's last replica leaves once it is done or cuts at
-      tau (`sched.tail.release_due`): its groups move to the others as in
-      a consolidation;
-    * consolidation: onto the smallest block whose replicas hold the
-      unfinished groups, their samples and pages
-      (`sched.tail.paged_consolidation_block`); `PagedDriver.consolidate`
-      keeps the block's replicas as they are and moves the other groups
-      there: their pages (`migration="kv"`), or a re-prefill of the prompt
-      and a recompute of the samples ("reprefill"; "auto": groups whose
-      samples hold at most `reprefill_max_tokens` tokens).
-  """
-
-  def __init__(self, engines: EngineSet, tail: LongTail, predict, **kw):
-    super().__init__(engines, tail, predict, **kw)
-    self._no_gain = engines.paged_engine().num_groups + 1
-
-  def pick(self, driver, room_for):
-    if self.tail.assignment != "grouped":
-      return super().pick(driver, room_for)
-    replica_of = self._grouped_replicas(driver)
-    for i, request in enumerate(driver.pending):  # Its own replica only.
-      r = replica_of[id(request)]
-      if r in room_for(request):
-        self._count(request, r)
-        return i, r
-    return None
-
-  def choose_replica(self, driver, replicas, request):
-    if self.tail.assignment == "length":
-      r = min(replicas, key=lambda r: (self.load[r], -driver.pool.free_in(r),
-                                       r))
-    else:
-      r = super().choose_replica(driver, replicas, request)
-    self._count(request, r)
-    return r
-
-  def _count(self, request, r: int) -> None:
-    self.load[r] += self.predict(request) * request.num_samples
-    self.assigned[r] += request.num_samples
-    self.admitted += request.num_samples
-
-  def _busy_replicas(self, driver) -> set[int]:
-    return {driver.engine.replica_of(s) for s in driver.live}
-
-  @staticmethod
-  def _unfinished(driver) -> int:
-    return len(driver.live) + sum(len(g.waiting)
-                                  for g in driver.groups.values())
-
-  def _block(self, driver, sizes) -> int:
-    """The smallest of `sizes` whose replicas hold the unfinished groups
-    (else the current block)."""
-    eng = driver.engine
-    D = eng.replicas
-    return tail_rules.paged_consolidation_block(
-        len(driver.groups), self._unfinished(driver),
-        driver.pool.num_used + eng.max_own_pages,
-        (eng.num_groups // D, eng.num_slots // D, eng.num_pages // D),
-        sizes, self.m)
-
-  def _release_due(self, driver) -> bool:
-    if self._replica_of is None:
-      return False
-    last = self.m - 1
-    unfinished = (
-        sum(it.group.replica == last for it in driver.live.values()) +
-        sum(len(g.waiting) for g in driver.groups.values()
-            if g.replica == last))
-    return tail_rules.release_due(
-        unfinished, replicas=self.m,
-        queued=sum(self._replica_of[id(r)] == last for r in driver.pending),
-        assigned=self.assigned[last], tau=self.tail.cut_tau,
-        fits=self._block(driver, [last]) == last)
-
-  def wants_switch(self, driver):
-    return self._release_due(driver) or tail_rules.consolidation_due(
-        self._unfinished(driver), self.admitted, self.tail.consolidate_below,
-        pending=bool(driver.pending), replicas=self.m,
-        live_rows=len(driver.groups), no_gain=self._no_gain)
-
-  def switch(self, driver):
-    if self._release_due(driver):
-      self.releases += 1
-      return self._move(driver, self.m - 1, f"release of replica "
-                        f"{self.m - 1}", release=True)
-    m = self._block(driver, self.o.sizes)
-    if m >= self.m:  # Nothing to gain yet: ask again with fewer groups.
-      self._no_gain = len(driver.groups)
-      return
-    self._move(driver, m, f"{len(driver.groups)} unfinished groups")
-
-  def _move(self, driver, m: int, what: str, release: bool = False):
-    """The run continues on replicas [0, m) (`PagedDriver.consolidate`)."""
-    o, t = self.o, self.tail
-    now = self.timeline.now()
-
-    def kv_groups(gone):  # `migration`: which groups move their pages.
-      tokens = {g.order: sum(len(it.tokens) for it in driver.live.values()
-                             if it.group is g) for g in gone}
-      redo = set(tail_rules.reprefill_choice(tokens, t.migration,
-                                             t.reprefill_max_tokens))
-      return [g for g in gone if g.order not in redo]
-
-    moved, redo, nbytes = driver.consolidate(
-        o.paged_engine(m), o.params_for(self.full_params, m), kv_groups)
-    self.moves += moved + redo
-    self.reprefilled += redo
-    self.moved_bytes += nbytes
-    self._switched(now, driver.state, m, what, moved + redo, redo,
-                   release=release)

@@ -1,11 +1,11 @@
-"""Multi-turn sampling on the paged engine, the conversation's KV kept.
+"""Multi-turn sampling on the engine, the conversation's KV kept.
 
-`MultiTurnDriver` is a `PagedDriver` whose samples may take several turns.
+`MultiTurnDriver` is a `Driver` whose samples may take several turns.
 When a sample draws a stop token (the end of its turn, or the close of a
 tool call), `reply(request, sample_idx, tokens)` (the environment) returns
 the tokens to append (a tool's output, the next user message, the chat
 template's turn markers) or None to end the sample there. Appended tokens
-get their KV with `PagedEngine.extend`, after the sample's own pages:
+get their KV with `moves.extend`, after the sample's own pages:
 nothing before them is prefilled again, and the group's prompt pages stay
 shared. Decoding continues after them.
 
@@ -31,18 +31,19 @@ import jax
 
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.page_pool import PoolExhausted
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine import moves
+from rlhf_jax.engine.driver import Driver
 
 # (request, sample index, tokens after the prompt so far, ending with the
 # stop token) -> tokens to append, or None: the sample ends.
 Reply = Callable[[Request, int, list], Sequence[int] | None]
 
 
-class MultiTurnDriver(PagedDriver):
-  """A `PagedDriver` whose samples continue after `reply`'s tokens."""
+class MultiTurnDriver(Driver):
+  """A `Driver` whose samples continue after `reply`'s tokens."""
 
-  def __init__(self, engine: PagedEngine, params, *, reply: Reply,
+  def __init__(self, engine: Engine, params, *, reply: Reply,
                weight_version: int = 0):
     super().__init__(engine, params, weight_version=weight_version)
     self.reply = reply
@@ -84,7 +85,7 @@ class MultiTurnDriver(PagedDriver):
 
   def _extend(self, slot: int, it, extra: list[int]) -> None:
     """The reply's KV after the sample's own tokens; pages first."""
-    eng: PagedEngine = self.engine
+    eng: Engine = self.engine
     # Own KV after the append: all tokens but the last (fed next), + the
     # two tokens of headroom `_grow` keeps.
     need = min(self.pool_pages_for(len(it.tokens) + 1), eng.max_own_pages)
@@ -95,7 +96,8 @@ class MultiTurnDriver(PagedDriver):
         self._preempt(slot)  # Recomputed with its reply when restarted.
         self.reply_preemptions += 1
         return
-    self.state = eng.extend(self.params, self.state, slot, it.pages, extra)
+    self.state = moves.extend(eng, self.params, self.state, slot, it.pages,
+                              extra)
     if jax.default_backend() == "cpu":
       # XLA:CPU with several (fake) devices deadlocked in an all-gather
       # (one device never arrived) with extends queued behind a decode

@@ -1,16 +1,16 @@
 """Host-side bookkeeping of the KV page pool: free list and reference counts.
 
-The device holds the pages ([L, N, num_pages, T, K], `paged.PagedState`);
+The device holds the pages ([L, N, num_pages, T, K], `state.DecodeState`);
 this object decides which page ids are free. With data replicas the pool
 is split into one equal block of ids per replica (replica r owns ids
 [r * per_replica, (r + 1) * per_replica), the block its devices hold), and
 every allocation names the replica it is for. The sharing tree of a batch is
 common prefix -> prompt (group) -> sample: the common prefix is one dense
-copy for every group (`PagedEngine`), a group's prompt pages are referenced
+copy for every group (`Engine`), a group's prompt pages are referenced
 once by the group and read by all its samples, and a sample's own pages by
 the sample. A page returns to the free list when its last reference goes.
 Allocation is all-or-nothing: a caller that cannot get every page it asked
-for gets none, and decides (wait, or preempt someone: `PagedDriver`).
+for gets none, and decides (wait, or preempt someone: `Driver`).
 """
 
 from __future__ import annotations

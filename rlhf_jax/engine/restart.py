@@ -1,4 +1,4 @@
-"""Stop a paged run at a step boundary and continue it on a new driver.
+"""Stop a run at a step boundary and continue it on a new driver.
 
   finished = drain(driver)                 # read every result in flight
   partials, pending = unfinished(driver)   # host state: nothing on device
@@ -12,7 +12,7 @@ partials its checkpoint holds: the two are the same code from the same
 host state, so a resumed run continues exactly as the uninterrupted one.
 Each partial group's prompt is prefilled once more, with the new weights,
 for its unfinished samples (the prompt still stored once for them), and
-their tokens so far are recomputed (`PagedEngine.recompute`): the KV policy
+their tokens so far are recomputed (`moves.recompute`): the KV policy
 at a weight change is "recompute", never a cache mixing two versions.
 """
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 import collections
 
 from rlhf_jax.samples import Partial, Request, Sample
-from rlhf_jax.engine.paged_driver import PagedDriver, _Group, _Waiting
+from rlhf_jax.engine.driver import Driver, _Group, _Waiting
 
 
-def drain(driver: PagedDriver) -> list[Sample]:
+def drain(driver: Driver) -> list[Sample]:
   """Reads every result in flight (the host then holds each sample's
   tokens); returns the samples that finished."""
   out: list[Sample] = []
@@ -34,7 +34,7 @@ def drain(driver: PagedDriver) -> list[Sample]:
   return out
 
 
-def unfinished(driver: PagedDriver) -> tuple[list[Partial], list[Request]]:
+def unfinished(driver: Driver) -> tuple[list[Partial], list[Request]]:
   """(every admitted unfinished sample, live or waiting, also those of
   groups queued for admission again, in (prompt, seed, sample) order;
   the requests not admitted yet, in order). Call after `drain`."""
@@ -48,7 +48,7 @@ def unfinished(driver: PagedDriver) -> tuple[list[Partial], list[Request]]:
   return partials, list(driver.pending)
 
 
-def readmit(driver: PagedDriver, partials: list[Partial]) -> None:
+def readmit(driver: Driver, partials: list[Partial]) -> None:
   """Queues the partials of a started `driver`'s run for admission ahead
   of its pending prompts, one group per request (the order given). A
   sample holding only its first token starts over: that token came from

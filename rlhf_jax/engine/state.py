@@ -1,67 +1,152 @@
-"""Engine data: the prefix-shared decode state, prefill results, packed results.
+"""The engine's data: its decode state, batched prefill results, the common
+prefix, the packed per-step results, the logical axes and shapes of every
+state field, the bucket rule of a decode step, and the two page moves of
+appended tokens (a dense copy of a sequence's context, its new KV into its
+pages); `engine.Engine` executes on them.
 
-Slots are a flat range [0, R*G): slot = row * G + j. A row holds one prompt's
-KV once (`prefix_*`); its G slots hold the samples' own tokens (`suffix_*`).
-Two-level sharing: a common prefix in front of every prompt of a batch (a
-system prompt, few-shot examples) is stored once for all rows (`common_*`);
-rows then hold only the tokens after it.
-Dimension letters: L layers, R rows, G samples per row, P max prompt length
-(after the common prefix), M max new tokens, N kv heads, K head dim, C max
-common-prefix length.
+Dimension letters: L layers, S slots, R group entries, G samples per
+group, T page size, N kv heads, K head dim, A / B most prompt / own pages
+of one group / sample, C common-prefix capacity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-# Logical axes of each decode-state field (for the layout's shardings).
-STATE_AXES = {
-    "prefix_k": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
-    "prefix_v": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
-    "prefix_len": ("batch",),
-    "suffix_k": ("layers", "batch", None, "cache_length", "kv_heads",
-                 "head_dim"),
-    "suffix_v": ("layers", "batch", None, "cache_length", "kv_heads",
-                 "head_dim"),
-    "suffix_len": ("batch", None),
-    "tokens": ("batch", None),
-    "positions": ("batch", None),
-    "generated": ("batch", None),
-    "active": ("batch", None),
-    "prompt_id": ("batch",),
-    "sample_idx": ("batch", None),
-    "seed": ("batch",),
-    "common_k": ("layers", "cache_length", "kv_heads", "head_dim"),
-    "common_v": ("layers", "cache_length", "kv_heads", "head_dim"),
-    "common_len": (),
-}
+from rlhf_jax.models.config import ModelConfig
+
+# The page axis is split over the data replicas: each holds its own pool.
+_PAGES = ("layers", "kv_heads", "batch", None, "head_dim")
+_SLOTS, _GROUPS = ("batch",), ("batch",)
 
 
 @struct.dataclass
 class DecodeState:
-  """Everything `generate` reads and writes; pure pytree, donated each step."""
-  prefix_k: jax.Array     # [L, R, P, N, K] prompt keys, once per row
-  prefix_v: jax.Array     # [L, R, P, N, K]
-  prefix_len: jax.Array   # [R] valid prompt tokens
-  suffix_k: jax.Array     # [L, R, G, M, N, K] each sample's own keys
-  suffix_v: jax.Array     # [L, R, G, M, N, K]
-  suffix_len: jax.Array   # [R, G] own tokens already in the cache
-  tokens: jax.Array       # [R, G] last sampled token, fed next step
-  positions: jax.Array    # [R, G] position of `tokens`
-  generated: jax.Array    # [R, G] tokens generated so far (incl. `tokens`)
-  active: jax.Array       # [R, G] live and not finished
-  prompt_id: jax.Array    # [R]
-  sample_idx: jax.Array   # [R, G]
-  seed: jax.Array         # [R] uint32 sampling seed of the row's request
-  common_k: jax.Array     # [L, C, N, K] common prefix, once for all rows
-  common_v: jax.Array     # [L, C, N, K]
-  common_len: jax.Array   # [] valid common tokens (0: none); prompt rows
-                          # start at this position
+  """Everything `generate` reads and writes (S slots, R group entries)."""
+  k_pages: jax.Array       # [L, N, num_pages, T, K] (head-major)
+  v_pages: jax.Array
+  group_pages: jax.Array   # [R, A_max] prompt page ids
+  group_len: jax.Array     # [R] prompt tokens (after the common prefix)
+  group_slots: jax.Array   # [R, G] slot of each member (-1: none)
+  group_first: jax.Array   # [R, G] each member's first token (from prefill)
+  group_prompt_id: jax.Array  # [R]
+  group_seed: jax.Array    # [R] uint32
+  slot_group: jax.Array    # [S] group entry of the slot's sample
+  slot_member: jax.Array   # [S] its member index in the group
+  own_pages: jax.Array     # [S, B_max] own page ids
+  own_len: jax.Array       # [S] own tokens whose KV is in the pool
+  tokens: jax.Array        # [S] last sampled token, fed next step
+  positions: jax.Array     # [S] its position
+  generated: jax.Array     # [S] tokens of the response so far
+  budget: jax.Array        # [S] the sample's token budget
+  active: jax.Array        # [S] bool
+  sample_idx: jax.Array    # [S]
+  common_k: jax.Array      # [L, C, N, K]
+  common_v: jax.Array
+  common_len: jax.Array    # []
+
+
+@struct.dataclass
+class Prefill:
+  """B prompts prefilled in one call: KV and each one's G first tokens."""
+  k: jax.Array             # [L, B, Pb, N, K]
+  v: jax.Array
+  first_tokens: jax.Array  # [B, G]
+  first_logp: jax.Array    # [B, G]
+  first_logp_raw: jax.Array  # [B, G]
+
+
+def pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
+  """The bucket of n: a power of two >= max(n, floor), at most cap."""
+  return min(cap, 1 << max(0, math.ceil(math.log2(max(n, floor, 1)))))
+
+
+# Smallest buckets of a decode step: listed slots per replica, then the
+# jnp attention's reads (groups with live samples, pages of one prompt,
+# own pages of one sample). A job whose prompts and responses fit in 8
+# pages compiles one step for the whole rollout; past the floors each
+# doubling costs a compile, and a bound never exceeds its cap.
+STEP_FLOORS = (8, 4, 8, 8)
+
+
+def step_bounds(needs, caps) -> tuple[int, ...]:
+  """The static read bounds of a decode step: each need (groups, prompt
+  pages, own pages) rounded up to a power of two above its floor, at
+  most its cap."""
+  return tuple(pow2_at_least(n, cap, floor)
+               for n, cap, floor in zip(needs, caps, STEP_FLOORS[1:]))
+
+
+def state_fields(cfg: ModelConfig, *, num_slots, num_groups,
+                 samples_per_group, num_pages, page_size, max_prompt_pages,
+                 max_own_pages, max_common_length):
+  """name -> (logical axes, shape, dtype) of every DecodeState field."""
+  L, N, K = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  S, R, G = num_slots, num_groups, samples_per_group
+  cdt = cfg.compute_jnp_dtype
+  i32 = jnp.int32
+  pool = (L, N, num_pages, page_size, K)
+  common = (L, max_common_length, N, K)
+  slot = lambda dt=i32: (_SLOTS, (S,), dt)
+  group = lambda dt=i32: (_GROUPS, (R,), dt)
+  return {
+      "k_pages": (_PAGES, pool, cdt), "v_pages": (_PAGES, pool, cdt),
+      "group_pages": (_GROUPS + (None,), (R, max_prompt_pages), i32),
+      "group_len": group(), "group_slots": (_GROUPS + (None,), (R, G), i32),
+      "group_first": (_GROUPS + (None,), (R, G), i32),
+      "group_prompt_id": group(), "group_seed": group(jnp.uint32),
+      "slot_group": slot(), "slot_member": slot(),
+      "own_pages": (_SLOTS + (None,), (S, max_own_pages), i32),
+      "own_len": slot(), "tokens": slot(), "positions": slot(),
+      "generated": slot(), "budget": slot(), "active": slot(jnp.bool_),
+      "sample_idx": slot(),
+      "common_k": (("layers", None, "kv_heads", "head_dim"), common, cdt),
+      "common_v": (("layers", None, "kv_heads", "head_dim"), common, cdt),
+      "common_len": ((), (), i32),
+  }
+
+
+def dense_context(state: DecodeState, pieces):
+  """The common prefix, then each (page ids, valid length) piece in order,
+  laid out densely at their true positions (each piece after the previous
+  one's valid tokens): (k [L, C', N, K], v, total valid length)."""
+  L, N, _, T, K = state.k_pages.shape
+  size = state.common_k.shape[1] + sum(ids.shape[0] * T for ids, _ in pieces)
+
+  def context(common, pages):
+    ctx = jnp.zeros((L, size, N, K), pages.dtype)
+    ctx = jax.lax.dynamic_update_slice(ctx, common, (0, 0, 0, 0))
+    at = state.common_len
+    for ids, length in pieces:
+      dense = jnp.moveaxis(pages[:, :, ids], 1, 3)  # [L, n, T, N, K]
+      ctx = jax.lax.dynamic_update_slice(
+          ctx, dense.reshape(L, -1, N, K), (0, at, 0, 0))
+      at = at + length
+    return ctx, at
+
+  k, total = context(state.common_k, state.k_pages)
+  v, _ = context(state.common_v, state.v_pages)
+  return k, v, total
+
+
+def write_tokens(state: DecodeState, ids, start, count, k_LxExNxK, v_LxExNxK):
+  """KV of tokens start.. (the first `count`) of one sequence into its
+  pages `ids`."""
+  _, _, num_pages, T, _ = state.k_pages.shape
+  index = jnp.arange(k_LxExNxK.shape[1], dtype=jnp.int32)
+  pos = start + index
+  page = jnp.where(index < count, ids[jnp.minimum(pos // T, ids.shape[0] - 1)],
+                   num_pages)
+  put = lambda pages, x: pages.at[:, :, page, pos % T].set(
+      x.transpose(0, 2, 1, 3).astype(pages.dtype), mode="drop")
+  return state.replace(k_pages=put(state.k_pages, k_LxExNxK),
+                       v_pages=put(state.v_pages, v_LxExNxK))
 
 
 @struct.dataclass
@@ -72,27 +157,6 @@ class CommonPrefix:
   length: jax.Array    # [] int32 valid tokens (0: no common prefix)
 
 
-@struct.dataclass
-class Prefix:
-  """A prefill result: one prompt's KV and its G first tokens.
-
-  With a common prefix set on the engine, the prompt is the part after it:
-  `k`, `v` and `true_length` cover only those tokens.
-  """
-  k: jax.Array              # [L, Pb, N, K] for the prompt's bucket Pb
-  v: jax.Array
-  true_length: jax.Array    # [] int32
-  first_tokens: jax.Array   # [G]
-  first_logp: jax.Array     # [G] under the sampling distribution
-  first_logp_raw: jax.Array  # [G] temperature-1 policy log-prob
-  prompt_id: int = struct.field(pytree_node=False, default=0)
-  sample_indices: tuple[int, ...] = struct.field(pytree_node=False,
-                                                 default=())
-  seed: int = struct.field(pytree_node=False, default=0)
-  # Which common prefix of the engine the prompt was prefilled after.
-  common_version: int = struct.field(pytree_node=False, default=0)
-
-
 # Columns of the packed per-slot result array.
 TOKEN, VALID, DONE, LENGTH, LOGP, LOGP_RAW = range(6)
 NUM_COLUMNS = 6
@@ -100,8 +164,8 @@ NUM_COLUMNS = 6
 
 @struct.dataclass
 class ResultTokens:
-  """One step's output for every slot packed in ONE int32 array [S, 6]
-  (the paged engine: [W, S, 6], one row block per step of its window).
+  """A decode call's output for every slot packed in ONE int32 array
+  [W, S, 6], one row block per step of its window.
 
   Columns: token, valid (slot produced a token), done (it finished now),
   length (tokens generated so far), sampling log-prob and raw log-prob (fp32
@@ -131,7 +195,7 @@ class HostResult:
   data: np.ndarray
 
   def window(self, j: int) -> "HostResult":
-    """Step j of a paged decode window ([W, S, 6] results)."""
+    """Step j of a decode window."""
     return HostResult(self.data[j])
 
   @property

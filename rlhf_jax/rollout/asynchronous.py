@@ -326,13 +326,11 @@ class AsyncRollout:
 
 
 class PagedBackend:
-  """Decoding on paged engines of the rollout's own devices: a driver per
+  """Decoding on the engines of the rollout's own devices: a driver per
   weight version, unfinished samples cut and continued by
   `engine/restart.py` (KV recomputed)."""
 
   def __init__(self, engines: EngineSet):
-    if not engines.is_paged:
-      raise ValueError("async rollout needs the paged engine")
     self.engines = engines
     self.max_new_tokens = engines.sampling.max_new_tokens
 

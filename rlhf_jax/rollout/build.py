@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from rlhf_jax.config.sections import Rollout as RolloutSection
-from rlhf_jax.engine.paged import PagedEngine
+from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.envs import episodes as episodes_lib
@@ -97,9 +97,9 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
 
 
 def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
-           stop_tokens=()) -> PagedEngine:
+           stop_tokens=()) -> Engine:
   """The paged engine on every replica of `layout` (the generation demo)."""
-  return engines(ro, cfg, graphdef, layout, stop_tokens).paged_engine()
+  return engines(ro, cfg, graphdef, layout, stop_tokens).engine()
 
 
 def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,

@@ -10,7 +10,7 @@ One implementation, its options parameters rather than branches:
     (`engine/long_tail.TailController`); the per-prompt length history
     learns from every batch and is checkpointed.
 Samples are the same with or without either (placement-independent keys).
-With `episodes` (`envs/episodes.py`; paged engine) every sample is a
+With `episodes` (`envs/episodes.py`) every sample is a
 multi-turn episode: `MultiTurnDriver` appends the environment's replies.
 `start_driver` starts the same decode loop for a worker that is fed over
 time (the trainer's engine seeding an elastic rollout).
@@ -30,9 +30,8 @@ from rlhf_jax.samples import PromptBatch
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine.driver import Controller, Driver
 from rlhf_jax.samples import Request, Sample
-from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.engine_set import EngineSet
-from rlhf_jax.engine.long_tail import PagedTailController, Scorer, TailController
+from rlhf_jax.engine.long_tail import Scorer, TailController
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import assignment, continuous
 from rlhf_jax.sched.length_history import LengthHistory
@@ -108,7 +107,7 @@ class LocalRollout(Rollout):
 
   def common_prefix(self, requests: Sequence[Request]) -> np.ndarray:
     """The batch's shared prefix to store once (empty: none)."""
-    cap = self.engines.whole().max_common_length
+    cap = self.engines.engine().max_common_length
     if not cap:
       return np.zeros(0, np.int32)
     return common_lib.longest_common_prefix(
@@ -197,11 +196,10 @@ class LocalRollout(Rollout):
 
   def _tail_driver(self, m: int, step: int, scorer):
     eng = self.engines
-    kind, engine = ((PagedTailController, eng.paged_engine(m))
-                    if eng.is_paged else (TailController, eng.engine(m)))
-    ctl = kind(eng, self.tail, self.predicted, full_params=self.params, m=m,
-               timeline=self.timeline, step=step, scorer=scorer)
-    driver = eng.make_driver(engine, eng.params_for(self.params, m),
+    ctl = TailController(eng, self.tail, self.predicted,
+                         full_params=self.params, m=m,
+                         timeline=self.timeline, step=step, scorer=scorer)
+    driver = eng.make_driver(eng.engine(m), eng.params_for(self.params, m),
                              self.version, reply=self.episodes)
     return driver, ctl
 
@@ -222,14 +220,13 @@ class LocalRollout(Rollout):
     st = driver.stats
     out = {"rollout/steps": st.steps,
            "rollout/prefill_tokens": st.prefill_tokens,
-           "rollout/common_prefix_len": st.common_prefix_length}
-    if isinstance(driver, PagedDriver):
-      out.update({"rollout/preemptions": driver.paged.preemptions,
-                  "rollout/peak_kv_pages": driver.paged.peak_pages,
-                  "rollout/peak_live_samples": driver.paged.peak_live,
-                  # A sample's own tokens prefilled again (a preempted one
-                  # recomputed); earlier turns never are otherwise.
-                  "rollout/reprefill_tokens": driver.paged.recomputed_tokens})
+           "rollout/common_prefix_len": st.common_prefix_length,
+           "rollout/preemptions": driver.paged.preemptions,
+           "rollout/peak_kv_pages": driver.paged.peak_pages,
+           "rollout/peak_live_samples": driver.paged.peak_live,
+           # A sample's own tokens prefilled again (a preempted one
+           # recomputed); earlier turns never are otherwise.
+           "rollout/reprefill_tokens": driver.paged.recomputed_tokens}
     if self.episodes is not None:
       out.update(self.episodes.metrics())
       out["rollout/appended_tokens"] = driver.appended_tokens

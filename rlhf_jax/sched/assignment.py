@@ -73,7 +73,7 @@ def longest_first_order(predicted: dict[int, float]) -> list[int]:
 
 
 def replica_of(predicted: Sequence[float], replicas: int) -> list[int]:
-  """RLHFless's assignment on the rows engine: the replica of each prompt
+  """RLHFless's assignment: the replica of each prompt
   (by index), from `length_grouped_split` (replica 0 gets the longest,
   the last replicas the shortest, which finish and are released first)."""
   split = length_grouped_split(dict(enumerate(predicted)), replicas)

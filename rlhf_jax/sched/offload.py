@@ -162,39 +162,14 @@ def worker_moves(views: Sequence[QueueView],
 NO_PLATEAU = 1 << 30  # A plateau no batch reaches: running samples stay.
 
 
-def rows_to_cut(budget_left: dict[int, Sequence[int]], n: int, num_rows: int,
-                samples_per_row: int) -> list[int]:
-  """Which running rows a worker hands to an idle one (CONTINUOUSLB).
-
-  Whole rows (a row holds one prompt's samples and frees only when all of
-  them end), the ones with the most budget left first (their decode steps
-  are the gain, a move costs about the same for any row), while they fit
-  in n; at most max(num_rows, samples_per_row) samples: each continues as
-  a request of its own, a row of its own on the destination.
-
-  Args:
-    budget_left: row -> tokens left in the budget of each live sample.
-    n: samples the manager asks for.
-    num_rows, samples_per_row: the worker's engine.
-  """
-  n = min(n, max(num_rows, samples_per_row))
-  order = sorted(budget_left, key=lambda r: (-max(budget_left[r]),
-                                             -sum(budget_left[r]), r))
-  out, taken = [], 0
-  for r in order:
-    if len(budget_left[r]) <= n - taken:
-      out.append(r)
-      taken += len(budget_left[r])
-  return out
-
-
 def samples_to_cut(budget_left: dict[Any, int], n: int, cap: int) -> list:
-  """Which samples a paged worker hands to an idle one (CONTINUOUSLB).
+  """Which samples a worker hands to an idle one (CONTINUOUSLB).
 
-  A paged engine frees each sample's slot and pages on its own, so single
-  samples move, the ones with the most budget left first (as
-  `rows_to_cut`), at most `cap`: each continues as a group of its own on
-  the destination, which admits at most its group entries at once.
+  The engine frees each sample's slot and pages on its own, so single
+  samples move, the ones with the most budget left first (their decode
+  steps are the gain; a move costs about the same for any sample), at most
+  `cap`: each continues as a group of its own on the destination, which
+  admits at most its group entries at once.
 
   Args:
     budget_left: sample key -> tokens left in its budget (live or waiting).

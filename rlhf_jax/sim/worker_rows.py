@@ -2,11 +2,20 @@
 
 `sim/rows.py` replays one engine's driver loop; this replays what
 `benchmarks/elastic.py` runs live: a `workers/manager.RolloutManager`
-feeding `RolloutWorker`s (an engine of `rows_per_worker` rows of G samples
-each) while a spot trace (`sim/availability.SpotEvent`s, as
-`workers/replay.AvailabilityReplayer` applies them) adds and preempts
-workers. Exact and deterministic, in simulated seconds, one poll round at a
-time as in `RolloutManager.run`:
+feeding `RolloutWorker`s while a spot trace (`sim/availability.SpotEvent`s,
+as `workers/replay.AvailabilityReplayer` applies them) adds and preempts
+workers. The workers run the paged engine (`engine/driver.Driver`);
+this models them at row granularity: a worker holds
+`rows_per_worker` rows (its engine's group entries) of G slots each, a
+prompt's group takes a free row whole and frees it once all its samples
+end. That is exact for a paged worker with one group entry per row
+(`num_groups` = rows, `num_slots` = rows x G), pages for every slot (no
+pool preemption) and one decode step a call (`decode_window=1`), as the
+benchmark and tests/test_sim_worker_rows.py build them; with more group
+entries than rows (the engine's default, 2 S / G) a new group starts as
+soon as one slot frees, which this does not model. Exact and
+deterministic, in simulated seconds, one poll round at a time as in
+`RolloutManager.run`:
   - Round start: every event whose time has come is applied: `add` joins a
     worker (it pulls weights first, `pull_s`), `remove` kills it. The clock
     is the simulated seconds since the first round ("seconds": a
@@ -16,11 +25,12 @@ time as in `RolloutManager.run`:
     queue below `theta` (`sched.offload.select_instance`, on the running
     counts of the last poll), until none qualifies.
   - Poll: each live worker runs up to `poll_steps` driver iterations while
-    it has work (`engine/driver.Driver.step`): admit pending requests into
-    free rows (lowest first, `prefill_s` of the prompt's bucket each; the
-    prefill gives the first token), one decode step (`step_s`: static
-    shapes, whatever the live slots; + `sample_s` per live sample, the
-    host's reads), read the previous step's tokens. A sample of L
+    it has work (`Driver.step`): admit pending requests into free
+    rows (lowest first; prefilled `prefill_batch` prompts a call,
+    `prefill_s` of the bucket of a call's longest prompt; the prefill gives
+    the first token), one decode step (`step_s` + `sample_s` per live
+    sample: the paged engine runs the listed live slots, and the host reads
+    each one's token), read the previous step's tokens. A sample of L
     tokens admitted at iteration a has streamed k - a + 1 tokens after
     iteration k and is read finished at iteration a + L - 1; a row frees
     once all its samples end. Each poll adds `poll_s` (the call and the
@@ -32,16 +42,18 @@ time as in `RolloutManager.run`:
     pending takes the newest pending request of the busiest. With
     `plateau=B`, once no worker has a request pending, an idle one takes
     the running samples above B of the busiest (`RolloutWorker.
-    take_running`): whole rows, the most budget left first, at most
-    max(rows, G) samples, each continued on it as its own request (prompt
-    + tokens so far, appended to its pending queue in the order cut). The
-    source's rows free at once; the decode step in flight still has to be
-    read, so a source left with no work runs one more, empty, iteration
-    (no decode step: no step cost). Then each preempted worker's
-    unfinished samples go to the front of the queue: a started sample as a
-    request of its own, prompt + the tokens its last poll streamed
-    (re-prefilled, often in the longer bucket) with the budget left; a
-    request none of whose samples started goes back whole.
+    take_running` on the paged engine, `sched.offload.samples_to_cut`):
+    single samples, the most budget left first, at most the destination's
+    rows (group entries), each continued on it as its own request (prompt
+    + tokens so far, appended to its pending queue in key order, as
+    `Driver.cut` returns them). A cut sample leaves its row, which
+    frees once none of its samples is left. The decode step in flight
+    still has to be read, so a source left with no work runs one more,
+    empty, iteration (no decode step: no step cost). Then each preempted
+    worker's unfinished samples go to the front of the queue: a started
+    sample as a request of its own, prompt + the tokens its last poll
+    streamed (re-prefilled, often in the longer bucket) with the budget
+    left; a request none of whose samples started goes back whole.
   - With no worker alive the manager sleeps `GAP_SLEEP_S` per round until
     a join, or gives up after `wait_for_workers_s` (at once if the trace
     holds no more joins).
@@ -52,7 +64,8 @@ at the rounds the simulated costs put them in. Not modelled: stale-weight
 resampling (one weight version), stop tokens (a sample runs its budget),
 worker failures other than the trace's.
 `simulate_driver` is the trainer-only baseline: one `Driver.run` of every
-prompt on one engine, with the same cost model.
+prompt on one engine (rows: all its group entries), with the same cost
+model.
 """
 
 from __future__ import annotations
@@ -107,10 +120,11 @@ class _Request:
 
 @dataclasses.dataclass
 class _Worker:
-  """One engine's driver loop (`engine/driver.Driver.step`)."""
+  """One engine's driver loop (`engine/driver.Driver.step`), in rows."""
   num_rows: int
   costs: WorkerCosts
   buckets: Sequence[int]
+  prefill_batch: int = 1
   pending: collections.deque = dataclasses.field(
       default_factory=collections.deque)
   rows: dict = dataclasses.field(default_factory=dict)  # row -> {key: (a, L)}
@@ -135,13 +149,17 @@ class _Worker:
     self.unread = False
     dt, c = 0.0, self.costs
     free = [r for r in range(self.num_rows) if r not in self.rows]
+    admitted = []  # Prompt lengths, in admission order.
     while self.pending and free:
       req = self.pending.popleft()
       self.rows[free.pop(0)] = {(req.prompt_id, i): (self.k, b)
                                 for i, b in zip(req.samples, req.budgets)}
-      bucket = next(b for b in self.buckets if req.prompt_len <= b)
-      dt += c.prefill_s[bucket]
+      admitted.append(req.prompt_len)
       self.prefills += 1
+    for i in range(0, len(admitted), self.prefill_batch):
+      # One call: padded to the bucket of its longest prompt.
+      n = max(admitted[i:i + self.prefill_batch])
+      dt += c.prefill_s[next(b for b in self.buckets if n <= b)]
     if self.rows:  # `Driver.step` decodes only with samples live.
       dt += c.step_s + c.sample_s * sum(len(r) for r in self.rows.values())
     finished = []
@@ -155,15 +173,21 @@ class _Worker:
         del self.rows[r]
     return dt, finished
 
-  def take_running(self, n: int, samples_per_row: int
-                   ) -> list[tuple[int, int]]:
-    """Cuts the rows `sched.offload.rows_to_cut` picks (as
-    `RolloutWorker.take_running`); their keys in the order cut."""
-    left = {r: [b - (self.k - a + 1) for a, b in row.values()]
-            for r, row in self.rows.items()}
-    out = []
-    for r in offload.rows_to_cut(left, n, self.num_rows, samples_per_row):
-      out += list(self.rows.pop(r))  # `Driver.evict`: slot order.
+  def take_running(self, n: int) -> list[tuple[int, int]]:
+    """Cuts the samples `sched.offload.samples_to_cut` picks (as
+    `RolloutWorker.take_running` on the paged engine: single samples, most
+    budget left first, at most the destination's rows, which are this
+    worker's); their keys in key order (`Driver.cut`). A row left
+    with no sample frees."""
+    left = {key: b - (self.k - a + 1) for row in self.rows.values()
+            for key, (a, b) in row.items()}
+    out = sorted(offload.samples_to_cut(left, n, self.num_rows))
+    for r in list(self.rows):
+      row = self.rows[r]
+      for key in out:
+        row.pop(key, None)
+      if not row:
+        del self.rows[r]
     self.unread = self.unread or bool(out)
     return out
 
@@ -176,10 +200,12 @@ def _original(lengths_PxG, prompt_lens_P, p) -> _Request:
 
 def simulate_driver(lengths_PxG, prompt_lens_P: Sequence[int],
                     costs: WorkerCosts, *, num_rows: int,
-                    buckets: Sequence[int]) -> tuple[float, int]:
-  """One `Driver.run` of every prompt (trainer-only): (seconds, steps)."""
+                    buckets: Sequence[int],
+                    prefill_batch: int = 1) -> tuple[float, int]:
+  """One `Driver.run` of every prompt (trainer-only) on an engine of
+  `num_rows` rows (group entries): (seconds, steps)."""
   lengths = np.asarray(lengths_PxG, int)
-  wk = _Worker(num_rows, costs, buckets)
+  wk = _Worker(num_rows, costs, buckets, prefill_batch)
   wk.pending.extend(_original(lengths, prompt_lens_P, p)
                     for p in range(len(lengths)))
   t = 0.0
@@ -193,7 +219,8 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
              rows_per_worker: int, buckets: Sequence[int], theta: int,
              poll_steps: int, parallel: bool = False, clock: str = "seconds",
              wait_for_workers_s: float = 0.0,
-             plateau: int | None = None) -> WorkerSimResult:
+             plateau: int | None = None,
+             prefill_batch: int = 1) -> WorkerSimResult:
   """Simulates one elastic rollout of a length trace under a spot trace.
 
   Args:
@@ -202,7 +229,8 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
     prompt_lens_P: prompt lengths (tokens).
     events: the availability trace.
     costs: measured unit costs.
-    rows_per_worker: rows (prompts of G samples) of one worker's engine.
+    rows_per_worker: rows of one worker's engine: its group entries
+      (prompts of up to G samples), G slots each.
     buckets: the engines' prefill buckets (ascending).
     theta: the manager's Theta (at most this many pending per worker).
     poll_steps: driver iterations per worker per poll.
@@ -212,6 +240,8 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
     wait_for_workers_s: the manager's patience with no worker alive.
     plateau: the manager's batching plateau B (samples): running samples
       above it move to an idle worker; None: they never move.
+    prefill_batch: prompts per prefill call (the engine's
+      `prefill_batch`); a call costs its bucket's `prefill_s`.
 
   Returns:
     The rollout's `WorkerSimResult`.
@@ -287,7 +317,8 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
       e = trace[nxt]
       nxt += 1
       if e.kind == "add" and e.iid not in joined:
-        workers[e.iid] = _Worker(rows_per_worker, costs, buckets)
+        workers[e.iid] = _Worker(rows_per_worker, costs, buckets,
+                                 prefill_batch)
         handles.append(e.iid)
         joined[e.iid] = t
       elif e.kind == "remove" and e.iid in joined:
@@ -323,7 +354,7 @@ def simulate(lengths_PxG, prompt_lens_P: Sequence[int],
     for src, dst, count, moving in offload.worker_moves(views(ids), plateau):
       s, d = ids[src], ids[dst]
       if moving:  # Cut on s, continued on d from the tokens so far.
-        keys = workers[s].take_running(count, G)
+        keys = workers[s].take_running(count)
         taken = [cut(key) for key in keys]
         # As the manager: s's running count drops until its next poll.
         running[s] = (max(running[s][0] - len(keys), 0), slots)

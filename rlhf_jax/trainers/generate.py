@@ -8,7 +8,7 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax.config import sections
-from rlhf_jax.engine.paged_driver import PagedDriver
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import rollout_copy
@@ -33,8 +33,8 @@ def run(config, workdir: str):
   requests = [Request(i, rng.integers(0, cfg.vocab_size, config.prompt_len),
                       g, seed=config.seed) for i in range(config.num_prompts)]
 
-  PagedDriver(engine, params).run(requests[:1]).__next__()  # compile
-  driver = PagedDriver(engine, params)
+  Driver(engine, params).run(requests[:1]).__next__()  # compile
+  driver = Driver(engine, params)
   start = time.perf_counter()
   samples = list(driver.run(requests))
   seconds = time.perf_counter() - start

@@ -12,8 +12,8 @@ RLBoost's manager over `RolloutWorker`s that come and go:
   - CONTINUOUSLB (`sched.offload.balance_moves`): a worker with nothing
     pending takes requests still queued on the busiest one; with
     `plateau=B` set, an idle worker also takes the running samples above B
-    of the busiest (whole rows, or single samples on the paged engine,
-    most budget left first, `RolloutWorker.take_running`), continued as
+    of the busiest (single samples, most budget left first,
+    `RolloutWorker.take_running`), continued as
     prompt + tokens so far
     like a preempted worker's; B comes from `RolloutWorker.measure_plateau`
     or is given;

@@ -51,7 +51,7 @@ class SeedWindow:
     engines and decode policies)."""
     self.local = local
     self.worker = RolloutWorker(TRAINER_ID, None,
-                                engine=local.engines.whole(),
+                                engine=local.engines.engine(),
                                 start_driver=local.start_driver)
     self.controller, self.clock = controller, clock
     self.runs = 0

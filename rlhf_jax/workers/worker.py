@@ -10,7 +10,6 @@ responses survive on the manager's side).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from typing import Sequence
@@ -24,8 +23,6 @@ from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.page_pool import PagePool
-from rlhf_jax.engine.paged import PagedEngine
-from rlhf_jax.engine.paged_driver import PagedDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import lora
 from rlhf_jax.models import model as model_lib
@@ -47,15 +44,15 @@ class EngineSpec:
   # A LoRA policy's adapters: versions arrive as adapters, which the worker
   # merges onto the base it got once (`models/rollout_copy.py`).
   lora: LoraSpec | None = None
-  # The paged engine's own arguments (page_size, num_pages, num_slots; 0:
-  # automatic, as `EngineSet.paged_engine`), or None: the rows engine.
+  # The engine's own arguments (page_size, num_pages, num_slots,
+  # decode_window; 0 or missing: automatic, as `EngineSet.engine`).
   paged: dict | None = None
 
   @property
   def slots(self) -> int:
     """Samples the worker decodes at once."""
-    rows = self.num_rows * self.samples_per_row
-    return (self.paged.get("num_slots") or rows) if self.paged else rows
+    return ((self.paged or {}).get("num_slots") or
+            self.num_rows * self.samples_per_row)
 
 
 @dataclasses.dataclass
@@ -91,8 +88,7 @@ class RolloutWorker:
                           sampling=spec.sampling,
                           max_common_length=spec.max_common_length,
                           paged=spec.paged)
-      engine = (engines.paged_engine() if engines.is_paged
-                else engines.engine(len(devices)))
+      engine = engines.engine()
       if spec.lora is not None:
         self._adapters_to_rollout(spec, layout, engine.param_shardings)
     self.engine = engine
@@ -180,8 +176,7 @@ class RolloutWorker:
     self._next, self._queued = None, []
 
   def _plain_driver(self, params, version, requests, common_prefix):
-    kind = PagedDriver if isinstance(self.engine, PagedEngine) else Driver
-    driver = kind(self.engine, params, weight_version=version)
+    driver = Driver(self.engine, params, weight_version=version)
     driver.start(requests, common_prefix=common_prefix)
     return driver
 
@@ -226,44 +221,18 @@ class RolloutWorker:
     """Cuts up to `n` running samples out; returns their tokens so far.
 
     CONTINUOUSLB's running moves: the manager continues them on an idle
-    worker (`continuation.py`). A row holds one request's samples and
-    frees only when all of them end, so whole rows are cut (a row whose
-    live samples would exceed what is left of `n` is skipped). Rows with
-    the most budget left go first: a move costs about the same whatever
-    the row (a re-prefill of prompt + tokens so far), while its gain is the
-    decode steps the other worker runs instead of this one; the longest
-    rows (the long tail) are the ones that would keep this worker's batch
-    occupied the longest, and this worker keeps the rows that end soonest.
-    The remaining budget is an upper bound on a sample's remaining length
-    (a stop token may end it earlier); it is what the engine knows.
-
-    At most max(num_rows, samples_per_row) samples are cut: each continues
-    as a request of its own (its tokens differ from its row-mates'), so it
-    takes a whole row on the destination, and an idle worker of the same
-    spec starts `num_rows` of them at once; more would wait in its queue
-    (and the pending rule could hand them back here). One whole row may
-    always move, even when G > num_rows.
-
-    On the paged engine single samples move (live, or waiting for a slot),
-    most budget left first, at most the engine's group entries
+    worker (`continuation.py`). Single samples move (live, or waiting for
+    a slot), most budget left first, at most the engine's group entries
     (`sched.offload.samples_to_cut`): a sample frees its slot and pages on
-    its own, and its group's other samples stay.
+    its own, and its group's other samples stay. The remaining budget is
+    an upper bound on a sample's remaining length (a stop token may end it
+    earlier); it is what the engine knows.
     """
     d = self.driver
     if d is None or n < 1:
       return []
-    if isinstance(d, PagedDriver):
-      return d.cut(offload.samples_to_cut(d.budget_left(), n,
-                                          d.engine.num_groups))
-    eng = d.engine
-    G = eng.samples_per_row
-    rows = collections.defaultdict(list)
-    for slot, it in d.live.items():
-      rows[slot // G].append(it.budget - len(it.tokens))
-    out: list[Partial] = []
-    for r in offload.rows_to_cut(rows, n, eng.num_rows, G):
-      out += d.evict(r)
-    return out
+    return d.cut(offload.samples_to_cut(d.budget_left(), n,
+                                        d.engine.num_groups))
 
   def measure_plateau(self, fraction: float = 0.8, steps: int = 5,
                       counts: Sequence[int] | None = None) -> int:
@@ -275,12 +244,10 @@ class RolloutWorker:
     first, the fastest of `steps` timed steps (other load only adds), and
     returns `sched.offload.batching_plateau` of throughput(b) =
     b / step time (step time linear between measured counts): the smallest
-    b reaching `fraction` of the full batch's throughput. The rows engine
-    decodes static shapes: a step computes every slot, live or not, so its
-    time is nearly flat in b and B comes out near fraction x slots. The
-    paged engine runs only the listed live slots (`_paged_step_s`), so its
-    step time grows with b and B sits where throughput levels off. Needs
-    an idle worker with weights.
+    b reaching `fraction` of the full batch's throughput. The engine runs
+    only the listed live slots (`_step_s`), so its step time grows with b
+    and B sits where throughput levels off. Needs an idle worker with
+    weights.
     """
     d = self.driver
     if d is None:
@@ -288,45 +255,22 @@ class RolloutWorker:
     if d.busy or self._queued:
       raise RuntimeError(f"worker {self.worker_id} is busy; measure when idle")
     eng = self.engine
-    G, slots = eng.samples_per_row, eng.max_concurrent_decodes
+    G, slots = eng.samples_per_group, eng.max_concurrent_decodes
     counts = sorted(set(counts or [1, *range(G, slots + 1, G), slots]))
     if not 1 <= counts[0] <= counts[-1] <= slots:
       raise ValueError(f"counts {counts} must lie in [1, {slots}]")
-    if isinstance(eng, PagedEngine):
-      times = [self._paged_step_s(b, steps) for b in counts]
-      self.plateau_step_s = dict(zip(counts, times))
-      return offload.batching_plateau(
-          lambda b: b / float(np.interp(b, counts, times)), slots, fraction)
-    padded, true_len = eng.pad_prompt(np.ones(1, np.int32))
-    times = []
-    for b in counts:
-      state = eng.init_decode_state()  # Every row free (the driver is idle).
-      for row in range(-(-b // G)):
-        k = min(G, b - row * G)
-        prefix = eng.prefill_multisampling(self.params, padded, true_len, k)
-        state = eng.bulk_insert(prefix, state, eng.slots_of_row[row][:k])
-      state, res = eng.generate(self.params, state)  # Warm-up (compiled).
-      jax.block_until_ready(res)
-      best = float("inf")  # Min over steps: other load only adds time.
-      for _ in range(steps):
-        t0 = time.perf_counter()
-        state, res = eng.generate(self.params, state)
-        jax.block_until_ready((state, res))
-        best = min(best, time.perf_counter() - t0)
-      times.append(best)
-      for slot in range(slots):
-        eng.free_resource(slot)
+    times = [self._step_s(b, steps) for b in counts]
     self.plateau_step_s = dict(zip(counts, times))
     return offload.batching_plateau(
         lambda b: b / float(np.interp(b, counts, times)), slots, fraction)
 
-  def _paged_step_s(self, b: int, steps: int) -> float:
-    """The fastest of `steps` decode steps of the idle paged engine with b
+  def _step_s(self, b: int, steps: int) -> float:
+    """The fastest of `steps` decode steps of the idle engine with b
     live samples: groups of G on a one-token dummy prompt, dealt over the
     replicas as the driver would (a group on one replica), each sample
-    with pages for every token it writes. The paged engine runs only the
-    listed slots, so its step time grows with b (a real knee)."""
-    eng: PagedEngine = self.engine
+    with pages for every token it writes. The engine runs only the listed
+    slots, so its step time grows with b (a real knee)."""
+    eng: Engine = self.engine
     G, D = eng.samples_per_group, eng.replicas
     pool = PagePool(eng.num_pages, eng.page_size, D)
     own = pool.pages_for(steps + 3)  # Warm-up + timed steps + start.
