@@ -120,6 +120,18 @@ PINS: list[Pin] = [
       "result/long_tail_speedup_vs_static", "result/kv_reserved_over_live",
       "result/static_kv_reserved_over_live",
       "result/paged_prefix_speedup_g16_p512"),
+    P(R, "Against the static rows at cb50741: 4.37x faster, pool / peak "
+      "live KV 1.15 (static rows 9.81", "paged_long_tail_static_rows_cpu.json",
+      "result/long_tail_speedup_vs_static", "result/kv_reserved_over_live",
+      "result/static_kv_reserved_over_live"),
+    P(D, "CPU device, nothing else running) the paged engine is 4.37x faster\n"
+      "(13.37 s against 58.38 s), its pool again 1.15x the peak live KV "
+      "(static\nrows: 9.81x), the prompt read once 1.52x",
+      "paged_long_tail_static_rows_cpu.json",
+      "result/long_tail_speedup_vs_static", "result/paged_seconds",
+      "result/static_seconds", "result/kv_reserved_over_live",
+      "result/static_kv_reserved_over_live",
+      "result/paged_prefix_speedup_g16_p512"),
     P(R, "(2.48x before 6a7de68", "paged_long_tail_cpu.json",
       "previous/result/paged_prefix_speedup_g16_p512", None),
     P(R, "is 1.35× continuous batching, the fair baseline (2.01× static "
