@@ -286,7 +286,7 @@ def test_take_running_cuts_most_budget_left_and_source_never_emits_it(live):
 def test_measure_plateau(live):
   store, _, b, _ = live
   b.pull(store)  # Weights, whichever test of the module ran first.
-  slots = b.engine.max_concurrent_decodes
+  slots = b.engine.num_slots
   # Two fractions: 0.8 and 0.25 (the paged engine runs only the listed
   # live slots: its step time grows with b).
   for fraction in (0.8, 0.25):

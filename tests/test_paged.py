@@ -10,10 +10,12 @@ tokens and worker continuations; against transformers: test_hf.py.
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks.static_rows import StaticRows
+from kernels_pallas import paged_decode_attention as pda
 from rlhf_jax.engine import moves
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
@@ -118,6 +120,45 @@ def test_paged_equals_static_rows(model, layouts, oracle, pages):
     assert driver.paged.recomputed_tokens > 0
   else:
     assert driver.paged.preemptions == 0
+
+
+def test_a_groups_prompt_pages_are_read_once_per_step(model, layouts,
+                                                      monkeypatch):
+  """The prompt-once read, counted where the jnp decode attention reads
+  the pool: with 4 groups of G = 4 samples live, a decode step gathers 4
+  rows of prompt pages (each live group's once, for all its samples) and
+  16 rows of own pages (one per sample), not 16 prompt copies."""
+  reads = []
+
+  class _Jnp:  # jnp, with the pool gathers recorded as they are traced.
+    def __getattr__(self, name):
+      return getattr(jnp, name)
+
+    @staticmethod
+    def take(a, ids, *args, **kwargs):
+      if a.ndim == 4 and kwargs.get("axis", args[0] if args else None) == 1:
+        reads.append(ids.shape)
+      return jnp.take(a, ids, *args, **kwargs)
+
+  monkeypatch.setattr(pda, "jnp", _Jnp())
+  graphdef, params = model
+  sampling = dataclasses.replace(GREEDY, max_new_tokens=6)
+  engine = Engine(CFG, graphdef, layouts[0], num_slots=16,
+                  samples_per_group=G, prefill_buckets=(16,),
+                  sampling=sampling, page_size=4, decode_window=1,
+                  attention_impl="xla")
+  prompts = [np.arange(6 + i, 18 + i, dtype=np.int32) for i in range(4)]
+  out = list(Driver(engine, mesh_lib.to_layout(params, layouts[0])).run(
+      [Request(i, p, G) for i, p in enumerate(prompts)]))
+  assert len(out) == 4 * G
+  # k and v, prompt then own, per layer of the (traced once) decode step.
+  assert reads and len(reads) % 4 == 0
+  prompt = [r for i, r in enumerate(reads) if i % 4 < 2]
+  own = [r for i, r in enumerate(reads) if i % 4 >= 2]
+  assert {r[0] for r in prompt} == {4}    # Rows: one per live group.
+  # Its prompt pages: 3 of 4 tokens, the bound capped at the table's 4.
+  assert {r[1] for r in prompt} == {4}
+  assert {r[0] for r in own} == {16}      # Rows: one per live sample.
 
 
 def test_tpu_kernel_in_the_engine(model, layouts, oracle):

@@ -43,7 +43,6 @@ decisions a page pool needs are all taken here on the host:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 from typing import Iterable, Iterator, Sequence
 
@@ -53,128 +52,11 @@ from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine import moves
+from rlhf_jax.engine.controller import Controller, most_free_replica
 from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.groups import (
+    DriverStats, Group, PagedStats, Slot, Waiting, member_samples)
 from rlhf_jax.engine.state import Prefill
-
-
-@dataclasses.dataclass
-class DriverStats:
-  steps: int = 0
-  prefills: int = 0
-  prefill_tokens: int = 0       # Padded tokens run through prefill.
-  common_prefix_length: int = 0  # Of the last run (0: none).
-  generated_tokens: int = 0
-
-
-def most_free_replica(pool, replicas) -> int:
-  """The replica among `replicas` with the most free pages (lowest first
-  on ties)."""
-  return max(replicas, key=lambda r: (pool.free_in(r), -r))
-
-
-class Controller:
-  """Scheduling hooks of `Driver.run` (defaults: plain continuous batching).
-
-  `window`: the most decode steps one engine call may run before these
-  hooks run again (None: the engine's `decode_window`).
-  """
-
-  window: int | None = None
-
-  def __init__(self, window: int | None = None):
-    self.window = window
-
-  def pick(self, driver, room_for) -> tuple[int, int] | None:
-    """The next admission: (index into `driver.pending`, the replica its
-    group goes to), or None to admit nothing more now.
-    `room_for(request)` lists the replicas with room for it. Default: the
-    first pending request, onto `choose_replica`'s replica."""
-    request = driver.pending[0]
-    room = room_for(request)
-    return (0, self.choose_replica(driver, room, request)) if room else None
-
-  def choose_replica(self, driver, replicas: list[int],
-                     request: Request) -> int:
-    """The data replica `request`'s group goes to, among those with room
-    (default: the one with the most free pages)."""
-    del request
-    return most_free_replica(driver.pool, replicas)
-
-  def after_step(self, driver: "Driver") -> None:
-    """Called after each decode call is dispatched."""
-
-  def decode_window(self, driver: "Driver") -> int:
-    """The most decode steps the driver may run in one call."""
-    return self.window or driver.engine.decode_window
-
-  def wants_switch(self, driver: "Driver") -> bool:
-    """Whether to move the live samples onto another engine now."""
-    del driver
-    return False
-
-  def switch(self, driver: "Driver") -> None:
-    """Replaces driver.engine / params / state / live (slot keys)."""
-
-
-def _member_samples(req: Request) -> list[int]:
-  """Sample index of each member of a request's group: first tokens are
-  drawn and kept per member (also for a group admitted again, whose
-  waiting samples are a reordered subset)."""
-  return list(range(req.first_sample_index,
-                    req.first_sample_index + req.num_samples))
-
-
-@dataclasses.dataclass
-class _Waiting:
-  """A sample of an admitted group without a slot (new, or preempted)."""
-  member: int
-  sample_idx: int
-  budget: int
-  tokens: list = dataclasses.field(default_factory=list)
-  logp: list = dataclasses.field(default_factory=list)
-  logp_raw: list = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _Group:
-  request: Request
-  entry: int
-  length: int                      # prompt tokens after the common prefix
-  pages: list[int]
-  waiting: collections.deque
-  replica: int = 0
-  order: int = 0                   # admission order
-  live: int = 0
-  first: tuple | None = None       # host copies of (tokens, logp, raw) [G]
-
-
-@dataclasses.dataclass
-class _Slot:
-  group: _Group
-  member: int
-  sample_idx: int
-  budget: int
-  pages: list[int]
-  started: int                     # decode steps dispatched before start
-  order: int                       # start order (preemption picks newest)
-  tokens: list = dataclasses.field(default_factory=list)
-  logp: list = dataclasses.field(default_factory=list)
-  logp_raw: list = dataclasses.field(default_factory=list)
-
-  @property
-  def request(self) -> Request:
-    return self.group.request
-
-
-@dataclasses.dataclass
-class PagedStats:
-  preemptions: int = 0
-  recomputed_tokens: int = 0
-  peak_pages: int = 0
-  peak_live: int = 0
-  peak_kv_tokens: int = 0    # Tokens with KV in the pool (prompts once).
-  groups_by_replica: list = dataclasses.field(default_factory=list)
-  moved_samples: int = 0     # Left a dropped replica (`consolidate`).
 
 
 class Driver:
@@ -237,8 +119,8 @@ class Driver:
     D = eng.replicas
     self.pool = PagePool(eng.num_pages, eng.page_size, D)
     self.pending = pending
-    self.live: dict[int, _Slot] = {}
-    self.groups: dict[int, _Group] = {}        # entry -> group
+    self.live: dict[int, Slot] = {}
+    self.groups: dict[int, Group] = {}        # entry -> group
     # Per replica, lowest ids first.
     blocks = lambda n: [list(range((r + 1) * n // D - 1, r * n // D - 1, -1))
                         for r in range(D)]
@@ -246,7 +128,7 @@ class Driver:
     self._free_slots = blocks(eng.num_slots)
     self._common, self._admission = common, admission
     self._controller = controller or Controller()
-    self._readmit: collections.deque[_Group] = collections.deque()
+    self._readmit: collections.deque[Group] = collections.deque()
     self._events = collections.deque()
     self._unread = 0  # Decode steps dispatched whose results are unread.
     self._order = 0
@@ -439,9 +321,9 @@ class Driver:
             self._free_entries[r].pop(), pages, r)
       else:
         self._order += 1
-        group = _Group(req, self._free_entries[r].pop(), int(own.size), pages,
+        group = Group(req, self._free_entries[r].pop(), int(own.size), pages,
                        collections.deque(
-                           _Waiting(j, req.first_sample_index + j,
+                           Waiting(j, req.first_sample_index + j,
                                     req.budget(j, eng.sampling.max_new_tokens))
                            for j in range(req.num_samples)), r, self._order)
       self.groups[group.entry] = group
@@ -463,7 +345,7 @@ class Driver:
     pre = eng.prefill(
         self.params, [(own, g.request.prompt_id) for g, own in batch],
         [r.prompt_id for r in reqs], [r.seed for r in reqs],
-        [_member_samples(g.request) for g, _ in batch])
+        [member_samples(g.request) for g, _ in batch])
     self.state = eng.insert(
         self.state, pre, [g.entry for g, _ in batch],
         [g.pages for g, _ in batch], [g.length for g, _ in batch],
@@ -474,13 +356,13 @@ class Driver:
     self.stats.prefills += 1
     self.stats.prefill_tokens += pre.k.shape[1] * pre.k.shape[2]
 
-  def _prefill_chunked(self, group: _Group, own: np.ndarray) -> None:
+  def _prefill_chunked(self, group: Group, own: np.ndarray) -> None:
     """A prompt past the largest bucket: its first bucket like any prompt,
     then bucket-long chunks that attend to the prompt so far; the G first
     tokens are drawn after the last chunk."""
     eng: Engine = self.engine
     req, chunk = group.request, eng.chunk_length
-    idx = _member_samples(req)
+    idx = member_samples(req)
     pre = eng.prefill(self.params, [(own[:chunk], req.prompt_id)],
                       [req.prompt_id], [req.seed], [idx])
     self.state = eng.insert(self.state, pre, [group.entry],
@@ -519,7 +401,7 @@ class Driver:
         group.waiting.popleft()
         slot = free_slots.pop()
         self._order += 1
-        item = _Slot(group, w.member, w.sample_idx, w.budget, pages,
+        item = Slot(group, w.member, w.sample_idx, w.budget, pages,
                      self.stats.steps, self._order, w.tokens, w.logp,
                      w.logp_raw)
         self.live[slot] = item
@@ -565,12 +447,12 @@ class Driver:
       return 1  # A window must not preempt.
     return steps
 
-  def _device_tokens(self, it: _Slot) -> int:
+  def _device_tokens(self, it: Slot) -> int:
     """At least the tokens the device has generated for `it` (the host's,
     plus one per unread step; the first comes with the start)."""
     return max(len(it.tokens), 1) + self._unread
 
-  def _tokens_ahead(self, it: _Slot, steps: int) -> int:
+  def _tokens_ahead(self, it: Slot, steps: int) -> int:
     """Own tokens whose KV the pool holds after `steps` more steps, and
     one spare: the device's, one a step, no further than the budget."""
     dev = self._device_tokens(it)
@@ -611,7 +493,7 @@ class Driver:
     self.pool.release(it.pages)
     self._free_slots[it.group.replica].append(slot)
     it.group.live -= 1
-    it.group.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
+    it.group.waiting.appendleft(Waiting(it.member, it.sample_idx, it.budget,
                                          it.tokens, it.logp, it.logp_raw))
     self.paged.preemptions += 1
 
@@ -667,7 +549,7 @@ class Driver:
         continue
       for _, it in sorted(lives[id(g)], key=lambda x: -x[1].order):
         g.live -= 1
-        g.waiting.appendleft(_Waiting(it.member, it.sample_idx, it.budget,
+        g.waiting.appendleft(Waiting(it.member, it.sample_idx, it.budget,
                                       it.tokens, it.logp, it.logp_raw))
         redo += 1
       g.pages = []  # Their pages go with the dropped replicas' pool.
@@ -738,9 +620,7 @@ class Driver:
         self.pool.release(it.pages)
         self._free_slots[it.group.replica].append(slot)
         it.group.live -= 1
-        out.append(Partial(it.request, it.sample_idx, list(it.tokens),
-                           list(it.logp), list(it.logp_raw), it.budget,
-                           self.weight_version))
+        out.append(self._partial(it.request, it))
     for g in list(self.groups.values()):
       cut = [w for w in g.waiting
              if (g.request.prompt_id, w.sample_idx) in keys]
@@ -748,15 +628,13 @@ class Driver:
         gone = {id(w) for w in cut}
         g.waiting = collections.deque(w for w in g.waiting
                                       if id(w) not in gone)
-      out += [Partial(g.request, w.sample_idx, list(w.tokens), list(w.logp),
-                      list(w.logp_raw), w.budget, self.weight_version)
-              for w in cut]
+      out += [self._partial(g.request, w) for w in cut]
       self._free_if_empty(g)
     if slots:
       self.state = self.engine.stop(self.state, slots)
     return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
 
-  def _free_if_empty(self, group: _Group) -> None:
+  def _free_if_empty(self, group: Group) -> None:
     """A group with no sample live or waiting frees its entry and pages."""
     if not group.live and not group.waiting:
       self.pool.release(group.pages)
@@ -768,14 +646,15 @@ class Driver:
     so far, and those waiting for a slot (new: no tokens; preempted). With
     `pending`, what a preempted worker hands back
     (`workers/continuation.py`)."""
-    out = [Partial(it.request, it.sample_idx, list(it.tokens), list(it.logp),
-                   list(it.logp_raw), it.budget, self.weight_version)
-           for it in self.live.values()]
+    out = [self._partial(it.request, it) for it in self.live.values()]
     for group in self.groups.values():
-      out += [Partial(group.request, w.sample_idx, list(w.tokens),
-                      list(w.logp), list(w.logp_raw), w.budget,
-                      self.weight_version) for w in group.waiting]
+      out += [self._partial(group.request, w) for w in group.waiting]
     return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
+
+  def _partial(self, request: Request, it: Slot | Waiting) -> Partial:
+    """A live or waiting sample with the tokens read so far."""
+    return Partial(request, it.sample_idx, list(it.tokens), list(it.logp),
+                   list(it.logp_raw), it.budget, self.weight_version)
 
   # ------------------------------------------------------------ results
   def _consume(self, event, live):
@@ -800,7 +679,7 @@ class Driver:
           yield from self._append(int(s), live, int(res.tokens[s]),
                                   float(res.logp[s]), float(res.logp_raw[s]))
 
-  def _take_first(self, slot, it: _Slot):
+  def _take_first(self, slot, it: Slot):
     toks, logp, raw = it.group.first
     j = it.member
     return list(self._append(slot, self.live, int(toks[j]), float(logp[j]),

@@ -362,10 +362,6 @@ class Engine:
     return self.num_pages * self.page_bytes
 
   @property
-  def max_concurrent_decodes(self) -> int:
-    return self.num_slots
-
-  @property
   def max_prefill_length(self) -> int:
     """The longest prompt accepted (chunked past the largest bucket)."""
     return self.max_prompt_length
@@ -502,7 +498,7 @@ class Engine:
                  steps, bounds: tuple[int, int, int]):
     """Up to `steps` (<= W) decode steps of the listed slots, stopping
     once none of them is active. growth_Sx3 rows (slot, column, page) add
-    own pages first (slot S: none), for all the steps. Results: [W, S, 6],
+    own pages first (slot S: none), for all the steps. Results: [W, S, 4],
     rows past the last step run not valid."""
     S, W = state.active.shape[0], self.decode_window
     state = state.replace(own_pages=state.own_pages.at[
@@ -584,12 +580,11 @@ class Engine:
           positions=put(state.positions, state.positions[sl] + step),
           generated=put(state.generated, generated),
           active=put(state.active, live & ~done))
-      # Results in slot order ([S, 6]); unlisted slots are not valid.
+      # Results in slot order ([S, 4]); unlisted slots are not valid.
       per_slot = lambda x: jnp.zeros((S,), x.dtype).at[slots_X].set(
           x, mode="drop")
       return new_state, ResultTokens.pack(
-          per_slot(tokens), per_slot(live), per_slot(done),
-          per_slot(generated), per_slot(logp), per_slot(raw))
+          per_slot(tokens), per_slot(live), per_slot(logp), per_slot(raw))
 
   # ------------------------------------------------------------ host API
   def prefill(self, params, prompts: Sequence[tuple[np.ndarray, int]],
@@ -688,7 +683,7 @@ class Engine:
       steps: decode steps to run; fewer run once no listed slot is active.
 
     Returns:
-      (state, ResultTokens [W, S, 6]): row j is step j's result (rows past
+      (state, ResultTokens [W, S, 4]): row j is step j's result (rows past
       the steps run are not valid).
     """
     if not 1 <= steps <= self.decode_window:

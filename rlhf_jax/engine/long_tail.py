@@ -40,7 +40,7 @@ from absl import logging
 
 from rlhf_jax import distributed
 from rlhf_jax.config.sections import LongTail
-from rlhf_jax.engine.driver import Controller
+from rlhf_jax.engine.controller import Controller
 from rlhf_jax.samples import Sample
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.parallel import submesh

@@ -21,7 +21,8 @@ from __future__ import annotations
 import collections
 
 from rlhf_jax.samples import Partial, Request, Sample
-from rlhf_jax.engine.driver import Driver, _Group, _Waiting
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.groups import Group, Waiting
 
 
 def drain(driver: Driver) -> list[Sample]:
@@ -60,9 +61,9 @@ def readmit(driver: Driver, partials: list[Partial]) -> None:
     req = ps[0].request
     driver._order += 1  # pylint: disable=protected-access
     own = len(req.tokens) - driver._common.size  # pylint: disable=protected-access
-    driver._readmit.append(_Group(  # pylint: disable=protected-access
+    driver._readmit.append(Group(  # pylint: disable=protected-access
         req, -1, own, [], collections.deque(
-            _Waiting(p.sample_idx - req.first_sample_index, p.sample_idx,
+            Waiting(p.sample_idx - req.first_sample_index, p.sample_idx,
                      p.budget, *_kept(p)) for p in ps),
         order=driver._order))  # pylint: disable=protected-access
 

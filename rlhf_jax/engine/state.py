@@ -158,24 +158,25 @@ class CommonPrefix:
 
 
 # Columns of the packed per-slot result array.
-TOKEN, VALID, DONE, LENGTH, LOGP, LOGP_RAW = range(6)
-NUM_COLUMNS = 6
+TOKEN, VALID, LOGP, LOGP_RAW = range(4)
+NUM_COLUMNS = 4
 
 
 @struct.dataclass
 class ResultTokens:
   """A decode call's output for every slot packed in ONE int32 array
-  [W, S, 6], one row block per step of its window.
+  [W, S, 4], one row block per step of its window.
 
-  Columns: token, valid (slot produced a token), done (it finished now),
-  length (tokens generated so far), sampling log-prob and raw log-prob (fp32
-  bit patterns). One array means one device->host copy per step.
+  Columns: token, valid (slot produced a token), sampling log-prob and raw
+  log-prob (fp32 bit patterns): what the driver reads (it ends a sample on
+  its stop token or budget itself). One array means one device->host copy
+  per call.
   """
   data: jax.Array
 
   @staticmethod
-  def pack(tokens, valid, done, length, logp, logp_raw) -> "ResultTokens":
-    cols = [tokens, valid.astype(jnp.int32), done.astype(jnp.int32), length,
+  def pack(tokens, valid, logp, logp_raw) -> "ResultTokens":
+    cols = [tokens, valid.astype(jnp.int32),
             jax.lax.bitcast_convert_type(logp.astype(jnp.float32), jnp.int32),
             jax.lax.bitcast_convert_type(logp_raw.astype(jnp.float32),
                                          jnp.int32)]
@@ -205,14 +206,6 @@ class HostResult:
   @property
   def valid(self):
     return self.data[:, VALID].astype(bool)
-
-  @property
-  def done(self):
-    return self.data[:, DONE].astype(bool)
-
-  @property
-  def lengths(self):
-    return self.data[:, LENGTH]
 
   @property
   def logp(self):

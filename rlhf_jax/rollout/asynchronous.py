@@ -42,7 +42,7 @@ import numpy as np
 
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.engine import restart
-from rlhf_jax.engine.driver import Controller
+from rlhf_jax.engine.controller import Controller
 from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.rollout.base import requests_for, step_seed

@@ -28,7 +28,8 @@ from absl import logging
 from rlhf_jax.config.sections import LongTail
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.engine import common_prefix as common_lib
-from rlhf_jax.engine.driver import Controller, Driver
+from rlhf_jax.engine.controller import Controller
+from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.long_tail import Scorer, TailController

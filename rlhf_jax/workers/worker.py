@@ -255,7 +255,7 @@ class RolloutWorker:
     if d.busy or self._queued:
       raise RuntimeError(f"worker {self.worker_id} is busy; measure when idle")
     eng = self.engine
-    G, slots = eng.samples_per_group, eng.max_concurrent_decodes
+    G, slots = eng.samples_per_group, eng.num_slots
     counts = sorted(set(counts or [1, *range(G, slots + 1, G), slots]))
     if not 1 <= counts[0] <= counts[-1] <= slots:
       raise ValueError(f"counts {counts} must lie in [1, {slots}]")
@@ -341,7 +341,7 @@ class RolloutWorker:
     pending = (len(d.pending) if d else 0) + len(self._queued)
     engine = d.engine if d else self.engine  # Consolidation may shrink it.
     return PollResult(finished, d.partials() if d else [], pending,
-                      self.version, engine.max_concurrent_decodes)
+                      self.version, engine.num_slots)
 
 
 def ray_worker(num_cpus: float = 1, num_gpus: float = 0,
