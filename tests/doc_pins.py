@@ -322,6 +322,13 @@ PINS: list[Pin] = [
     P(D, "at 8 devices (1.309) and at 8 x 8\n(1.206)", EN, None,
       "result/first_step_paged_over_rows_default_8dev", None, None,
       "result/first_step_paged_over_rows_8x8"),
+    P(D, "least of 3 fresh processes a side, runs alternating: paged / rows "
+      "1.079\n(default job, 1 device), 1.085 (8 devices), 1.129 (4 x 4), "
+      "1.144 (8 x 8),\neach within 1.2x", "first_step_vs_rows_cpu.json",
+      None, "cases/default_1dev/this_over_other", None,
+      "cases/default_8dev/this_over_other", None,
+      "cases/4x4/this_over_other", None, None, "cases/8x8/this_over_other",
+      None, None, None),
     P(D, "the default job +0.230, PPO -0.055 (the\nreward model's score "
       "+1.127), LoRA +0.245; tool use +0.750 and async GRPO\n+0.230 (2 "
       "devices)", EJ, "gain/tiny_grpo_paged", "gain/tiny_ppo_paged",

@@ -1,6 +1,7 @@
 """The first RL step of a job, this tree against another, in fresh processes.
 
-  python tools/first_step.py --other=/tmp/rows_wt [--runs=3] [--out=F]
+  python tools/first_step.py --other=/tmp/rows_wt --other_engine=rows \
+      [--runs=3] [--cases=default_8dev,8x8] [--out=F]
 
 [one-engine]'s first-step check: each case's job is built, then its first
 `job.step` (rollout, scoring and update, every program compiled on the
@@ -8,7 +9,9 @@ way) is timed, in a fresh process per run so that nothing is compiled or
 cached before it (the persistent compilation cache is off). The other tree
 (a `git worktree` of another commit, e.g. 35b40dd: the rows engine with
 its defaults, unchanged) runs the same cases from its own code
-(`PYTHONPATH` and working directory set to it). Runs alternate between the
+(`PYTHONPATH` and working directory set to it), with `rollout.engine` set
+to `--other_engine` where that tree has the key (at 35b40dd the synthetic
+config's default was the paged engine). Runs alternate between the
 trees; each side's figure is the least of its runs (other load on a shared
 machine only adds). Per run, the XLA compile seconds of each program
 (`jax_log_compiles`) show where a difference comes from.
@@ -32,7 +35,7 @@ CASES = {  # name -> (devices, config spec), as `benchmarks.engines` had.
 }
 
 
-def child(spec: str) -> None:
+def child(spec: str, engine: str = "") -> None:
   """Builds the job of `spec` in this tree, times its first step."""
   import collections  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
@@ -60,6 +63,8 @@ def child(spec: str) -> None:
   module.__spec__.loader.exec_module(module)
   config = module.get_config(arg or None)
   config.sft.steps = 0
+  if engine:
+    config.rollout.engine = engine
   job = grpo.build(config)
   state = job.learner.init_state(job.params)
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
@@ -73,31 +78,34 @@ def child(spec: str) -> None:
                                    for k, v in compile_s.most_common()})))
 
 
-def run(tree: str, devices: int, spec: str) -> dict:
+def run(tree: str, devices: int, spec: str, engine: str = "") -> dict:
   env = dict(os.environ, PYTHONPATH=tree, JAX_ENABLE_COMPILATION_CACHE="0",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                        spec], cwd=tree, env=env, capture_output=True,
+                        spec, engine], cwd=tree, env=env, capture_output=True,
                        text=True, check=True, timeout=900)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv) -> None:
   if argv[1:2] == ["--child"]:
-    return child(argv[2])
+    return child(*argv[2:])
   opts = dict(a[2:].split("=", 1) for a in argv[1:])
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   other, runs = opts["other"], int(opts.get("runs", 3))
+  names = opts.get("cases", ",".join(CASES)).split(",")
   commit = lambda tree: subprocess.run(  # noqa: E731
       ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
       text=True, check=True).stdout.strip()
   cases = {}
-  for name, (devices, spec) in CASES.items():
+  for name in names:
+    devices, spec = CASES[name]
     got = {"this": [], "other": []}
     for i in range(runs):
       for side in (("this", "other") if i % 2 == 0 else ("other", "this")):
-        got[side].append(run(here if side == "this" else other, devices,
-                             spec))
+        got[side].append(
+            run(here, devices, spec) if side == "this" else
+            run(other, devices, spec, opts.get("other_engine", "")))
         print(f"{name} {side}: {got[side][-1]['first_step_s']} s",
               flush=True)
     least = {s: min(r["first_step_s"] for r in got[s]) for s in got}
@@ -112,6 +120,7 @@ def main(argv) -> None:
       what="first RL step (build excluded) in fresh processes, least of "
            f"{runs} runs a side, runs alternating; this tree vs the other",
       this=commit(here), other=commit(other),
+      other_engine=opts.get("other_engine", "its default"),
       date=time.strftime("%Y-%m-%d"),
       command="python tools/first_step.py " + " ".join(argv[1:]),
       cases=cases)
