@@ -11,6 +11,7 @@ import fakes
 from rlhf_jax.config.sections import LongTail
 from benchmarks.static_rows import StaticRows
 from rlhf_jax.samples import Request
+from rlhf_jax.engine import moves
 from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.long_tail import TailController
 from rlhf_jax.engine.engine import Engine
@@ -304,6 +305,43 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
     for name in ("old_logp", "ref_logp"):
       np.testing.assert_allclose(lt.scores[s.key][name][:n], s.logp_raw[:n],
                                  atol=1e-5, err_msg=(s.key, name))
+
+
+def test_a_move_reads_only_the_moving_pages(setup):
+  """A consolidation's move (`moves.gather_kv`, then `insert` / `place`
+  on the kept replicas) holds, on a device, its share of the page pool and
+  the moving groups' pages (gathered, then laid out dense; replicated:
+  every kept replica may take one), never a gather of the whole pool; the
+  gathered KV equals the pages it read."""
+  graphdef, layout = setup[0], setup[1]
+  engines = EngineSet(CFG, graphdef, layout, rows_per_replica=4,
+                      samples_per_row=G, prefill_buckets=BUCKETS,
+                      sampling=SAMPLING, paged=dict(page_size=4))
+  engine = engines.engine()
+  state = engine.init_decode_state()
+  # Page p of the pool holds the value p (every layer, head, token).
+  pool = jnp.arange(engine.num_pages, dtype=state.k_pages.dtype)
+  state = state.replace(k_pages=state.k_pages + pool[None, None, :, None,
+                                                    None])
+  device0 = jax.devices()[0]
+  share = sum(sh.data.nbytes for x in (state.k_pages, state.v_pages)
+              for sh in x.addressable_shards if sh.device == device0)
+  # Two groups' pages on replicas 5 and 7 (pages split in equal blocks).
+  per = engine.num_pages // engine.replicas
+  lists = [[5 * per + 1, 5 * per + 2], [7 * per, 7 * per + 3]]
+  rows = np.array(lists, np.int32)
+  m = engine._gather_jit.lower(state, rows).compile().memory_analysis()  # pylint: disable=protected-access
+  held = (m.argument_size_in_bytes + m.output_size_in_bytes
+          - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  moving = rows.size * engine.page_bytes  # K and V of the 4 pages.
+  # The gathered pages and their dense copy (a transpose), beside the pool.
+  assert held <= (share + 2 * moving) * 1.01 + 4096, (held, share, moving)
+  assert held < 2 * share  # Far from a gather of the whole pool.
+  k, v = moves.gather_kv(engine, state, lists)
+  T = engine.page_size
+  want = np.repeat(np.array(lists, np.float32), T, axis=1)  # [X, A*T]
+  np.testing.assert_array_equal(np.asarray(k)[0, :, :, 0, 0], want)
+  assert not np.asarray(v).any()
 
 
 def test_static_and_fifo_keep_tokens(setup):
