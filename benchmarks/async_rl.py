@@ -147,7 +147,7 @@ def _simulated_ratio(sync: dict, asyn: dict, steps: int) -> float:
   """Sync over async step seconds in the simulator at one repeat's units."""
   from rlhf_jax.sched.policy import get_policy
   from rlhf_jax.sim import async_run
-  from rlhf_jax.sim.setting import Setting
+  from rlhf_jax.sched.cost_model.setting import Setting
 
   c = _config("sync", steps)
   mean = (sync["response_len"] + asyn["response_len"]) / 2

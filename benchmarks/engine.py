@@ -95,8 +95,8 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.samples import Request
-from rlhf_jax.sim import hardware
-from rlhf_jax.sim import models as sim_models
+from rlhf_jax.sched.cost_model import hardware
+from rlhf_jax.sched.cost_model import profiles as sim_models
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and new tokens.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Live samples in both variants.")

@@ -141,7 +141,7 @@ def train_flops(job, steps: int) -> dict:
   """Whole RL steps of the job; the train phase's FLOP/s after step 1."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.sim.models import profile_of  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.sched.cost_model.profiles import profile_of  # pylint: disable=g-import-not-at-top
   state = job.learner.init_state(job.params)
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
   records = []

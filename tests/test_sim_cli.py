@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_jax.sched import policy as policy_lib
 from rlhf_jax.sim import reproduce, runner
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.workload import Workload, WorkloadSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

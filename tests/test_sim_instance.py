@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from rlhf_jax.sim import costs
-from rlhf_jax.sim.hardware import get_hardware
+from rlhf_jax.sched.cost_model import costs
+from rlhf_jax.sched.cost_model.hardware import get_hardware
 from rlhf_jax.sim.instance import DecodeInstance, Sample
-from rlhf_jax.sim.models import get_model
+from rlhf_jax.sched.cost_model.profiles import get_model
 
 MODEL, HW = get_model("qwen3-8b"), get_hardware("h100")
 
@@ -95,7 +95,7 @@ def test_dedup_prefill_prefills_each_prompt_once():
 
 
 def test_cpu_profile_calibration_hook(tmp_path):
-  from rlhf_jax.sim import hardware  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.sched.cost_model import hardware  # pylint: disable=g-import-not-at-top
   missing = hardware.cpu_profile(str(tmp_path / "none.json"))
   assert missing.name == "cpu"
   path = tmp_path / "engine_costs_cpu.json"
@@ -115,8 +115,8 @@ def test_decode_calibration_recovers_the_cost_models_terms():
   and overhead (batch 1: memory-bound) give those
   back; one KV size cannot be fitted and is refused in one line."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.sim import costs, hardware  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.sim.models import get_model  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.sched.cost_model import costs, hardware  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.sched.cost_model.profiles import get_model  # pylint: disable=g-import-not-at-top
   base = hardware.cpu_profile(os.path.join(os.sep, "no", "such.json"))
   true = dataclasses.replace(base, decode_mem_eff=0.27,
                              step_overhead_s=0.0031)
@@ -152,7 +152,7 @@ def test_async_at_eta_zero_is_the_synchronous_step():
   the batch's decode then its training, what `sync_step_s` gives."""
   from rlhf_jax.sched.policy import get_policy
   from rlhf_jax.sim import async_run
-  from rlhf_jax.sim.setting import Setting
+  from rlhf_jax.sched.cost_model.setting import Setting
   from rlhf_jax.sim.workload import Workload, WorkloadSpec
 
   setting = Setting(model="tiny", hardware="cpu", reserved_devices=8)

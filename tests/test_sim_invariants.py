@@ -7,7 +7,7 @@ import pytest
 from rlhf_jax.sched import policy as policy_lib
 from rlhf_jax.sim import accounting, availability, runner
 from rlhf_jax.sim.pool import RemotePool
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.step import SampleLedger
 from rlhf_jax.sim.instance import Sample
 from rlhf_jax.sim.workload import Workload, WorkloadSpec
@@ -142,7 +142,8 @@ def test_section_6_2_baselines_run_on_their_own_resources():
   instance fewer and an instance's share of the tokens, at one engine's
   full-batch decode rate, outlasts the trainer's busy time."""
   from configs.sim import rlboost_common
-  from rlhf_jax.sim import costs, reproduce
+  from rlhf_jax.sim import reproduce
+  from rlhf_jax.sched.cost_model import costs
   c = rlboost_common.rlboost_config("qwen3-8b", 8, 1.0, 0.0,
                                     disagg_cost=0.5, verl_2x=True)
   c.workload.update(dict(prompts_per_step=32, group_size=4,

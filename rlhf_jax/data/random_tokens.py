@@ -18,8 +18,9 @@ from typing import Iterable
 
 import numpy as np
 
-from rlhf_jax.config.sections import ConfigError
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.data import batching
+from rlhf_jax.data.data_source import DataSource
 from rlhf_jax.samples import PromptBatch
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -99,7 +100,6 @@ class RandomPrompts:
 
 def source(config, c):
   """The `DataSource` of `config.data` (see the module doc)."""
-  from rlhf_jax.data.sources import DataSource  # pylint: disable=g-import-not-at-top
   data = config.data
   vocab, lo, hi = data.vocab_size, data.min_prompt_len, data.max_prompt_len
   if vocab <= NUM_SPECIAL:

@@ -32,31 +32,19 @@ under `<workdir>/runlocal_assets` and points the config at them.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from rlhf_jax import distributed
 from rlhf_jax.data import jsonl
 from rlhf_jax.data import random_tokens
+from rlhf_jax.data.data_source import DataSource
 from rlhf_jax.data.batching import PromptIterator, eval_batches, sft_arrays
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.config.sections import ConfigError
-
-
-@dataclasses.dataclass
-class DataSource:
-  """What the GRPO job needs from its data, whatever the kind."""
-  tokenizer: Any             # encode/decode, pad_id (CharTokenizer | HF)
-  prompt_len: int            # P: every prompt batch is padded to it
-  stop_ids: tuple[int, ...]  # sampling stops at these tokens
-  iterator: Iterator[PromptBatch]  # train prompts; get_state/set_state
-  eval_batches: list[PromptBatch]
-  sft_arrays: Callable[[int, int], dict] | None = None  # (start, batch) ->
+from rlhf_jax.errors import ConfigError
 
 
 def prepare(config, workdir: str):

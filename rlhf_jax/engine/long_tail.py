@@ -39,7 +39,6 @@ import jax
 from absl import logging
 
 from rlhf_jax import distributed
-from rlhf_jax.config.sections import LongTail
 from rlhf_jax.engine.controller import Controller
 from rlhf_jax.samples import Sample
 from rlhf_jax.engine.engine_set import EngineSet
@@ -73,9 +72,10 @@ class TailController(Controller):
 
   window = 1  # Step times, phases, scoring and the switch check: per step.
 
-  def __init__(self, engines: EngineSet, tail: LongTail, predict, *,
+  def __init__(self, engines: EngineSet, tail, predict, *,
                full_params, m: int, timeline: Timeline, step: int = 0,
                scorer: Scorer | None = None):
+    # `tail`: the `rollout.long_tail` section (`config.sections.LongTail`).
     self.o, self.tail, self.predict = engines, tail, predict
     self.full_params, self.m, self.step = full_params, m, step
     self.timeline, self.scorer = timeline, scorer

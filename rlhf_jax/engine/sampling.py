@@ -58,7 +58,7 @@ def range_errors(temperature, top_k, top_p, max_new_tokens,
   The one statement of these rules: the config's rollout section checks
   them before anything compiles (`config/sections.Rollout`; top_k's upper
   bound once the model's vocabulary is known: `trainers/policy.build`,
-  `rollout/build.engines`), and the engine asserts them
+  `rollout/engines.engines`), and the engine asserts them
   (`SamplingParams.validate`). NaN fails every range.
   """
   errors = []

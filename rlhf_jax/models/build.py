@@ -1,17 +1,18 @@
-"""The policy model from its config section: a preset or an HF checkpoint."""
+"""The policy model from its config section (`config.sections.Model`, read
+by attribute: models know no job config): a preset or an HF checkpoint."""
 
 from __future__ import annotations
 
 import os
 
-from rlhf_jax.config.sections import ConfigError, Model
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.models import hf
 from rlhf_jax.models import hf_config
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 
 
-def config_of(m: Model, *, vocab_size: int) -> ModelConfig:
+def config_of(m, *, vocab_size: int) -> ModelConfig:
   """The `ModelConfig` `build` gives, without building the weights."""
   if not m.path:
     return m.model_config(vocab_size=vocab_size)
@@ -20,7 +21,7 @@ def config_of(m: Model, *, vocab_size: int) -> ModelConfig:
                            compute_dtype=m.compute_dtype)
 
 
-def build(m: Model, *, seed: int, layout, vocab_size: int):
+def build(m, *, seed: int, layout, vocab_size: int):
   """(cfg, graphdef, params) on `layout`.
 
   With `m.path` (a local HF directory) the weights are loaded with the

@@ -20,34 +20,10 @@ from rlhf_jax.envs import episodes as episodes_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel.layout import Layout
 from rlhf_jax.rollout import elastic
+from rlhf_jax.rollout.engines import engines
 from rlhf_jax.rollout.base import Rollout
 from rlhf_jax.rollout.local import LocalRollout
 from rlhf_jax.timeline import Timeline
-
-
-def sampling_params(ro: RolloutSection, stop_tokens=()) -> SamplingParams:
-  return SamplingParams(
-      temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
-      max_new_tokens=ro.max_new_tokens, stop_tokens=tuple(stop_tokens))
-
-
-def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
-            stop_tokens=()) -> EngineSet:
-  """The rollout engines of the trainer's mesh (one per replica block)."""
-  # The engines build lazily (after a job's warm-start): top_k against the
-  # vocabulary now, as a config error (the jobs checked it before building
-  # the weights, `trainers/policy.build`; this covers the generation demo).
-  ro.check_sampling(cfg.vocab_size)
-  return EngineSet(cfg, graphdef, layout,
-                   rows_per_replica=ro.num_rows // layout.mesh.shape["data"],
-                   samples_per_row=ro.samples_per_row,
-                   prefill_buckets=tuple(ro.prefill_buckets),
-                   sampling=sampling_params(ro, stop_tokens),
-                   attention_impl=ro.attention_impl,
-                   max_common_length=ro.max_common_length,
-                   paged=dict(page_size=ro.page_size, num_pages=ro.kv_pages,
-                              num_slots=ro.num_slots,
-                              decode_window=ro.decode_window))
 
 
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,

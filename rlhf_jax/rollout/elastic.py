@@ -33,6 +33,7 @@ from rlhf_jax.config.sections import Rollout as RolloutSection
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.models import lora
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
+from rlhf_jax.rollout.engines import sampling_params
 from rlhf_jax.sched import offload
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers import ray_local
@@ -207,8 +208,6 @@ def build_manager(ro: RolloutSection, cfg, stop_tokens, *,
                   rollout_tensor: int, lora_spec=None):
   """(`RolloutManager`, its `WorkerPool` holding all `rollout.workers.num`
   workers, their `EngineSpec`) of the rollout section `ro`."""
-  from rlhf_jax.rollout.build import sampling_params
-
   w = ro.workers
   replicas = jax.device_count() // max(rollout_tensor, 1)
   spec = EngineSpec(cfg, num_rows=max(1, ro.num_rows // replicas)

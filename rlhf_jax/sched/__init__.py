@@ -17,6 +17,10 @@ engine and elastic workers will execute the same ones.
                   balanced reserved instance count
   pipeline        fused actor/critic pipeline problem, evaluator, bound
   pipeline_search schedule search for the fused pipeline
+  cost_model      roofline profiles and costs (hardware, models, setting,
+                  an async batch's seconds): the simulator's and the
+                  async job's split
+  spot            a spot availability trace's event
   staleness       async RL: when a batch may be drawn, when the rollout
                   takes new weights, which samples are trainable (eta)
 """

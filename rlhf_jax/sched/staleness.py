@@ -5,7 +5,7 @@ of version b - 1. The async rollout (`rollout/asynchronous.py`) executes
 these rules; they count batches and finished groups, never seconds, so a
 run (and a resumed run) takes every decision at the same point.
 `rollout_split` sizes the rollout's part of the mesh from predicted
-batch times (a cost model: `sim/async_run.batch_seconds`).
+batch times (a cost model: `sched/cost_model/async_batch.py`).
 """
 
 from typing import Callable, Sequence

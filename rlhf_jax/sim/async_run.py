@@ -38,9 +38,10 @@ import math
 
 from rlhf_jax.sched import staleness
 from rlhf_jax.sched.policy import Policy
-from rlhf_jax.sim import costs
+from rlhf_jax.sched.cost_model import costs
+from rlhf_jax.sched.cost_model.async_batch import batch_seconds
 from rlhf_jax.sim.instance import DecodeInstance, Sample
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.workload import Workload
 
 
@@ -231,36 +232,6 @@ def sync_step_s(setting: Setting, batch, m: Measured) -> float:
     engine.advance(t_next)
     t = t_next
   return t + m.train_s
-
-
-def batch_seconds(setting: Setting, *, samples: int, group_size: int,
-                  prompt_len: float, response_len: float):
-  """Roofline seconds of one async batch, as (rollout_s(r), train_s(t)):
-  decoding it on r devices (r / rollout_tp engines sharing its samples,
-  each group's prompt prefilled and read once, the running batch capped
-  by the KV that fits), and scoring and training it on t devices. Mean
-  lengths stand in for the distribution: the async rollout overlaps a
-  batch's tail with the next batch, so its rate, not its tail, sets the
-  pace."""
-  s, ctx = setting, prompt_len + response_len
-
-  def rollout_s(r: int) -> float:
-    per_engine = math.ceil(samples / max(1, r // s.rollout_tp))
-    running = min(per_engine, s.engine_slots(s.hw, s.rollout_tp, ctx))
-    kv = running * (response_len / 2 + prompt_len / group_size)
-    step = costs.decode_step_time(s.actor, s.hw, s.rollout_tp, running, kv)
-    prefill = costs.forward_time(s.actor, s.hw, s.rollout_tp,
-                                 per_engine / group_size * prompt_len,
-                                 prompt_len)
-    return prefill + response_len * per_engine / running * step
-
-  def train_s(t: int) -> float:
-    part = dataclasses.replace(s, reserved_devices=t)
-    tokens = samples * ctx
-    return (part.scoring_time(tokens, ctx, t)
-            + part.fsdp_train_time(tokens, samples, ctx))
-
-  return rollout_s, train_s
 
 
 _BATCH = 1 << 20  # Batch b's prompt ids: b * _BATCH + the workload's id.

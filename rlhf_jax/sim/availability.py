@@ -9,19 +9,12 @@ load from CSV (time,instance,event).
 """
 
 import csv
-import dataclasses
 import os
 
 import numpy as np
 
 from rlhf_jax.errors import DataError, MissingInputError
-
-
-@dataclasses.dataclass(frozen=True)
-class SpotEvent:
-  time: float
-  iid: str
-  kind: str  # 'add' | 'remove'
+from rlhf_jax.sched.spot import SpotEvent
 
 
 # Per segment: (availability level range as a fraction of max instances,

@@ -14,9 +14,9 @@ import dataclasses
 import heapq
 import math
 
-from rlhf_jax.sim import costs
-from rlhf_jax.sim.hardware import Hardware
-from rlhf_jax.sim.models import ModelProfile
+from rlhf_jax.sched.cost_model import costs
+from rlhf_jax.sched.cost_model.hardware import Hardware
+from rlhf_jax.sched.cost_model.profiles import ModelProfile
 
 _EPS = 1e-9
 

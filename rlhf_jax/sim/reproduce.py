@@ -10,7 +10,7 @@ import math
 
 from rlhf_jax.sched import policy as policy_lib
 from rlhf_jax.sim import accounting, async_run, availability, runner
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.workload import Workload, WorkloadSpec
 
 

@@ -7,7 +7,7 @@ from rlhf_jax.sched import length_history, offload
 from rlhf_jax.sched.policy import Policy
 from rlhf_jax.sim import availability
 from rlhf_jax.sim.pool import RemotePool
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.step import StepSimulator
 from rlhf_jax.sim.workload import Workload
 

@@ -17,10 +17,11 @@ import math
 from rlhf_jax.sched import actor_scaling, assignment, offload, placement
 from rlhf_jax.sched import tail
 from rlhf_jax.sched.policy import Policy
-from rlhf_jax.sim import accounting, costs, step_elastic, step_phases
+from rlhf_jax.sim import accounting, step_elastic, step_phases
+from rlhf_jax.sched.cost_model import costs
 from rlhf_jax.sim import step_tail
 from rlhf_jax.sim.instance import DecodeInstance, Sample
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model.setting import Setting
 
 
 class SampleLedger:

@@ -1,9 +1,9 @@
 """After the rollout: streaming trainer, scoring, training, step accounting."""
 
 from rlhf_jax.sim import accounting
-from rlhf_jax.sim import costs
+from rlhf_jax.sched.cost_model import costs
 from rlhf_jax.sim import training
-from rlhf_jax.sim.models import get_model
+from rlhf_jax.sched.cost_model.profiles import get_model
 
 
 class StreamingTrainer:

@@ -5,7 +5,7 @@ rlhf_jax.sched.tail; these methods apply them to the simulated instances.
 """
 
 from rlhf_jax.sched import tail
-from rlhf_jax.sim import costs
+from rlhf_jax.sched.cost_model import costs
 
 
 class TailPolicies:

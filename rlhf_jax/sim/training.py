@@ -11,8 +11,8 @@ import functools
 import math
 
 from rlhf_jax.sched import pipeline, pipeline_search
-from rlhf_jax.sim import costs
-from rlhf_jax.sim.models import get_model
+from rlhf_jax.sched.cost_model import costs
+from rlhf_jax.sched.cost_model.profiles import get_model
 
 
 @functools.lru_cache(maxsize=64)

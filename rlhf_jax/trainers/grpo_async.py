@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax.config import checks
-from rlhf_jax.config.sections import ConfigError
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.metrics import rl_step_metrics
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl.learner import TrainState, train_epochs
@@ -30,8 +30,9 @@ from rlhf_jax.rollout.async_workers import WorkerBackend
 from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
 from rlhf_jax.rollout.base import step_seed
 from rlhf_jax.sched import staleness
-from rlhf_jax.sim import async_run, hardware, models
-from rlhf_jax.sim.setting import Setting
+from rlhf_jax.sched.cost_model import hardware, profiles
+from rlhf_jax.sched.cost_model.async_batch import batch_seconds
+from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.timeline import device_group
 from rlhf_jax.workers import weights as weights_lib
 
@@ -93,7 +94,7 @@ class AsyncSide:
 def with_cost_model_split(c, cfg, devices, prompt_len: int):
   """The job sections `c` with `asynchronous.rollout_devices=-1` replaced by
   the split `staleness.rollout_split` picks from roofline batch times
-  (`sim/async_run.batch_seconds`) of the model `cfg` on `devices`' kind:
+  (`sched/cost_model/async_batch.batch_seconds`) of the model `cfg` on `devices`' kind:
   prompts of `prompt_len` tokens, responses of half the cap (the lengths
   are not known before the run), the proximal (and, with a KL term, the
   reference) log-probs scored, `ppo_epochs x num_minibatches` updates;
@@ -104,7 +105,7 @@ def with_cost_model_split(c, cfg, devices, prompt_len: int):
   except KeyError as e:
     raise ConfigError(f"config.asynchronous.rollout_devices=-1: {e.args[0]}"
                       "; set the split by hand") from None
-  profile = models.profile_of(cfg)
+  profile = profiles.profile_of(cfg)
   rl, ro = c.rl, c.rollout
   setting = Setting(
       model=profile, hardware=hw, reserved_devices=len(devices),
@@ -113,7 +114,7 @@ def with_cost_model_split(c, cfg, devices, prompt_len: int):
       optimizer_steps=rl.ppo_epochs * rl.num_minibatches,
       max_response=ro.max_new_tokens)
   G = ro.samples_per_row
-  rollout_s, train_s = async_run.batch_seconds(
+  rollout_s, train_s = batch_seconds(
       setting, samples=c.train.prompts_per_step * G, group_size=G,
       prompt_len=prompt_len, response_len=ro.max_new_tokens / 2)
   n = len(devices)

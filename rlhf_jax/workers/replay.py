@@ -1,6 +1,6 @@
 """Replays a spot availability trace against live workers.
 
-The trace is the simulator's (`sim/availability.SpotEvent`: time, instance,
+The trace is the simulator's (`sched/spot.SpotEvent`: time, instance,
 add | remove), so a live run and a simulated run can face the same joins
 and preemptions. Installed as the manager's `on_poll` hook: before each poll
 round, every event whose (scaled) time has come is applied: `add` starts a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from rlhf_jax.sim.availability import SpotEvent
+from rlhf_jax.sched.spot import SpotEvent
 
 
 class AvailabilityReplayer:

@@ -4,9 +4,9 @@ import dataclasses
 import functools
 import math
 
-from rlhf_jax.sim import costs
-from rlhf_jax.sim.hardware import Hardware, get_hardware
-from rlhf_jax.sim.models import ModelProfile, get_model
+from rlhf_jax.sched.cost_model import costs
+from rlhf_jax.sched.cost_model.hardware import Hardware, get_hardware
+from rlhf_jax.sched.cost_model.profiles import ModelProfile, get_model
 
 # Pinned host-to-device copy per GPU (PCIe Gen4 x16 measured ~25 GB/s; Gen5
 # is faster, so this is conservative).

@@ -6,8 +6,8 @@ link time where data moves. Times are seconds.
 
 import functools
 
-from rlhf_jax.sim.hardware import Hardware
-from rlhf_jax.sim.models import ModelProfile
+from rlhf_jax.sched.cost_model.hardware import Hardware
+from rlhf_jax.sched.cost_model.profiles import ModelProfile
 
 # Per-layer collective latency of a tensor-parallel all-reduce (two per layer).
 _TP_ALLREDUCE_LATENCY_S = 8e-6

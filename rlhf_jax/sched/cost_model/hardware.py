@@ -170,7 +170,7 @@ def decode_calibration(weight_bytes: float, kv_bytes_per_token: float,
 
   Args:
     weight_bytes: the measured model's weight bytes, as the simulator counts
-      them (`sim/models.profile_of`), so eff is relative to that count.
+      them (`cost_model/profiles.profile_of`), so eff is relative to that count.
     kv_bytes_per_token: KV bytes of one token over all layers, likewise.
     kv_tokens: KV tokens each measured step read (one per step time).
     step_s: the measured step times, seconds.
