@@ -7,12 +7,12 @@ cost the same; response lengths follow the stop token's chance under a
 near-uniform policy, a long tail up to `max_new_tokens`), on 8 forced CPU
 devices and equal prompts per step in both modes:
 
-  sync:  the colocated job (`trainers/grpo.grpo_step`): all 8 devices
+  sync:  the colocated job (`trainers/rl_step.py`): all 8 devices
          decode (paged engine), then all 8 train.
   async: `config.asynchronous` (eta = 1, TIS): 4 devices decode batch
          after batch (`rollout/asynchronous.py`) while the other 4 train.
 
-Each run is the real job (`grpo.run`) for `--steps` RL steps; the first
+Each run is the real job (`rl_job.run`) for `--steps` RL steps; the first
 two (compilation) are not measured. Throughput = response tokens trained
 (every sample of a step; none is dropped) / the steps' seconds
 (`perf/step_s`: from the step's start to its update applied; in async the
@@ -84,10 +84,10 @@ def _config(mode: str, steps: int):
 
 def _run(mode: str, steps: int) -> dict:
   from rlhf_jax.metrics import MetricWriter
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   with tempfile.TemporaryDirectory() as workdir:
-    grpo.run(_config(mode, steps), workdir)
+    rl_job.run(_config(mode, steps), workdir)
     records = [r for r in MetricWriter(workdir, enabled=False).read()
                if r["phase"] == "rl" and r["step"] > WARMUP]
   B = _PROMPTS.value * 8

@@ -51,10 +51,10 @@ PHASES = ("perf/repartition_s", "perf/rollout_s", "perf/scoring_s",
 def main(argv):
   del argv
   import jax
-  import jax.numpy as jnp
 
   from rlhf_jax import compile_cache
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
+  from rlhf_jax.trainers.rl_step import rl_step
 
   config = _CONFIG.value
   if _STACK_EVERY.value:
@@ -64,22 +64,21 @@ def main(argv):
     config.train.prompts_per_step = config.rollout.num_rows = 8
   cache = compile_cache.setup(_CACHE.value, workdir="")
   t0 = time.perf_counter()
-  job = grpo.build(config)
-  state = job.learner.init_state(job.params)
-  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
-  jax.block_until_ready((state, ref))
+  job = rl_job.build(config)
+  states = job.fresh_states(job.params)  # The policy and a reference copy.
+  jax.block_until_ready(states)
   build_s = time.perf_counter() - t0
   steps = 4 if _QUICK.value else _STEPS.value
   print(f"built in {build_s:.1f} s", flush=True)
   t0 = time.perf_counter()
-  state, first = job.step(1, state, ref)
+  states, first = rl_step(job, 1, states)
   first_s = time.perf_counter() - t0
   print(f"first step {first_s:.1f} s: " + ", ".join(
       f"{k.split('/')[1]} {first[k]:.1f}" for k in PHASES[:5]), flush=True)
   cache_line = compile_cache.summary(cache) if cache else None
   records = []
   for step in range(2, steps + 2):
-    state, metrics = job.step(step, state, ref)
+    states, metrics = rl_step(job, step, states)
     records.append(metrics)
     print(f"step {step}: " + ", ".join(
         f"{k.split('/')[1]} {metrics[k]:.2f}" for k in PHASES), flush=True)

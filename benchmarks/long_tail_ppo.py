@@ -8,7 +8,7 @@ step is the rollout, the passes (policy and reference log-probs of every
 token, the reward model's score, the critic's values), the ADVANTAGES
 stage (GAE) and one update of the actor and of the critic on the training
 layout (FSDP over the 8 devices). The batch is built by the trainer's own
-`trainers/ppo.train_batch` (`pack_length`, `--ppo_pack_length`: in packed
+`trainers/ppo.PPO.batch` (`pack_length`, `--ppo_pack_length`: in packed
 rows, `rl.pack_length`). Three modes on the same trace, the same
 consolidation:
 
@@ -81,9 +81,12 @@ class PPOStep:
         graphdef, prompt_len=prompt_len, max_new=max_new,
         heads_graphdef=heads_graphdef, with_rm=True, with_critic=True,
         pack=pack_length > 0)
-    # What `ppo.train_batch` reads of a job.
+    # PPO (`trainers/ppo.py`) with what its `batch` reads, built here
+    # without a reward-model workdir.
+    from rlhf_jax.trainers.ppo import PPO
     heads = ScalarHead(heads_graphdef, train)
-    self.job = types.SimpleNamespace(
+    self.ppo = object.__new__(PPO)
+    self.ppo.__dict__.update(
         source=types.SimpleNamespace(prompt_len=prompt_len),
         c=types.SimpleNamespace(rl=rl, rollout=types.SimpleNamespace(
             max_new_tokens=max_new, samples_per_row=group_size)),
@@ -102,7 +105,6 @@ class PPOStep:
     from rlhf_jax.rl import scoring_passes
     from rlhf_jax.rl.learner import train_epochs
     from rlhf_jax.timeline import device_group
-    from rlhf_jax.trainers import ppo
 
     lt, tl = self.rollout, self.rollout.timeline
     lt.tail = dataclasses.replace(self._tail, fusion=mode == "fused")
@@ -117,9 +119,10 @@ class PPOStep:
     t1 = tl.now()
     if mode != "unfused":  # The passes ran; their chunks, for the fit.
       self.chunks[mode] = list(self.passes.dispatched)
-    batch, info = ppo.train_batch(
-        self.job, samples, np.ones(len(samples), bool), self.states[0].params,
-        self.ref, self.states[1].params, fused)
+    batch, info = self.ppo.batch(
+        samples, None, np.ones(len(samples), bool), self.states[0].params,
+        self.ref, states={"critic": self.states[1]}, minibatches=1,
+        fused=fused)
     jax.block_until_ready(batch)
     t2 = tl.now()
     self.states, _ = train_epochs([self.actor, self.critic], self.states,

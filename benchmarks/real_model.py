@@ -139,14 +139,12 @@ def transformers_rollout(model_dir: str, c, prompts, runs: int) -> dict:
 
 def train_flops(job, steps: int) -> dict:
   """Whole RL steps of the job; the train phase's FLOP/s after step 1."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from rlhf_jax.sched.cost_model.profiles import profile_of  # pylint: disable=g-import-not-at-top
-  state = job.learner.init_state(job.params)
-  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
+  from rlhf_jax.trainers.rl_step import rl_step  # pylint: disable=g-import-not-at-top
+  states = job.fresh_states(job.params)  # The policy and a reference copy.
   records = []
   for step in range(1, steps + 1):
-    state, metrics = job.step(step, state, ref)
+    states, metrics = rl_step(job, step, states)
     records.append(metrics)
     print(f"step {step}: train {metrics['perf/train_s']:.2f} s, positions "
           f"{metrics['train/positions']:.0f} (padding "
@@ -179,7 +177,7 @@ def main(argv):
   del argv
   from rlhf_jax import cli  # pylint: disable=g-import-not-at-top
   from rlhf_jax.data import sources  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.trainers import grpo  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers import rl_job  # pylint: disable=g-import-not-at-top
   quick = _QUICK.value or _SMOKE.value
   runs = 1 if quick else 3
   spec = _CONFIG.value + (":runlocal" if _SMOKE.value else "")
@@ -191,7 +189,7 @@ def main(argv):
     raise SystemExit(f"error: config.model.path={config.model.path!r} is "
                      "not there: run `python -m rlhf_jax.fetch "
                      "smollm2-135m-instruct` first")
-  job = grpo.build(config)
+  job = rl_job.build(config)
   matmul = matmul_flops_per_s()
   print(f"float32 matmul rate: {matmul / 1e9:.1f} GFLOP/s", flush=True)
   prompts = _prompts(job, config.train.prompts_per_step)

@@ -8,7 +8,7 @@ a near-uniform policy, a long tail up to `max_new_tokens`) with its
 rollout on 2 in-process workers of one device each, on 8 forced CPU
 devices. Whole batch: the trainer's mesh waits for the last sample, then
 repartitions, scores, takes log-probs and trains. Streamed (`rl.stream`,
-`trainers/grpo.streamed_step`, `rl/streaming.py`): the mesh switches to
+`rl/train_stage.Streamed`, `rl/streaming.py`): the mesh switches to
 the train layout at once and turns every `stream_parts`-th of the groups
 into gradient sums as they complete, while the workers decode the rest.
 Each repeat runs both on the same prompts and seed (the same samples),
@@ -60,6 +60,7 @@ def _config(stream: bool):
   c.rl.update(num_minibatches=1,  # One update a step in both modes.
               stream=stream, stream_parts=_PARTS.value)
   c.rollout.workers.update(num=2, theta=2, poll_steps=4)
+  c.mesh.offload = False  # Nothing parked in host memory between phases.
   return c
 
 
@@ -85,13 +86,13 @@ def main(argv):
   jax.config.update("jax_platforms", "cpu")
   import jax.numpy as jnp
 
-  import dataclasses
 
-  from rlhf_jax.parallel import colocate
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.timeline import Timeline
+  from rlhf_jax.trainers import rl_job
+  from rlhf_jax.trainers.rl_step import rl_step
 
   config = {m: _config(m == "streamed") for m in ("whole batch", "streamed")}
-  jobs = {m: grpo.build(c) for m, c in config.items()}
+  jobs = {m: rl_job.build(c) for m, c in config.items()}
   base = jobs["whole batch"]
   prompts = next(base.iterator)
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), base.params)
@@ -99,12 +100,12 @@ def main(argv):
   def run(mode):
     job = jobs[mode]
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), base.params)
-    state = job.learner.init_state(params)
-    # A fresh colocation: the timeline holds this run's step 1 only.
-    co = colocate.Colocation(job.learner.layout, job.rollout_layout,
-                             state.params, offload=False, version=0)
-    _, metrics = dataclasses.replace(job, colocation=co).step(
-        1, state, ref, prompts)
+    # A fresh timeline holds this run's step 1 only, at version 0.
+    co = job.colocation
+    co.timeline, co.version = Timeline(None), 0
+    job.rollout.iterator = iter([prompts])
+    _, metrics = rl_step(job, 1, {"policy": job.learner.init_state(params),
+                                  "ref": ref})
     return {**_phases(co, 1), **metrics}
 
   for mode in jobs:  # Warm-up: compilation.

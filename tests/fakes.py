@@ -41,13 +41,13 @@ def copy_tree(tree):
 
 def local_rollout(job, **tail):
   """A plain `LocalRollout` of the job (the trainer's mesh, no workers):
-  on the engines of its rollout or of its seed window when it has them;
+  on the engines of its sampler or of its seed window when it has them;
   `tail`: long-tail fields (default: off)."""
   from rlhf_jax.config.sections import LongTail
   from rlhf_jax.rollout import build as rollout_build
   from rlhf_jax.rollout.local import LocalRollout
 
-  r = job.rollout
+  r = job.sampler
   local = r if isinstance(r, LocalRollout) else (
       r.seed_window.local if r.seed_window is not None else None)
   if local is None:
@@ -59,7 +59,7 @@ def local_rollout(job, **tail):
 
 
 def plain_rollout(job):
-  """The job's rollout with every layer off: its trainer's mesh, no common
+  """The job's sampler with every layer off: its trainer's mesh, no common
   prefix, no long-tail policies, no workers (new engines)."""
   from rlhf_jax.config.sections import LongTail, Workers
   from rlhf_jax.rollout import build as rollout_build
@@ -70,36 +70,103 @@ def plain_rollout(job):
                              job.source.stop_ids)
 
 
-def capture_samples(job) -> list:
-  """Records every `Sampled` the job's steps draw (a list filled in place)."""
-  seen, sample = [], job.sample
+def with_sampler(job, sampler):
+  """The job with its (synchronous) step rollout sampling on `sampler`, an
+  engine-level rollout (`local_rollout`, `plain_rollout`)."""
+  import copy  # pylint: disable=g-import-not-at-top
+  rollout = copy.copy(job.rollout)
+  rollout.sampler = sampler
+  rollout.on_workers = hasattr(sampler, "manager")
+  return dataclasses.replace(job, rollout=rollout,
+                             policy=dataclasses.replace(job.policy,
+                                                        rollout=sampler))
 
-  def spy(prompts, step):
-    seen.append(sample(prompts, step))
-    return seen[-1]
-  job.sample = spy
+
+def whole_batch(job):
+  """The job with the whole-batch train stage (`rl.stream` off)."""
+  from rlhf_jax.trainers import rl_job  # pylint: disable=g-import-not-at-top
+  c = dataclasses.replace(job.c, rl=dataclasses.replace(job.c.rl,
+                                                        stream=False))
+  return dataclasses.replace(job, train_stage=rl_job._train_stage(  # pylint: disable=protected-access
+      c, job.algorithm, job.colocation))
+
+
+def capture_samples(job) -> list:
+  """Records every batch the job's train stage takes, as
+  `rollout.base.Sampled` (samples in batch order, rewards, valid), in a
+  list filled in place (the job's `train_stage` is wrapped)."""
+  from rlhf_jax.rollout.base import Sampled  # pylint: disable=g-import-not-at-top
+  seen, make = [], job.train_stage
+
+  def stage(trainable, step):
+    train, got = make(trainable, step=step), []
+    add, finish = train.add, train.finish
+
+    def spy_add(group):
+      got.append(group)
+      add(group)
+
+    def spy_finish(fused):
+      groups = sorted(got, key=lambda g: g.order)
+      seen.append(Sampled(
+          [s for g in groups for s in g.samples],
+          None if groups[0].rewards is None else np.concatenate(
+              [g.rewards for g in groups]),
+          np.concatenate([np.full(len(g.samples), g.valid)
+                          for g in groups]), {}))
+      return finish(fused)
+    train.add, train.finish = spy_add, spy_finish
+    return train
+  job.train_stage = stage
   return seen
 
 
+def sample(job, prompts, step: int):
+  """The job's sampler's scored samples of `prompts` (one synchronous
+  round, `rollout.base.generate`) at `step`'s seed."""
+  from rlhf_jax.rollout.base import generate, step_seed  # pylint: disable=g-import-not-at-top
+  return generate(job.sampler, prompts, job.c.rollout.samples_per_row,
+                  step_seed(job.c.seed, step), step=step,
+                  scorer=job.algorithm.scorer)
+
+
+def first_states(job, ref_scale: float = 1.05, critic=None) -> dict:
+  """Step 1's states from the job's initial params: the policy's train
+  state and the reference (the initial params times `ref_scale`); PPO's
+  critic from `critic` params (default: the reward model's)."""
+  key = job.algorithm.policy_key
+  states = {key: job.learner.init_state(copy_tree(job.params)),
+            "ref": jax.tree.map(lambda x: x * ref_scale, job.params)}
+  if key == "actor":
+    states["critic"] = job.algorithm.critic.init_state(copy_tree(
+        job.algorithm.rm_params if critic is None else critic))
+  return states
+
+
 def first_step(job, prompts, rollout=None, ref_scale: float = 1.05,
-               step_fn=None):
-  """Step 1 of a built GRPO `job` from its initial params on `prompts`, on
-  `rollout` (default: the job's own) with `step_fn` (default: the job's
-  step function); the reference is the initial params times `ref_scale`.
-  Returns (state, metrics)."""
+               states=None):
+  """Step 1 of a built RL `job` (`rl_job.rl_step`) from its initial params
+  on `prompts`, on `rollout` (an engine-level sampler; default: the job's
+  own); the reference is the initial params times `ref_scale` (or
+  `states`, `first_states`'s). Returns (the policy's state, metrics); the
+  step's states are `first_step.states`."""
+  import copy, itertools  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers.rl_step import rl_step  # pylint: disable=g-import-not-at-top
   if rollout is not None:
-    job = dataclasses.replace(job, rollout=rollout)
-  ref = jax.tree.map(lambda x: x * ref_scale, job.params)
-  state = job.learner.init_state(copy_tree(job.params))
-  if step_fn is None:
-    return job.step(1, state, ref, prompts)
-  return step_fn(job, 1, state, ref, prompts)
+    job = with_sampler(job, rollout)
+  step_rollout = copy.copy(job.rollout)
+  step_rollout.iterator = itertools.chain([prompts], job.iterator)
+  job = dataclasses.replace(job, rollout=step_rollout)
+  states = first_states(job, ref_scale) if states is None else states
+  out, metrics = rl_step(job, 1, states)
+  first_step.states = out
+  return out[job.algorithm.policy_key], metrics
 
 
 def watch_rounds(job, clock: Clock) -> None:
   """Drives the job's elastic rollout by poll rounds: the seed window
   reads `clock`, which the manager ticks every round."""
-  r = job.rollout
+  r = job.sampler
   if r.seed_window is not None:
     r.seed_window.clock = clock
   pool = r.manager.on_poll

@@ -339,12 +339,12 @@ def test_episodes_on_the_long_tail_path_equal_plain_continuous_batching():
   same trajectories as plain continuous batching on the paged engine."""
   from rlhf_jax.rollout.base import generate
   from rlhf_jax.rollout.local import LocalRollout
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_tool.get_config("runlocal")
   c.rollout.long_tail.update(enabled=True, consolidate_below=0.6)
-  job = grpo.build(c)
-  ours = job.rollout
+  job = rl_job.build(c)
+  ours = job.sampler
   ours.episodes.make_env = LengthEnv  # Answers any turn, twice.
   plain = LocalRollout(ours.engines, episodes=Episodes(
       LengthEnv, TOK, TaggedFormat(), max_turns=4))

@@ -18,7 +18,8 @@ from configs import tiny_grpo, tiny_grpo_async
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.sched import staleness
-from rlhf_jax.trainers import grpo, grpo_async
+from rlhf_jax.trainers import rl_job
+from rlhf_jax.trainers import async_split
 
 STEPS = {"train.steps": 6, "eval.every": 3, "train.checkpoint_every": 2}
 
@@ -37,7 +38,7 @@ def _records(workdir):
 def async_run(tmp_path_factory):
   """eta = 1 on 8 devices: the rollout on 4, the trainer on 4."""
   workdir = str(tmp_path_factory.mktemp("async"))
-  grpo.run(_async_config(), workdir)
+  rl_job.run(_async_config(), workdir)
   return workdir
 
 
@@ -99,8 +100,8 @@ def test_eta_zero_equals_the_synchronous_job(tmp_path):
   steps = {"train.steps": 4, "eval.every": 2}
   sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
   sync.rl.importance_weight = "tis"
-  grpo.run(sync, str(tmp_path / "sync"))
-  grpo.run(_async_config(**steps, **{"asynchronous.max_staleness": 0}),
+  rl_job.run(sync, str(tmp_path / "sync"))
+  rl_job.run(_async_config(**steps, **{"asynchronous.max_staleness": 0}),
            str(tmp_path / "async"))
   a, b = _records(str(tmp_path / "async")), _records(str(tmp_path / "sync"))
   for step in range(1, 5):
@@ -124,10 +125,10 @@ def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
   sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
   sync.rl.importance_weight = "tis"
   sync.rollout.workers.update(**workers)
-  grpo.run(sync, str(tmp_path / "sync"))
+  rl_job.run(sync, str(tmp_path / "sync"))
   c = _async_config(**steps, **{"asynchronous.max_staleness": 0})
   c.rollout.workers.update(**workers)
-  grpo.run(c, str(tmp_path / "async"))
+  rl_job.run(c, str(tmp_path / "async"))
   a, b = _records(str(tmp_path / "async")), _records(str(tmp_path / "sync"))
   for step in range(1, 4):
     assert a[step]["async/staleness_max"] == 0
@@ -170,15 +171,15 @@ def test_cost_model_split_builds_the_job():
   gives, the rollout on its devices and the trainer on the rest; an
   unknown device kind is refused in one line."""
   c = _async_config(**{"asynchronous.rollout_devices": -1})
-  job = grpo.build(c)
+  job = rl_job.build(c)
   r = job.c.asynchronous.rollout_devices
   assert 0 < r < 8
-  assert job.side.layout.mesh.devices.size == r
+  assert job.rollout.layout.mesh.devices.size == r
   assert job.train_layout.mesh.devices.size == 8 - r
   odd = types.SimpleNamespace(platform="gpu", device_kind="Mystery X1")
   with pytest.raises(ConfigError, match="no hardware profile for device "
                      "kind 'Mystery X1'"):
-    grpo_async.with_cost_model_split(job.c, job.cfg, [odd] * 8, 8)
+    async_split.with_cost_model_split(job.c, job.cfg, [odd] * 8, 8)
 
 
 def test_workers_as_the_rollout_keep_the_whole_mesh_for_training():

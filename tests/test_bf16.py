@@ -26,14 +26,14 @@ def _rel_err(a_tree, b_tree) -> float:
 def _grpo_jobs(tmp_path):
   from configs import tiny_grpo
   from rlhf_jax.data import sources
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   jobs = {}
   for dtype in ("float32", "bfloat16"):
     c = sources.prepare(tiny_grpo.get_config("runlocal"),
                         str(tmp_path / dtype))
     c.model.compute_dtype = dtype
-    jobs[dtype] = grpo.build(c)
+    jobs[dtype] = rl_job.build(c)
   return jobs
 
 
@@ -42,7 +42,6 @@ def test_bf16_grpo_runlocal_step_runs_and_matches_fp32_loss(mesh8, tmp_path):
   whole step (bf16 rollout, ADVANTAGES stage, update) runs; on its samples
   the bf16 learner's loss and gradient are close to the fp32 learner's."""
   del mesh8
-  from rlhf_jax.trainers import grpo
 
   jobs = _grpo_jobs(tmp_path)
   job = jobs["bfloat16"]
@@ -54,8 +53,8 @@ def test_bf16_grpo_runlocal_step_runs_and_matches_fp32_loss(mesh8, tmp_path):
   out = {}
   for dtype, j in jobs.items():
     params = fakes.copy_tree(j.params)
-    batch, _ = grpo._train_batch(  # pylint: disable=protected-access
-        j, sampled.samples, sampled.rewards, sampled.valid, params,
+    batch, _ = j.algorithm.batch(
+        sampled.samples, sampled.rewards, sampled.valid, params,
         jax.tree.map(lambda x: x * 1.05, j.params), minibatches=1)
     grads, num, _, w = j.learner.grad_sums(params, batch)
     mask = np.asarray(batch["loss_mask"]) > 0
@@ -79,14 +78,14 @@ def test_bf16_rollout_copy_samples_what_fp32_weights_would(mesh8, tmp_path):
   del mesh8
   from configs import tiny_grpo
   from rlhf_jax.data import sources
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   runs = {}
   for cast in (True, False):
     c = sources.prepare(tiny_grpo.get_config("runlocal"),
                         str(tmp_path / str(cast)))
     c.model.compute_dtype = "bfloat16"
-    job = grpo.build(c)
+    job = rl_job.build(c)
     co = job.colocation
     assert co.rollout_dtype == np.dtype(jax.numpy.bfloat16)
     if not cast:
@@ -94,8 +93,8 @@ def test_bf16_rollout_copy_samples_what_fp32_weights_would(mesh8, tmp_path):
     weights = co.to_rollout(fakes.copy_tree(job.params))
     assert {x.dtype for x in jax.tree.leaves(weights)} == {
         np.dtype(jax.numpy.bfloat16 if cast else np.float32)}
-    job.rollout.set_weights(weights, co.version)
-    runs[cast] = job.sample(next(job.iterator), 1).samples
+    job.sampler.set_weights(weights, co.version)
+    runs[cast] = fakes.sample(job, next(job.iterator), 1).samples
   assert len(runs[True]) == len(runs[False]) > 0
   for a, b in zip(runs[True], runs[False]):
     assert a.tokens == b.tokens
@@ -109,7 +108,7 @@ def test_bf16_grpo_reward_rises(mesh8, tmp_path):
   of the last 10 steps beats the first 10 (as the fp32 job's does)."""
   del mesh8
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.model.compute_dtype = "bfloat16"
@@ -120,7 +119,7 @@ def test_bf16_grpo_reward_rises(mesh8, tmp_path):
   c.train.update(steps=60, prompts_per_step=32, checkpoint_every=100)
   c.rollout.num_rows = 32
   c.eval.every = 100
-  grpo.run(c, str(tmp_path))
+  rl_job.run(c, str(tmp_path))
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   reward = [r["rollout/reward_mean"] for r in rows
             if "rollout/reward_mean" in r]

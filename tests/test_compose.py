@@ -1,7 +1,6 @@
 """The rollout layers compose: common prefix, long-tail policies and elastic
 workers all on at once give the plain run's samples, rewards and losses."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   del mesh8
   from configs import gsm8k_grpo
   from rlhf_jax.data import sources
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = sources.prepare(gsm8k_grpo.get_config("runlocal"), str(tmp_path))
   assert c.rollout.max_common_length > 0
@@ -41,10 +40,10 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   # take requests from the start (JSQ, theta 1).
   c.rollout.workers.update(num=2, kind="local", theta=1, poll_steps=1,
                            seed=True, seed_init_s=1e6)
-  job = grpo.build(c)
+  job = rl_job.build(c)
   fakes.watch_rounds(job, round_clock)
   prompts = next(job.iterator)
-  plain_job = dataclasses.replace(job, rollout=fakes.plain_rollout(job))
+  plain_job = fakes.with_sampler(job, fakes.plain_rollout(job))
   seen, seen_plain = fakes.capture_samples(job), fakes.capture_samples(
       plain_job)
   _, ours = fakes.first_step(job, prompts)
@@ -58,8 +57,8 @@ def test_gsm8k_prefix_long_tail_and_workers_equal_plain(mesh8, tmp_path,
   assert ours["rollout/consolidations"] >= 1
   assert ours["workers/tokens"] > 0 and ours["workers/trainer_tokens"] > 0
   assert ours["train/grad_norm"] > 0
-  engines = [job.rollout.seed_window.worker.engine] + [
-      h.worker.engine for h in job.rollout.manager.handles.values()]
+  engines = [job.sampler.seed_window.worker.engine] + [
+      h.worker.engine for h in job.sampler.manager.handles.values()]
   assert len(engines) == 3 and {type(e).__name__ for e in engines} == {
       "Engine"}
   assert {e.cfg.scan_layers for e in engines} == {False}

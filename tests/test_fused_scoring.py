@@ -29,14 +29,14 @@ def test_fused_grpo_step_equals_the_unfused_step(mesh8, pack_length):
   import dataclasses
 
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
                              score_chunk=4)
   c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
   c.rl.update(num_minibatches=1, pack_length=pack_length)
-  fused = grpo.build(c)
+  fused = rl_job.build(c)
   assert fused.fused is not None
   assert list(fused.fused.names) == ["ref"]  # No old-log-prob pass.
   plain = dataclasses.replace(fused, fused=None)
@@ -64,7 +64,7 @@ def test_fusion_falls_back_to_scoring_after_the_rollout(key, value):
   numbers or have no batch to join, the job scores after the rollout (the
   fused test above builds the same config without these: passes on)."""
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rollout.long_tail.update(enabled=True)
@@ -73,20 +73,20 @@ def test_fusion_falls_back_to_scoring_after_the_rollout(key, value):
   for part in path:
     node = node[part]
   node[name] = value
-  assert grpo.build(c).fused is None
+  assert rl_job.build(c).fused is None
 
 
 def test_on_policy_fusion_runs_with_a_quantized_rollout_copy():
   """[fuse] With one update a step no pass reads the rollout copy, so a
   cast or quantized one fuses too: the reference's pass alone."""
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rollout.long_tail.update(enabled=True)
   c.rollout.quantize = "int8"
   c.rl.num_minibatches = 1
-  job = grpo.build(c)
+  job = rl_job.build(c)
   assert not job.colocation.rollout_is_master
   assert list(job.fused.names) == ["ref"]
 

@@ -15,7 +15,7 @@ import resume
 from configs import tiny_grpo
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
-from rlhf_jax.trainers import grpo
+from rlhf_jax.trainers import rl_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {"train.steps": 6, "eval.every": 3}
@@ -44,13 +44,13 @@ def _rl_records(workdir):
 @pytest.fixture(scope="module")
 def run8(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("grpo8"))
-  grpo.run(_config(), workdir)
+  rl_job.run(_config(), workdir)
   return workdir
 
 
 @pytest.mark.slow
 def test_eight_devices_match_one_device(run8, tmp_path):
-  grpo.run(_config(num_devices=1), str(tmp_path))
+  rl_job.run(_config(num_devices=1), str(tmp_path))
   sharded, single = _rl_records(run8), _rl_records(str(tmp_path))
   assert sorted(sharded) == list(range(7))
   for step in range(1, 7):
@@ -105,12 +105,12 @@ def test_sigterm_in_the_warm_start_then_rerun_equals_uninterrupted(
   config = _config()
   with resume.SigtermWhen(lambda: resume.has_record(workdir, "sft", 10)
                           ) as sigterm:
-    assert grpo.run(config, workdir) is None  # Stopped in the SFT.
+    assert rl_job.run(config, workdir) is None  # Stopped in the SFT.
   assert sigterm.sent
   saved = os.listdir(os.path.join(workdir, "checkpoints_sft"))
   assert saved and all(10 <= int(s) < config.sft.steps for s in saved)
   assert not os.listdir(os.path.join(workdir, "checkpoints"))
-  grpo.run(config, workdir)
+  rl_job.run(config, workdir)
   resume.assert_same_records(resume.records(workdir), resume.records(run8))
   assert not os.path.exists(os.path.join(workdir, "checkpoints_sft"))
 
@@ -126,7 +126,7 @@ def test_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes(
       with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
   step4 = resume.tree_digest(os.path.join(workdir, "checkpoints", "4"))
-  grpo.run(_config(), workdir)
+  rl_job.run(_config(), workdir)
   aside = glob.glob(os.path.join(workdir, "checkpoints.damaged", "6-*"))
   assert len(aside) == 1  # Kept for a post-mortem, not deleted.
   assert resume.tree_digest(os.path.join(workdir, "checkpoints", "4")) == (
@@ -166,7 +166,7 @@ def test_dynamic_sampling_and_overlong_shaping_run(tmp_path):
   config = _config(**{"train.steps": 2, "eval.every": 2,
                       "rl.dynamic_sampling": True,
                       "rl.dynamic_max_rounds": 2, "rl.overlong_buffer": 2})
-  grpo.run(config, str(tmp_path))
+  rl_job.run(config, str(tmp_path))
   records = _rl_records(str(tmp_path))
   for step in (1, 2):
     r = records[step]

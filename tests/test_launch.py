@@ -20,7 +20,7 @@ import pytest
 from configs import tiny_grpo
 from launch import gcp_tpu_vm, local_multiprocess, xm_launch
 from rlhf_jax import distributed
-from rlhf_jax.trainers import grpo
+from rlhf_jax.trainers import rl_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runlocal, trimmed: 2 RL steps, a small eval set (eval at steps 0 and 2).
@@ -66,7 +66,7 @@ def test_two_processes_match_one_process(tmp_path):
   for key, value in OVERRIDES.items():
     section, name = key.split(".")
     c[section][name] = value
-  grpo.run(c, single)
+  rl_job.run(c, single)
   out, err = proc.communicate(timeout=900)
   assert proc.returncode == 0, (out, err)
   with open(tmp_path / "logs" / "process_1.log") as f:

@@ -423,15 +423,15 @@ def test_grpo_step_with_long_tail_matches_plain(mesh8):
   samples and numbers."""
   del mesh8
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   # R_t = 1: consolidate as soon as the 8 rows fit 4 replicas (the
   # untrained policy answers in ~4 tokens: no natural tail here).
   c.rollout.long_tail.update(enabled=True, consolidate_below=1.0)
   c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
-  job = grpo.build(c)
-  assert job.rollout.tail.enabled
+  job = rl_job.build(c)
+  assert job.sampler.tail.enabled
   prompts = next(job.iterator)
   _, plain = fakes.first_step(job, prompts, fakes.local_rollout(job))
   _, ours = fakes.first_step(job, prompts)
@@ -444,7 +444,7 @@ def test_grpo_step_with_long_tail_matches_plain(mesh8):
   assert ours["rollout/consolidated_replicas"] < 8
   assert ours["rollout/consolidations"] >= 1
   # The history learned this step's lengths (it is checkpointed by the loop).
-  history = job.rollout.length_history
+  history = job.sampler.length_history
   assert all(history.known(int(p)) for p in prompts.prompt_ids)
 
 

@@ -17,7 +17,7 @@ from rlhf_jax.models import rollout_copy
 from rlhf_jax.models.config import LORA_TARGETS, LoraSpec, ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
-from rlhf_jax.trainers import grpo
+from rlhf_jax.trainers import rl_job
 
 CFG = ModelConfig.tiny(vocab_size=64, scan_layers=True)
 CFG_VOCAB = CharTokenizer().vocab_size  # The addition task's tokenizer.
@@ -140,7 +140,7 @@ _rl_records = resume.rl_records
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("lora"))
-  state = grpo.run(_lora_config(), workdir)
+  state = rl_job.run(_lora_config(), workdir)
   return workdir, state
 
 
@@ -192,10 +192,10 @@ def test_lora_job_resumes_after_sigterm_as_if_uninterrupted(lora_run,
   workdir = str(tmp_path / "run")
   with resume.SigtermWhen(lambda: resume.has_record(workdir, "rl", 2)
                           ) as sigterm:
-    grpo.run(_lora_config(), workdir)
+    rl_job.run(_lora_config(), workdir)
   assert sigterm.sent
   assert not resume.has_record(workdir, "rl", 4)
-  grpo.run(_lora_config(), workdir)
+  rl_job.run(_lora_config(), workdir)
   resume.assert_same_records(resume.records(workdir),
                              resume.records(reference))
 
@@ -238,7 +238,7 @@ def test_quantized_weights_are_per_channel_roundings(base, kind, bound):
 def test_int8_rollout_job_reports_a_small_logprob_gap(tmp_path):
   c = _lora_config(**{"rollout.quantize": "int8", "lora.rank": 0,
                       "train.steps": 2})
-  grpo.run(c, str(tmp_path))
+  rl_job.run(c, str(tmp_path))
   records = _rl_records(str(tmp_path))
   for step in (1, 2):
     # Mean |sampler - trainer| per token: quantization shows (fp32 rollout
@@ -278,7 +278,7 @@ def test_elastic_workers_pull_only_the_adapters(tmp_path):
   c.lora.update(rank=8, alpha=16.0, targets=("q", "k", "v", "o"))
   c.train.update(steps=3, checkpoint_every=10)
   c.eval.every = 10
-  grpo.run(c, str(tmp_path))
+  rl_job.run(c, str(tmp_path))
   records = _rl_records(str(tmp_path))
   job = RLJob.from_config(c)
   cfg = job.model.model_config(vocab_size=CFG_VOCAB)
@@ -325,14 +325,14 @@ def test_adapters_export_as_peft_and_start_a_run(lora_run, tmp_path):
   # Loaded back: the trained adapters, bit for bit.
   trained, _ = lora.split(jax.device_get(state.params))
   c = _lora_config(**{"lora.init_from": f"{out}/adapter"})
-  job = grpo.build(c)
-  started, _ = lora.split(job.trainable(job.params))
+  job = rl_job.build(c)
+  started, _ = lora.split(job.policy.trainable(job.params))
   for x, y in zip(jax.tree.leaves(trained), jax.tree.leaves(started)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # Adapters of another shape: one line at build, before any work.
   c = _lora_config(**{"lora.init_from": f"{out}/adapter", "lora.rank": 8})
   with pytest.raises(CheckpointError, match="are rank 16, alpha 32.0"):
-    grpo.build(c)
+    rl_job.build(c)
   assert hf_adapters.read_spec(f"{out}/adapter").rank == 16
 
 

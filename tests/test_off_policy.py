@@ -174,11 +174,11 @@ def test_alarm_fires_past_the_threshold_only():
 def tiny_job(mesh8):
   del mesh8
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rl.importance_weight = "tis"
-  job = grpo.build(c)
+  job = rl_job.build(c)
   return job, next(job.iterator)
 
 
@@ -197,7 +197,7 @@ def test_exact_path_agrees_and_a_perturbed_sampler_sounds_the_alarm(
   assert exact["train/is_capped_frac"] == 0.0
   np.testing.assert_allclose(exact["train/is_weight_mean"], 1.0, atol=1e-4)
 
-  rollout = job.rollout
+  rollout = job.sampler
   set_weights = rollout.set_weights
   keys = iter(jax.random.split(jax.random.key(0), 1000))
 

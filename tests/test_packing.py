@@ -217,13 +217,13 @@ def test_grpo_job_with_packing_equals_unpacked(mesh8, tmp_path):
   del mesh8
   from configs import tiny_grpo
   from rlhf_jax.data import sources
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   metrics, jobs = {}, {}
   for name, pack_length in (("plain", 0), ("packed", 40)):
     c = sources.prepare(tiny_grpo.get_config("runlocal"), str(tmp_path / name))
     c.rl.update(num_minibatches=1, pack_length=pack_length)
-    jobs[name] = grpo.build(c)
+    jobs[name] = rl_job.build(c)
     prompts = next(jobs[name].iterator)
     _, metrics[name] = fakes.first_step(jobs[name], prompts)
   ours, plain = metrics["packed"], metrics["plain"]

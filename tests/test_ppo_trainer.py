@@ -8,7 +8,8 @@ import pytest
 
 import resume
 from configs import tiny_ppo, tiny_rm
-from rlhf_jax.trainers import ppo, rm
+from rlhf_jax.trainers import rl_job
+from rlhf_jax.trainers import rm
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 
@@ -37,7 +38,7 @@ def test_runs_and_resumes_after_sigterm_as_if_uninterrupted(rm_workdir,
                                                             tmp_path):
   config = _config(rm_workdir, **{"train.steps": 3, "eval.every": 3})
   reference = str(tmp_path / "reference")
-  ppo.run(config, reference)
+  rl_job.run(config, reference)
   first = _rl_records(reference)
   assert sorted(first) == [0, 1, 2, 3]
   step = first[3]
@@ -54,10 +55,10 @@ def test_runs_and_resumes_after_sigterm_as_if_uninterrupted(rm_workdir,
   workdir = str(tmp_path / "run")
   with resume.SigtermWhen(lambda: resume.has_record(workdir, "rl", 1)
                           ) as sigterm:
-    ppo.run(config, workdir)
+    rl_job.run(config, workdir)
   assert sigterm.sent
   assert max(_rl_records(workdir)) < 3
-  state = ppo.run(config, workdir)
+  state = rl_job.run(config, workdir)
   assert int(state.step) == (config.train.steps * config.rl.ppo_epochs *
                              config.rl.num_minibatches)
   resume.assert_same_records(resume.records(workdir),
@@ -76,17 +77,17 @@ def test_lora_actor_and_critic_train_adapters_against_their_bases(
                                   "lora.rank": 4, "lora.alpha": 8.0,
                                   "lora.targets": ("q", "v"),
                                   "optim.learning_rate": 1e-2})
-  job = ppo.build(config)
+  job = rl_job.build(config)
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, 20, (8, 16)).astype(np.int32)
-  batch = job.actor.put_batch(dict(
+  batch = job.algorithm.actor.put_batch(dict(
       tokens=tokens, positions=np.tile(np.arange(16, dtype=np.int32), (8, 1)),
       attn_mask=np.arange(16)[None] < rng.integers(4, 17, 8)[:, None]))
-  critic = job.critic_init(job.rm_params)
-  np.testing.assert_allclose(job.critic_heads.values(critic, batch),
-                             job.heads.values(job.rm_params, batch),
+  critic = job.algorithm.critic_init(job.algorithm.rm_params)
+  np.testing.assert_allclose(job.algorithm.critic_heads.values(critic, batch),
+                             job.algorithm.heads.values(job.algorithm.rm_params, batch),
                              rtol=1e-6, atol=1e-6)
-  ppo.run(config, str(tmp_path))
+  rl_job.run(config, str(tmp_path))
   records = _rl_records(str(tmp_path))
   assert records[1]["rollout/kl"] == 0.0
   assert records[3]["rollout/kl"] > 0.0
@@ -107,20 +108,20 @@ def test_lora_actor_and_critic_train_adapters_against_their_bases(
     saved = {ast.literal_eval(k)[0] for k in json.load(f)["tree_metadata"]}
   assert saved == {"actor", "critic"}
   # The checkpoint (adapters of both) restores, and the run goes on.
-  ppo.run(resume.override(config, **{"train.steps": 4}), str(tmp_path))
+  rl_job.run(resume.override(config, **{"train.steps": 4}), str(tmp_path))
   assert max(_rl_records(str(tmp_path))) == 4
 
 
 def test_missing_reward_model_names_the_command(tmp_path):
   config = _config(str(tmp_path / "nowhere"))
   with pytest.raises(FileNotFoundError, match="configs/tiny_rm.py"):
-    ppo.build(config)
+    rl_job.build(config)
 
 
 def test_reward_model_of_another_answer_format_is_refused(rm_workdir):
   config = _config(rm_workdir, **{"task.reverse_answer": False})
   with pytest.raises(ConfigError, match="config.task.reverse_answer"):
-    ppo.build(config)
+    rl_job.build(config)
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -221,19 +222,25 @@ def test_learner_paces_every_pass():
 
 
 @pytest.mark.slow
+def _batch(job, samples, keep, params, ref, critic_params, fused=None):
+  """PPO's training batch of `samples` and its info (`PPO.batch`), the
+  critic's values from `critic_params`."""
+  import types
+  return job.algorithm.batch(
+      samples, None, keep, params, ref,
+      states={"critic": types.SimpleNamespace(params=critic_params)},
+      minibatches=job.c.rl.num_minibatches, fused=fused)
+
+
 def test_long_tail_and_workers_equal_plain_ppo(rm_workdir):
   """PPO's rollout is the same seam as GRPO's: tiny_ppo with
   `rollout.long_tail.enabled=True` (consolidating the tail), and with 2
   elastic workers, each gives the plain step's rewards, KL, returns and
   losses (the same samples)."""
-  import dataclasses
-
-  import jax
-
   import fakes
   from rlhf_jax.rollout import build as rollout_build
 
-  job = ppo.build(_config(rm_workdir))
+  job = rl_job.build(_config(rm_workdir))
   prompts = next(job.source.iterator)
 
   def rollout_of(c):  # The rollout a config builds, on the job's model.
@@ -242,18 +249,13 @@ def test_long_tail_and_workers_equal_plain_ppo(rm_workdir):
         job.rollout_layout, job.source.stop_ids)
 
   def step(rollout):
-    ref = jax.tree.map(lambda x: x * 1.05, job.params)
-    return ppo.ppo_step(
-        dataclasses.replace(job, rollout=rollout), 1,
-        job.actor.init_state(fakes.copy_tree(job.params)),
-        job.critic.init_state(fakes.copy_tree(job.rm_params)), ref,
-        prompts)[2]
+    return fakes.first_step(job, prompts, rollout)[1]
 
   long_tail = _config(rm_workdir, **{"rollout.num_rows": 16})  # 2 a replica.
   long_tail.rollout.long_tail.update(enabled=True, consolidate_below=1.0)
   workers = _config(rm_workdir)
   workers.rollout.workers.update(num=2, theta=2, poll_steps=2)
-  plain = step(job.rollout)
+  plain = step(job.sampler)
   for name, c in (("long_tail", long_tail), ("workers", workers)):
     rollout = rollout_of(c)
     ours = step(rollout)
@@ -289,31 +291,29 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
   c = _config(rm_workdir, **{"rollout.num_rows": 16})
   c.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
                              score_chunk=4)
-  job = ppo.build(c)
+  job = rl_job.build(c)
   assert job.fused is not None
   plain = dataclasses.replace(job, fused=None)  # Passes after the rollout.
   prompts = next(job.source.iterator)
   ref = jax.tree.map(lambda x: x * 1.05, job.params)
-  critic = fakes.copy_tree(job.rm_params)
+  critic = fakes.copy_tree(job.algorithm.rm_params)
 
   # The same samples, their batch built both ways.
   co = job.colocation
   rollout_params = co.to_rollout(fakes.copy_tree(job.params))
-  job.rollout.set_weights(rollout_params, co.version)
-  with scoring_passes.during(job.fused, job.rollout, policy=rollout_params,
-                             ref=ref, rm=job.rm_params,
+  job.sampler.set_weights(rollout_params, co.version)
+  with scoring_passes.during(job.fused, job.sampler, policy=rollout_params,
+                             ref=ref, rm=job.algorithm.rm_params,
                              critic=critic) as fused:
-    sampled = generate(job.rollout, prompts, job.c.rollout.samples_per_row,
+    sampled = generate(job.sampler, prompts, job.c.rollout.samples_per_row,
                        seed=5)
   samples = sampled.samples
   assert job.fused.scored == len(samples) == len(fused)
   assert sorted(fused) == sorted(s.key for s in samples)
   params = co.to_train(rollout_params)
   keep = np.ones(len(samples), bool)
-  ours, ours_info = ppo.train_batch(job, samples, keep, params, None,
-                                    critic, fused)
-  theirs, theirs_info = ppo.train_batch(job, samples, keep, params, ref,
-                                        critic)
+  ours, ours_info = _batch(job, samples, keep, params, None, critic, fused)
+  theirs, theirs_info = _batch(job, samples, keep, params, ref, critic)
   mask = np.asarray(theirs["loss_mask"])
   assert mask.sum() > 0
   def close(got, want, k):  # Entries near 0: to the array's scale.
@@ -328,9 +328,10 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
 
   # Whole steps from the same states.
   def step(job):
-    return ppo.ppo_step(
-        job, 1, job.actor.init_state(fakes.copy_tree(params)),
-        job.critic.init_state(fakes.copy_tree(critic)), ref, prompts)[2]
+    return fakes.first_step(job, prompts, states={
+        "actor": job.algorithm.actor.init_state(fakes.copy_tree(params)),
+        "critic": job.algorithm.critic.init_state(fakes.copy_tree(critic)),
+        "ref": ref})[1]
 
   mine, base = step(job), step(plain)
   for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
@@ -362,7 +363,6 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
   fused into the consolidated tail, gives the padded step's returns, values, KL, losses
   and gradient norms (one update on the whole batch, so both train on the
   same tokens)."""
-  import dataclasses
 
   import jax
 
@@ -372,15 +372,17 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
     return _config(rm_workdir, **{"rl.ppo_epochs": 1,
                                   "rl.num_minibatches": 1, **extra})
 
-  plain = ppo.build(config())
+  plain = rl_job.build(config())
   prompts = next(plain.source.iterator)
   ref = jax.tree.map(lambda x: x * 1.05, plain.params)
 
   def step(job):
-    return ppo.ppo_step(
-        job, 1, job.actor.init_state(fakes.copy_tree(plain.params)),
-        job.critic.init_state(fakes.copy_tree(plain.rm_params)), ref,
-        prompts)[2]
+    return fakes.first_step(job, prompts, states={
+        "actor": job.algorithm.actor.init_state(
+            fakes.copy_tree(plain.params)),
+        "critic": job.algorithm.critic.init_state(
+            fakes.copy_tree(plain.algorithm.rm_params)),
+        "ref": ref})[1]
 
   fused = config(**{"rl.pack_length": 32, "rollout.num_rows": 16})
   fused.rollout.long_tail.update(enabled=True, consolidate_below=1.0,
@@ -392,7 +394,7 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
   want = step(plain)
   jobs = {}
   for name, c in variants.items():
-    job = jobs[name] = ppo.build(c)
+    job = jobs[name] = rl_job.build(c)
     assert (job.fused is not None) == (name == "fused")
     got = step(job)
     for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
@@ -406,15 +408,15 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
   from rlhf_jax.rollout.base import generate
   co = plain.colocation
   rollout_params = co.to_rollout(fakes.copy_tree(plain.params))
-  plain.rollout.set_weights(rollout_params, co.version)
-  samples = generate(plain.rollout, prompts, plain.c.rollout.samples_per_row,
+  plain.sampler.set_weights(rollout_params, co.version)
+  samples = generate(plain.sampler, prompts, plain.c.rollout.samples_per_row,
                      seed=5).samples
   params, keep = co.to_train(rollout_params), np.ones(len(samples), bool)
   keep[3] = False  # Left out of the rows, yet scored.
-  packed, packed_info = ppo.train_batch(jobs["shared_prompts"], samples,
-                                        keep, params, ref, plain.rm_params)
-  padded, padded_info = ppo.train_batch(plain, samples, keep, params, ref,
-                                        plain.rm_params)
+  packed, packed_info = _batch(jobs["shared_prompts"], samples, keep,
+                                params, ref, plain.algorithm.rm_params)
+  padded, padded_info = _batch(plain, samples, keep, params, ref,
+                               plain.algorithm.rm_params)
   # The reward model reads packed rows too, each sequence to its last token.
   np.testing.assert_allclose(packed_info["rewards"], padded_info["rewards"],
                              rtol=1e-5, atol=1e-6)

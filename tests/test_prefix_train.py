@@ -160,14 +160,14 @@ def test_logprobs_loss_and_grads_match_repeated(mesh8):
 def test_grpo_rl_step_share_prompt_matches_repeated():
   """One GRPO step of the tiny job, share_prompt True vs False."""
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rl.num_minibatches = 1  # Same mini-batch (all rows) in both layouts.
   c.rl.kl_in_loss = False   # KL as a reward penalty: per-sequence reshapes.
   c.rl.micro_batches = 2    # Micro-batches: sequences vs whole groups.
   c.mesh.num_devices = 1    # Wiring only; sharded parity is tested above.
-  job = grpo.build(c)
+  job = rl_job.build(c)
   prompts = next(job.iterator)
   out = {}
   for share in (True, False):

@@ -55,10 +55,10 @@ def test_runlocal_job_learns_to_sample_even_ids(tmp_path):
   model rarely samples <eos>), the reward starts near chance (half the ids
   are even) and GRPO drives it up."""
   from configs import synthetic_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = synthetic_grpo.get_config("runlocal,steps=8")
-  grpo.run(c, str(tmp_path))
+  rl_job.run(c, str(tmp_path))
   records = resume.rl_records(str(tmp_path))
   assert sorted(records) == list(range(9))  # Step 0: the first eval.
   assert 0.35 < records[1]["rollout/reward_mean"] < 0.65

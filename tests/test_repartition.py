@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhf_jax.samples import Request, Sample
+from rlhf_jax.samples import Request
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
@@ -225,24 +225,28 @@ def test_bf16_rollout_copy_halves_decode_weights_and_master_returns_bitwise():
 
 
 def test_weight_version_increases_and_stale_samples_are_rejected():
+  """The synchronous rollouts' staleness rule (`step_rollouts.keep_mask`,
+  eta = 0) against the versions `to_rollout` counts; async's eta keeps
+  samples up to eta versions old."""
+  from rlhf_jax.rollout import step_rollouts
   train, rollout = _layouts(8, 1, 2)
   _, params = _init(train)
   co = colocate.Colocation(train, rollout, params, offload=False, version=3)
   rparams = co.to_rollout(params)
   assert co.version == 4
-  prompt = np.arange(1, 6, dtype=np.int32)
-  sample = lambda i, v: Sample(7, i, prompt, [1], [0.0], [0.0], "length", v)
-  samples = [sample(0, co.version), sample(1, co.version)]
-  assert co.fresh(samples).all()
+  versions = [co.version, co.version]
+  keep = step_rollouts.keep_mask
+  assert keep(versions, co.version, 0, "raise").all()
   co.to_rollout(co.to_train(rparams))
   assert co.version == 5
-  with pytest.raises(colocate.StaleSampleError,
+  with pytest.raises(step_rollouts.StaleSampleError,
                      match="weight versions \\[4\\]"):
-    co.fresh(samples)
-  co.on_stale = "drop"
-  assert co.fresh(samples + [sample(2, 5)]).tolist() == [False, False, True]
+    keep(versions, co.version, 0, "raise")
+  assert keep(versions + [5], co.version, 0, "drop").tolist() == [
+      False, False, True]
+  assert keep([3, 4, 5], 5, 1).tolist() == [False, True, True]  # eta = 1.
   with pytest.raises(ValueError, match="on_stale"):
-    colocate.fresh_mask([1], 1, "keep")
+    keep([1], 1, 0, "keep")
 
 
 def test_layer_groups_cover_layers_and_top_level_entries():

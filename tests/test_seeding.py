@@ -13,13 +13,13 @@ from rlhf_jax.config.sections import ConfigError
 def test_seeded_grpo_step_matches_trainer_only(mesh8, round_clock):
   del mesh8
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rollout.workers.update(num=2, theta=2, poll_steps=2, seed=True,
                            seed_init_s=2.0, seed_eta=2.0, seed_floor_s=0.5)
-  job = grpo.build(c)
-  window, mgr = job.rollout.seed_window, job.rollout.manager
+  job = rl_job.build(c)
+  window, mgr = job.sampler.seed_window, job.sampler.manager
   fakes.watch_rounds(job, round_clock)
   prompts = next(job.iterator)
   _, plain = fakes.first_step(job, prompts, fakes.local_rollout(job))

@@ -27,16 +27,16 @@ def test_streamed_step_equals_whole_batch_step(mesh8, round_clock, seed,
                                               pack_length):
   """(pack_length: every part, and the whole batch, in packed rows.)"""
   del mesh8
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = _config(seed=seed, seed_init_s=1.0)
   c.rl.pack_length = pack_length
-  job = grpo.build(c)
+  job = rl_job.build(c)
   if seed:
     fakes.watch_rounds(job, round_clock)
   prompts = next(job.iterator)
   plain_state, plain = fakes.first_step(  # Trainer-only, whole batch.
-      job, prompts, fakes.local_rollout(job), step_fn=grpo.grpo_step)
+      fakes.whole_batch(job), prompts, fakes.local_rollout(job))
   state, ours = fakes.first_step(job, prompts)
   for k in ("rollout/reward_mean", "rollout/response_len_mean",
             "rewards/addition", "train/loss", "train/grad_norm"):
@@ -70,18 +70,18 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
   of the groups is in; each equals a learner step on its groups in arrival
   order, with old log-probs of the step's weights."""
   del mesh8
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = _config()
   c.rl.num_minibatches = 2
-  job = grpo.build(c)
-  parts, old_params, real = [], [], grpo._train_batch
+  job = rl_job.build(c)
+  parts, old_params, real = [], [], job.algorithm.batch
 
-  def spy(job_, samples, rewards, trainable, params, ref, **kw):
+  def spy(samples, rewards, trainable, params, ref, **kw):
     parts.append((list(samples), np.asarray(rewards)))
     old_params.append(jax.device_get(params))  # Of the old log-probs.
-    return real(job_, samples, rewards, trainable, params, ref, **kw)
-  monkeypatch.setattr(grpo, "_train_batch", spy)
+    return real(samples, rewards, trainable, params, ref, **kw)
+  monkeypatch.setattr(job.algorithm, "batch", spy)
   prompts = next(job.iterator)
   state, metrics = fakes.first_step(job, prompts)
   monkeypatch.undo()
@@ -96,9 +96,9 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
   behaviour = fakes.copy_tree(job.params)
   ref = jax.tree.map(lambda x: x * 1.05, job.params)
   for samples, rewards in parts:
-    batch, _ = grpo._train_batch(job, samples, rewards,
-                                 np.ones(len(samples), bool), behaviour, ref,
-                                 minibatches=1)
+    batch, _ = job.algorithm.batch(samples, rewards,
+                                   np.ones(len(samples), bool), behaviour,
+                                   ref, minibatches=1)
     want, _ = job.learner.step(want, batch)
   diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                       state.params, want.params)

@@ -12,7 +12,7 @@ from resume import run_main
 from rlhf_jax import cli
 from rlhf_jax.data import jsonl, preferences
 from rlhf_jax.errors import DataError, NonFiniteError
-from rlhf_jax.trainers import grpo, rm
+from rlhf_jax.trainers import rl_job, rm
 
 
 def _set(c, overrides):
@@ -172,6 +172,6 @@ def test_nan_in_sft_stops_before_saving_it(tmp_path):
       "sft.steps": 3, "sft.log_every": 1, "sft.checkpoint_every": 1,
       "sft.learning_rate": float("inf")})
   with pytest.raises(NonFiniteError, match="non-finite SFT loss at step 2"):
-    grpo.run(config, workdir)
+    rl_job.run(config, workdir)
   # Step 1 (finite: computed before the first update) is the one kept.
   assert os.listdir(os.path.join(workdir, "checkpoints_sft")) == ["1"]

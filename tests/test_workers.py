@@ -135,12 +135,12 @@ def test_grpo_step_on_workers_matches_trainer_only(mesh8):
   trainer-only step (same tokens: per-device shapes are the same)."""
   del mesh8
   from configs import tiny_grpo
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo.get_config("runlocal")
   c.rollout.workers.update(num=2, theta=2, poll_steps=2)
-  job = grpo.build(c)
-  mgr = job.rollout.manager
+  job = rl_job.build(c)
+  mgr = job.sampler.manager
   assert len(mgr.handles) == 2
   prompts = next(job.iterator)
   _, plain = fakes.first_step(job, prompts, fakes.local_rollout(job))
@@ -191,7 +191,7 @@ def test_zero_workers_runs_trainer_only_and_learns(mesh8, tmp_path):
   import json
   from configs import tiny_grpo_elastic
   from rlhf_jax.rollout.local import LocalRollout
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   c = tiny_grpo_elastic.get_config("runlocal")
   c.rollout.workers.num = 0
@@ -202,8 +202,8 @@ def test_zero_workers_runs_trainer_only_and_learns(mesh8, tmp_path):
   c.train.update(steps=60, prompts_per_step=32, checkpoint_every=100)
   c.rollout.num_rows = 32
   c.eval.every = 100
-  assert isinstance(grpo.build(c).rollout, LocalRollout)
-  grpo.run(c, str(tmp_path))
+  assert isinstance(rl_job.build(c).sampler, LocalRollout)
+  rl_job.run(c, str(tmp_path))
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   reward = [r["rollout/reward_mean"] for r in rows
             if "rollout/reward_mean" in r]
@@ -382,7 +382,7 @@ def test_ray_elastic_job_equals_trainer_only(ray_cluster, tmp_path,
   import json
   from configs import tiny_grpo_elastic
   from rlhf_jax.rollout.elastic import ElasticRollout
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   closed, close = [], ElasticRollout.close
 
@@ -396,7 +396,7 @@ def test_ray_elastic_job_equals_trainer_only(ray_cluster, tmp_path,
     c.train.steps = 2
     # A quarter CPU each: they fit beside the module's long-lived actors.
     c.rollout.workers.update(num=num, cpus_per_worker=0.25)
-    grpo.run(c, str(workdir))
+    rl_job.run(c, str(workdir))
     return [json.loads(x) for x in open(workdir / "metrics.jsonl")
             if '"train/loss"' in x]
 

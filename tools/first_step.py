@@ -4,7 +4,7 @@
       [--runs=3] [--cases=default_8dev,8x8] [--out=F]
 
 [one-engine]'s first-step check: each case's job is built, then its first
-`job.step` (rollout, scoring and update, every program compiled on the
+`rl_step` (rollout, scoring and update, every program compiled on the
 way) is timed, in a fresh process per run so that nothing is compiled or
 cached before it (the persistent compilation cache is off). The other tree
 (a `git worktree` of another commit, e.g. 35b40dd: the rows engine with
@@ -43,8 +43,8 @@ def child(spec: str, engine: str = "") -> None:
   import re  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from rlhf_jax.trainers import grpo  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers import rl_job  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers.rl_step import rl_step  # pylint: disable=g-import-not-at-top
 
   compile_s = collections.Counter()
 
@@ -65,14 +65,13 @@ def child(spec: str, engine: str = "") -> None:
   config.sft.steps = 0
   if engine:
     config.rollout.engine = engine
-  job = grpo.build(config)
-  state = job.learner.init_state(job.params)
-  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), job.params)
-  jax.block_until_ready((state, ref))
+  job = rl_job.build(config)
+  states = job.fresh_states(job.params)  # The policy and a reference copy.
+  jax.block_until_ready(states)
   compile_s.clear()
   t0 = time.perf_counter()
-  state, _ = job.step(1, state, ref)
-  jax.block_until_ready(state)
+  states, _ = rl_step(job, 1, states)
+  jax.block_until_ready(states)
   print(json.dumps(dict(first_step_s=round(time.perf_counter() - t0, 3),
                         compile_s={k: round(v, 3)
                                    for k, v in compile_s.most_common()})))

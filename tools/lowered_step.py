@@ -138,7 +138,7 @@ def main(argv):
   from configs import synthetic_grpo
   from kernels_pallas import flash_attention
   from rlhf_jax.rl.batch import PackedBatch
-  from rlhf_jax.trainers import grpo
+  from rlhf_jax.trainers import rl_job
 
   flash_attention.SKIP_EMPTY_BLOCKS[jax.default_backend()] = _SKIP_BLOCKS.value
   c = synthetic_grpo.get_config()
@@ -148,7 +148,7 @@ def main(argv):
   if _ATTN_BLOCK.value:
     c.model.overrides.attention_block = _ATTN_BLOCK.value
   c.rl.share_prompt = _SHARE.value
-  job = grpo.build(c)
+  job = rl_job.build(c)
   N, G = c.rollout.num_rows, c.rollout.samples_per_row
   P, R = c.data.max_prompt_len, c.rollout.max_new_tokens
   rng = np.random.default_rng(0)
@@ -171,7 +171,7 @@ def main(argv):
     logp = np.zeros((B, T), np.float32)
   batch = job.preparer.put(PackedBatch(arrays, logp, np.full(N * G, R, np.float32)),
                            rng.random(N * G).astype(np.float32))
-  prepared = jax.eval_shape(job.preparer._jit, job.params, job.params, batch,
+  prepared = jax.eval_shape(job.algorithm.preparer._jit, job.params, job.params, batch,
                             None)[0]
   abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in
               prepared.items()}

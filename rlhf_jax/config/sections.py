@@ -21,6 +21,7 @@ from rlhf_jax.engine import sampling
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.rl import off_policy
 from rlhf_jax.rl.learner import OptimConfig
+from rlhf_jax.sched import staleness
 
 
 def _fail(section, key: str, message: str):
@@ -132,7 +133,7 @@ class Mesh:
 
   def __post_init__(self):
     _positive_ints(self, "rollout_tensor", "layers_per_group")
-    _one_of(self, "stale_samples", ("raise", "drop"))
+    _one_of(self, "stale_samples", staleness.STALE_POLICIES)
     if sum(v == -1 for v in (self.data, self.fsdp, self.tensor)) > 1:
       _fail(self, "data", "at most one of data, fsdp, tensor may be -1")
 
@@ -315,7 +316,7 @@ class RL:
   # row), dealt to mini-batches, micro-batches and shards by token count;
   # padding is neither computed nor trained. 0 = one sequence per row.
   pack_length: int = 0
-  # Micro-batch streaming (trainers/grpo.streamed_step): once the trainer's
+  # Micro-batch streaming (rl/train_stage.Streamed): once the trainer's
   # devices leave the rollout they train on finished groups, stream_parts
   # parts a step, while the rest is still decoding.
   stream: bool = False

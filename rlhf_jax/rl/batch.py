@@ -35,6 +35,24 @@ class PackedBatch:
     return (a["prompt_tokens"].size + a["response_tokens"].size,
             int(np.sum(a["prompt_len"]) + np.sum(self.response_len)))
 
+  def info(self) -> dict:
+    """What a step's metrics read of the batch: response lengths, trained
+    tokens, computed and real positions (`positions`)."""
+    computed, real = self.positions()
+    return {"response_len": self.response_len,
+            "tokens": float(self.arrays["loss_mask"].sum()),
+            "positions": computed, "real_positions": real}
+
+
+def slots(rl, learner, minibatches: int) -> packing.Slots | None:
+  """The packed layout's slots of the `rl` section (`rl.pack_length` > 0:
+  rows of that many tokens dealt to `minibatches` x `rl.micro_batches` x
+  the learner's batch shards), or None: one row a sample or group."""
+  if not rl.pack_length:
+    return None
+  return packing.Slots(rl.pack_length, minibatches, rl.micro_batches,
+                       learner.layout.shards("batch"))
+
 
 def pack(samples: Sequence, prompt_len: int, max_new: int, *,
          group_size: int = 0, trainable=None,

@@ -10,6 +10,9 @@ batch times (a cost model: `sched/cost_model/async_batch.py`).
 
 from typing import Callable, Sequence
 
+# What a synchronous step (eta = 0) does with a sample of other weights.
+STALE_POLICIES = ("raise", "drop")
+
 
 def may_draw(batch: int, version: int, eta: int) -> bool:
   """Batch `batch` may be drawn and decoded by a rollout holding `version`:

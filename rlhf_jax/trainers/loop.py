@@ -1,4 +1,4 @@
-"""The RL step loop shared by the GRPO and PPO jobs.
+"""The RL step loop of the RL job (`rl_job.py`), whatever its algorithm.
 
 Resume order: (1) the newest intact checkpoint in the workdir (a damaged
 one is moved aside, `Checkpointer.restore_latest`), else (2) a fresh start
@@ -76,7 +76,7 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
         like: Callable[[], States],
         step: Callable[[int, States], tuple[States, dict]],
         evaluate: Callable[[States], dict], history=None,
-        side=None) -> States:
+        rollout=None) -> States:
   """Runs (or resumes) the loop; returns the final states (None when
   stopped by a signal during the warm-start).
 
@@ -95,10 +95,11 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     evaluate: states -> eval metrics.
     history: a per-prompt `LengthHistory` (the rollout's length-aware
       policies) saved in and restored from the checkpoint metadata, or None.
-    side: state that runs beside the steps (async RL's rollout), or None:
+    rollout: the job's rollout (`rollout/step_rollouts.py`), or None:
       `start(step, states, meta)` once the states are restored or fresh
-      (meta: the checkpoint's, {} when fresh), `dump(step)` -> metadata
-      to save with a checkpoint (it holds still until `saved()`).
+      (meta: the checkpoint's, {} when fresh), `dump(step, states)` ->
+      metadata to save with a checkpoint (async RL's rollout holds still
+      until `saved()`).
   """
   writer, ckpt, main_process = workdir_outputs(config, workdir,
                                                train.keep_checkpoints)
@@ -111,13 +112,13 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       return evaluate(states)
 
   def save(s, states):
-    extra = side.dump(s) if side is not None else {}
+    extra = rollout.dump(s, states) if rollout is not None else {}
     meta = {**distributed.iterator_meta(iterator), **extra}
     if history is not None:
       meta["length_history"] = history.state_dict()
     ckpt.save(s, states, meta)
-    if side is not None:
-      side.saved()
+    if rollout is not None:
+      rollout.saved()
 
   try:
     restored = ckpt.restore_latest(like())
@@ -146,8 +147,8 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     co.version = start
     if "ref" in states:
       states["ref"] = co.park(states["ref"])
-    if side is not None:
-      side.start(start, states, meta)
+    if rollout is not None:
+      rollout.start(start, states, meta)
 
     total = train.steps
     progress = Progress(total, start, name="rl", enabled=main_process)

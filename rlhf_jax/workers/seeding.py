@@ -19,7 +19,7 @@ After the step, `sched.offload.SeedWindowController` moves T_seed by
                  of the step (they ran out of work: T_seed shrinks);
   t_train        the trainer's training time (previous step's train span);
   t_remote       mean busy time per remote worker.
-With micro-batch streaming (`trainers/grpo.streamed_step`) the trainer
+With micro-batch streaming (`rl/train_stage.Streamed`) the trainer
 trains on finished groups during that wait, and t_train_wait counts only
 the poll rounds that began with no part in flight (`trainer_busy`);
 without it the wait is pure idle and the controller settles where the
