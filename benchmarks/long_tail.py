@@ -168,6 +168,17 @@ class RefScorer:
 
     self._jit = jax.jit(score)
 
+  def compile(self, samples, layout):
+    """Nothing compiles ahead (`ScoringPasses.compile`): `score` compiles
+    inline."""
+    del samples, layout
+    return []
+
+  def bytes_per_device(self, layout):
+    """No room check: the benchmark's reference fits."""
+    del layout
+    return 0
+
   def score(self, samples, layout):
     """Dispatches the chunk on `layout`; returns [rows] log-probs, row i
     `samples[i]` (the padding rows left in, as `ScoringPasses.score`)."""
@@ -332,9 +343,11 @@ def _run(lt, params, requests, scorer, step, history=None) -> _Run:
   timed run predicting from the warm-up epoch only)."""
   if history is not None:
     lt.history.load_state_dict(history)
+  from rlhf_jax.scoring.fused import FusedScoring
   lt.set_weights(params, 0)
-  samples = list(lt.run(requests, step=step, scorer=scorer))
-  return _Run(samples, dict(lt.scores), lt.metrics())
+  fused = FusedScoring(scorer, lt.tail)
+  samples = list(lt.run(requests, step=step, freed=fused))
+  return _Run(samples, dict(fused.scores), lt.metrics())
 
 
 def _timeline_idle(timeline, step, replicas):

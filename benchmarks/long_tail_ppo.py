@@ -14,7 +14,7 @@ consolidation:
 
   unfused  the trainer without fusion: the passes over the whole batch
            [B, P + M] on the training layout, after the rollout;
-  chunked  the fused passes' chunks (`rl/scoring_passes.py`: finished
+  chunked  the fused passes' chunks (`scoring/passes.py`, `scoring/fused.py`: finished
            samples, each chunk cut to a power-of-two length), all after
            the rollout on every replica;
   fused    the same chunks dispatched as samples finish, on the replicas
@@ -52,10 +52,10 @@ class PPOStep:
     from rlhf_jax.config import sections
     from rlhf_jax.models import model as model_lib
     from rlhf_jax.models import reward_model
-    from rlhf_jax.rewards.model_score import ScalarHead
+    from rlhf_jax.scoring.heads import ScalarHead
     from rlhf_jax.rl import objectives, prepare
     from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
-    from rlhf_jax.rl.scoring_passes import ScoringPasses
+    from rlhf_jax.scoring.passes import ScoringPasses
 
     self.rollout = rollout
     _, self.params = model_lib.init_params(cfg, 0, train)
@@ -102,7 +102,7 @@ class PPOStep:
     """One PPO step in `mode`; its wall seconds, phases and idle fraction."""
     import jax
     from rlhf_jax.parallel import submesh
-    from rlhf_jax.rl import scoring_passes
+    from rlhf_jax.scoring import fused as fused_scoring
     from rlhf_jax.rl.learner import train_epochs
     from rlhf_jax.timeline import device_group
 
@@ -110,11 +110,11 @@ class PPOStep:
     lt.tail = dataclasses.replace(self._tail, fusion=mode == "fused")
     lt.set_weights(self.rollout_params, 0)
     t0 = tl.now()
-    with scoring_passes.during(
+    with fused_scoring.during(
         None if mode == "unfused" else self.passes, lt,
         policy=self.rollout_params, ref=self.ref, rm=self.rm,
         critic=self.states[1].params) as fused:
-      samples = sorted(lt.run(requests, step=step, scorer=lt.device_scorer),
+      samples = sorted(lt.run(requests, step=step, freed=fused),
                        key=lambda s: s.key)
     t1 = tl.now()
     if mode != "unfused":  # The passes ran; their chunks, for the fit.

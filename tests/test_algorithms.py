@@ -15,8 +15,8 @@ import fakes
 from configs import tiny_grpo
 from rlhf_jax.metrics import MetricWriter
 from rlhf_jax.models import reward_model
-from rlhf_jax.rewards.model_score import ScalarHead
-from rlhf_jax.rewards.scoring import RewardScorer
+from rlhf_jax.scoring.heads import ScalarHead
+from rlhf_jax.scoring.host_rewards import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import objectives, prepare
 from rlhf_jax.rl.learner import Learner, make_optimizer

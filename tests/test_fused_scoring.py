@@ -102,7 +102,7 @@ def test_scoring_chunks_run_each_prompt_once_when_that_is_cheaper(
   from rlhf_jax.parallel.layout import use_layout
   from rlhf_jax.rl import batch as batch_lib
   from rlhf_jax.rl import grouped
-  from rlhf_jax.rl.scoring_passes import ScoringPasses
+  from rlhf_jax.scoring.passes import ScoringPasses
 
   P, R, Gs = 48, 8, 4
   samples = fakes.random_samples(np.random.default_rng(3), 2, Gs, (40, 23),

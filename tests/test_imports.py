@@ -121,13 +121,29 @@ def test_the_rooms_stand_in_floors():
     # Models know logical axis names, not jobs.
     ("models", {"config", "rl", "engine", "rollout", "trainers", "data"}),
     # The engine decodes; it neither reads job config nor scores.
-    ("engine", {"config", "rl", "rewards", "rollout", "trainers", "workers"}),
-    # The RL math knows samples, not who made them.
-    ("rl", {"engine", "rollout", "workers", "trainers", "config"}),
+    ("engine", {"config", "rl", "rewards", "rollout", "trainers", "workers",
+                "scoring"}),
+    # The RL math knows samples, not who made them or how they are scored.
+    ("rl", {"engine", "rollout", "workers", "trainers", "config",
+            "scoring"}),
+    # Scoring is the trainers' and the rollout's business, not the
+    # engine's: it reads samples and the weights it is given.
+    ("scoring", {"engine", "rollout", "trainers", "workers"}),
 ])
 def test_a_room_does_not_import_the_rooms_above_it(room, forbidden):
   bad = sorted(f"{m} -> {d}" for m, deps in _graph().items()
                if _room(m) == room for d in deps if _room(d) in forbidden)
+  assert not bad, bad
+
+
+def test_the_engine_knows_nothing_of_scoring():
+  """Its tail controller reports the replicas it frees; the work it is
+  given (`scoring/fused.py`) scores there."""
+  bad = []
+  for name, path in MODULES.items():
+    if _room(name) == "engine":
+      bad += [f"{path}:{i}" for i, line in enumerate(open(path), 1)
+              if "scor" in line.lower()]
   assert not bad, bad
 
 

@@ -48,10 +48,20 @@ def _requests(n=20):
 
 
 class _Scorer:
-  """Sum of the response's log-probs under the model (a real forward)."""
+  """Device passes (`ScoringPasses`' interface): the largest logit of each
+  sequence under the model (a real forward), compiled inline, weights
+  that take no room."""
 
   def __init__(self, graphdef, params):
     self.graphdef, self.params, self.placed = graphdef, params, {}
+
+  def compile(self, samples, layout):
+    del samples, layout
+    return []  # Nothing compiling: `score` compiles inline.
+
+  def bytes_per_device(self, layout):
+    del layout
+    return 0
 
   def score(self, samples, layout):
     if layout not in self.placed:
@@ -64,6 +74,14 @@ class _Scorer:
       toks[i, :seq.size] = seq
     toks = jax.device_put(toks, layout.replicated())
     return _score_jit(self.graphdef, self.placed[layout], toks)
+
+
+def _fused_run(lt, requests, passes):
+  """(samples, scores by key) of `lt.run` with `passes` fused into its
+  tail (`scoring/fused.FusedScoring`)."""
+  from rlhf_jax.scoring.fused import FusedScoring
+  fused = FusedScoring(passes, lt.tail)
+  return list(lt.run(requests, freed=fused)), fused.scores
 
 
 @jax.jit(static_argnums=0)
@@ -106,8 +124,8 @@ def _run(setup, paged=PAGED, known=True, **tail):
   for r in _requests() if known else ():  # An earlier epoch's lengths.
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
   lt = _rollout(setup, history, paged, **tail)
-  samples = list(lt.run(_requests(), scorer=_Scorer(setup[0], setup[2])))
-  return samples, lt.scores, lt.metrics()
+  samples, scores = _fused_run(lt, _requests(), _Scorer(setup[0], setup[2]))
+  return samples, scores, lt.metrics()
 
 
 def _assert_same(samples, scores, plain):
@@ -180,8 +198,8 @@ def test_scoring_chunks_go_out_after_a_decode_step(setup, monkeypatch):
   for r in _requests():
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
   lt = _rollout(setup, history, consolidate_below=0.5, score_chunk=2)
-  samples = list(lt.run(_requests(), scorer=scorer))
-  _assert_same(samples, lt.scores, setup[3])
+  samples, scores = _fused_run(lt, _requests(), scorer)
+  _assert_same(samples, scores, setup[3])
   # Up to the last sample's finish: the decode (then `flush` scores the
   # rest on every replica).
   decoding = events[:len(events) - events[::-1].index("finished")]
@@ -201,7 +219,7 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
   import threading
   import time
 
-  from rlhf_jax.rl import scoring_passes
+  from rlhf_jax.scoring import passes as scoring_passes
 
   compiles, steps = [], []
   real_compile, real_generate = scoring_passes._compile, Engine.generate
@@ -223,24 +241,24 @@ def test_a_chunk_waits_for_its_compile_while_the_tail_decodes(
   for r in requests:
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
   lt = _rollout(setup, history, consolidate_below=1.0, score_chunk=2)
-  list(lt.run(requests, scorer=_Scorer(setup[0], setup[2])))  # Warm.
+  _fused_run(lt, requests, _Scorer(setup[0], setup[2]))  # Warm.
   scores, waits = {}, {}
   for ahead in (True, False):
     passes = scoring_passes.ScoringPasses(setup[0], prompt_len=8, max_new=M,
                                           with_ref=False)
-    if not ahead:
-      passes.compile = None  # The controller then scores at once.
+    if not ahead:  # Nothing compiles ahead: each chunk inline, at once.
+      passes.compile = lambda chunk, layout: []
     monkeypatch.setattr(scoring_passes, "_compile", slow_compile)
     monkeypatch.setattr(Engine, "generate", timed_generate)
     passes.begin(policy=setup[2])
-    samples = list(lt.run(requests, scorer=passes))
+    samples, scores[ahead] = _fused_run(lt, requests, passes)
     passes.end()
     monkeypatch.undo()
     assert len({s.key for s in samples}) == len(samples) == 8 * G
-    assert set(lt.scores) == {s.key for s in samples}
+    assert set(scores[ahead]) == {s.key for s in samples}
     for s in samples:
       assert s.tokens == setup[3][s.key].tokens, s.key
-    scores[ahead], waits[ahead] = lt.scores, lt.metrics()[
+    waits[ahead] = lt.metrics()[
         "rollout/scoring_compile_waits"]
     if ahead:  # Decode steps while a background compile ran.
       assert any(a < t < b for a, b in compiles for t in steps), (compiles,
@@ -262,7 +280,7 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
   pool. When the freed replicas cannot hold the scoring weights (here a
   budget of 0 bytes), no chunk goes out while the tail decodes; every
   sample is scored at the end, with the sampler's log-probs."""
-  from rlhf_jax.rl import scoring_passes
+  from rlhf_jax.scoring import passes as scoring_passes
 
   graphdef, layout, params, plain = setup
   engines = _rollout(setup).engines
@@ -288,8 +306,10 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
   for r in requests:
     history.update(r.prompt_id, list(r.max_new_tokens_per_sample))
   lt = _rollout(setup, history, consolidate_below=1.0, score_chunk=2)
+  from rlhf_jax.scoring.fused import FusedScoring
+  fused = FusedScoring(passes, lt.tail)
   samples = []
-  for sample in lt.run(requests, scorer=passes):
+  for sample in lt.run(requests, freed=fused):
     events.append("finished")
     samples.append(sample)
   passes.end()
@@ -298,12 +318,13 @@ def test_without_room_on_the_freed_replicas_samples_wait_for_the_end(
   assert st["rollout/scoring_waited_for_room"] == 1.0
   assert events.index("score") > len(events) - 1 - events[::-1].index(
       "finished"), events
-  assert set(lt.scores) == {s.key for s in samples}
+  assert set(fused.scores) == {s.key for s in samples}
   for s in samples:
     n = len(s.tokens)
     assert s.tokens == plain[s.key].tokens
     for name in ("old_logp", "ref_logp"):
-      np.testing.assert_allclose(lt.scores[s.key][name][:n], s.logp_raw[:n],
+      np.testing.assert_allclose(fused.scores[s.key][name][:n],
+                                 s.logp_raw[:n],
                                  atol=1e-5, err_msg=(s.key, name))
 
 
@@ -401,9 +422,9 @@ def test_cost_aware_replica_count(setup):
   graphdef, _, params, plain = setup
   lt = _rollout(setup, replicas="cost", cost_lambda=0.0)
   lt.step_s = {m: 0.01 for m in lt.engines.sizes}  # Equal cost: fewest.
-  samples = list(lt.run(_requests(), scorer=_Scorer(graphdef, params)))
+  samples, scores = _fused_run(lt, _requests(), _Scorer(graphdef, params))
   assert lt.metrics()["rollout/replicas"] == 1
-  _assert_same(samples, lt.scores, plain)
+  _assert_same(samples, scores, plain)
 
 
 def test_choose_replicas_trades_latency_for_cost():

@@ -151,7 +151,7 @@ def _critic_fixture():
   from rlhf_jax.models import reward_model
   from rlhf_jax.models.config import ModelConfig
   from rlhf_jax.parallel import mesh as mesh_lib
-  from rlhf_jax.rewards.model_score import ScalarHead
+  from rlhf_jax.scoring.heads import ScalarHead
   from rlhf_jax.rl import objectives
   from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
 
@@ -283,7 +283,7 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
   import jax
 
   import fakes
-  from rlhf_jax.rl import scoring_passes
+  from rlhf_jax.scoring import fused as fused_scoring
   from rlhf_jax.rollout.base import generate
 
   import dataclasses
@@ -302,14 +302,14 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
   co = job.colocation
   rollout_params = co.to_rollout(fakes.copy_tree(job.params))
   job.sampler.set_weights(rollout_params, co.version)
-  with scoring_passes.during(job.fused, job.sampler, policy=rollout_params,
+  with fused_scoring.during(job.fused, job.sampler, policy=rollout_params,
                              ref=ref, rm=job.algorithm.rm_params,
                              critic=critic) as fused:
     sampled = generate(job.sampler, prompts, job.c.rollout.samples_per_row,
-                       seed=5)
+                       seed=5, freed=fused)
   samples = sampled.samples
-  assert job.fused.scored == len(samples) == len(fused)
-  assert sorted(fused) == sorted(s.key for s in samples)
+  assert job.fused.scored == len(samples) == len(fused.scores)
+  assert sorted(fused.scores) == sorted(s.key for s in samples)
   params = co.to_train(rollout_params)
   keep = np.ones(len(samples), bool)
   ours, ours_info = _batch(job, samples, keep, params, None, critic, fused)

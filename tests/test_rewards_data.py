@@ -11,7 +11,7 @@ from rlhf_jax.data import batching
 from rlhf_jax.data import sums
 from rlhf_jax.data import tasks
 from rlhf_jax.data import tokenizer as tok_lib
-from rlhf_jax.rewards import scoring
+from rlhf_jax.scoring import host_rewards as scoring
 from rlhf_jax.rewards import gsm8k, verifiable
 from rlhf_jax.rl import registry
 

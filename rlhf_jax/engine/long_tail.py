@@ -22,23 +22,23 @@ keep every replica stepping. Two pieces execute the decisions of
         re-prefill of the prompt and a recompute of the samples
         ("reprefill"; "auto": groups whose samples hold at most
         `reprefill_max_tokens` tokens, `reprefill_choice`); the freed
-        replicas become the scoring part;
-      * with a device `scorer` (the RL jobs' passes,
-        `rl/scoring_passes.py`), hands it chunks of finished samples as
-        `sched.tail.scoring_chunk` releases them: on the freed replicas
-        while the tail decodes (fusion), the rest once the decode is over;
-      * records per-replica rollout / idle / repartition / scoring spans.
+        replicas are free for other work;
+      * reports what it frees to that `work` (`FreedReplicaWork`, e.g. the
+        RL job's fused forward passes): each finished sample,
+        each decode step, each consolidation, the decode's end; and the
+        replicas and layout that are free;
+      * records per-replica rollout / idle / repartition spans, and the
+        spans the work marks on the replicas it ran on.
 The rollout that runs prompt batches through these is `rollout/local.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Protocol
 
 import jax
 from absl import logging
 
-from rlhf_jax import distributed
 from rlhf_jax.engine.controller import Controller
 from rlhf_jax.samples import Sample
 from rlhf_jax.engine.engine_set import EngineSet
@@ -49,20 +49,27 @@ from rlhf_jax.sched import tail as tail_rules
 from rlhf_jax.timeline import Timeline, device_group
 
 
-class Scorer(Protocol):
-  def score(self, samples: Sequence[Sample], layout: Layout) -> Any:
-    """Dispatches scoring of `samples` on `layout`; returns device arrays
-    whose row i (leading axis) is `samples[i]`, padding rows after."""
+class FreedReplicaWork(Protocol):
+  """Work on the replicas the tail frees; the controller calls it."""
 
-  # Optional: `compile(samples, layout)` starts compiling what `score`
-  # would need in the background and returns the futures still running
-  # (`rl/scoring_passes.ScoringPasses.compile`); the chunk waits for them
-  # while the tail decodes. `bytes_per_device(layout)`: what placing its
-  # weights there takes on each device (`ScoringPasses.bytes_per_device`).
+  def finished(self, sample: Sample) -> None:
+    """A sample finished."""
+
+  def after_step(self, tail: "TailController", now: float) -> None:
+    """A decode step was dispatched (the host is free until it ends)."""
+
+  def switched(self, tail: "TailController") -> None:
+    """The tail moved to fewer replicas (`tail.free_replicas()`)."""
+
+  def flush(self, tail: "TailController") -> None:
+    """The decode is over: every replica is free."""
+
+  def stats(self) -> dict:
+    """Its rollout/ metrics."""
 
 
 class TailController(Controller):
-  """Group placement, consolidation, fused device scoring and per-replica
+  """Group placement, consolidation, the freed replicas and per-replica
   spans.
 
   `predict(request)` gives a request's predicted response length (the
@@ -70,32 +77,20 @@ class TailController(Controller):
   it did are in `stats()`.
   """
 
-  window = 1  # Step times, phases, scoring and the switch check: per step.
+  window = 1  # Step times, phases, the work and the switch check: per step.
 
   def __init__(self, engines: EngineSet, tail, predict, *,
                full_params, m: int, timeline: Timeline, step: int = 0,
-               scorer: Scorer | None = None):
+               work: FreedReplicaWork | None = None):
     # `tail`: the `rollout.long_tail` section (`config.sections.LongTail`).
     self.o, self.tail, self.predict = engines, tail, predict
     self.full_params, self.m, self.step = full_params, m, step
-    self.timeline, self.scorer = timeline, scorer
+    self.timeline, self.work = timeline, work
     self.admitted = 0          # Samples admitted since the driver started.
-    self.moves = self.reprefilled = self.moved_bytes = self.chunks = 0
+    self.moves = self.reprefilled = self.moved_bytes = 0
     self.move_s = 0.0
     self.consolidations = 0
     self.idle_s = 0.0
-    self.buffer: list[Sample] = []
-    self.pending_scores: list[tuple[list[Sample], Any, float, tuple]] = []
-    # Chunks whose programs compile in the background: (chunk, layout,
-    # replicas, futures), launched once the futures are done.
-    self.compiling: list[tuple[list[Sample], Layout, tuple, list]] = []
-    self.compile_waits = 0     # Chunks that waited for a compile.
-    # The freed replicas cannot hold the scoring weights: finished samples
-    # wait for the decode's end (`_check_room`).
-    self.no_room = False
-    # Chunks this process does not hold whole: read at `flush`.
-    self._outputs: list[tuple[list[Sample], Any]] = []
-    self.scores: dict = {}
     self.step_times: dict[int, list[float]] = {}
     self._last = None
     devs = submesh.devices_of(engines.layout)
@@ -109,7 +104,6 @@ class TailController(Controller):
     self._phase = ["rollout" if r < m else "idle"
                    for r in range(engines.replicas)]
     self._since = [timeline.now()] * engines.replicas
-    self._score_free_at = timeline.now()
     self._decoded = False  # Set by `flush`: every replica is free.
     self.load = [0.0] * engines.replicas  # Predicted tokens admitted.
     self.assigned = [0] * engines.replicas  # Samples admitted.
@@ -134,8 +128,8 @@ class TailController(Controller):
     busy = self._busy_replicas(driver)
     for r in range(self.m):
       self._set_phase(r, "rollout" if r in busy else "idle", now)
-    self._poll_scores(now)
-    self._dispatch_due()  # Samples that finished, or a freed queue slot.
+    if self.work is not None:
+      self.work.after_step(self, now)
 
   def _busy_replicas(self, driver) -> set[int]:
     return {driver.engine.replica_of(s) for s in driver.live}
@@ -153,9 +147,7 @@ class TailController(Controller):
             "perf/move_s": self.move_s,
             "rollout/consolidations": self.consolidations,
             "rollout/releases": self.releases,
-            "rollout/scoring_chunks": self.chunks,
-            "rollout/scoring_compile_waits": self.compile_waits,
-            "rollout/scoring_waited_for_room": float(self.no_room)}
+            **(self.work.stats() if self.work is not None else {})}
 
   # ---------------------------------------------------------- assignment
   def pick(self, driver, room_for):
@@ -277,30 +269,21 @@ class TailController(Controller):
         end - now)
     self.m = m
     self._last = None
-    self._check_room()
-    # Finished samples waiting for the freed replicas go in the next
-    # `after_step`, once the tail's next decode step is dispatched.
+    if self.work is not None:  # It uses the freed replicas from the next
+      self.work.switched(self)  # `after_step`, once a decode step is out.
 
-  def _check_room(self):
-    """Whether the freed replicas hold the scoring weights (the reference,
-    reward model and critic; the policy is viewed in place) in the decode
-    state the tail freed there. The budget is that alone: what else is free
-    on a device is not known on every backend. Without room, finished
-    samples wait for the decode's end and are scored on every replica."""
-    need = getattr(self.scorer, "bytes_per_device", None)
-    if need is None or self.no_room or self.m == self.o.replicas:
-      return
-    need, freed = need(self.scoring_layout()), self.o.kv_bytes_per_device()
-    if need > freed:
-      self.no_room = True
-      logging.warning(
-          "fused scoring: the scoring weights take %.3g GiB a device on the "
-          "freed replicas, the tail freed %.3g GiB there; finished samples "
-          "wait for the decode's end (more tensor parallelism, or more rows "
-          "per replica, gives them room)", need / 2**30, freed / 2**30)
+  # ------------------------------------------------------ freed replicas
+  @property
+  def freed(self) -> bool:
+    """Whether the tail decodes on fewer replicas than it has."""
+    return self.m < self.o.replicas
 
-  # ------------------------------------------------------------ fusion
-  def scoring_layout(self) -> Layout:
+  @property
+  def decoded(self) -> bool:
+    """Whether the decode is over (`flush`): every replica is free."""
+    return self._decoded
+
+  def free_layout(self) -> Layout:
     """The freed replicas; every replica before consolidation and once
     the decode is over."""
     if self._decoded:
@@ -308,102 +291,29 @@ class TailController(Controller):
     rest = self.o.parts(self.m)[1]
     return rest if rest is not None else self.o.parts(self.m)[0]
 
-  def scoring_replicas(self) -> list[int]:
-    if self.m == self.o.replicas or self._decoded:
+  def free_replicas(self) -> list[int]:
+    if not self.freed or self._decoded:
       return list(range(self.o.replicas))
     return list(range(self.m, self.o.replicas))
 
+  def kv_bytes_per_device(self) -> int:
+    """The KV cache's bytes a device, which the freed replicas hold free."""
+    return self.o.kv_bytes_per_device()
+
+  def mark(self, replicas, phase: str, start: float, end: float) -> None:
+    """A span of `phase` (the work's) on each of `replicas` not decoding."""
+    for r in replicas:
+      if self._phase[r] != "rollout":
+        self._set_phase(r, phase, max(start, self._since[r]))
+        self._set_phase(r, "idle", max(end, self._since[r]))
+
   def finished(self, sample):
-    """A sample finished: buffer it for the scorer.
+    """A sample finished: the work's, if any."""
+    if self.work is not None:
+      self.work.finished(sample)
 
-    Chunks are dispatched in `after_step`, right after a decode step is:
-    a chunk's host work (packing, transfers, four launches) takes longer
-    than a tail decode step, and the tail is the critical path, so the
-    device decodes while the host dispatches instead of waiting for it.
-    """
-    if self.scorer is not None:
-      self.buffer.append(sample)
-
-  def _dispatch_due(self):
-    """Chunks of the buffer `sched.tail.scoring_chunk` releases, each on
-    the replicas free when it is cut; a chunk whose programs are still
-    compiling waits for them while the tail decodes (once the decode is
-    over, it waits here)."""
-    compile_ahead = getattr(self.scorer, "compile", None)
-    while self.scorer is not None:
-      n = tail_rules.scoring_chunk(
-          len(self.buffer), self.tail.score_chunk,
-          len(self.scoring_replicas()), fusion=self.tail.fusion,
-          freed=self.m < self.o.replicas and not self.no_room,
-          decoded=self._decoded,
-          in_flight=len(self.pending_scores) + len(self.compiling))
-      if not n:
-        break
-      chunk, layout = self.buffer[:n], self.scoring_layout()
-      del self.buffer[:n]
-      futures = ([] if compile_ahead is None or self._decoded
-                 else compile_ahead(chunk, layout))
-      self.compile_waits += bool(futures)
-      self.compiling.append((chunk, layout, tuple(self.scoring_replicas()),
-                             futures))
-    waiting = []
-    for chunk, layout, replicas, futures in self.compiling:
-      if self._decoded or all(f.done() for f in futures):
-        self._dispatch(chunk, layout, replicas)
-      else:
-        waiting.append((chunk, layout, replicas, futures))
-    self.compiling = waiting
-
-  def _dispatch(self, chunk, layout, replicas):
-    start = max(self.timeline.now(), self._score_free_at)
-    out = self.scorer.score(chunk, layout)
-    self.pending_scores.append((chunk, out, start, replicas))
-    if not _held_whole(out):
-      self._outputs.append((chunk, out))
-    self.chunks += 1
-
-  def _poll_scores(self, now, block=False):
-    """Spans of the chunks done (all, waiting, with `block`). A chunk's
-    outputs are read as it is done when this process holds them whole;
-    else at `flush`: reading them is then a collective, which every process
-    must reach at the same point."""
-    keep = []
-    for chunk, out, start, reps in self.pending_scores:
-      leaves = jax.tree.leaves(out)
-      if block:
-        jax.block_until_ready(out)
-        now = self.timeline.now()
-      elif not all(getattr(x, "is_ready", lambda: True)() for x in leaves):
-        keep.append((chunk, out, start, reps))
-        continue
-      end = max(now, start)
-      if _held_whole(out):  # Read now, while the tail decodes.
-        self._read(chunk, out)
-      for r in reps:  # Replicas not decoding show the scoring span.
-        if self._phase[r] != "rollout":
-          self._set_phase(r, "scoring", max(start, self._since[r]))
-          self._set_phase(r, "idle", max(end, self._since[r]))
-      self._score_free_at = end
-    self.pending_scores = keep
-
-  def flush(self) -> dict:
-    """Scores what is buffered (the decode is over: on every replica),
-    waits for every chunk; the scores by key."""
+  def flush(self) -> None:
+    """The decode is over: the work finishes on every replica."""
     self._decoded = True
-    if self.scorer is not None:
-      self._dispatch_due()
-      self._poll_scores(self.timeline.now(), block=True)
-      for chunk, out in self._outputs:  # Dispatch order on every process.
-        self._read(chunk, out)
-      self._outputs = []
-    return self.scores
-
-  def _read(self, chunk, out) -> None:
-    host = jax.tree.map(distributed.to_host, out)
-    for i, s in enumerate(chunk):
-      self.scores[s.key] = jax.tree.map(lambda a, i=i: a[i], host)
-
-
-def _held_whole(out) -> bool:
-  """Whether this process holds every leaf of `out` (one process)."""
-  return all(x.is_fully_addressable for x in jax.tree.leaves(out))
+    if self.work is not None:
+      self.work.flush(self)

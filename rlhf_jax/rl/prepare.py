@@ -16,7 +16,7 @@ critic's value loss) read, the sampler's log-probs included; `info`
 (replicated) the sequence rewards (before the penalty), the sequence KL,
 the mismatch and, with GAE, the mean critic value and return. `from_scores`
 is the same stage when the forward passes already ran elsewhere
-(`rl/scoring_passes.py`: on the devices the long tail freed, while it
+(`scoring/passes.py`: on the devices the long tail freed, while it
 decoded): only the advantages remain. Every layout of `rl/grouped.py` works
 (packed rows: sequence sums by segment, advantages laid out per token; GAE,
 PPO's, restarts where a row's next sequence begins).

@@ -63,7 +63,7 @@ class WholeBatch:
   def finish(self, fused):
     """Trains on the batch (in the rollout's order: prompt order, or a
     refill's); `fused`: the scores of the passes that ran during the
-    rollout (`rl/scoring_passes.during`), or None."""
+    rollout (`scoring/fused.FusedScoring`), or None."""
     co, algo = self.co, self.algo
     groups = sorted(self.groups, key=lambda g: g.order)
     samples = [s for g in groups for s in g.samples]

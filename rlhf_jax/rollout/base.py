@@ -95,13 +95,22 @@ class Rollout(abc.ABC):
 
   @abc.abstractmethod
   def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,
-             step: int = 0, trainer_busy=None) -> Iterator[Group]:
+             step: int = 0, trainer_busy=None,
+             freed=None) -> Iterator[Group]:
     """Yields each prompt's group as soon as its last sample finishes.
 
     `trainer_busy()` (optional) tells a rollout that shares time with the
     trainer's devices whether they have training work in flight (streamed
-    updates); it only informs measurements, never the samples.
+    updates); it only informs measurements, never the samples. `freed`
+    (`engine/long_tail.FreedReplicaWork`) runs on the replicas the rollout
+    frees under way, where it frees any (`frees_replicas`).
     """
+
+  @property
+  def frees_replicas(self) -> bool:
+    """Whether `stream` frees replicas under way (long-tail consolidation)
+    for `freed` work."""
+    return False
 
   @property
   def trainer_free(self) -> bool:
@@ -131,15 +140,17 @@ class Sampled:
 
 
 def generate(rollout: Rollout, prompts: PromptBatch, num_samples: int,
-             seed: int, *, step: int = 0, scorer=None) -> Sampled:
+             seed: int, *, step: int = 0, scorer=None, freed=None) -> Sampled:
   """Every sample of the batch, in prompt order; with a `scorer`
-  (`rewards.scoring.RewardScorer`) each group is scored as it arrives and
-  the scorer's metrics (of this batch) join the rollout's."""
+  (`scoring/host_rewards.RewardScorer`) each group is scored as it
+  arrives and the scorer's metrics (of this batch) join the rollout's;
+  `freed`: work on the replicas the rollout frees (`Rollout.stream`)."""
   groups: dict[int, Group] = {}
   rewards: dict[int, np.ndarray] = {}
   if scorer is not None:
     scorer.reset()  # Its metrics are this batch's.
-  for group in rollout.stream(prompts, num_samples, seed, step=step):
+  for group in rollout.stream(prompts, num_samples, seed, step=step,
+                              freed=freed):
     pid = group[0].prompt_id
     groups[pid] = group
     if scorer is not None:

@@ -103,9 +103,12 @@ class ElasticRollout(Rollout):
     self._full_bytes = weights_lib.payload_bytes(jax.tree.leaves(params))
 
   def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,
-             step: int = 0, trainer_busy=None) -> Iterator[Group]:
+             step: int = 0, trainer_busy=None,
+             freed=None) -> Iterator[Group]:
     """Groups as they complete; `trainer_busy` (streamed training) tells
-    the seed window when the trainer's devices are not waiting."""
+    the seed window when the trainer's devices are not waiting. (`freed`:
+    no replicas of the trainer's are freed here, `frees_replicas`.)"""
+    del freed
     mgr, window = self.manager, self.seed_window
     mgr.stats = manager_lib.ManagerStats()
     if self.scaler is not None:  # Scale to demand: hold this rollout's.

@@ -32,7 +32,7 @@ from rlhf_jax.engine.controller import Controller
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.engine_set import EngineSet
-from rlhf_jax.engine.long_tail import Scorer, TailController
+from rlhf_jax.engine.long_tail import FreedReplicaWork, TailController
 from rlhf_jax.rollout.base import Group, Groups, Rollout, requests_for
 from rlhf_jax.sched import assignment, continuous
 from rlhf_jax.sched.length_history import LengthHistory
@@ -63,16 +63,11 @@ class LocalRollout(Rollout):
     self.timeline = timeline if timeline is not None else Timeline(None)
     self.step_s: dict[int, float] = {}  # Measured decode step per block.
     self.params = None
-    self.scores: dict = {}   # A device scorer's outputs of the last run.
-    # The device scorer `stream` hands finished samples to (long-tail only;
-    # set for one step by `rl/scoring_passes.during`).
-    self.device_scorer: Scorer | None = None
     self._metrics: dict = {}
 
   @property
-  def runs_device_scorer(self) -> bool:
-    """Whether `device_scorer` runs: the long-tail controller hands it
-    finished samples."""
+  def frees_replicas(self) -> bool:
+    """The long-tail controller frees replicas as it consolidates."""
     return self.tail.enabled
 
   @property
@@ -84,13 +79,14 @@ class LocalRollout(Rollout):
     self.params, self.version = params, version
 
   def stream(self, prompts: PromptBatch, num_samples: int, seed: int, *,
-             step: int = 0, trainer_busy=None) -> Iterator[Group]:
+             step: int = 0, trainer_busy=None,
+             freed: FreedReplicaWork | None = None) -> Iterator[Group]:
     del trainer_busy  # The trainer's devices decode here.
     groups = Groups(prompts, num_samples)
     if self.episodes is not None:
       self.episodes.begin(step, prompts)
     for sample in self.run(requests_for(prompts, num_samples, seed),
-                           step=step, scorer=self.device_scorer):
+                           step=step, freed=freed):
       group = groups.add(sample)
       if group is not None:
         yield group
@@ -116,12 +112,12 @@ class LocalRollout(Rollout):
         max_length=cap)
 
   def run(self, requests: Sequence[Request], *, step: int = 0,
-          scorer: Scorer | None = None) -> Iterator[Sample]:
+          freed: FreedReplicaWork | None = None) -> Iterator[Sample]:
     """Samples every request; yields samples as they finish.
 
-    A device `scorer` (long-tail only) scores chunks of finished samples on
-    the replicas the tail frees; its outputs are in `self.scores` once the
-    iterator is exhausted, the run's metrics in `metrics()`.
+    `freed` (long-tail only) works on the replicas the tail frees (the
+    fused passes, `scoring/fused.py`), and is done once the iterator is
+    exhausted; the run's metrics are in `metrics()`.
     """
     t, eng = self.tail, self.engines
     requests = list(requests)
@@ -130,7 +126,6 @@ class LocalRollout(Rollout):
     if not t.enabled:
       driver = eng.driver(self.params, self.version, reply=self.episodes)
       yield from self._finished(driver.run(requests, common_prefix=common))
-      self.scores = {}
       self._metrics = self._driver_metrics(driver)
       return
     if t.assignment in ("length", "grouped"):
@@ -145,7 +140,7 @@ class LocalRollout(Rollout):
         t.cost_lambda)
     logging.info("long-tail rollout step %d: %d decode replicas of %d; "
                  "inputs %s", step, m0, eng.replicas, decision)
-    driver, ctl = self._tail_driver(m0, step, scorer)
+    driver, ctl = self._tail_driver(m0, step, freed)
     samples = []
     for sample in self._finished(driver.run(
         requests, admission=t.admission, controller=ctl,
@@ -153,7 +148,7 @@ class LocalRollout(Rollout):
       samples.append(sample)
       ctl.finished(sample)
       yield sample
-    self.scores = ctl.flush()
+    ctl.flush()
     ctl.close_spans()
     wall = time.perf_counter() - t0
     for m, times in ctl.step_times.items():
@@ -195,11 +190,11 @@ class LocalRollout(Rollout):
         self.episodes.finish(sample)
       yield sample
 
-  def _tail_driver(self, m: int, step: int, scorer):
+  def _tail_driver(self, m: int, step: int, freed):
     eng = self.engines
     ctl = TailController(eng, self.tail, self.predicted,
                          full_params=self.params, m=m,
-                         timeline=self.timeline, step=step, scorer=scorer)
+                         timeline=self.timeline, step=step, work=freed)
     driver = eng.make_driver(eng.engine(m), eng.params_for(self.params, m),
                              self.version, reply=self.episodes)
     return driver, ctl

@@ -123,7 +123,7 @@ class Colocated:
     self._t0 = co.timeline.now()
     return Weights(params, parked, co.version)
 
-  def groups(self, step: int, scorer, trainer_busy=None
+  def groups(self, step: int, scorer, trainer_busy=None, freed=None
              ) -> Iterator[ScoredGroup]:
     prompts = next(self.iterator)
     order = {int(p): i for i, p in enumerate(prompts.prompt_ids)}
@@ -132,7 +132,7 @@ class Colocated:
     t0 = self.co.timeline.now()
     for group in self.sampler.stream(prompts, self.G,
                                      step_seed(self.seed, step), step=step,
-                                     trainer_busy=trainer_busy):
+                                     trainer_busy=trainer_busy, freed=freed):
       rewards = None if scorer is None else scorer.score(group, prompts)
       end = self.co.timeline.now()  # The rollout's end, once all are in.
       yield ScoredGroup(group, rewards, True, order[group[0].prompt_id])
@@ -184,9 +184,9 @@ class Refill(Colocated):
     super().__init__(*args, **kwargs)
     self.max_rounds = max_rounds
 
-  def groups(self, step: int, scorer, trainer_busy=None
+  def groups(self, step: int, scorer, trainer_busy=None, freed=None
              ) -> Iterator[ScoredGroup]:
-    del trainer_busy
+    del trainer_busy, freed  # Rounds score after the rollout.
     run_round = functools.partial(
         generate, self.sampler, num_samples=self.G,
         seed=step_seed(self.seed, step), step=step, scorer=scorer)
@@ -244,9 +244,9 @@ class Asynchronous:
       self.published = step - 1
     return Weights(None, states, step - 1)  # The trainer's weights.
 
-  def groups(self, step: int, scorer, trainer_busy=None
+  def groups(self, step: int, scorer, trainer_busy=None, freed=None
              ) -> Iterator[ScoredGroup]:
-    del trainer_busy
+    del trainer_busy, freed  # Its own devices decode.
     start = self.co.timeline.now()
     batch = self.rollout.take(step)  # An idle span of the trainer's devices.
     self._metrics = {"perf/trainer_wait_s": self.co.timeline.now() - start}

@@ -94,7 +94,7 @@ def scoring_chunk(buffered: int, chunk: int, shards: int, *, fusion: bool,
   buffered goes at once. Once the decode is over (`decoded`) every sample
   left goes, in chunks, on every replica. A chunk is rounded up to a
   size of `chunk_rows` so it fills the rows it is padded to; a partial one
-  is padded (`rl/scoring_passes.py`). Without fusion only `decoded`
+  is padded (`scoring/passes.py`). Without fusion only `decoded`
   releases samples.
   """
   size = chunk_rows(chunk, shards)

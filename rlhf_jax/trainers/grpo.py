@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlhf_jax.rewards.scoring import RewardScorer
+from rlhf_jax.scoring.host_rewards import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import prepare
 from rlhf_jax.trainers import policy as policy_lib
@@ -60,7 +60,7 @@ class GRPO:
     ADVANTAGES stage's, the response lengths and the trained tokens. With
     `rl.pack_length`, packed rows dealt to `minibatches` mini-batches;
     `current`: `Preparer.put`'s; `fused`: the scores of the passes that ran
-    during the rollout (`scoring_passes.during`), not run here then."""
+    during the rollout (`scoring/fused.py`), not run here then."""
     del states
     G, rl = self.c.rollout.samples_per_row, self.c.rl
     packed = batch_lib.pack(
@@ -73,7 +73,7 @@ class GRPO:
       batch, info = self.preparer(params, ref, batch)
     else:
       batch, info = self.preparer.from_scores(
-          batch, self.fused.assemble(samples, fused, packed))
+          batch, fused.assemble(samples, packed))
     return batch, {**info, **packed.info()}
 
   def metrics(self, info, states) -> dict:

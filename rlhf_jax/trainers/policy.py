@@ -29,7 +29,7 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl import objectives, off_policy
 from rlhf_jax.rl.learner import Learner, make_optimizer
-from rlhf_jax.rl.scoring_passes import ScoringPasses
+from rlhf_jax.scoring.passes import ScoringPasses
 from rlhf_jax.rollout import build as rollout_build
 
 
@@ -134,7 +134,7 @@ def _unfused_because(c, p: Policy) -> str | None:
 def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None,
                   critic_graphdef=None) -> ScoringPasses | None:
   """The passes the long-tail rollout runs on finished samples
-  (`rollout.long_tail.fusion`, `rl/scoring_passes.py`): the policy's and
+  (`rollout.long_tail.fusion`, `scoring/passes.py`, `scoring/fused.py`): the policy's and
   reference's log-probs, and with `heads_graphdef` (PPO) the reward
   model's scores and the critic's values (`critic_graphdef`, default
   `heads_graphdef`). None where fusion is off or

@@ -13,7 +13,7 @@ what this algorithm scores and trains):
             GAE(gamma, lambda) and whitened advantages; with
             `rollout.long_tail.fusion` the four forward passes ran during
             the rollout on the replicas its tail freed
-            (`rl/scoring_passes.py`) and only the advantages remain;
+            (`scoring/fused.py`) and only the advantages remain;
   train     ppo_epochs x num_minibatches; each mini-batch updates the
             actor (clipped surrogate) and the critic (clipped value loss),
             each with its own optimizer, on the same training layout.
@@ -39,8 +39,8 @@ from absl import logging
 
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.models import lora, reward_model
-from rlhf_jax.rewards.model_score import ScalarHead
-from rlhf_jax.rewards.scoring import RewardScorer
+from rlhf_jax.scoring.heads import ScalarHead
+from rlhf_jax.scoring.host_rewards import RewardScorer
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import objectives, packing, prepare
 from rlhf_jax.rl.learner import Learner, make_optimizer
@@ -109,7 +109,7 @@ class PPO:
     """The training batch: reward-model scores, critic values, then the
     ADVANTAGES stage (GAE); and its info. `rewards` (tracked ones) are not
     trained on; `fused`: the scores of the passes that ran during the
-    rollout (`scoring_passes.during`), not run here then."""
+    rollout (`scoring/fused.py`), not run here then."""
     del rewards, current
     c, rl = self.c, self.c.rl
     P, M = self.source.prompt_len, c.rollout.max_new_tokens
@@ -119,7 +119,7 @@ class PPO:
     packed = batch_lib.pack(samples, P, M, group_size=group_size,
                             trainable=trainable, slots=slots)
     if fused is not None:
-      per_token = self.fused.assemble(samples, fused, packed)
+      per_token = fused.assemble(samples, packed)
       batch = self.preparer.put(packed, rewards=per_token.pop("rewards"))
       batch, info = self.preparer.from_scores(batch, per_token)
       return batch, {**info, **packed.info()}

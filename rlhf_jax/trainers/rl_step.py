@@ -9,7 +9,7 @@ asynchronous: what the step samples and how the weights reach it), the
 train stage (`rl/train_stage.py`: the whole batch, or streamed parts while
 the rest decodes), the algorithm (`trainers/grpo.py`, `trainers/ppo.py`:
 how a group is scored and the batch prepared, which learners train) and the
-passes fused into the rollout's tail (`rl/scoring_passes.py`). Every phase
+passes fused into the rollout's tail (`scoring/fused.py`). Every phase
 is a span on the job's timeline; perf/ metrics come from those spans.
 """
 
@@ -20,7 +20,7 @@ import contextlib
 import numpy as np
 
 from rlhf_jax.metrics import rl_step_metrics
-from rlhf_jax.rl import scoring_passes
+from rlhf_jax.scoring import fused as fused_scoring
 
 
 def rl_step(job, step: int, states: dict) -> tuple[dict, dict]:
@@ -37,12 +37,13 @@ def rl_step(job, step: int, states: dict) -> tuple[dict, dict]:
     def leave_rollout():  # Once: the trainer's devices are back.
       if not train.started:
         train.start(rollout.to_train(weights), scope.enter_context(
-            scoring_passes.reference(clock, states.get("ref"), fused)))
+            fused_scoring.reference(clock, states.get("ref"), fused)))
 
-    with scoring_passes.during(
+    with fused_scoring.during(
         job.fused, rollout.sampler, policy=weights.params,
         ref=states.get("ref"), **algo.fused_weights(weights)) as fused:
-      for group in rollout.groups(step, algo.scorer, trainer_busy=train.busy):
+      for group in rollout.groups(step, algo.scorer, trainer_busy=train.busy,
+                                  freed=fused):
         train.add(group)  # A streamed stage trains once the devices are back.
         if rollout.trainer_free:
           leave_rollout()

@@ -3,17 +3,16 @@
 A training batch needs, per sample: the policy's log-probs of its tokens
 (old log-probs; not on the on-policy path), the reference's, and for PPO
 the reward model's score and the critic's values. Unfused, the step runs them after the rollout on the
-training layout (`rl/prepare.py`). Fused (RLHFuse's inter-stage fusion),
-`ScoringPasses` is the long-tail rollout's device `Scorer`: the tail
-controller (`engine/long_tail.TailController`) hands it chunks of samples
-as they finish, on the replicas the consolidated tail no longer needs, and
-the results join the training batch (`assemble`, then
-`Preparer.from_scores`) without a second pass.
+training layout (`rl/prepare.py`). Fused (RLHFuse's inter-stage fusion,
+`scoring/fused.py`), chunks of samples are scored as they finish, on the
+replicas the consolidated tail no longer needs, and the results join the
+training batch (`assemble`, then `Preparer.from_scores`) without a second
+pass.
 
   passes = ScoringPasses(graphdef, ...)
-  with during(passes, rollout, policy=rollout_params, ref=ref, ...) as fused:
-    ... the rollout calls passes.score(chunk, layout) as samples finish ...
-  per_token = passes.assemble(samples, fused, packed)  # fused: by key
+  with fused.during(passes, sampler, policy=rollout_params, ref=ref) as f:
+    ... chunks: passes.score(chunk, layout) on the freed replicas ...
+  per_token = f.assemble(samples, packed)  # passes.assemble of its scores
 
 A chunk is packed as `rl/batch.pack` packs the training batch (repeated
 layout: prompt + response per row), cut to a power-of-two length that
@@ -52,7 +51,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import functools
 import math
 from typing import Any, Sequence
@@ -63,7 +61,7 @@ import numpy as np
 
 from rlhf_jax import distributed
 from rlhf_jax.models import reward_model
-from rlhf_jax.parallel import colocate, pacing, repartition, submesh
+from rlhf_jax.parallel import pacing, repartition, submesh
 from rlhf_jax.parallel.layout import Layout, use_layout
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import grouped
@@ -438,37 +436,6 @@ def _put(tree, shardings):
     return repartition.reload(jax.device_put(x, s.with_memory_kind(kind)),
                               donate=False)  # It may alias the source.
   return jax.tree.map(one, tree, shardings)
-
-
-def during(passes: ScoringPasses | None, rollout, **weights):
-  """Context of one rollout whose finished samples `passes` score (the
-  step's `weights`, see `ScoringPasses.begin`): the rollout's device
-  scorer inside it. Yields a dict that holds the scores by sample key once
-  the rollout ends (`rollout.scores`), or None without passes or when
-  `rollout` cannot run them (`LocalRollout.runs_device_scorer`)."""
-  if passes is None or not getattr(rollout, "runs_device_scorer", False):
-    return contextlib.nullcontext(None)
-
-  @contextlib.contextmanager
-  def scope():
-    scores = {}
-    passes.begin(**weights)
-    rollout.device_scorer = passes
-    try:
-      yield scores
-    finally:
-      rollout.device_scorer = None
-      passes.end()
-    scores.update(rollout.scores)
-  return scope()
-
-
-def reference(co: colocate.Colocation, ref_params, fused):
-  """The reference on device for the scoring phase (`colocate.transient`),
-  or None when its pass ran fused."""
-  if fused is not None:
-    return contextlib.nullcontext(None)
-  return colocate.transient(co, ref_params)
 
 
 def _like_mask(responses, samples, packed) -> np.ndarray:
