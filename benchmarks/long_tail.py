@@ -535,7 +535,7 @@ def main(argv):
           f"{st['rollout/consolidated_replicas']:>9}{s.final_replicas:>5}"
           f"{st['rollout/consolidations'] + st['rollout/releases']:>6}"
           f"{s.consolidations + s.releases:>5}"
-          f"{st['rollout/scoring_chunks']:>7}")
+          f"{st.get('rollout/scoring_chunks', 0):>7}")
   print(f"unit costs: step_s {({m: round(v, 4) for m, v in step_s.items()})}"
         f", prefill {prefill_s:.4f}s, score chunk {score_s:.4f}s, "
         f"move {move_s:.4f}s, score overlap "

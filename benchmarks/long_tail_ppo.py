@@ -139,7 +139,8 @@ class PPOStep:
     return dict(wall_s=t3 - t0, rollout_s=t1 - t0, scoring_s=t2 - t1,
                 train_s=t3 - t2,
                 idle_fraction=device_s["idle"] / sum(device_s.values()),
-                chunks=lt.metrics()["rollout/scoring_chunks"],
+                # No fused passes (unfused): no chunks.
+                chunks=lt.metrics().get("rollout/scoring_chunks", 0),
                 reward_mean=float(np.mean(jax.device_get(info["rewards"]))))
 
 

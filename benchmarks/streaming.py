@@ -101,8 +101,8 @@ def main(argv):
     job = jobs[mode]
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), base.params)
     # A fresh timeline holds this run's step 1 only, at version 0.
-    co = job.colocation
-    co.timeline, co.version = Timeline(None), 0
+    co = job.clock
+    co.timeline, job.colocation.version = Timeline(None), 0
     job.rollout.iterator = iter([prompts])
     _, metrics = rl_step(job, 1, {"policy": job.learner.init_state(params),
                                   "ref": ref})

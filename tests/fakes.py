@@ -88,7 +88,7 @@ def whole_batch(job):
   c = dataclasses.replace(job.c, rl=dataclasses.replace(job.c.rl,
                                                         stream=False))
   return dataclasses.replace(job, train_stage=rl_job._train_stage(  # pylint: disable=protected-access
-      c, job.algorithm, job.colocation))
+      c, job.algorithm, job.colocation, job.clock))
 
 
 def capture_samples(job) -> list:

@@ -345,7 +345,7 @@ def test_fused_scoring_equals_scoring_after_the_rollout(rm_workdir):
   assert sum(fractions.values()) == pytest.approx(1.0)
   assert fractions["perf/device_fraction/scoring"] > 0
   assert mine["rollout/scoring_chunks"] >= len(samples) // 8
-  spans = job.colocation.timeline.step_spans(1)
+  spans = job.clock.timeline.step_spans(1)
   decode = [s for s in spans if s.phase == "rollout"
             and s.group.startswith("replica")]
   overlapped = [s for s in spans if s.phase == "scoring"

@@ -3,8 +3,8 @@
 A `Colocation` switches the policy between the training layout (FSDP) and the
 rollout layout (replicas x tensor) of the same devices, one weight copy at a
 time (`parallel/repartition.py`), parks optimizer state and the reference
-policy in host memory while the decode loop runs, counts weight versions and
-records every phase on a `Timeline`. With a `rollout_dtype` narrower than
+policy in host memory while the decode loop runs and counts weight versions
+(when each phase ran is the job's `StepClock`, `step_clock.py`). With a `rollout_dtype` narrower than
 the params (bf16 compute on fp32 master weights), the rollout copy is cast
 on the way and the master weights wait in host memory like the optimizer
 state: the decode reads half the bytes, and the values are those the
@@ -31,7 +31,6 @@ import jax.numpy as jnp
 
 from rlhf_jax.parallel import repartition as rp
 from rlhf_jax.parallel.layout import Layout
-from rlhf_jax.timeline import Timeline, device_group
 
 class Colocation:
   """Training <-> rollout switching of one mesh, with offload and timeline."""
@@ -39,8 +38,7 @@ class Colocation:
   def __init__(self, train_layout: Layout, rollout_layout: Layout,
                params_like: Any, *, offload: bool = True,
                layers_per_group: int = 1, max_in_flight: int = 2,
-               version: int = 0, on_stale: str = "raise",
-               timeline: Timeline | None = None, rollout_dtype=None,
+               version: int = 0, on_stale: str = "raise", rollout_dtype=None,
                rollout_weights=None):
     """Builds the two target sharding trees once.
 
@@ -55,7 +53,6 @@ class Colocation:
       version: the weight version before the first `to_rollout`.
       on_stale: "raise" or "drop": what a synchronous step does with
         samples of other weight versions (`rollout/step_rollouts.py`).
-      timeline: where phase spans go (an in-memory one by default).
       rollout_dtype: dtype of the rollout copy's floating params (the
         model's compute dtype); None or the params' own: no cast, the
         params themselves switch layouts.
@@ -77,8 +74,6 @@ class Colocation:
     self.host_kind = rp.host_memory_kind() if offload else None
     self.version = version
     self.on_stale = on_stale
-    self.timeline = timeline if timeline is not None else Timeline(None)
-    self.group = device_group("all", train_layout.mesh.devices.flat)
     self._train_back = None
     floats = {x.dtype for x in jax.tree.leaves(rollout_like)
               if jnp.issubdtype(x.dtype, jnp.floating)}
@@ -91,13 +86,12 @@ class Colocation:
 
   @classmethod
   def from_section(cls, mesh, train_layout: Layout, rollout_layout: Layout,
-                   params_like, timeline: Timeline | None = None,
-                   rollout_dtype=None, rollout_weights=None):
+                   params_like, rollout_dtype=None, rollout_weights=None):
     """The switch a `config.sections.Mesh` asks for."""
     return cls(train_layout, rollout_layout, params_like,
                offload=mesh.offload, layers_per_group=mesh.layers_per_group,
-               on_stale=mesh.stale_samples, timeline=timeline,
-               rollout_dtype=rollout_dtype, rollout_weights=rollout_weights)
+               on_stale=mesh.stale_samples, rollout_dtype=rollout_dtype,
+               rollout_weights=rollout_weights)
 
   # --------------------------------------------------------- repartition
   def to_rollout(self, params) -> Any:
@@ -164,34 +158,6 @@ class Colocation:
   def unpark(self, tree, *, donate: bool = True) -> Any:
     """Brings a parked `tree` back to device memory (a copy if not donating)."""
     return rp.reload(tree, donate=donate)
-
-  # ------------------------------------------------------------- timeline
-  def span(self, phase: str, group: str | None = None):
-    """Context manager recording `phase` of `group` (default: all devices)."""
-    return self.timeline.span(group or self.group, phase)
-
-  def begin_step(self, step: int) -> None:
-    self.timeline.begin_step(step)
-
-  def phase_seconds(self, step: int, phase: str = "train") -> float | None:
-    """Seconds of the step's `phase` spans (None when it has none)."""
-    return sum(x.duration for x in self.timeline.step_spans(step)
-               if x.phase == phase) or None
-
-  def end_step(self, step: int) -> dict:
-    """Closes the step on the timeline; returns its perf/ metrics."""
-    perf = self.timeline.end_step(step)
-    spans = [s for s in self.timeline.step_spans(step) if s.phase != "idle"]
-    for phase in ("rollout", "scoring", "train"):
-      perf[f"perf/{phase}_s"] = sum(s.duration for s in spans
-                                    if s.phase == phase)
-    perf["perf/step_s"] = (max(s.end for s in spans) -
-                           min(s.start for s in spans)) if spans else 0.0
-    device_s = self.timeline.device_seconds(step)
-    total = sum(device_s.values())
-    for phase, seconds in device_s.items():  # Of the devices' step time.
-      perf[f"perf/device_fraction/{phase}"] = seconds / total if total else 0.0
-    return perf
 
 
 def delete(tree) -> None:

@@ -3,7 +3,7 @@ is built: `WholeBatch` trains once every group is in, `Streamed` (RLBoost's
 micro-batch streaming, `rl/streaming.py`) trains on parts of the batch
 while the rest still decodes.
 
-  train = stage(step, trainable)     # per step
+  train = stage(trainable, step=step)   # per step
   train.add(group)                   # each scored group as it finishes
   train.start(states, ref)           # once the trainer's devices are back
   states, info, trained = train.finish(fused)
@@ -37,9 +37,10 @@ class WholeBatch:
   """Every group first, then `epochs x num_minibatches` updates of every
   learner on the same mini-batches (`train_epochs`)."""
 
-  def __init__(self, algorithm, colocation, trainable, *, step: int,
+  def __init__(self, algorithm, colocation, clock, trainable, *, step: int,
                epochs: int, num_minibatches: int, seed: int):
     self.algo, self.co, self.trainable = algorithm, colocation, trainable
+    self.clock = clock
     self.step, self.epochs, self.minibatches = step, epochs, num_minibatches
     self.seed = seed
     self.groups, self.states, self.ref = [], None, None
@@ -72,7 +73,7 @@ class WholeBatch:
     valid = np.concatenate([np.full(len(g.samples), g.valid) for g in groups])
     keep, current = self.trainable(samples)
     key = algo.learners[0][1]
-    with co.span("scoring"):
+    with self.clock.span("scoring"):
       states = {k: v if k in (key, "ref") else _live(co, v)
                 for k, v in self.states.items()}
       policy = states[key]
@@ -81,7 +82,7 @@ class WholeBatch:
           states=states, minibatches=self.minibatches, current=current,
           fused=fused)
       jax.block_until_ready(batch)  # Before the reference copy is freed.
-    with co.span("train"):
+    with self.clock.span("train"):
       states[key] = policy.replace(opt_state=_live(co, policy.opt_state))
       keys = [k for _, k, _ in algo.learners]
       new, trained = train_epochs(
@@ -100,10 +101,11 @@ class Streamed:
   one update equals the whole batch's (float32 rounding). The policy is
   the only learner."""
 
-  def __init__(self, algorithm, colocation, trainable, *, step: int,
+  def __init__(self, algorithm, colocation, clock, trainable, *, step: int,
                num_groups: int, groups_per_part: int,
                parts_per_update: int):
     self.algo, self.co, self.trainable = algorithm, colocation, trainable
+    self.clock = clock
     (_, self.key, learner), = algorithm.learners
     self.updates = streaming.StreamedUpdates(
         learner, self._part, num_groups=num_groups,
@@ -134,13 +136,13 @@ class Streamed:
   def finish(self, fused):
     del fused  # Streaming scores per part (`policy.fused_scoring`).
     self._train_ready(final=True)
-    with self.co.span("train"):
+    with self.clock.span("train"):
       state, trained = self.updates.finish()
     return ({**self.states, self.key: state},
             streaming.merge_infos(self.updates.infos), {"train": trained})
 
   def _train_ready(self, final: bool = False) -> None:
-    with self.co.span("train"):
+    with self.clock.span("train"):
       self.updates.train_ready(final=final)
 
   def _part(self, samples, rewards, params, ref):

@@ -79,11 +79,11 @@ def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
 
 
 def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
-            stop_tokens, colocation,
+            stop_tokens, clock,
             lora_spec=None) -> tuple[Rollout, LocalRollout]:
   """(the job's rollout, its greedy eval rollout) from the sections `c`
   (`config.sections.RLJob`); per-replica spans and the seed window's
-  train time come from the job's `colocation`. With `c.agent.enabled`
+  train time come from the job's `clock` (`step_clock.StepClock`). With `c.agent.enabled`
   both are multi-turn, their turns also ending at the format's stops."""
   episodes = episodes_lib.from_config(c.agent, tokenizer)
   eval_episodes = episodes_lib.from_config(c.agent, tokenizer)
@@ -91,8 +91,8 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
     stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
   return (build(c.rollout, cfg, graphdef, layout, stop_tokens,
                 rollout_tensor=c.mesh.rollout_tensor,
-                timeline=colocation.timeline,
-                train_time=colocation.phase_seconds, lora_spec=lora_spec,
+                timeline=clock.timeline,
+                train_time=clock.phase_seconds, lora_spec=lora_spec,
                 episodes=episodes),
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
                        stop_tokens, episodes=eval_episodes))

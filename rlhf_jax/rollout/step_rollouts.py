@@ -96,11 +96,13 @@ class Colocated:
   on elastic workers fed from it); see the module doc."""
 
   def __init__(self, sampler: Rollout, colocation: colocate.Colocation,
-               iterator, *, group_size: int, seed: int, policy_key: str):
+               clock, iterator, *, group_size: int, seed: int,
+               policy_key: str):
     """`sampler`: the engine-level rollout (`LocalRollout` or
     `ElasticRollout`); `policy_key`: the policy's entry of the states
     (the others, but "ref", wait in host memory during the rollout)."""
     self.sampler, self.co, self.iterator = sampler, colocation, iterator
+    self.clock = clock  # `step_clock.StepClock`: the job's phases.
     self.G, self.seed, self.policy_key = group_size, seed, policy_key
     self.on_workers = hasattr(sampler, "manager")  # Their own span.
     self._metrics: dict = {}
@@ -113,14 +115,14 @@ class Colocated:
   def to_rollout(self, states: dict, step: int) -> Weights:
     del step
     co, key = self.co, self.policy_key
-    with co.span("repartition"):
+    with self.clock.span("repartition"):
       params = co.to_rollout(states[key].params)
       parked = {k: v if k == "ref" else co.park(v)
                 for k, v in states.items() if k != key}
       parked[key] = TrainState(None, co.park(states[key].opt_state),
                                states[key].step)
     self.sampler.set_weights(params, co.version, master=co.master)
-    self._t0 = co.timeline.now()
+    self._t0 = self.clock.now()
     return Weights(params, parked, co.version)
 
   def groups(self, step: int, scorer, trainer_busy=None, freed=None
@@ -129,25 +131,25 @@ class Colocated:
     order = {int(p): i for i, p in enumerate(prompts.prompt_ids)}
     if scorer is not None:
       scorer.reset()  # Its metrics are this step's.
-    t0 = self.co.timeline.now()
+    t0 = self.clock.now()
     for group in self.sampler.stream(prompts, self.G,
                                      step_seed(self.seed, step), step=step,
                                      trainer_busy=trainer_busy, freed=freed):
       rewards = None if scorer is None else scorer.score(group, prompts)
-      end = self.co.timeline.now()  # The rollout's end, once all are in.
+      end = self.clock.now()  # The rollout's end, once all are in.
       yield ScoredGroup(group, rewards, True, order[group[0].prompt_id])
     if self.on_workers:
-      self.co.timeline.add("workers", "rollout", t0, end)
+      self.clock.timeline.add("workers", "rollout", t0, end)
     self._metrics = {**self.sampler.metrics(),
                      **(scorer.metrics() if scorer is not None else {})}
 
   def to_train(self, weights: Weights) -> dict:
     """The policy's params back in the training layout; the parked states
     stay parked until a stage needs them (`TrainStage`)."""
-    co, key = self.co, self.policy_key
-    co.timeline.add(co.group, "rollout", self._t0, co.timeline.now())
-    with co.span("repartition"):
-      params = co.to_train(weights.params)
+    clock, key = self.clock, self.policy_key
+    clock.timeline.add(clock.group, "rollout", self._t0, clock.now())
+    with clock.span("repartition"):
+      params = self.co.to_train(weights.params)
     return {**weights.states, key: weights.states[key].replace(
         params=params)}
 
@@ -209,11 +211,12 @@ class Asynchronous:
   trainer_free = True  # The trainer's devices never decode.
   length_history = None
 
-  def __init__(self, rollout: AsyncRollout, colocation, layout, *,
+  def __init__(self, rollout: AsyncRollout, colocation, clock, layout, *,
                group_size: int, eta: int, policy_key: str, manager=None):
     """`layout`: the rollout's part of the mesh, or None: elastic workers
     decode (they pull host copies; `manager`, theirs, for metrics)."""
     self.rollout, self.co, self.layout = rollout, colocation, layout
+    self.clock = clock
     self.G, self.eta, self.policy_key = group_size, eta, policy_key
     self.manager = manager
     self.sampler = None        # No fused scoring: the trainer's own part.
@@ -237,7 +240,7 @@ class Asynchronous:
     return out
 
   def to_rollout(self, states: dict, step: int) -> Weights:
-    self._start = self.co.timeline.now()
+    self._start = self.clock.now()
     if self.published < step - 1:
       self.rollout.publish(self.copy(states[self.policy_key].params),
                            step - 1)
@@ -247,9 +250,9 @@ class Asynchronous:
   def groups(self, step: int, scorer, trainer_busy=None, freed=None
              ) -> Iterator[ScoredGroup]:
     del trainer_busy, freed  # Its own devices decode.
-    start = self.co.timeline.now()
+    start = self.clock.now()
     batch = self.rollout.take(step)  # An idle span of the trainer's devices.
-    self._metrics = {"perf/trainer_wait_s": self.co.timeline.now() - start}
+    self._metrics = {"perf/trainer_wait_s": self.clock.now() - start}
     self._batch = batch
     if scorer is not None:
       scorer.reset()  # Host rewards, group by group.
@@ -273,8 +276,8 @@ class Asynchronous:
   def end_step(self) -> dict:
     """The step's async/ and perf/rollout_ metrics; the rollout's devices
     decoded all along (their waits for weights: perf/rollout_wait_weights_s)."""
-    co = self.co
-    co.timeline.add(self.group, "rollout", self._start, co.timeline.now())
+    self.clock.timeline.add(self.group, "rollout", self._start,
+                            self.clock.now())
     samples, version = self._batch.samples, self._batch.step - 1
     lag = np.concatenate([version - np.asarray(s.token_versions)
                           for s in samples])  # Per token, in versions.

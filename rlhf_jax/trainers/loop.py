@@ -27,6 +27,7 @@ from rlhf_jax import distributed, report
 from rlhf_jax.errors import NonFiniteError
 from rlhf_jax.metrics import MetricWriter, Progress
 from rlhf_jax.parallel.colocate import Colocation
+from rlhf_jax.step_clock import StepClock
 from rlhf_jax.trainers.sft import Stopped
 
 States = dict[str, Any]
@@ -71,7 +72,7 @@ def write_config(config, workdir: str) -> None:
 
 
 def run(config, workdir: str, *, train, eval_every: int, iterator,
-        colocation: Colocation,
+        colocation: Colocation, clock: StepClock,
         fresh: Callable[[MetricWriter, bool, str, StopFlag], States],
         like: Callable[[], States],
         step: Callable[[int, States], tuple[States, dict]],
@@ -86,7 +87,9 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     train: the `train` section (steps, checkpoint_every, keep_checkpoints).
     eval_every: evaluate every this many steps (and at the end).
     iterator: the train prompt iterator (its position is checkpointed).
-    colocation: the job's training <-> rollout switch; owns the timeline.
+    colocation: the job's training <-> rollout switch (parks the
+      reference, counts weight versions).
+    clock: the job's phases on its timeline (`step_clock.StepClock`).
     fresh: (writer, verbose, checkpoint_dir, stop) -> initial states (runs
       the warm-start, resumable from `checkpoint_dir`; raises
       `sft.Stopped` when `stop` is set).
@@ -104,11 +107,11 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
   writer, ckpt, main_process = workdir_outputs(config, workdir,
                                                train.keep_checkpoints)
   stop = StopFlag()
-  co = colocation
-  co.timeline.open(workdir, enabled=main_process)
+  co, timeline = colocation, clock.timeline
+  timeline.open(workdir, enabled=main_process)
 
   def do_eval(states):
-    with co.span("eval"):
+    with clock.span("eval"):
       return evaluate(states)
 
   def save(s, states):
@@ -125,7 +128,7 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
     write_config(config, workdir)
     if restored is None:
       writer.truncate_after("rl", -1)
-      co.timeline.truncate_after(-1)
+      timeline.truncate_after(-1)
       # The warm-start checkpoints to (and resumes from) sft_dir until RL
       # step 0 holds its result.
       sft_dir = os.path.join(workdir, "checkpoints_sft")
@@ -141,7 +144,7 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       if history is not None and "length_history" in meta:
         history.load_state_dict(meta["length_history"])
       writer.truncate_after("rl", start)
-      co.timeline.truncate_after(start)
+      timeline.truncate_after(start)
       logging.info("resumed from step %d", start)
     # Weight version v = the weights of step v.
     co.version = start
@@ -169,7 +172,7 @@ def run(config, workdir: str, *, train, eval_every: int, iterator,
       if s % train.checkpoint_every == 0 or last:
         # With the checkpoint, not every step: the file holds every span
         # so far, and rewriting it each step grew with the run.
-        co.timeline.write(png=True)
+        timeline.write(png=True)
         save(s, states)
       if stop.requested:
         logging.warning("stopped after step %d (checkpointed); rerun the "

@@ -31,6 +31,7 @@ from rlhf_jax.rl import objectives, off_policy
 from rlhf_jax.rl.learner import Learner, make_optimizer
 from rlhf_jax.scoring.passes import ScoringPasses
 from rlhf_jax.rollout import build as rollout_build
+from rlhf_jax.step_clock import StepClock
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class Policy:
   params: Any               # Initial weights (random or HF), before SFT.
   learner: Learner
   colocation: colocate.Colocation
+  clock: StepClock          # The job's phases on its timeline.
   rollout: Any
   eval_rollout: Any
   lora_spec: Any            # LoraSpec or None.
@@ -102,15 +104,17 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
       cfg, graphdef, lora_spec=spec, quant=c.rollout.quantize,
       scan_layers=False if c.rollout.unroll_layers else None)
   co = colocate.Colocation.from_section(
-      c.mesh, train_layout, rollout_layout, train_like, timeline=timeline,
+      c.mesh, train_layout, rollout_layout, train_like,
       rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
+  clock = StepClock(timeline, train_layout.mesh.devices.flat)
   rollout, eval_rollout = rollout_build.for_job(
       c, rollout_cfg, rollout_graphdef, rollout_layout, source.tokenizer,
-      source.stop_ids, co, lora_spec=spec)
+      source.stop_ids, clock, lora_spec=spec)
   return Policy(cfg=cfg, graphdef=graphdef, rollout_cfg=rollout_cfg,
                 rollout_graphdef=rollout_graphdef, params=params,
                 learner=learner,
-                colocation=co, rollout=rollout, eval_rollout=eval_rollout,
+                colocation=co, clock=clock, rollout=rollout,
+                eval_rollout=eval_rollout,
                 lora_spec=spec, lora_init_from=c.lora.init_from,
                 seed=c.seed, train_layout=train_layout)
 

@@ -59,6 +59,7 @@ class Job:
 
   # What the step and the tests read of the parts.
   colocation = property(lambda self: self.policy.colocation)
+  clock = property(lambda self: self.policy.clock)
   sampler = property(lambda self: self.policy.rollout)  # Engine-level.
   params = property(lambda self: self.policy.params)  # Before SFT.
   graphdef = property(lambda self: self.policy.graphdef)
@@ -102,7 +103,7 @@ def build(config, timeline: Timeline | None = None) -> Job:
   algo = algorithm(config, c, source, p)
   return Job(c=c, source=source, policy=p, algorithm=algo,
              rollout=_rollout(c, p, source, async_layout, algo.policy_key),
-             train_stage=_train_stage(c, algo, p.colocation),
+             train_stage=_train_stage(c, algo, p.colocation, p.clock),
              train_layout=train_layout, rollout_layout=rollout_layout,
              fused=algo.fused, sft_layout=sft_layout)
 
@@ -127,28 +128,30 @@ def _rollout(c, p: policy_lib.Policy, source, async_layout, policy_key):
                                  if a.switch_after_groups < 0
                                  else a.switch_after_groups),
             in_flight=a.in_flight, last_step=c.train.steps),
-        p.colocation, async_layout, group_size=G, eta=a.max_staleness,
+        p.colocation, p.clock, async_layout, group_size=G,
+        eta=a.max_staleness,
         policy_key=policy_key,
         manager=None if async_layout is not None else p.rollout.manager)
   kwargs = dict(group_size=G, seed=c.seed, policy_key=policy_key)
   if c.rl.dynamic_sampling:
-    return step_rollouts.Refill(p.rollout, p.colocation, source.iterator,
+    return step_rollouts.Refill(p.rollout, p.colocation, p.clock,
+                                source.iterator,
                                 max_rounds=c.rl.dynamic_max_rounds, **kwargs)
-  return step_rollouts.Colocated(p.rollout, p.colocation, source.iterator,
-                                 **kwargs)
+  return step_rollouts.Colocated(p.rollout, p.colocation, p.clock,
+                                 source.iterator, **kwargs)
 
 
-def _train_stage(c, algo, co) -> Callable:
+def _train_stage(c, algo, co, clock) -> Callable:
   """(trainable, step=) -> the step's train stage (see the module doc)."""
   rl = c.rl
   if rl.stream:
     groups = c.train.prompts_per_step
     return lambda trainable, step: train_stage.Streamed(
-        algo, co, trainable, step=step, num_groups=groups,
+        algo, co, clock, trainable, step=step, num_groups=groups,
         groups_per_part=groups // rl.stream_parts,
         parts_per_update=rl.stream_parts // rl.num_minibatches)
   return lambda trainable, step: train_stage.WholeBatch(
-      algo, co, trainable, step=step, epochs=rl.ppo_epochs,
+      algo, co, clock, trainable, step=step, epochs=rl.ppo_epochs,
       num_minibatches=rl.num_minibatches, seed=step_seed(c.seed, step))
 
 
@@ -194,7 +197,8 @@ def run(config, workdir: str):
   try:
     states = loop.run(
         config, workdir, train=job.c.train, eval_every=job.c.eval.every,
-        iterator=job.iterator, colocation=job.colocation, fresh=fresh,
+        iterator=job.iterator, colocation=job.colocation, clock=job.clock,
+        fresh=fresh,
         step=lambda s, states: rl_step(job, s, states),
         history=job.rollout.length_history,
         like=lambda: job.fresh_states(job.params, copy=False),

@@ -26,7 +26,7 @@ from rlhf_jax.scoring import fused as fused_scoring
 def rl_step(job, step: int, states: dict) -> tuple[dict, dict]:
   """Step `step` from the learners' `states` (and the parked reference,
   "ref"); returns the new states and the step's host metrics."""
-  clock, rollout, algo = job.colocation, job.rollout, job.algorithm
+  clock, rollout, algo = job.clock, job.rollout, job.algorithm
   clock.begin_step(step)
   weights = rollout.to_rollout(states, step)  # The policy reaches it.
   train = job.train_stage(
@@ -37,7 +37,8 @@ def rl_step(job, step: int, states: dict) -> tuple[dict, dict]:
     def leave_rollout():  # Once: the trainer's devices are back.
       if not train.started:
         train.start(rollout.to_train(weights), scope.enter_context(
-            fused_scoring.reference(clock, states.get("ref"), fused)))
+            fused_scoring.reference(job.colocation, states.get("ref"),
+                                    fused)))
 
     with fused_scoring.during(
         job.fused, rollout.sampler, policy=weights.params,
