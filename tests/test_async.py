@@ -142,7 +142,7 @@ def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("rl.stream", True, "rl.stream is not implemented"),
+    ("rl.stream", True, "with config.rl.stream: not implemented"),
     ("asynchronous.rollout_devices", 8, "the rollout takes 8 of 8 devices"),
 ])
 def test_config_errors(key, value, message):
@@ -191,7 +191,7 @@ def test_workers_as_the_rollout_keep_the_whole_mesh_for_training():
   checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
                       num_devices=8)
   c.rollout.workers.update(seed=True)
-  with pytest.raises(ConfigError, match=r"rollout.workers.seed \(the "
-                     r"trainer's devices only train\) is not implemented"):
+  with pytest.raises(ConfigError, match=r"rollout.workers.seed: not "
+                     r"implemented \(the trainer's devices only train\)"):
     checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
                         num_devices=8)

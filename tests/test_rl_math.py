@@ -417,6 +417,27 @@ class RegistryTest(_Base):
     with self.assertRaisesRegex(ValueError, "already registered"):
       registry.register("advantage", "grpo")(lambda r, g: r)
 
+  def test_group_local_property_is_true_of_the_estimator(self):
+    # The property the stream check reads, against the estimator itself:
+    # group-local <=> advantages of two halves (whole groups) equal the
+    # whole batch's.
+    rewards_B = np.random.default_rng(0).normal(size=16).astype(np.float32)
+    G = 4
+    local = registry.names_with("advantage", "group_local")
+    self.assertEqual(local, ["drgrpo", "grpo", "rloo"])
+    for name in registry.names("advantage"):
+      fn = registry.get("advantage", name)
+      whole = np.asarray(fn(rewards_B, G))
+      halves = np.concatenate([np.asarray(fn(rewards_B[:8], G)),
+                               np.asarray(fn(rewards_B[8:], G))])
+      self.assertEqual(np.allclose(whole, halves, atol=1e-6), name in local,
+                       name)
+      # A group estimator's baseline is its group: equal rewards in a
+      # group give it no advantage.
+      flat = np.repeat(np.arange(4, dtype=np.float32), G)
+      self.assertEqual(np.allclose(fn(flat, G), 0, atol=1e-6),
+                       registry.has("advantage", name, "group"), name)
+
 
 if __name__ == "__main__":
   absltest.main()

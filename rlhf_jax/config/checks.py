@@ -1,20 +1,18 @@
 """Checks that span config sections, run once before anything compiles.
 
 Each section validates its own keys (`sections.py`); this module checks how
-they combine for a GRPO or PPO job: batch splits over the mesh, rollout
-sizes against the data, and which rollout layers compose with which.
+they combine for a GRPO or PPO job: which features compose (the table in
+`compose.py`), batch splits over the mesh and rollout sizes against the
+data.
 """
 
 from __future__ import annotations
 
 import jax
 
+from rlhf_jax.config import compose
 from rlhf_jax.config.sections import ConfigError, RLJob
-
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
-# Advantages a group's own rewards determine: a streamed part (whole groups)
-# gets the advantages the whole batch would give it.
-GROUP_LOCAL_ADVANTAGES = ("grpo", "drgrpo", "rloo")
+from rlhf_jax.rl import registry
 
 
 def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
@@ -30,7 +28,10 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
   if job not in ("grpo", "ppo"):
     raise ConfigError(f"unknown RL job {job!r}")
   (_check_grpo if job == "grpo" else _check_ppo)(c)
-  _check_async(c, job, num_devices)
+  refused = compose.refused(c, job)
+  if refused:
+    raise ConfigError(refused)
+  _check_async(c, num_devices)
   if c.asynchronous.enabled and not c.rollout.workers.num:
     # The trainer has the devices the rollout does not.
     num_devices = _devices(c, num_devices) - async_rollout_devices(
@@ -38,21 +39,7 @@ def check_rl_job(c: RLJob, *, job: str, prompt_len: int,
   _check_batch(c, prompt_len, num_devices)
   if job == "grpo":
     _check_grpo_splits(c)
-  _check_rollout_layers(c, num_devices)
-  _check_agent(c, job)
-
-
-def _check_agent(c: RLJob, job: str) -> None:
-  """Multi-turn rollouts: GRPO, the trainer's mesh."""
-  if not c.agent.enabled:
-    return
-  if job != "grpo":
-    raise ConfigError("config.agent.enabled=True: multi-turn rollouts are "
-                      "implemented for the GRPO job only")
-  if c.rollout.workers.num:
-    raise ConfigError("config.agent.enabled=True with config.rollout.workers"
-                      ".num > 0 is not implemented (a sample handed to a "
-                      "worker would lose its environment tokens' mask)")
+  _check_rollout_devices(c, num_devices)
 
 
 def async_rollout_devices(c: RLJob, num_devices: int | None = None) -> int:
@@ -61,29 +48,11 @@ def async_rollout_devices(c: RLJob, num_devices: int | None = None) -> int:
   return c.asynchronous.rollout_devices or _devices(c, num_devices) // 2
 
 
-def _check_async(c: RLJob, job: str, num_devices) -> None:
-  """Async GRPO: its rollout part (unless elastic workers decode), and the
-  layers it does not compose with yet (each named)."""
-  if not c.asynchronous.enabled:
-    return
+def _check_async(c: RLJob, num_devices) -> None:
+  """Async GRPO's rollout part (unless elastic workers decode)."""
+  if not c.asynchronous.enabled or c.rollout.workers.num:
+    return  # With workers decoding, the trainer keeps every device.
   key = "config.asynchronous.enabled=True"
-  unsupported = [
-      (job != "grpo", "the PPO job"),
-      (c.rollout.workers.num > 0 and c.rollout.workers.seed,
-       "rollout.workers.seed (the trainer's devices only train)"),
-      (c.rollout.workers.num > 0 and c.rollout.workers.scale != "all",
-       "rollout.workers.scale='cost' (every worker is held)"),
-      (c.rollout.long_tail.enabled, "rollout.long_tail"),
-      (c.rollout.max_common_length > 0, "rollout.max_common_length"),
-      (c.rollout.quantize != "none", "rollout.quantize"),
-      (c.lora.rank > 0, "LoRA"), (c.agent.enabled, "agent"),
-      (c.rl.stream, "rl.stream"), (c.rl.dynamic_sampling,
-                                   "rl.dynamic_sampling")]
-  for bad, what in unsupported:
-    if bad:
-      raise ConfigError(f"{key} with {what} is not implemented")
-  if c.rollout.workers.num:  # The workers decode; the trainer keeps all.
-    return
   n, r = _devices(c, num_devices), async_rollout_devices(c, num_devices)
   if r < 0:  # `grpo.build` resolves it before checking.
     raise ConfigError(f"{key}: config.asynchronous.rollout_devices=-1 (the "
@@ -140,7 +109,7 @@ def _check_grpo(c: RLJob) -> None:
   if not rl.rewards:
     raise ConfigError("config.rl.rewards is empty: name at least one "
                       "registered reward function")
-  if rl.advantage in GROUP_ESTIMATORS and G < 2:
+  if registry.has("advantage", rl.advantage, "group") and G < 2:
     raise ConfigError(f"config.rl.advantage={rl.advantage!r} is a group "
                       f"estimator and needs rollout.samples_per_row >= 2, "
                       f"got {G}")
@@ -152,9 +121,8 @@ def _check_grpo(c: RLJob) -> None:
 
 def _check_grpo_splits(c: RLJob) -> None:
   """Whole groups per mini-batch, micro-batch and streamed part."""
-  rl, G = c.rl, c.rollout.samples_per_row
-  prompts = c.train.prompts_per_step
-  if rl.share_prompt and G > 1 and not rl.pack_length and (
+  rl, prompts = c.rl, c.train.prompts_per_step
+  if c.grouped_layout and (
       prompts % rl.num_minibatches or
       prompts // rl.num_minibatches % rl.micro_batches):
     # The grouped layout splits batches by whole groups (rl/grouped.py).
@@ -174,23 +142,13 @@ def _check_ppo(c: RLJob) -> None:
                       "trains a critic and uses 'gae'")
   if c.critic is None:
     raise ConfigError("the PPO job needs a config.critic section")
-  if rl.share_prompt and not rl.pack_length:
-    raise ConfigError("config.rl.share_prompt=True needs packed rows for "
-                      "PPO (rl.pack_length > 0: the critic reads the "
-                      "repeated or packed layout, not the grouped one); "
-                      "set one, or share_prompt=False")
-  for key in ("stream", "dynamic_sampling"):
-    if getattr(rl, key):
-      raise ConfigError(f"config.rl.{key} is GRPO-only: PPO's GAE and "
-                        "whitening need the whole batch")
   if rl.rewards:
     raise ConfigError("config.rl.rewards: PPO trains on its reward model's "
                       "score; use config.rl.tracked_rewards to log others")
 
 
 def _check_packing(c: RLJob, prompt_len: int) -> None:
-  """Packed rows (rl/packing.py) hold any sequence; the loss needs to tell
-  sequences apart, which GSPO's row ratio does not."""
+  """Packed rows (rl/packing.py) hold whole sequences."""
   rl, ro = c.rl, c.rollout
   need = prompt_len + ro.max_new_tokens
   if rl.pack_length < need:
@@ -198,35 +156,19 @@ def _check_packing(c: RLJob, prompt_len: int) -> None:
         f"config.rl.pack_length={rl.pack_length} is shorter than one "
         f"sequence: prompt {prompt_len} + rollout.max_new_tokens "
         f"{ro.max_new_tokens} = {need}")
-  if rl.policy_loss == "gspo":
-    raise ConfigError("config.rl.pack_length: policy_loss='gspo' takes the "
-                      "sequence ratio of a row; set rl.pack_length=0")
 
 
 def _check_stream(c: RLJob) -> None:
-  """Streaming needs each group used once, groups that are independent,
-  and equal parts the updates and the learner can split."""
+  """Streaming needs equal parts the updates and the learner can split."""
   rl = c.rl
-  if rl.ppo_epochs != 1:
-    raise ConfigError(
-        "config.rl.stream trains on each group once, as it finishes: set "
-        f"config.rl.ppo_epochs=1 (got {rl.ppo_epochs})")
   if rl.stream_parts % rl.num_minibatches:
     raise ConfigError(
         f"config.rl.stream_parts={rl.stream_parts} must be a multiple of "
         f"config.rl.num_minibatches={rl.num_minibatches} (whole parts per "
         "update)")
-  if rl.advantage not in GROUP_LOCAL_ADVANTAGES:
-    raise ConfigError(
-        f"config.rl.stream needs group-local advantages "
-        f"{GROUP_LOCAL_ADVANTAGES}; config.rl.advantage={rl.advantage!r} "
-        "normalises over the whole batch")
-  if rl.dynamic_sampling:
-    raise ConfigError("config.rl.stream and config.rl.dynamic_sampling do "
-                      "not combine")
   n, parts = c.train.prompts_per_step, rl.stream_parts
   G = c.rollout.samples_per_row
-  rows = n // parts * (1 if rl.share_prompt and G > 1 else G)
+  rows = n // parts * (1 if c.shared_prompt_group else G)
   if n % parts or (rows % rl.micro_batches and not rl.pack_length):
     raise ConfigError(
         f"config.rl.stream_parts={parts} must divide "
@@ -234,8 +176,8 @@ def _check_stream(c: RLJob) -> None:
         f"split into config.rl.micro_batches={rl.micro_batches}")
 
 
-def _check_rollout_layers(c: RLJob, num_devices) -> None:
-  """Which rollout layers compose, and how."""
+def _check_rollout_devices(c: RLJob, num_devices) -> None:
+  """The long tail's replicas, the local workers' devices."""
   ro = c.rollout
   w, lt = ro.workers, ro.long_tail
   n = _devices(c, num_devices)
@@ -246,24 +188,9 @@ def _check_rollout_layers(c: RLJob, num_devices) -> None:
     raise ConfigError(f"config.rollout.long_tail.replicas={lt.replicas} must "
                       f"be a power-of-two divisor of the {replicas} rollout "
                       "replicas")
-  if lt.enabled and lt.assignment == "grouped" and w.num:
-    raise ConfigError(
-        "config.rollout.long_tail.assignment='grouped' (RLHFless: each "
-        "replica decodes its own prompts, then leaves) runs on the "
-        "trainer's mesh: set rollout.workers.num=0, or assignment='length'")
   if not w.num:
     return
   if w.kind == "local" and w.num * w.devices_per_worker > jax.device_count():
     raise ConfigError(
         f"config.rollout.workers: {w.num} local workers x "
         f"{w.devices_per_worker} devices > {jax.device_count()} devices")
-  if lt.enabled and not w.seed:
-    raise ConfigError(
-        "config.rollout.long_tail runs on the trainer's mesh, which decodes "
-        "beside the workers only while it seeds: set "
-        "config.rollout.workers.seed=True (or long_tail.enabled=False)")
-  if lt.enabled and lt.replicas == "cost":
-    raise ConfigError(
-        "config.rollout.long_tail.replicas='cost' picks the trainer's "
-        "decode replicas per batch; with workers the trainer's engine "
-        "takes requests as they come: use 'all' or a count")

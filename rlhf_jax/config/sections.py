@@ -542,6 +542,19 @@ class RLJob:
         sections[f.name] = from_dict(kind, config[f.name], f.name)
     return cls(**sections)
 
+  @property
+  def shared_prompt_group(self) -> int:
+    """G where a group's G samples share one copy of their prompt in the
+    training batch (`rl.share_prompt` and G > 1), else 0."""
+    G = self.rollout.samples_per_row
+    return G if self.rl.share_prompt and G > 1 else 0
+
+  @property
+  def grouped_layout(self) -> bool:
+    """Whether the training rows are whole groups, [N, P + G*T] (the
+    prompt once, `rl/grouped.py`): a shared prompt, rows not packed."""
+    return bool(self.shared_prompt_group) and not self.rl.pack_length
+
 
 _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
              "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,

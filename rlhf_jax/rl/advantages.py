@@ -10,7 +10,13 @@ advantages of the same shape.
 
 All estimators are registered under category "advantage" with the signature
 `fn(rewards, group_size=None, **kwargs) -> advantages` and are pure, jittable
-functions (`group_size` is static).
+functions (`group_size` is static). Two properties ride on the
+registration, read by the config checks (`registry.has`):
+  group:       a baseline from the other samples of the prompt, so it needs
+               G >= 2 samples per prompt;
+  group_local: a group's advantages depend on that group's rewards only, so
+               a streamed part of whole groups gets the advantages the whole
+               batch would give it (`rl.stream`).
 """
 
 import jax
@@ -45,7 +51,7 @@ def _as_groups(rewards: jax.Array, group_size: int | None) -> jax.Array:
   return rewards.reshape(-1, group_size)
 
 
-@registry.register("advantage", "grpo")
+@registry.register("advantage", "grpo", group=True, group_local=True)
 def grpo_advantages(
     rewards: jax.Array,
     group_size: int | None = None,
@@ -73,7 +79,7 @@ def grpo_advantages(
   return ((r_NxG - mean_Nx1) / (std_Nx1 + eps)).reshape(jnp.shape(rewards))
 
 
-@registry.register("advantage", "drgrpo")
+@registry.register("advantage", "drgrpo", group=True, group_local=True)
 def drgrpo_advantages(
     rewards: jax.Array, group_size: int | None = None
 ) -> jax.Array:
@@ -95,7 +101,7 @@ def drgrpo_advantages(
   return adv_NxG.reshape(jnp.shape(rewards))
 
 
-@registry.register("advantage", "rloo")
+@registry.register("advantage", "rloo", group=True, group_local=True)
 def rloo_advantages(
     rewards: jax.Array, group_size: int | None = None
 ) -> jax.Array:
@@ -175,7 +181,7 @@ def reinforce_pp_advantages(
   return adv if mask_BxT is not None else adv.reshape(r.shape)
 
 
-@registry.register("advantage", "reinforce_pp_baseline")
+@registry.register("advantage", "reinforce_pp_baseline", group=True)
 def reinforce_pp_baseline_advantages(
     rewards: jax.Array,
     group_size: int | None = None,

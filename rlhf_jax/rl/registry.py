@@ -7,6 +7,12 @@ One decorator style for every category:
 
   fn = registry.get("advantage", config.rl.advantage)
 
+An entry can carry properties the checks read, stated beside the function:
+
+  @registry.register("advantage", "rloo", group=True, group_local=True)
+
+  registry.has("advantage", "rloo", "group_local")  # True
+
 Categories are a whitelist; each one names the module (or package: every
 module in it) that registers its built-in entries, and `get` imports it on
 first use, so callers never depend on import order to find a built-in name.
@@ -37,6 +43,10 @@ CATEGORIES: dict[str, str] = {
 }
 
 _ENTRIES: dict[str, dict[str, Callable]] = {c: {} for c in CATEGORIES}
+# category -> name -> the properties given to `register` (what the
+# config checks ask of an entry, e.g. whether an advantage is per group).
+_PROPERTIES: dict[str, dict[str, dict[str, object]]] = {
+    c: {} for c in CATEGORIES}
 # The modules and packages of `CATEGORIES` already imported: listing a
 # package's modules reads its directory, so once per process rather than
 # once per lookup (rewards are looked up for every scored group).
@@ -51,12 +61,15 @@ def _check_category(category: str) -> None:
     )
 
 
-def register(category: str, name: str) -> Callable[[_F], _F]:
+def register(category: str, name: str,
+             **properties: object) -> Callable[[_F], _F]:
   """Returns a decorator that registers a function under `category/name`.
 
   Args:
     category: one of `CATEGORIES`.
     name: the config string that selects the function.
+    **properties: facts about the entry that checks read with `has`
+      (a property not given is False).
 
   Returns:
     A decorator that registers its argument and returns it unchanged.
@@ -74,6 +87,7 @@ def register(category: str, name: str) -> Callable[[_F], _F]:
           f"cannot register {_qualname(fn)}."
       )
     entries[name] = fn
+    _PROPERTIES[category][name] = dict(properties)
     return fn
 
   return decorator
@@ -101,6 +115,21 @@ def get(category: str, name: str) -> Callable:
         f"{sorted(entries)}."
     )
   return entries[name]
+
+
+def has(category: str, name: str, prop: str) -> bool:
+  """Whether `category/name` was registered with `prop` true (a property
+  not given is False)."""
+  get(category, name)  # Loads built-ins; an unknown name fails here.
+  return bool(_PROPERTIES[category][name].get(prop))
+
+
+def names_with(category: str, prop: str) -> list[str]:
+  """The sorted names of `category` registered with `prop` true (for
+  messages that list the choices)."""
+  _check_category(category)
+  _load_builtins(category)
+  return sorted(n for n, p in _PROPERTIES[category].items() if p.get(prop))
 
 
 def names(category: str) -> list[str]:

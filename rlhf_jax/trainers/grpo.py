@@ -43,7 +43,8 @@ class GRPO:
     names = list(rl.rewards)  # Eval: the first reward is the accuracy.
     self.eval_scorer = RewardScorer(
         source.tokenizer, names, [1.0] + [0.0] * (len(names) - 1), "zero")
-    self.fused = policy_lib.fused_scoring(c, policy, source.prompt_len)
+    self.fused = policy_lib.fused_scoring(c, policy, source.prompt_len,
+                                           kind=self.checks_as)
 
   def fresh_states(self, params, *, copy: bool = True) -> dict:
     """The checkpointed states from the post-SFT `params`."""
@@ -62,10 +63,10 @@ class GRPO:
     `current`: `Preparer.put`'s; `fused`: the scores of the passes that ran
     during the rollout (`scoring/fused.py`), not run here then."""
     del states
-    G, rl = self.c.rollout.samples_per_row, self.c.rl
+    rl = self.c.rl
     packed = batch_lib.pack(
         samples, self.source.prompt_len, self.c.rollout.max_new_tokens,
-        group_size=G if rl.share_prompt and G > 1 else 0,
+        group_size=self.c.shared_prompt_group,
         trainable=trainable, slots=batch_lib.slots(rl, self.policy.learner,
                                                    minibatches))
     batch = self.preparer.put(packed, rewards, current)

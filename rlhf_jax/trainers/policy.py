@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
+from rlhf_jax.config import compose
 from rlhf_jax.models import build as model_build
 from rlhf_jax.models import hf_adapters, lora, rollout_copy
 from rlhf_jax.models import model as model_lib
@@ -119,38 +120,27 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
                 seed=c.seed, train_layout=train_layout)
 
 
-def _unfused_because(c, p: Policy) -> str | None:
-  """Why the step's passes cannot run on the tail's freed replicas."""
-  reasons = (
-      (c.rollout.workers.num > 0, "the rollout runs on elastic workers"),
-      (c.asynchronous.enabled, "asynchronous RL"),
-      (c.rl.stream or c.rl.dynamic_sampling,
-       "rl.stream and rl.dynamic_sampling score per part or round"),
-      (p.lora_spec is not None,
-       "LoRA: the reference is the policy's base, not a copy of its own"),
-      # Off the on-policy path the old log-probs come from the rollout copy.
-      (not (p.colocation.rollout_is_master or off_policy.on_policy(c.rl)),
-       "the rollout copy is not the training weights (cast or quantized) "
-       "and the old log-probs need the trainer's"))
-  return next((why for bad, why in reasons if bad), None)
-
-
-def fused_scoring(c, p: Policy, prompt_len: int, *, heads_graphdef=None,
+def fused_scoring(c, p: Policy, prompt_len: int, *, kind: str,
+                  heads_graphdef=None,
                   critic_graphdef=None) -> ScoringPasses | None:
   """The passes the long-tail rollout runs on finished samples
   (`rollout.long_tail.fusion`, `scoring/passes.py`, `scoring/fused.py`): the policy's and
   reference's log-probs, and with `heads_graphdef` (PPO) the reward
   model's scores and the critic's values (`critic_graphdef`, default
-  `heads_graphdef`). None where fusion is off or
-  cannot apply (logged): the step then runs them after the rollout."""
+  `heads_graphdef`). None where fusion is off or the job has a feature it
+  steps aside for (`config/compose.py`, logged): the step then runs them
+  after the rollout. `kind`: the algorithm's ("grpo" or "ppo")."""
   tail = c.rollout.long_tail
   if not (tail.enabled and tail.fusion):
     return None
-  why = _unfused_because(c, p)
+  why = compose.unfused_because(c, kind)
   if why is not None:
     logging.info("rollout.long_tail.fusion: scoring after the rollout, "
                  "because %s", why)
     return None
+  # The table's "cast copy" feature reads the config; the switch built
+  # from it must agree, or fused old log-probs would be the copy's.
+  assert p.colocation.rollout_is_master or off_policy.on_policy(c.rl)
   return ScoringPasses(
       p.graphdef, prompt_len=prompt_len, max_new=c.rollout.max_new_tokens,
       with_policy=not off_policy.on_policy(c.rl),

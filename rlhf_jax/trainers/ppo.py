@@ -89,7 +89,8 @@ class PPO:
                                      rl.tracked_rewards[:1], None, "zero")
                         if rl.tracked_rewards else None)
     self.fused = policy_lib.fused_scoring(
-        c, policy, source.prompt_len, heads_graphdef=rm_graphdef,
+        c, policy, source.prompt_len, kind=self.checks_as,
+        heads_graphdef=rm_graphdef,
         critic_graphdef=critic_graphdef)
 
   def fresh_states(self, params, *, copy: bool = True) -> dict:
@@ -114,9 +115,9 @@ class PPO:
     c, rl = self.c, self.c.rl
     P, M = self.source.prompt_len, c.rollout.max_new_tokens
     slots = batch_lib.slots(rl, self.actor, minibatches)
-    # Shared prompts need packed rows here (`checks`: not the grouped layout).
-    group_size = c.rollout.samples_per_row if rl.share_prompt else 0
-    packed = batch_lib.pack(samples, P, M, group_size=group_size,
+    # Shared prompts need packed rows here (`config/compose`: not the
+    # grouped layout).
+    packed = batch_lib.pack(samples, P, M, group_size=c.shared_prompt_group,
                             trainable=trainable, slots=slots)
     if fused is not None:
       per_token = fused.assemble(samples, packed)
@@ -128,7 +129,7 @@ class PPO:
       scores = self.heads.scores(self.rm_params, batch)
     else:  # Every sample, each with its last token (a packed row has not).
       whole = batch_lib.pack(packing.with_last_token(samples), P, M + 1,
-                             group_size=group_size, slots=packing.Slots(
+                             group_size=c.shared_prompt_group, slots=packing.Slots(
                                  rl.pack_length,
                                  shards=self.actor.layout.shards("batch")))
       scores = self.heads.packed_scores(
