@@ -18,8 +18,10 @@ import jax.numpy as jnp
 NEG_INF = float("-inf")
 
 
-def softcap(scores, cap):
-  return scores if cap is None else cap * jnp.tanh(scores / cap)
+def cap_logits(logits, cap):
+  """Gemma 2's soft cap, cap * tanh(logits / cap) (None: no cap): the one
+  definition for attention scores and final logits, in jnp, kernels too."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def attention_part(scores, mask, v, v_spec):
@@ -79,7 +81,7 @@ def common_prefix_part(q_RxGxNxQxK, common_k_CxNxK, common_v_CxNxK,
   C = common_k_CxNxK.shape[0]
   s = jnp.einsum("rgnqk,cnk->rgnqc", q_RxGxNxQxK, common_k_CxNxK,
                  preferred_element_type=jnp.float32) * scale
-  s = softcap(s, logit_softcap)
+  s = cap_logits(s, logit_softcap)
   mask = jnp.arange(C) < common_len
   if window is not None:
     mask = (mask[None, None, :]

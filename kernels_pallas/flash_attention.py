@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.attention_parts import cap_logits
+
 NO_WINDOW = np.iinfo(np.int32).max
 # "auto" computes scores of at most this many queries x keys in one piece
 # (the chunked path's own block size: holding them is what it does too).
@@ -74,8 +76,6 @@ def _if_any(ok, update, carry):
   return jax.lax.cond(jnp.any(ok), update, lambda c: c, carry)
 
 
-def _softcap(s, cap):
-  return s if cap is None else cap * jnp.tanh(s / cap)
 
 
 def _allowed(q_pos, k_pos, q_seg, k_seg, window, causal, q_sub=None,
@@ -100,7 +100,7 @@ def attention_reference(q, k, v, q_pos, k_pos, q_seg, k_seg, *,
   qg = q.reshape(B, T, N, H // N, K)
   s = jnp.einsum("btnqk,bsnk->bnqts", qg, k,
                  preferred_element_type=jnp.float32) * scale
-  s = _softcap(s, softcap)
+  s = cap_logits(s, softcap)
   ok = _allowed(q_pos, k_pos, q_seg, k_seg, window, causal, q_sub,
                 k_sub)[:, None, None]
   s = jnp.where(ok, s, -jnp.inf)
@@ -147,7 +147,7 @@ def _block_scores(qb, kb, scale, softcap):
   """(capped scores, pre-cap scores) [B, N, Q, bq, bk] fp32."""
   s0 = jnp.einsum("bqnhk,bsnk->bnhqs", qb, kb,
                   preferred_element_type=jnp.float32) * scale
-  return _softcap(s0, softcap), s0
+  return cap_logits(s0, softcap), s0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))

@@ -50,7 +50,7 @@ from kernels_pallas import paged_decode_attention_gpu as gpu
 from kernels_pallas import paged_decode_attention_tpu as tpu
 
 from kernels_pallas.attention_parts import (
-    NEG_INF, attention_part, common_prefix_part, merge_parts, softcap)
+    NEG_INF, attention_part, common_prefix_part, merge_parts, cap_logits)
 
 
 def paged_decode_attention_reference(
@@ -137,7 +137,7 @@ def paged_decode_attention_reference(
   k, v = read(group_pages_RxA[groups_X], prompt_pages_read)
   s = jnp.einsum("xgnqk,nxtk->xgnqt", q[member_slot_XxG], k,
                  preferred_element_type=jnp.float32) * scale
-  s = softcap(s, logit_softcap)
+  s = cap_logits(s, logit_softcap)
   idx = jnp.arange(k.shape[2])
   length_X = jnp.where(live_R[groups_X], group_len_R[groups_X], 0)
   mask = ((idx[None, :] < length_X[:, None])[:, None, :]
@@ -159,7 +159,7 @@ def paged_decode_attention_reference(
   k, v = read(own_pages_SxB, own_pages_read)
   s = jnp.einsum("snqk,nstk->snqt", q, k,
                  preferred_element_type=jnp.float32) * scale
-  s = softcap(s, logit_softcap)
+  s = cap_logits(s, logit_softcap)
   idx = jnp.arange(k.shape[2])
   mask = idx[None, :] < own_len_S[:, None]                      # [S, t]
   if window is not None:

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from kernels_pallas.attention_parts import merge_parts
+from kernels_pallas.attention_parts import cap_logits, merge_parts
 
 NEG_INF = float("-inf")
 
@@ -58,8 +58,7 @@ def _kernel(table_ref, bounds_ref, q_ref, row_lo_ref, k_ref, v_ref, o_ref,
     k = k_ref[layer, pages].reshape(block, K).astype(dtype)
     v = v_ref[layer, pages].reshape(block, K).astype(dtype)
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [M, blk]
-    if softcap is not None:
-      s = softcap * jnp.tanh(s / softcap)
+    s = cap_logits(s, softcap)
     idx = b * block + jnp.arange(block)
     s = jnp.where((idx < length)[None, :] & (idx[None, :] >= row_lo[:, None]),
                   s, NEG_INF)

@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from kernels_pallas import online_softmax_tpu as osm
+from kernels_pallas.attention_parts import cap_logits
 
 
 
@@ -71,8 +72,7 @@ def _kernel(table_ref, length_ref, first_ref, layer_ref, q_ref, row_lo_ref,
       for h in range(q_ref.shape[0]):  # Static unroll: 2-D MXU work each.
         s = jax.lax.dot_general(q_ref[h], k_refs[i][h], osm.NT_DIMS,
                                 preferred_element_type=jnp.float32) * scale
-        if logit_softcap is not None:
-          s = logit_softcap * jnp.tanh(s / logit_softcap)
+        s = cap_logits(s, logit_softcap)
         s = jnp.where(live, s, -jnp.inf)
         # V past the length: whatever the page's tail holds.
         v = jnp.where(v_live, v_refs[i][h].astype(jnp.float32), 0.0)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas.attention_parts import (
-    attention_part, common_prefix_part, merge_parts, softcap)
+    attention_part, common_prefix_part, merge_parts, cap_logits)
 
 def prefix_decode_attention_reference(
     q_RxGxHxK,
@@ -68,7 +68,7 @@ def prefix_decode_attention_reference(
   s_pre = jnp.einsum(
       "rgnqk,rpnk->rnqgp", q, prefix_k_RxPxNxK,
       preferred_element_type=jnp.float32) * scale
-  s_pre = softcap(s_pre, logit_softcap)
+  s_pre = cap_logits(s_pre, logit_softcap)
   base = 0 if common_len is None else common_len  # Prompt's first position.
   mask_pre = jnp.broadcast_to(
       jnp.arange(P)[None, None, :] < prefix_len_R[:, None, None], (R, G, P))
@@ -85,7 +85,7 @@ def prefix_decode_attention_reference(
   s_suf = jnp.einsum(
       "rgnqk,rgmnk->rgnqm", q, suffix_k_RxGxMxNxK,
       preferred_element_type=jnp.float32) * scale
-  s_suf = softcap(s_suf, logit_softcap)
+  s_suf = cap_logits(s_suf, logit_softcap)
   mask_suf = jnp.arange(M)[None, None, :] < suffix_len_RxG[..., None]
   if window is not None:
     k_pos = base + prefix_len_R[:, None, None] + jnp.arange(M)[None, None, :]

@@ -116,8 +116,8 @@ def test_lora_forward_and_merge_equal_the_low_rank_update(base):
 @pytest.mark.parametrize("overrides, message", [
     ({"lora.rank": -1}, "config.lora.rank=-1: must be an int >= 0"),
     ({"lora.rank": 4, "lora.targets": ("q", "qkv")},
-     "config.lora: lora targets must be a non-empty subset"),
-    ({"lora.alpha": 0.0}, "config.lora.alpha=0.0: must be > 0"),
+     "config.lora.targets must be a non-empty subset"),
+    ({"lora.alpha": 0.0}, "config.lora.alpha must be > 0, got 0.0"),
 ])
 def test_lora_config_errors(overrides, message):
   c = tiny_grpo_lora.get_config("runlocal")

@@ -18,7 +18,9 @@ from typing import Any, ClassVar
 import ml_collections
 
 from rlhf_jax.engine import sampling
+from rlhf_jax.envs import tools
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.models import config as model_config
 from rlhf_jax.rl import off_policy
 from rlhf_jax.rl.learner import OptimConfig
 from rlhf_jax.sched import staleness
@@ -67,19 +69,17 @@ class Model:
 
   def __post_init__(self):
     for key in ("param_dtype", "compute_dtype"):
-      _one_of(self, key, ("float32", "bfloat16"))
-    _one_of(self, "remat", ("none", "full", "dots"))
-    _one_of(self, "attention",
-            ("auto", "chunked", "splash", "cudnn", "reference"))
+      _one_of(self, key, model_config.DTYPES)
+    _one_of(self, "remat", model_config.REMAT_POLICIES)
+    _one_of(self, "attention", model_config.ATTENTION_IMPLS)
 
   def model_config(self, **fixed):
     """The preset's `ModelConfig` with the overrides; `fixed` wins."""
-    from rlhf_jax.models.config import ModelConfig
     kw = dict(self.overrides, param_dtype=self.param_dtype,
               compute_dtype=self.compute_dtype, scan_layers=self.scan_layers,
               remat=self.remat, attention=self.attention, **fixed)
     try:
-      return ModelConfig.preset(self.preset, **kw)
+      return model_config.ModelConfig.preset(self.preset, **kw)
     except (TypeError, ValueError) as e:
       raise ConfigError(f"config.model: {e}") from None
 
@@ -100,21 +100,19 @@ class Lora:
   def __post_init__(self):
     if not isinstance(self.rank, int) or self.rank < 0:
       _fail(self, "rank", "must be an int >= 0 (0: no adapters)")
-    if self.alpha <= 0:
-      _fail(self, "alpha", "must be > 0")
     if self.init_from and not self.rank:
       _fail(self, "init_from", "needs lora.rank > 0 (the adapters' shape)")
     self.spec()
 
   def spec(self):
-    """The model's `LoraSpec`, None when off."""
-    from rlhf_jax.models.config import LoraSpec
+    """The model's `LoraSpec` (which checks rank, alpha and targets), None
+    when off."""
     if not self.rank:
       return None
     try:
-      return LoraSpec(self.rank, self.alpha, tuple(self.targets))
+      return model_config.LoraSpec(self.rank, self.alpha, tuple(self.targets))
     except ValueError as e:
-      raise ConfigError(f"config.lora: {e}") from None
+      raise ConfigError(f"config.lora.{e}") from None  # "alpha must ..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +263,7 @@ class Rollout:
     _positive_ints(self, "num_rows", "samples_per_row", "page_size",
                    "decode_window")
     self.check_sampling()
-    _one_of(self, "quantize", ("none", "int8", "fp8"))
+    _one_of(self, "quantize", model_config.WEIGHT_QUANTS)
     if self.kv_pages < 0 or self.num_slots < 0:
       _fail(self, "kv_pages" if self.kv_pages < 0 else "num_slots",
             "must be >= 0 (0: automatic)")
@@ -485,7 +483,11 @@ class Agent:
 
   def __post_init__(self):
     _positive_ints(self, "max_turns", "python_memory_mb")
-    _one_of(self, "format", ("tagged", "qwen"))
+    _one_of(self, "format", tools.FORMATS)
+    for name in self.tools:
+      if name not in tools.TOOL_NAMES:
+        _fail(self, "tools", f"unknown tool {name!r}; known: "
+              f"{list(tools.TOOL_NAMES)}")
     if self.python_timeout_s <= 0:
       _fail(self, "python_timeout_s", "must be > 0")
 

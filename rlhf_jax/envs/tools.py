@@ -181,22 +181,31 @@ class ToolEnv:
     return Step(out, tool_call=True, tool_error=out.startswith("error"))
 
 
-def make_tools(names, *, python_limits=None) -> dict[str, Tool]:
-  """The named tools ("calc", "python"); the Python sandbox is checked
-  here, so a machine that cannot isolate it fails at the job's start."""
-  makers: dict[str, Callable[[], Tool]] = {"calc": Calculator}
+def _python_sandbox(python_limits) -> Tool:
+  """The Python tool, checked here: a machine that cannot isolate it fails
+  at the job's start."""
+  from rlhf_jax.envs import sandbox  # pylint: disable=g-import-not-at-top
+  tool = sandbox.PythonSandbox(python_limits or sandbox.SandboxLimits())
+  try:
+    tool.check()
+  except sandbox.SandboxUnavailable as e:
+    raise ConfigError(f"config.agent.tools has 'python': {e}") from None
+  return tool
 
-  def python():
-    from rlhf_jax.envs import sandbox  # pylint: disable=g-import-not-at-top
-    tool = sandbox.PythonSandbox(python_limits or sandbox.SandboxLimits())
-    try:
-      tool.check()
-    except sandbox.SandboxUnavailable as e:
-      raise ConfigError(f"config.agent.tools has 'python': {e}") from None
-    return tool
-  makers["python"] = python
-  unknown = [n for n in names if n not in makers]
+
+# name -> (python_limits -> the tool); `config.agent.tools` names these.
+_MAKERS: dict[str, Callable[..., Tool]] = {
+    "calc": lambda python_limits: Calculator(),
+    "python": _python_sandbox,
+}
+TOOL_NAMES = tuple(_MAKERS)
+
+
+def make_tools(names, *, python_limits=None) -> dict[str, Tool]:
+  """The named tools (of `TOOL_NAMES`), the Python sandbox checked."""
+  unknown = [n for n in names if n not in _MAKERS]
   if unknown:
     raise ConfigError(f"config.agent.tools: unknown tool {unknown[0]!r}; "
-                      f"known: {sorted(makers)}")
-  return {tool.name: tool for tool in (makers[n]() for n in names)}
+                      f"known: {list(TOOL_NAMES)}")
+  return {tool.name: tool
+          for tool in (_MAKERS[n](python_limits) for n in names)}

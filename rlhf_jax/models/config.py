@@ -12,9 +12,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
-           "float16": jnp.float16}
+# The choices of ModelConfig's string fields, stated once (the config
+# sections validate against these).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "chunked", "splash", "cudnn", "reference")
+WEIGHT_QUANTS = ("none", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +44,12 @@ class LoraSpec:
 
   def __post_init__(self):
     if self.rank < 1:
-      raise ValueError(f"lora rank must be >= 1, got {self.rank}")
+      raise ValueError(f"rank must be >= 1, got {self.rank}")
+    if self.alpha <= 0:
+      raise ValueError(f"alpha must be > 0, got {self.alpha}")
     unknown = sorted(set(self.targets) - set(LORA_TARGETS))
     if unknown or not self.targets:
-      raise ValueError(f"lora targets must be a non-empty subset of "
+      raise ValueError(f"targets must be a non-empty subset of "
                        f"{LORA_TARGETS}, got {tuple(self.targets)}")
 
   @property
@@ -114,23 +120,26 @@ class ModelConfig:
       raise ValueError(
           f"mlp_activation must be 'silu' or 'gelu', got {self.mlp_activation!r}")
     for name in ("param_dtype", "compute_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, "
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"{name} must be one of {sorted(DTYPES)}, "
                          f"got {getattr(self, name)!r}")
-    if self.weight_quant not in ("none", "int8", "fp8"):
-      raise ValueError(f"weight_quant must be 'none', 'int8' or 'fp8', got "
+    if self.weight_quant not in WEIGHT_QUANTS:
+      raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got "
                        f"{self.weight_quant!r}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got "
+                       f"{self.attention!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {REMAT_POLICIES}, got "
                        f"{self.remat!r}")
 
   @property
   def param_jnp_dtype(self):
-    return _DTYPES[self.param_dtype]
+    return DTYPES[self.param_dtype]
 
   @property
   def compute_jnp_dtype(self):
-    return _DTYPES[self.compute_dtype]
+    return DTYPES[self.compute_dtype]
 
   @property
   def scores_scale(self) -> float:

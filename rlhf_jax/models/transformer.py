@@ -24,17 +24,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import flash_attention as fa
-from kernels_pallas.attention_parts import merge_parts
+from kernels_pallas.attention_parts import cap_logits, merge_parts
 from kernels_pallas.paged_decode_attention import paged_decode_attention
 from kernels_pallas.prefix_decode_attention import prefix_decode_attention
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.layers import (
     AttentionProjections, GatedMLP, RMSNorm, _param)
 from rlhf_jax.parallel.layout import constrain
-
-
-def _softcap(x, cap):
-  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def layer_window(cfg: ModelConfig, layer):
@@ -210,7 +206,7 @@ class Decoder(nnx.Module):
     w, axis = self.head()
     spec = "...d,vd->...v" if axis == 0 else "...d,dv->...v"
     logits = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
-    logits = _softcap(logits, self.cfg.final_logit_softcap)
+    logits = cap_logits(logits, self.cfg.final_logit_softcap)
     if logits.ndim == 3:
       logits = constrain(logits, ("batch", "length", "vocab"))
     return logits

@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.attention_parts import cap_logits
+
 
 
 def _scaled_fp32(logits_BxTxV: jax.Array, temperature: float) -> jax.Array:
@@ -107,7 +109,7 @@ def head_logprobs(hidden_BxTxD: jax.Array, head: jax.Array,
     z = jnp.einsum("btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv",
                    hidden_BxTxD, head.astype(hidden_BxTxD.dtype),
                    preferred_element_type=jnp.float32)
-    z = z if softcap is None else softcap * jnp.tanh(z / softcap)
+    z = cap_logits(z, softcap)
     return (token_logprobs(z, targets_BxT, temperature=temperature),
             jax.lax.stop_gradient(token_entropy(z, temperature=temperature)),
             jnp.argmax(z, -1))
@@ -132,7 +134,7 @@ def _chunk_logits(h_MxD, w, j, vocab_axis, vc, V, softcap, temperature):
   spec = "md,vd->mv" if vocab_axis == 0 else "md,dv->mv"
   z0 = jnp.einsum(spec, h_MxD, wj.astype(h_MxD.dtype),
                   preferred_element_type=jnp.float32)
-  z = z0 if softcap is None else softcap * jnp.tanh(z0 / softcap)
+  z = cap_logits(z0, softcap)
   z = z / temperature
   valid = j * vc + jnp.arange(vc) < V
   return jnp.where(valid, z, -jnp.inf), z0
