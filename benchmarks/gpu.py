@@ -401,6 +401,7 @@ def train_part() -> dict:
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.parallel import mesh as mesh_lib
   from rlhf_jax.rl import objectives
+  from rlhf_jax.rl.losses import KLConfig
   from rlhf_jax.rl.learner import OptimConfig, make_optimizer
 
   peak_tflops, _ = _peaks()
@@ -411,7 +412,7 @@ def train_part() -> dict:
   layout = mesh_lib.train_layout(_one_device_mesh())
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   learner = objectives.policy_learner(
-      graphdef, layout, objectives.PolicyLossConfig(kl_coef=0.01),
+      graphdef, layout, objectives.PolicyLossConfig(kl=KLConfig(0.01)),
       make_optimizer(OptimConfig()), micro_batches=_MICRO.value)
   state = learner.init_state(params)
   batch = learner.put_batch(_train_batch(cfg, B, T))

@@ -300,12 +300,13 @@ def _move(cfg) -> tuple[dict, float]:
 def _learner_of(cfg):
   from rlhf_jax.models import lora
   from rlhf_jax.rl import objectives
+  from rlhf_jax.rl.losses import KLConfig
   from rlhf_jax.rl.learner import OptimConfig, make_optimizer
 
   def build(graphdef, layout):
     return objectives.policy_learner(
         graphdef, layout, objectives.PolicyLossConfig(
-            kl_coef=0.01, max_len=RESPONSE),
+            kl=KLConfig(0.01), max_len=RESPONSE),
         make_optimizer(OptimConfig()), micro_batches=1,
         trainable=None if cfg.lora is None else lora.ADAPTERS)
   return build

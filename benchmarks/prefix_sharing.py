@@ -84,6 +84,7 @@ from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import objectives
+from rlhf_jax.rl.losses import KLConfig
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
 
 from benchmarks import common_prefix
@@ -207,7 +208,7 @@ def _train_case(cfg, layout, repeats, rng, N, case=TRAIN_CASE):
   G, P, R = case
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
-      clip_high=0.28, kl_coef=0.01, aggregation="token-mean", max_len=R))
+      clip_high=0.28, kl=KLConfig(0.01), aggregation="token-mean", max_len=R))
   learner = Learner(graphdef, layout, make_optimizer(OptimConfig()),
                     terms_fn=terms, weight_fn=weight, micro_batches=1)
   samples = _train_samples(cfg, G, P, R, N, rng)

@@ -13,6 +13,7 @@ from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl import grouped, losses, objectives, off_policy
+from rlhf_jax.rl.losses import KLConfig
 
 CFG = ModelConfig.tiny(vocab_size=61, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, embed_dim=32, mlp_dim=48)
@@ -245,10 +246,10 @@ def test_on_policy_update_equals_the_update_after_an_old_logp_pass(
   for on_policy in (False, True):
     learner = objectives.policy_learner(
         graphdef, layout, objectives.PolicyLossConfig(
-            kl_coef=0.05, importance_weight="tis", importance_cap=1.2,
+            kl=KLConfig(0.05), importance_weight="tis", importance_cap=1.2,
             on_policy=on_policy), optax.sgd(0.5), micro_batches=2)
     preparer = Preparer(learner, AdvantageConfig(
-        "grpo", G, kl_coef=0.05, on_policy=on_policy))
+        "grpo", G, kl=KLConfig(0.05), on_policy=on_policy))
     if not on_policy:  # The sampler: the trainer's log-probs, perturbed.
       trainer = np.asarray(learner.logprobs(params, learner.put_batch(
           dict(packed.arrays))))

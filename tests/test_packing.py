@@ -19,6 +19,7 @@ from rlhf_jax.rl import objectives, packing
 from rlhf_jax.rl.learner import OptimConfig, make_optimizer, split_micro
 from rlhf_jax.rl.prepare import AdvantageConfig, Preparer
 from rlhf_jax.sched import packing as rules
+from rlhf_jax.rl.losses import KLConfig
 
 # Gemma-2-like switches (window, soft-caps) so segment masks meet them all.
 CFG = ModelConfig.tiny(
@@ -101,14 +102,14 @@ def _train_view(samples, rewards, trainable, params, ref, layout,
   graphdef, _ = model_lib.abstract_params(CFG)
 
   def loss_config(mode):
-    return objectives.PolicyLossConfig(kl_coef=0.05, aggregation=mode,
+    return objectives.PolicyLossConfig(kl=KLConfig(0.05), aggregation=mode,
                                        max_len=R)
 
   learner = objectives.policy_learner(
       graphdef, layout, loss_config(MODES[1]), make_optimizer(OptimConfig()),
       micro_batches=2)
   preparer = Preparer(learner, AdvantageConfig(
-      "grpo", G, kl_coef=0.05, kl_in_loss=False))
+      "grpo", G, kl=KLConfig(0.05, in_loss=False)))
   packed = batch_lib.pack(samples, P, R, trainable=trainable, **pack_kw)
   batch, info = preparer(params, ref, preparer.put(packed, rewards))
   grads, num, _, weight = learner.grad_sums(params, batch)

@@ -22,6 +22,7 @@ from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import grouped, objectives
 from rlhf_jax.rl.learner import Learner, OptimConfig, make_optimizer
+from rlhf_jax.rl.losses import KLConfig
 
 # 4 groups on 8 devices: prompt rows [N, P] do not split over the 8 data
 # shards (replicated), response rows [N*G, R] do: the gradient of the shared
@@ -79,7 +80,7 @@ def _learner(cfg, mesh, aggregation="token-mean", micro_batches=2):
   layout = mesh_lib.train_layout(mesh)
   graphdef, params = model_lib.init_params(cfg, 0, layout)
   terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
-      clip_low=0.2, clip_high=0.28, kl_coef=0.05, aggregation=aggregation,
+      clip_low=0.2, clip_high=0.28, kl=KLConfig(0.05), aggregation=aggregation,
       max_len=R))
   learner = Learner(graphdef, layout, make_optimizer(OptimConfig()),
                     terms_fn=terms, weight_fn=weight,

@@ -17,6 +17,7 @@ from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.rl import grouped, logprobs, objectives
 from rlhf_jax.rl.learner import (
     Learner, OptimConfig, TrainState, make_optimizer)
+from rlhf_jax.rl.losses import KLConfig
 
 # Tiny Gemma-2-like switches: sliding window on local layers, attention and
 # final-logit soft-caps, post-norms; GQA.
@@ -62,7 +63,7 @@ def _grouped_batch(cfg, N=2, G=2, P=9, R=11, seed=1):
 
 def _loss_and_grads(params, graphdef, batch):
   terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
-      kl_coef=0.05, aggregation="seq-mean-token-mean"))
+      kl=KLConfig(0.05), aggregation="seq-mean-token-mean"))
 
   def loss(p):
     num, aux = terms(graphdef, p, batch)
@@ -343,7 +344,7 @@ def test_no_t_by_t_in_the_compiled_train_step(mesh8, layout_kind):
     c = cfg.replace(**changes)
     graphdef, params = model_lib.abstract_params(c)
     terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
-        kl_coef=0.05, aggregation="seq-mean-token-mean"))
+        kl=KLConfig(0.05), aggregation="seq-mean-token-mean"))
     learner = Learner(graphdef, layout, make_optimizer(OptimConfig()),
                       terms_fn=terms, weight_fn=weight, micro_batches=1)
     params = jax.tree.map(

@@ -384,13 +384,18 @@ class RL:
     if not isinstance(self.pack_length, int) or self.pack_length < 0:
       _fail(self, "pack_length", "must be an int >= 0 (0 = no packing)")
 
+  def kl_config(self):
+    """The KL to the reference (`rl/losses.KLConfig`), one object for the
+    loss and the advantages."""
+    from rlhf_jax.rl.losses import KLConfig
+    return KLConfig(self.kl_coef, self.kl_estimator, self.kl_in_loss)
+
   def advantage_config(self, group_size: int):
     """How this section turns rewards into advantages (`rl/prepare.py`)."""
     from rlhf_jax.rl.prepare import AdvantageConfig
     return AdvantageConfig(
         estimator=self.advantage, group_size=group_size,
-        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-        kl_in_loss=self.kl_in_loss, gamma=self.gamma, lam=self.lam,
+        kl=self.kl_config(), gamma=self.gamma, lam=self.lam,
         whiten=self.whiten_advantages, on_policy=off_policy.on_policy(self))
 
   def policy_loss_config(self, max_len: int):
@@ -399,8 +404,7 @@ class RL:
     return PolicyLossConfig(
         policy_loss=self.policy_loss, clip_low=self.clip_low,
         clip_high=self.clip_high, clip_c=self.clip_c or None,
-        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-        kl_in_loss=self.kl_in_loss, aggregation=self.aggregation,
+        kl=self.kl_config(), aggregation=self.aggregation,
         max_len=max_len, importance_weight=self.importance_weight,
         importance_cap=self.importance_cap,
         on_policy=off_policy.on_policy(self))

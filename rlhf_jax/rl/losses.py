@@ -14,12 +14,33 @@ Registered names:
     from samples of pi; k3 is the low-variance, always >= 0 one).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from rlhf_jax.rl import registry
 from rlhf_jax.rl.aggregation import masked_mean
 from rlhf_jax.rl.logprobs import token_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+  """The KL to the reference, stated once for the loss and the ADVANTAGES
+  stage: beta, the estimator, and where it goes."""
+  coef: float = 0.0        # beta; 0: no KL term anywhere.
+  estimator: str = "k3"    # A registered "kl_estimator".
+  in_loss: bool = True     # False: beta * KL is a per-token reward penalty.
+
+  @property
+  def loss_coef(self) -> float:
+    """beta of the loss term (0 when the KL is a reward penalty)."""
+    return self.coef if self.in_loss else 0.0
+
+  @property
+  def penalty(self) -> float:
+    """beta of the reward penalty (0 when the KL is a loss term)."""
+    return 0.0 if self.in_loss else self.coef
 
 
 @registry.register("policy_loss", "ppo")

@@ -48,9 +48,7 @@ class PolicyLossConfig:
   clip_low: float = 0.2
   clip_high: float = 0.2
   clip_c: float | None = None      # Dual-clip constant (> 1) or None.
-  kl_coef: float = 0.0             # beta.
-  kl_estimator: str = "k3"
-  kl_in_loss: bool = True          # False: KL is a reward penalty instead.
+  kl: losses.KLConfig = losses.KLConfig()  # A loss term where in_loss.
   aggregation: str = "token-mean"
   max_len: int | None = None       # For seq-mean-token-sum-norm.
   # Sampler -> trainer correction (`rl/off_policy.py`): "none" | "is"
@@ -75,7 +73,7 @@ def policy_terms(c: PolicyLossConfig):
   batch's "sampler_logp".
   """
   loss_fn = registry.get("policy_loss", c.policy_loss)
-  registry.get("kl_estimator", c.kl_estimator)  # Fail early on a bad name.
+  registry.get("kl_estimator", c.kl.estimator)  # Fail early on a bad name.
 
   def packed(batch):
     if not grouped.is_packed(batch):
@@ -105,10 +103,11 @@ def policy_terms(c: PolicyLossConfig):
           weighting=c.importance_weight, cap=c.importance_cap)
       loss = loss * w
       aux.update(weights_aux)
-    kl = registry.get("kl_estimator", c.kl_estimator)(logp, mb["ref_logp"])
-    if c.kl_in_loss and c.kl_coef:
+    kl = registry.get("kl_estimator", c.kl.estimator)(logp, mb["ref_logp"])
+    if c.kl.loss_coef:
       loss = loss + losses.kl_loss(logp, mb["ref_logp"], mask,
-                                   beta=c.kl_coef, estimator=c.kl_estimator)
+                                   beta=c.kl.loss_coef,
+                                   estimator=c.kl.estimator)
     num, _ = aggregation.aggregate_terms(loss, mask, c.aggregation,
                                          max_len=c.max_len, packed=packed(mb))
     aux = {**aux, "kl": _masked_mean(kl, mask),

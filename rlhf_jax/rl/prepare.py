@@ -47,20 +47,13 @@ class AdvantageConfig:
   """How rewards become advantages."""
   estimator: str          # Registered "advantage" name, or "gae" (critic).
   group_size: int         # G.
-  kl_coef: float = 0.0    # beta.
-  kl_estimator: str = "k3"
-  kl_in_loss: bool = True  # False: beta * KL is subtracted from the reward.
+  kl: losses.KLConfig = losses.KLConfig()  # A reward penalty unless in_loss.
   gamma: float = 1.0      # GAE.
   lam: float = 0.95
   whiten: bool = True
   # One update per batch (`off_policy.on_policy`): no old-log-prob pass;
   # the loss anchors on its own log-probs and measures the mismatch.
   on_policy: bool = False
-
-  @property
-  def kl_penalty(self) -> float:
-    """beta of the reward penalty (0 when the KL is a loss term)."""
-    return 0.0 if self.kl_in_loss else self.kl_coef
 
 
 class Preparer:
@@ -147,8 +140,8 @@ class Preparer:
       if c.estimator == "gae":  # Packed rows: reset where `seq` changes.
         packed = grouped.is_packed(batch)
         t = critic.ppo_targets(
-            rewards, *rows[:2], values, rows[2], kl_coef=c.kl_penalty,
-            kl_estimator=c.kl_estimator, gamma=c.gamma, lam=c.lam,
+            rewards, *rows[:2], values, rows[2], kl_coef=c.kl.penalty,
+            kl_estimator=c.kl.estimator, gamma=c.gamma, lam=c.lam,
             whiten=c.whiten, seq_BxT=batch["seq"] if packed else None,
             sequence_sums=(lambda x: grouped.sequence_sums(x, batch, B))
             if packed else None)
@@ -160,9 +153,9 @@ class Preparer:
       else:
         extra = {}
         penalised, kl = losses.kl_reward_penalty(
-            rewards, *rows, beta=c.kl_penalty, estimator=c.kl_estimator,
+            rewards, *rows, beta=c.kl.penalty, estimator=c.kl.estimator,
             sequence_sums=lambda x: grouped.sequence_sums(x, batch, B))
-        if c.kl_penalty:
+        if c.kl.penalty:
           rewards = penalised
         out["advantages"] = grouped.per_sequence_values(  # [B]|[N, G]|[W, L]
             registry.get("advantage", c.estimator)(rewards, c.group_size),
