@@ -49,7 +49,7 @@ def _prompts(spec: str):
   # :runlocal's tiny model is written here (nothing for the real config).
   config = sources.prepare(config, tempfile.mkdtemp(prefix="hf_eval_"))
   c = RLJob.from_config(config)
-  source = sources.build(config, c)
+  source = sources.build(c)
   out = []
   for batch in source.eval_batches:
     for n, text in enumerate(batch.prompts):
@@ -132,7 +132,7 @@ def main(argv):
     raise SystemExit("error: pass --model=DIR (one or more)")
   if not _SMOKE.value:  # transformers re-tokenizes :runlocal's tiny
     # tokenizer its own way (its Qwen2 class brings its own pre-tokenizer).
-    _check_tokens(models[0], config.data, prompts)
+    _check_tokens(models[0], c.data, prompts)
   runs = []
   print(f"{'model':<60}{'accuracy':>10}{'decode s':>10}")
   for model_dir in models:

@@ -9,6 +9,7 @@ import dataclasses
 
 import ml_collections
 
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 
 
@@ -38,13 +39,13 @@ def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict
   (keys of the section itself, e.g. scan_layers, set the section)."""
   own = {f.name for f in dataclasses.fields(sections.Model)}
   section = {k: overrides.pop(k) for k in list(overrides) if k in own}
-  return sections.config_dict(sections.Model, preset=preset, **section,
+  return typed_config.config_dict(sections.Model, preset=preset, **section,
                               overrides=ml_collections.ConfigDict(overrides))
 
 
 def mesh_config(**kw) -> ml_collections.ConfigDict:
   """Training mesh axes (one may be -1) and the rollout tensor size."""
-  return sections.config_dict(sections.Mesh, **kw)
+  return typed_config.config_dict(sections.Mesh, **kw)
 
 
 def tiny_model_config() -> ml_collections.ConfigDict:
@@ -58,20 +59,20 @@ def tiny_model_config() -> ml_collections.ConfigDict:
 
 def optim_config(**kw) -> ml_collections.ConfigDict:
   """AdamW + clipping + warmup/cosine (`rl/learner.OptimConfig`)."""
-  return sections.config_dict(sections.OptimConfig, **kw)
+  return typed_config.config_dict(sections.OptimConfig, **kw)
 
 
 def rl_sections(c: ml_collections.ConfigDict, *, rollout: dict, rl: dict,
                 optim: dict, train: dict, eval: dict,  # noqa: A002
                 sft: dict) -> None:
   """Sets the typed sections every RL job (GRPO, PPO) has."""
-  c.rollout = sections.config_dict(sections.Rollout, **rollout)
-  c.rl = sections.config_dict(sections.RL, **rl)
+  c.rollout = typed_config.config_dict(sections.Rollout, **rollout)
+  c.rl = typed_config.config_dict(sections.RL, **rl)
   c.optim = optim_config(**optim)
-  c.train = sections.config_dict(sections.Train, **train)
-  c.eval = sections.config_dict(sections.Eval, **eval)
-  c.sft = sections.config_dict(sections.SFT, **sft)
-  c.lora = sections.config_dict(sections.Lora)  # rank 0: full fine-tuning.
+  c.train = typed_config.config_dict(sections.Train, **train)
+  c.eval = typed_config.config_dict(sections.Eval, **eval)
+  c.sft = typed_config.config_dict(sections.SFT, **sft)
+  c.lora = typed_config.config_dict(sections.Lora)  # rank 0: full fine-tuning.
 
 
 def shrink_addition_rl(c: ml_collections.ConfigDict) -> None:

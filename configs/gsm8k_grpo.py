@@ -26,6 +26,8 @@ through the same code path.
 import ml_collections
 
 from configs import common
+from rlhf_jax import typed_config
+from rlhf_jax.data import sources
 from rlhf_jax.data import synthetic_gsm8k
 
 
@@ -42,19 +44,17 @@ def get_config(arg=None):
   c.model.compute_dtype = "bfloat16"
   c.mesh = common.mesh_config()
 
-  c.data = ml_collections.ConfigDict(dict(
-      kind="jsonl",
+  c.data = typed_config.config_dict(
+      sources.JsonlData,
       path="",                   # Required: GSM8K-format .jsonl / .parquet.
       eval_path="",              # Optional; "" = hold out eval.num_prompts.
-      fields=ml_collections.ConfigDict(dict(prompt="question",
-                                            answer="answer")),
+      fields=dict(prompt="question", answer="answer"),
       template="{prompt}\n" + synthetic_gsm8k.INSTRUCTION,
       system_prompt="",          # "" = the chat template's default.
       use_chat_template=True,
       max_prompt_len=256,        # Padded prompt length; longer ones dropped.
       seed=0, shuffle=True,
-      synthetic=False,           # runlocal: build tiny assets in workdir.
-  ))
+      synthetic=False)           # runlocal: build tiny assets in workdir.
 
   common.rl_sections(
       c,

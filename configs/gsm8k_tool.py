@@ -20,6 +20,7 @@ import json
 
 from configs import common
 from configs import gsm8k_grpo
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 
 CALCULATOR = {"type": "function", "function": {
@@ -57,7 +58,7 @@ def get_config(arg=None):
     c.data.max_prompt_len = 640
     c.rollout.update(prefill_buckets=(640,), max_new_tokens=32,
                      max_seq_len=672)
-  c.agent = sections.config_dict(
+  c.agent = typed_config.config_dict(
       sections.Agent, enabled=True, tools=("calc",), format="qwen",
       max_turns=4)
   return c

@@ -25,6 +25,9 @@ import ml_collections
 
 from configs import common
 from rlhf_jax import fetch
+from rlhf_jax import typed_config
+from rlhf_jax.data import sources
+from rlhf_jax.data.sums import Sums
 
 MODEL = "smollm2-135m-instruct"
 
@@ -42,18 +45,18 @@ def get_config(arg=None):
   c.model.compute_dtype = "float32"  # XLA:CPU computes bf16 dots in fp32.
   c.mesh = common.mesh_config()
 
-  c.data = ml_collections.ConfigDict(dict(
-      kind="sums",
+  c.data = typed_config.config_dict(
+      sources.SumsData,
       num_train=8192,            # training draws (of the 462 training sums)
       template="{prompt}",
       system_prompt="",          # "" = the chat template's default.
       use_chat_template=True,
       max_prompt_len=44,         # the chat-formatted sums: 43-44 tokens
       seed=0, shuffle=True,
-      synthetic=False,           # runlocal: a tiny random model instead.
-  ))
-  c.task = ml_collections.ConfigDict(dict(
-      seed=0, ranges=((1, 99), (1, 9)), holdout_fraction=0.4, num_eval=200))
+      synthetic=False)           # runlocal: a tiny random model instead.
+  c.task = typed_config.config_dict(
+      Sums, seed=0, ranges=((1, 99), (1, 9)), holdout_fraction=0.4,
+      num_eval=200)
 
   common.rl_sections(
       c,

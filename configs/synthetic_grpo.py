@@ -20,6 +20,8 @@ model, a few tokens: tests).
 import ml_collections
 
 from configs import common
+from rlhf_jax import typed_config
+from rlhf_jax.data.random_tokens import RandomTokensData
 from rlhf_jax.models.config import ModelConfig
 
 
@@ -43,10 +45,10 @@ def get_config(arg=None):
                                   attention_block=arg.attention_block)
     vocab = ModelConfig.preset(arg.preset).vocab_size
   c.mesh = common.mesh_config()
-  c.data = ml_collections.ConfigDict(dict(
-      kind="random_tokens", vocab_size=vocab,
+  c.data = typed_config.config_dict(
+      RandomTokensData, vocab_size=vocab,
       min_prompt_len=arg.prompt_len // 2, max_prompt_len=arg.prompt_len,
-      seed=0))
+      seed=0)
   seqs = arg.prompts * arg.samples
   common.rl_sections(
       c,

@@ -7,6 +7,7 @@ python -m rlhf_jax.main --config=configs/tiny_generate.py:runlocal
 import ml_collections
 
 from configs import common
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 
 
@@ -20,7 +21,7 @@ def get_config(arg=None):
   c.mesh = common.mesh_config()
   c.num_prompts = 32
   c.prompt_len = 48
-  c.rollout = sections.config_dict(
+  c.rollout = typed_config.config_dict(
       sections.Rollout, num_rows=8, samples_per_row=8, prefill_buckets=(64,),
       max_new_tokens=64, max_seq_len=128)
   if arg.runlocal:

@@ -24,6 +24,9 @@ below RL's, RL's first steps lowered held-out accuracy. Checkpoints every
 import ml_collections
 
 from configs import common
+from rlhf_jax import typed_config
+from rlhf_jax.data import sources
+from rlhf_jax.data.tasks import AdditionTask
 
 
 def get_config(arg=None):
@@ -36,13 +39,12 @@ def get_config(arg=None):
   c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
 
-  c.task = ml_collections.ConfigDict(dict(
-      max_digits=2, min_digits=1, reverse_answer=True, zero_pad=False,
-      num_eval=200,
-      holdout_fraction=0.1, seed=0))
+  c.task = typed_config.config_dict(
+      AdditionTask, max_digits=2, min_digits=1, reverse_answer=True,
+      zero_pad=False, num_eval=200, holdout_fraction=0.1, seed=0)
 
   # Data source (rlhf_jax/data/sources.py): the addition task of c.task.
-  c.data = ml_collections.ConfigDict(dict(kind="addition"))
+  c.data = typed_config.config_dict(sources.AdditionData)
 
   common.rl_sections(
       c,

@@ -11,6 +11,7 @@ synchronous job it compares with: configs/tiny_grpo.py (docs/async.md).
 """
 
 from configs import tiny_grpo
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 
 
@@ -22,7 +23,7 @@ def get_config(arg=None):
   # 0.68 with half a batch); on 3 seeds that matched the synchronous gain
   # (+0.160 vs +0.157 mean) where half a batch gave +0.140
   # (docs/results.md).
-  c.asynchronous = sections.config_dict(sections.Async, enabled=True,
+  c.asynchronous = typed_config.config_dict(sections.Async, enabled=True,
                                         max_staleness=1,
                                         switch_after_groups=0)
   c.rl.importance_weight = "tis"

@@ -16,6 +16,9 @@ tracked, never trained on. The rollout layers compose as in GRPO:
 import ml_collections
 
 from configs import common
+from rlhf_jax.data import sources
+from rlhf_jax.data.tasks import AdditionTask
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 
 
@@ -28,14 +31,14 @@ def get_config(arg=None):
 
   c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
-  c.reward_model = sections.config_dict(sections.RewardModel,
+  c.reward_model = typed_config.config_dict(sections.RewardModel,
                                         workdir=arg.rm_workdir)
 
   # Must match configs/tiny_rm.py's answer format (checked at start).
-  c.task = ml_collections.ConfigDict(dict(
-      max_digits=2, min_digits=1, reverse_answer=True, zero_pad=False,
-      num_eval=200, holdout_fraction=0.1, seed=0))
-  c.data = ml_collections.ConfigDict(dict(kind="addition"))
+  c.task = typed_config.config_dict(
+      AdditionTask, max_digits=2, min_digits=1, reverse_answer=True,
+      zero_pad=False, num_eval=200, holdout_fraction=0.1, seed=0)
+  c.data = typed_config.config_dict(sources.AdditionData)
 
   common.rl_sections(
       c,
@@ -57,7 +60,7 @@ def get_config(arg=None):
       eval=dict(every=20, num_rows=40, batch_size=200),
       sft=dict(steps=500, batch_size=64, learning_rate=3e-3, warmup_steps=20,
                grad_clip=1.0, log_every=25))
-  c.critic = sections.config_dict(
+  c.critic = typed_config.config_dict(
       sections.Critic, init="reward_model", optim=common.optim_config(
           learning_rate=1e-4, warmup_steps=5, decay_steps=0, end_lr_ratio=0.1,
           b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0))

@@ -15,6 +15,9 @@ trunk plus a scalar head read at <eos>. For your own data set
 import ml_collections
 
 from configs import common
+from rlhf_jax import typed_config
+from rlhf_jax.data import preferences
+from rlhf_jax.data.tasks import AdditionTask
 
 
 def get_config(arg=None):
@@ -27,20 +30,16 @@ def get_config(arg=None):
   c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
 
-  # The addition task behind the synthetic pairs (rlhf_jax/data/tasks.py).
-  c.task = ml_collections.ConfigDict(dict(
-      max_digits=2, min_digits=1, reverse_answer=True, zero_pad=False,
-      num_eval=250, holdout_fraction=0.1, seed=0))
+  # The addition task behind the pairs (rlhf_jax/data/tasks.py).
+  c.task = typed_config.config_dict(
+      AdditionTask, max_digits=2, min_digits=1, reverse_answer=True,
+      zero_pad=False, num_eval=250, holdout_fraction=0.1, seed=0)
 
-  c.data = ml_collections.ConfigDict(dict(
-      kind="synthetic",     # | "jsonl"
-      max_offset=0,         # Synthetic wrong sum: 0 = any other sum.
-      near_miss=0.0,        # Fraction of wrong sums one digit off.
-      train_path="",        # jsonl: {"prompt", "chosen", "rejected"} lines.
-      eval_path="",         # jsonl: held-out file; "" = split train.
-      holdout_fraction=0.1,
-      seq_len=16,           # <bos> prompt response <eos>, right-padded.
-  ))
+  # Pairs (rlhf_jax/data/preferences.PreferenceData): "addition" (the right
+  # sum against a wrong one), or "jsonl" with data.train_path.
+  c.data = typed_config.config_dict(
+      preferences.PreferenceData, kind="addition", max_offset=0,
+      near_miss=0.0, holdout_fraction=0.1, seq_len=16)
 
   c.optim = common.optim_config(
       learning_rate=1e-3, warmup_steps=20, decay_steps=1200, end_lr_ratio=0.1,

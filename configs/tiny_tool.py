@@ -19,6 +19,9 @@ paged engine, the conversation's KV kept across turns.
 import ml_collections
 
 from configs import common
+from rlhf_jax.data import sources
+from rlhf_jax.data.tasks import AdditionTask
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 
 
@@ -32,11 +35,11 @@ def get_config(arg=None):
   c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
 
-  c.task = ml_collections.ConfigDict(dict(
-      max_digits=2, min_digits=2, operator="*", reverse_answer=False,
-      zero_pad=False, tool_demo_fraction=0.1, num_eval=200,
-      holdout_fraction=0.1, seed=0))
-  c.data = ml_collections.ConfigDict(dict(kind="addition"))
+  c.task = typed_config.config_dict(
+      AdditionTask, max_digits=2, min_digits=2, operator="*",
+      reverse_answer=False, zero_pad=False, tool_demo_fraction=0.1,
+      num_eval=200, holdout_fraction=0.1, seed=0)
+  c.data = typed_config.config_dict(sources.AdditionData)
 
   common.rl_sections(
       c,
@@ -56,7 +59,7 @@ def get_config(arg=None):
       eval=dict(every=20, num_rows=40, batch_size=200),
       sft=dict(steps=500, batch_size=64, learning_rate=3e-3, warmup_steps=20,
                grad_clip=1.0, log_every=50))
-  c.agent = sections.config_dict(
+  c.agent = typed_config.config_dict(
       sections.Agent, enabled=True, tools=("calc",), format="tagged",
       max_turns=3, disable_tools=arg.notools)
 

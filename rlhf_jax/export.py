@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from absl import app, flags
 
 from rlhf_jax import cli
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.errors import CheckpointError, ConfigError, MissingInputError
@@ -84,7 +85,7 @@ def read_config(workdir: str) -> dict:
 def model_source(saved: dict) -> _Source:
   """The policy's ModelConfig as the job built it (`models/build.py`)."""
   try:
-    m = sections.from_saved(sections.Model, saved["model"], "model")
+    m = typed_config.from_saved(sections.Model, saved["model"], "model")
   except sections.ConfigError as e:
     raise ConfigError(f"the saved config.json: {e}") from None
   if m.path:
@@ -230,7 +231,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
   except ValueError as e:
     raise ConfigError(f"config.model has no Hugging Face form: {e}") from None
   try:
-    spec = sections.from_saved(sections.Lora, saved.get("lora", {}),
+    spec = typed_config.from_saved(sections.Lora, saved.get("lora", {}),
                                "lora").spec()
   except sections.ConfigError as e:
     raise ConfigError(f"the saved config.json: {e}") from None

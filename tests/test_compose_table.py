@@ -10,6 +10,7 @@ config keys, not read from the table.
 import pytest
 
 from configs import tiny_grpo, tiny_ppo
+from rlhf_jax import typed_config
 from rlhf_jax.config import checks, compose, sections
 from rlhf_jax.config.sections import ConfigError, RLJob
 
@@ -51,8 +52,8 @@ ON = {
 def _job(kind, *keys):
   """The tiny job of `kind` with the features `keys` on."""
   c = (tiny_ppo if kind == "ppo" else tiny_grpo).get_config("runlocal")
-  c.agent = sections.config_dict(sections.Agent)
-  c.asynchronous = sections.config_dict(sections.Async)
+  c.agent = typed_config.config_dict(sections.Agent)
+  c.asynchronous = typed_config.config_dict(sections.Async)
   for key in keys:
     for path, value in ON[key].items():
       *parents, name = path.split(".")

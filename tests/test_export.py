@@ -22,6 +22,7 @@ from configs import gsm8k_grpo, tiny_grpo, tiny_ppo, tiny_rm
 from rlhf_jax import export as export_lib
 from rlhf_jax import trainers
 from rlhf_jax.checkpoint import Checkpointer
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.errors import CheckpointError, ConfigError, MissingInputError
@@ -158,7 +159,7 @@ def _fake_workdir(path, config, key="policy", step=3, seed=1):
   os.makedirs(path)
   with open(os.path.join(path, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  cfg = sections.from_dict(sections.Model, config.model, "model"
+  cfg = typed_config.from_dict(sections.Model, config.model, "model"
                            ).model_config(vocab_size=CharTokenizer().vocab_size)
   _, params = model_lib.init_params(cfg, seed)
   ckpt = Checkpointer(os.path.join(path, "checkpoints"))

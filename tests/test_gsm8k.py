@@ -66,7 +66,7 @@ def _jsonl_config(assets, **data):
 
 def test_jsonl_source_holds_out_eval_prompts(assets):
   c = _jsonl_config(assets)
-  source = sources.build(c, RLJob.from_config(c))
+  source = sources.build(RLJob.from_config(c))
   tok = HFTokenizer.from_dir(c.model.path)
   assert source.stop_ids == tok.stop_ids and source.sft_arrays is None
   eval_ids = [int(i) for b in source.eval_batches for i in b.prompt_ids]
@@ -86,7 +86,7 @@ def test_jsonl_source_eval_path(assets, tmp_path):
   eval_path = str(tmp_path / "test.jsonl")
   synthetic_gsm8k.write_jsonl(eval_path, synthetic_gsm8k.records(5, seed=9))
   c = _jsonl_config(assets, eval_path=eval_path)
-  source = sources.build(c, RLJob.from_config(c))
+  source = sources.build(RLJob.from_config(c))
   assert sum(len(b.prompt_ids) for b in source.eval_batches) == 5
   assert len(source.iterator) == 40   # nothing held out of the train file.
 
@@ -95,7 +95,7 @@ def test_sft_needs_sft_data(assets):
   c = _jsonl_config(assets)
   c.sft.steps = 5
   with pytest.raises(ConfigError, match="config.sft.steps=5"):
-    sources.build(c, RLJob.from_config(c))
+    sources.build(RLJob.from_config(c))
 
 
 @pytest.mark.parametrize("key", ["model.path", "data.path"])
@@ -106,8 +106,8 @@ def test_missing_paths_name_the_key(key, assets):
   c[section][name] = ""
   with pytest.raises(ConfigError, match=rf"config\.{key} is empty.*"
                      rf"--config\.{key}="):
-    sources.build(c, RLJob.from_config(c))
+    sources.build(RLJob.from_config(c))
   c[section][name] = "/nonexistent/x"
   with pytest.raises(ConfigError, match=rf"config\.{key}='/nonexistent/x' "
                      "does not exist"):
-    sources.build(c, RLJob.from_config(c))
+    sources.build(RLJob.from_config(c))

@@ -357,6 +357,7 @@ def test_generation_demo_samples_the_static_rows_tokens():
   plain-jnp static-rows decoder on the same random weights."""
   from benchmarks.static_rows import StaticRows  # pylint: disable=g-import-not-at-top
   from configs import tiny_generate  # pylint: disable=g-import-not-at-top
+  from rlhf_jax import typed_config  # pylint: disable=g-import-not-at-top
   from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
   from rlhf_jax.engine.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
   from rlhf_jax.models import model as model_lib  # pylint: disable=g-import-not-at-top
@@ -364,8 +365,8 @@ def test_generation_demo_samples_the_static_rows_tokens():
   from rlhf_jax.trainers import generate  # pylint: disable=g-import-not-at-top
   config = tiny_generate.get_config("runlocal")
   got = {s.key: s for s in generate.run(config, "")}
-  ro = sections.from_dict(sections.Rollout, config.rollout, "rollout")
-  cfg = sections.from_dict(sections.Model, config.model,
+  ro = typed_config.from_dict(sections.Rollout, config.rollout, "rollout")
+  cfg = typed_config.from_dict(sections.Model, config.model,
                            "model").model_config()
   graphdef, params = model_lib.init_params(cfg, config.seed)
   rng = np.random.default_rng(config.seed)

@@ -286,7 +286,7 @@ def test_smollm2_config_prompts_fit_and_render_with_the_chat_template(
   from rlhf_jax.data import sources
   config = smollm2_grpo.get_config()
   config.model.path = model_dir
-  source = sources.build(config, RLJob.from_config(config))
+  source = sources.build(RLJob.from_config(config))
   (batch,) = source.eval_batches  # One batch of all held-out prompts.
   assert len(batch.prompts) == config.task.num_eval == 200
   assert batch.lengths_N.max() <= config.data.max_prompt_len

@@ -5,13 +5,14 @@ are in test_grpo.py, test_ppo_trainer.py and test_rm.py."""
 
 import os
 
+import ml_collections
 import pytest
 
 from configs import tiny_grpo, tiny_rm
 from resume import run_main
 from rlhf_jax import cli
 from rlhf_jax.data import jsonl, preferences
-from rlhf_jax.errors import DataError, NonFiniteError
+from rlhf_jax.errors import ConfigError, DataError, NonFiniteError
 from rlhf_jax.trainers import rl_job, rm
 
 
@@ -163,6 +164,40 @@ def test_empty_dataset_is_one_clear_error(tmp_path):
   with pytest.raises(DataError, match="has no records"):
     rm.run(c, str(tmp_path / "rm"))
   assert not (tmp_path / "rm" / "checkpoints").exists()
+
+
+def test_data_and_task_sections_are_typed_by_kind():
+  """`config.data` and `config.task` become the kind's sections: a key the
+  kind does not know is one line naming it, an unknown kind lists the
+  known ones, a key left out takes its default."""
+  from rlhf_jax.config.sections import RLJob
+  from rlhf_jax.data import sources
+  from rlhf_jax.data.tasks import AdditionTask
+
+  c = tiny_grpo.get_config("runlocal")
+  job = RLJob.from_config(c)
+  assert isinstance(job.data, sources.AdditionData)
+  assert job.task == AdditionTask(**c.task)
+  with c.unlocked():
+    c.task.colour = "red"
+  with pytest.raises(ConfigError, match=r"^config\.task\.colour is not a "
+                     r"known key; known: \['max_digits'"):
+    RLJob.from_config(c)
+  c = tiny_grpo.get_config("runlocal")
+  c.data.kind = "csv"
+  with pytest.raises(ConfigError, match=r"^config\.data\.kind='csv' is "
+                     r"unknown; known: \['addition', 'jsonl', "
+                     r"'random_tokens', 'sums'\]$"):
+    RLJob.from_config(c)
+  # A hand-written section of a few keys: the rest at their defaults.
+  from rlhf_jax.data.preferences import PreferenceData, sections_of
+  data, task = sections_of(ml_collections.ConfigDict(
+      {"data": {"kind": "jsonl", "train_path": "pairs.jsonl"}}))
+  assert data == PreferenceData(kind="jsonl", train_path="pairs.jsonl")
+  assert task is None
+  with pytest.raises(ConfigError, match=r"^config\.data\.train_path='': is "
+                     "empty"):
+    sections_of(ml_collections.ConfigDict({"data": {"kind": "jsonl"}}))
 
 
 # ------------------------------------------------------------------ NaN

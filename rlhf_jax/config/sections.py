@@ -12,40 +12,18 @@ these objects, never `config.get(key, default)`.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any, ClassVar
 
-import ml_collections
-
+from rlhf_jax.data import sources as data_sources
 from rlhf_jax.engine import sampling
 from rlhf_jax.envs import tools
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.typed_config import (fail, from_dict, in_range, one_of,
+                                   positive_ints)
 from rlhf_jax.models import config as model_config
 from rlhf_jax.rl import off_policy
 from rlhf_jax.rl.learner import OptimConfig
 from rlhf_jax.sched import staleness
-
-
-def _fail(section, key: str, message: str):
-  raise ConfigError(f"config.{section.PATH}.{key}={getattr(section, key)!r}: "
-                    f"{message}")
-
-
-def _positive_ints(section, *keys) -> None:
-  for key in keys:
-    v = getattr(section, key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      _fail(section, key, "must be a positive int")
-
-
-def _one_of(section, key: str, choices) -> None:
-  if getattr(section, key) not in choices:
-    _fail(section, key, f"must be one of {list(choices)}")
-
-
-def _in_range(section, key: str, lo: float, hi: float) -> None:
-  if not lo <= getattr(section, key) <= hi:
-    _fail(section, key, f"must be in [{lo}, {hi}]")
 
 
 # ----------------------------------------------------------------- sections
@@ -69,9 +47,9 @@ class Model:
 
   def __post_init__(self):
     for key in ("param_dtype", "compute_dtype"):
-      _one_of(self, key, model_config.DTYPES)
-    _one_of(self, "remat", model_config.REMAT_POLICIES)
-    _one_of(self, "attention", model_config.ATTENTION_IMPLS)
+      one_of(self, key, model_config.DTYPES)
+    one_of(self, "remat", model_config.REMAT_POLICIES)
+    one_of(self, "attention", model_config.ATTENTION_IMPLS)
 
   def model_config(self, **fixed):
     """The preset's `ModelConfig` with the overrides; `fixed` wins."""
@@ -99,9 +77,9 @@ class Lora:
 
   def __post_init__(self):
     if not isinstance(self.rank, int) or self.rank < 0:
-      _fail(self, "rank", "must be an int >= 0 (0: no adapters)")
+      fail(self, "rank", "must be an int >= 0 (0: no adapters)")
     if self.init_from and not self.rank:
-      _fail(self, "init_from", "needs lora.rank > 0 (the adapters' shape)")
+      fail(self, "init_from", "needs lora.rank > 0 (the adapters' shape)")
     self.spec()
 
   def spec(self):
@@ -130,10 +108,10 @@ class Mesh:
   stale_samples: str = "raise"  # Samples of older weights: raise | drop.
 
   def __post_init__(self):
-    _positive_ints(self, "rollout_tensor", "layers_per_group")
-    _one_of(self, "stale_samples", staleness.STALE_POLICIES)
+    positive_ints(self, "rollout_tensor", "layers_per_group")
+    one_of(self, "stale_samples", staleness.STALE_POLICIES)
     if sum(v == -1 for v in (self.data, self.fsdp, self.tensor)) > 1:
-      _fail(self, "data", "at most one of data, fsdp, tensor may be -1")
+      fail(self, "data", "at most one of data, fsdp, tensor may be -1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +139,16 @@ class LongTail:
   def __post_init__(self):
     if isinstance(self.replicas, str) and self.replicas.isdigit():
       object.__setattr__(self, "replicas", int(self.replicas))  # CLI "4".
-    _one_of(self, "admission", ("static", "continuous"))
-    _one_of(self, "assignment", ("fifo", "length", "grouped"))
-    _in_range(self, "consolidate_below", 0.0, 1.0)
-    _one_of(self, "migration", ("kv", "reprefill", "auto"))
-    _positive_ints(self, "score_chunk")
+    one_of(self, "admission", ("static", "continuous"))
+    one_of(self, "assignment", ("fifo", "length", "grouped"))
+    in_range(self, "consolidate_below", 0.0, 1.0)
+    one_of(self, "migration", ("kv", "reprefill", "auto"))
+    positive_ints(self, "score_chunk")
     if not (self.replicas in ("all", "cost") or (
         isinstance(self.replicas, int) and self.replicas >= 1)):
-      _fail(self, "replicas", "must be 'all', 'cost' or a count >= 1")
+      fail(self, "replicas", "must be 'all', 'cost' or a count >= 1")
     for key in ("cost_lambda", "history_alpha", "cut_tau"):
-      _in_range(self, key, 0.0, 1.0)
+      in_range(self, key, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,23 +179,23 @@ class Workers:
 
   def __post_init__(self):
     if self.num < 0:
-      _fail(self, "num", "must be >= 0")
-    _one_of(self, "kind", ("local", "ray"))
-    _positive_ints(self, "theta", "poll_steps", "devices_per_worker")
+      fail(self, "num", "must be >= 0")
+    one_of(self, "kind", ("local", "ray"))
+    positive_ints(self, "theta", "poll_steps", "devices_per_worker")
     if not self.cpus_per_worker > 0:
-      _fail(self, "cpus_per_worker", "must be > 0")
+      fail(self, "cpus_per_worker", "must be > 0")
     if self.gpus_per_worker < 0:
-      _fail(self, "gpus_per_worker", "must be >= 0")
+      fail(self, "gpus_per_worker", "must be >= 0")
     bad = {k: v for k, v in self.ray_resources.items()
            if not (isinstance(v, (int, float)) and v > 0)}
     if bad:
-      _fail(self, "ray_resources", f"amounts must be > 0, got {bad}")
-    _one_of(self, "scale", ("all", "cost"))
-    _in_range(self, "cost_lambda", 0.0, 1.0)
+      fail(self, "ray_resources", f"amounts must be > 0, got {bad}")
+    one_of(self, "scale", ("all", "cost"))
+    in_range(self, "cost_lambda", 0.0, 1.0)
     if not (self.seed_init_s >= 0 and self.seed_floor_s >= 0):
-      _fail(self, "seed_init_s", "seed_init_s and seed_floor_s must be >= 0")
+      fail(self, "seed_init_s", "seed_init_s and seed_floor_s must be >= 0")
     if not self.seed_eta > 0:
-      _fail(self, "seed_eta", "must be > 0")
+      fail(self, "seed_eta", "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,21 +238,21 @@ class Rollout:
   workers: Workers = dataclasses.field(default_factory=Workers)
 
   def __post_init__(self):
-    _positive_ints(self, "num_rows", "samples_per_row", "page_size",
+    positive_ints(self, "num_rows", "samples_per_row", "page_size",
                    "decode_window")
     self.check_sampling()
-    _one_of(self, "quantize", model_config.WEIGHT_QUANTS)
+    one_of(self, "quantize", model_config.WEIGHT_QUANTS)
     if self.kv_pages < 0 or self.num_slots < 0:
-      _fail(self, "kv_pages" if self.kv_pages < 0 else "num_slots",
+      fail(self, "kv_pages" if self.kv_pages < 0 else "num_slots",
             "must be >= 0 (0: automatic)")
     if not self.prefill_buckets or min(self.prefill_buckets) < 1:
-      _fail(self, "prefill_buckets", "must be positive lengths")
-    _one_of(self, "attention_impl", ("auto", "xla", "pallas"))
+      fail(self, "prefill_buckets", "must be positive lengths")
+    one_of(self, "attention_impl", ("auto", "xla", "pallas"))
     if self.max_common_length < 0:
-      _fail(self, "max_common_length", "must be >= 0")
+      fail(self, "max_common_length", "must be >= 0")
     cache = max(self.prefill_buckets) + self.max_new_tokens
     if cache > self.max_seq_len:
-      _fail(self, "max_seq_len",
+      fail(self, "max_seq_len",
             f"the largest prefill bucket {max(self.prefill_buckets)} + "
             f"max_new_tokens {self.max_new_tokens} = {cache} does not fit")
 
@@ -285,7 +263,7 @@ class Rollout:
     for key, rule in sampling.range_errors(
         self.temperature, self.top_k, self.top_p, self.max_new_tokens,
         vocab_size):
-      _fail(self, key, rule)
+      fail(self, key, rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +325,7 @@ class RL:
 
   def __post_init__(self):
     from rlhf_jax.rl import registry
-    _positive_ints(self, "ppo_epochs", "num_minibatches", "micro_batches",
+    positive_ints(self, "ppo_epochs", "num_minibatches", "micro_batches",
                    "dynamic_max_rounds", "stream_parts")
     known = [("policy_loss", "policy_loss"), ("kl_estimator", "kl_estimator"),
              ("aggregation", "aggregation")]
@@ -355,34 +333,34 @@ class RL:
       known.append(("advantage", "advantage"))
     for key, category in known:
       if getattr(self, key) not in registry.names(category):
-        _fail(self, key, f"unknown; known: {registry.names(category)}")
+        fail(self, key, f"unknown; known: {registry.names(category)}")
     for key in ("rewards", "tracked_rewards"):
       for name in getattr(self, key):
         if name not in registry.names("reward"):
-          _fail(self, key, f"{name!r} is not a registered reward; known: "
+          fail(self, key, f"{name!r} is not a registered reward; known: "
                 f"{registry.names('reward')}")
     if len(self.reward_weights) not in (0, len(self.rewards)):
-      _fail(self, "reward_weights",
+      fail(self, "reward_weights",
             f"has {len(self.reward_weights)} entries for "
             f"{len(self.rewards)} rewards")
-    _one_of(self, "on_reward_error", ("raise", "zero"))
-    _one_of(self, "importance_weight", off_policy.WEIGHTINGS)
+    one_of(self, "on_reward_error", ("raise", "zero"))
+    one_of(self, "importance_weight", off_policy.WEIGHTINGS)
     if not self.importance_cap > 0:
-      _fail(self, "importance_cap", "must be > 0")
+      fail(self, "importance_cap", "must be > 0")
     if self.mismatch_alarm_kl < 0:
-      _fail(self, "mismatch_alarm_kl", "must be >= 0 (0 = off)")
+      fail(self, "mismatch_alarm_kl", "must be >= 0 (0 = off)")
     if not isinstance(self.kl_coef, float) or self.kl_coef < 0:
-      _fail(self, "kl_coef", "must be a float >= 0")
+      fail(self, "kl_coef", "must be a float >= 0")
     if self.overlong_buffer < 0:
-      _fail(self, "overlong_buffer", "must be >= 0")
+      fail(self, "overlong_buffer", "must be >= 0")
     for key in ("gamma", "lam"):
-      _in_range(self, key, 0.0, 1.0)
+      in_range(self, key, 0.0, 1.0)
     if self.value_clip < 0:
-      _fail(self, "value_clip", "must be >= 0 (0 = off)")
+      fail(self, "value_clip", "must be >= 0 (0 = off)")
     if not isinstance(self.share_prompt, bool):
-      _fail(self, "share_prompt", "must be a bool")
+      fail(self, "share_prompt", "must be a bool")
     if not isinstance(self.pack_length, int) or self.pack_length < 0:
-      _fail(self, "pack_length", "must be an int >= 0 (0 = no packing)")
+      fail(self, "pack_length", "must be an int >= 0 (0 = no packing)")
 
   def kl_config(self):
     """The KL to the reference (`rl/losses.KLConfig`), one object for the
@@ -419,7 +397,7 @@ class Train:
   keep_checkpoints: int = 2
 
   def __post_init__(self):
-    _positive_ints(self, "steps", "prompts_per_step", "checkpoint_every",
+    positive_ints(self, "steps", "prompts_per_step", "checkpoint_every",
                    "keep_checkpoints")
 
 
@@ -432,7 +410,7 @@ class Eval:
   num_prompts: int = 0       # jsonl data: held-out records (0 = all).
 
   def __post_init__(self):
-    _positive_ints(self, "every", "num_rows", "batch_size")
+    positive_ints(self, "every", "num_rows", "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,8 +427,8 @@ class SFT:
 
   def __post_init__(self):
     if self.steps < 0:
-      _fail(self, "steps", "must be >= 0")
-    _positive_ints(self, "batch_size", "log_every", "checkpoint_every")
+      fail(self, "steps", "must be >= 0")
+    positive_ints(self, "batch_size", "log_every", "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +439,7 @@ class Critic:
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
   def __post_init__(self):
-    _one_of(self, "init", ("reward_model",))
+    one_of(self, "init", ("reward_model",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,14 +464,14 @@ class Agent:
   python_memory_mb: int = 256
 
   def __post_init__(self):
-    _positive_ints(self, "max_turns", "python_memory_mb")
-    _one_of(self, "format", tools.FORMATS)
+    positive_ints(self, "max_turns", "python_memory_mb")
+    one_of(self, "format", tools.FORMATS)
     for name in self.tools:
       if name not in tools.TOOL_NAMES:
-        _fail(self, "tools", f"unknown tool {name!r}; known: "
+        fail(self, "tools", f"unknown tool {name!r}; known: "
               f"{list(tools.TOOL_NAMES)}")
     if self.python_timeout_s <= 0:
-      _fail(self, "python_timeout_s", "must be > 0")
+      fail(self, "python_timeout_s", "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,8 +491,8 @@ class Async:
     for key, low in (("max_staleness", 0), ("rollout_devices", -1),
                      ("switch_after_groups", -1)):
       if getattr(self, key) < low:
-        _fail(self, key, f"must be >= {low}")
-    _one_of(self, "in_flight", ("continue", "restart"))
+        fail(self, key, f"must be >= {low}")
+    one_of(self, "in_flight", ("continue", "restart"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,18 +512,21 @@ class RLJob:
   lora: Lora = Lora()                      # Off where the config has none.
   agent: Agent = Agent()                   # Off where the config has none.
   asynchronous: Async = Async()            # Off where the config has none.
+  # The prompts: a section of `data.kind` (`data/sources.KINDS`) and the
+  # kind's task (AdditionTask, Sums) or None.
+  data: Any = None
+  task: Any = None
 
   @classmethod
   def from_config(cls, config) -> "RLJob":
     """The sections of `config` (a ConfigDict), each validated; the PPO
     sections only where the config has them."""
-    sections = {}
-    for f in dataclasses.fields(cls):
-      kind = _SECTIONS.get(f.name)
-      if kind is None:
-        sections[f.name] = config[f.name]
-      elif f.name in config or f.default is dataclasses.MISSING:
-        sections[f.name] = from_dict(kind, config[f.name], f.name)
+    sections = {"seed": config.seed}
+    for name, kind in _SECTIONS.items():
+      if name in config or cls.__dataclass_fields__[name].default is (
+          dataclasses.MISSING):
+        sections[name] = from_dict(kind, config[name], name)
+    sections["data"], sections["task"] = data_sources.sections_of(config)
     return cls(**sections)
 
   @property
@@ -566,67 +547,3 @@ _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
              "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,
              "critic": Critic, "reward_model": RewardModel, "lora": Lora,
              "agent": Agent, "asynchronous": Async}
-
-
-# --------------------------------------------------------- dict <-> object
-def config_dict(cls, **overrides) -> ml_collections.ConfigDict:
-  """A config section with every key of `cls` at its default, then
-  `overrides` (values, or nested ConfigDicts/dicts for nested sections)."""
-  out = ml_collections.ConfigDict(to_dict(cls()))
-  for key, value in overrides.items():
-    if key not in out:
-      raise ConfigError(f"{cls.__name__} has no key {key!r}; known: "
-                        f"{sorted(out.keys())}")
-    if isinstance(value, (dict, ml_collections.ConfigDict)):
-      out[key].update(dict(value))
-    else:
-      out[key] = value
-  return out
-
-
-def to_dict(obj) -> dict[str, Any]:
-  """The plain-dict form of a section (for logs and `config.json`)."""
-  return {f.name: (to_dict(getattr(obj, f.name))
-                   if dataclasses.is_dataclass(getattr(obj, f.name))
-                   else getattr(obj, f.name))
-          for f in dataclasses.fields(obj)}
-
-
-def from_dict(cls, d, path: str):
-  """`cls` from the mapping `d` (a ConfigDict section), strictly: every
-  field present, no other key; nested sections recursively."""
-  known = [f.name for f in dataclasses.fields(cls)]
-  keys = set(d.keys())
-  missing = [k for k in known if k not in keys]
-  if missing:
-    raise ConfigError(
-        f"config.{path} has no key {missing[0]!r} (missing: {missing}); "
-        f"build the section with rlhf_jax.config.sections.config_dict("
-        f"{cls.__name__}, ...)")
-  extra = sorted(keys - set(known))
-  if extra:
-    raise ConfigError(f"config.{path}.{extra[0]} is not a known key; "
-                      f"known: {known}")
-  hints = typing.get_type_hints(cls)
-  values = {}
-  for name in known:
-    value, kind = d[name], hints[name]
-    if dataclasses.is_dataclass(kind):
-      value = from_dict(kind, value, f"{path}.{name}")
-    elif kind is tuple or typing.get_origin(kind) is tuple:
-      value = tuple(value)
-    elif kind is dict:
-      value = dict(value)
-    elif kind is float and isinstance(value, int) and not isinstance(
-        value, bool):
-      value = float(value)
-    values[name] = value
-  return cls(**values)
-
-
-def from_saved(cls, d, path: str):
-  """`cls` from a section saved in a workdir's config.json, keys missing
-  there (saved by an older version) at their defaults."""
-  merged = to_dict(cls())
-  merged.update({k: v for k, v in dict(d).items() if k in merged})
-  return from_dict(cls, merged, path)

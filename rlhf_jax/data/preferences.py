@@ -28,6 +28,7 @@ Dimension letters: P pairs, T = seq_len.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -35,6 +36,38 @@ from rlhf_jax.data import jsonl
 from rlhf_jax.data.tasks import AdditionTask, format_answer
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.errors import DataError, MissingFieldError
+from rlhf_jax.typed_config import fail, from_partial, in_range, one_of
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceData:
+  """`config.data` of the reward-model job: "addition" (pairs made from
+  the addition task of `config.task`: the right sum against a wrong one)
+  or "jsonl" (a local file of {"prompt", "chosen", "rejected"} lines)."""
+  PATH: ClassVar[str] = "data"
+  kind: str = "addition"
+  max_offset: int = 0       # addition: wrong sum; 0 = any other sum.
+  near_miss: float = 0.0    # addition: fraction of wrong sums one digit off.
+  train_path: str = ""      # jsonl.
+  eval_path: str = ""       # jsonl: held-out file; "" = split train.
+  holdout_fraction: float = 0.1
+  seq_len: int = 16         # <bos> prompt response <eos>, right-padded.
+
+  def __post_init__(self):
+    one_of(self, "kind", ("addition", "jsonl"))
+    in_range(self, "near_miss", 0.0, 1.0)
+    if self.kind == "jsonl" and not self.train_path:
+      fail(self, "train_path", "is empty: config.data.kind='jsonl' reads "
+           "its pairs from it")
+
+
+def sections_of(config) -> tuple[PreferenceData, Any]:
+  """(data, task) of a reward-model config: the task (AdditionTask) for
+  kind "addition", else None."""
+  data = from_partial(PreferenceData, config.data, "data")
+  task = (from_partial(AdditionTask, config.get("task") or {}, "task")
+          if data.kind == "addition" else None)
+  return data, task
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,14 +14,15 @@ are even) gives the run a signal a policy can learn.
 
 from __future__ import annotations
 
-from typing import Iterable
+import dataclasses
+from typing import ClassVar, Iterable
 
 import numpy as np
 
-from rlhf_jax.errors import ConfigError
 from rlhf_jax.data import batching
 from rlhf_jax.data.data_source import DataSource
 from rlhf_jax.samples import PromptBatch
+from rlhf_jax.typed_config import fail
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_SPECIAL = 3
@@ -98,19 +99,33 @@ class RandomPrompts:
     self._next = int(state["next_batch"])
 
 
-def source(config, c):
-  """The `DataSource` of `config.data` (see the module doc)."""
-  data = config.data
-  vocab, lo, hi = data.vocab_size, data.min_prompt_len, data.max_prompt_len
-  if vocab <= NUM_SPECIAL:
-    raise ConfigError(f"config.data.vocab_size={vocab} must exceed the "
-                      f"{NUM_SPECIAL} special ids")
-  if not 2 <= lo <= hi:
-    raise ConfigError(f"config.data.min_prompt_len={lo} and max_prompt_len="
-                      f"{hi} must satisfy 2 <= min <= max (<bos> + ids)")
-  spec = dict(vocab_size=vocab, min_len=lo, max_len=hi, seed=data.seed)
+@dataclasses.dataclass(frozen=True)
+class RandomTokensData:
+  """`config.data` of kind "random_tokens" (see the module doc)."""
+  PATH: ClassVar[str] = "data"
+  kind: str = "random_tokens"
+  vocab_size: int = 32000
+  min_prompt_len: int = 16
+  max_prompt_len: int = 32
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.vocab_size <= NUM_SPECIAL:
+      fail(self, "vocab_size", f"must exceed the {NUM_SPECIAL} special ids")
+    if not 2 <= self.min_prompt_len <= self.max_prompt_len:
+      fail(self, "min_prompt_len", f"and max_prompt_len="
+           f"{self.max_prompt_len} must satisfy 2 <= min <= max (<bos> + "
+           "ids)")
+
+
+def source(c):
+  """The `DataSource` of the job sections `c` (`c.data`: RandomTokensData)."""
+  data = c.data
+  spec = dict(vocab_size=data.vocab_size, min_len=data.min_prompt_len,
+              max_len=data.max_prompt_len, seed=data.seed)
   return DataSource(
-      tokenizer=IdTokenizer(vocab), prompt_len=hi, stop_ids=(EOS_ID,),
+      tokenizer=IdTokenizer(data.vocab_size), prompt_len=data.max_prompt_len,
+      stop_ids=(EOS_ID,),
       iterator=RandomPrompts(c.train.prompts_per_step, **spec),
       eval_batches=[prompt_batch(EVAL_STREAM, c.eval.batch_size, **spec)])
 

@@ -1,9 +1,13 @@
-"""Prompt sources of the RL jobs, one builder per `config.data.kind`.
+"""Prompt sources of the RL jobs, one per `config.data.kind`.
 
-  source = sources.build(config, c)   # tokenizer, prompts, eval, SFT data
+  data, task = sources.sections_of(config)  # typed, by kind (`KINDS`)
+  source = sources.build(c)   # tokenizer, prompts, eval, SFT data
 
-`c` are the job's typed sections (`config/sections.RLJob`); `config.data`
-and `config.task` are read as they are (their keys depend on the kind).
+`c` are the job's typed sections (`config/sections.RLJob`), `c.data` and
+`c.task` among them: each kind has its own `data` section (below, and
+`random_tokens.RandomTokensData`) and maybe a `task` (`data/tasks.
+AdditionTask`, `data/sums.Sums`); keys a kind does not know are refused,
+keys it knows but the config leaves out take their defaults.
 
 - "addition": the synthetic addition task (`config.task`) with the character
   tokenizer; prompts are padded to `task.max_prompt_len`; SFT warm-start
@@ -25,14 +29,16 @@ and `config.task` are read as they are (their keys depend on the kind).
   text (`data/random_tokens.py`): an RL step of any size without a
   checkpoint or a dataset (configs/synthetic_grpo.py). No SFT arrays.
 
-`prepare(config, workdir)` runs before `build`: with `config.data.synthetic`
+`prepare(config, workdir)` runs before `build`: with `data.synthetic`
 set it writes the tiny checkpoint and dataset of the `runlocal` configs
 under `<workdir>/runlocal_assets` and points the config at them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -42,13 +48,85 @@ from rlhf_jax.data import random_tokens
 from rlhf_jax.data.data_source import DataSource
 from rlhf_jax.data.batching import PromptIterator, eval_batches, sft_arrays
 from rlhf_jax.samples import PromptBatch
+from rlhf_jax.data.sums import Sums, build_tiny_model
 from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.typed_config import fail, from_partial
+
+
+# ------------------------------------------------------ the data sections
+@dataclasses.dataclass(frozen=True)
+class AdditionData:
+  """Kind "addition": the task (`config.task`, AdditionTask) is all."""
+  PATH: ClassVar[str] = "data"
+  kind: str = "addition"
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPrompts:
+  """Text prompts rendered with a template and the checkpoint's chat
+  template, padded to `max_prompt_len` (longer ones dropped)."""
+  PATH: ClassVar[str] = "data"
+  template: str = "{prompt}"
+  system_prompt: str = ""       # "" = the chat template's default.
+  use_chat_template: bool = True
+  max_prompt_len: int = 256
+  seed: int = 0
+  shuffle: bool = True
+  synthetic: bool = False       # runlocal: build tiny assets in workdir.
+
+  def __post_init__(self):
+    if "{prompt}" not in self.template:
+      fail(self, "template", "has no {prompt}")
+    if not isinstance(self.max_prompt_len, int) or self.max_prompt_len < 2:
+      fail(self, "max_prompt_len", "must be an int >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlData(TextPrompts):
+  """Kind "jsonl": a local GSM8K-format .jsonl / .parquet file."""
+  kind: str = "jsonl"
+  path: str = ""                # Required (or `synthetic`).
+  eval_path: str = ""           # "" = hold out eval.num_prompts records.
+  fields: dict = dataclasses.field(
+      default_factory=lambda: {"prompt": "question", "answer": "answer"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SumsData(TextPrompts):
+  """Kind "sums": generated sums (`config.task`, data/sums.Sums)."""
+  kind: str = "sums"
+  num_train: int = 8192         # Training draws.
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A data kind: its `data` section, its `task` section (or None) and
+  the builder of its DataSource from the job's sections."""
+  data: type
+  task: type | None
+  build: Callable[[Any], DataSource]
+  # (directory, task, seed) -> (model_dir, data_path or None): the tiny
+  # local assets of `data.synthetic` (`prepare`); None: the kind has none.
+  assets: Callable[[str, Any, int], tuple[str, str | None]] | None = None
+
+
+def sections_of(config) -> tuple[Any, Any]:
+  """(data, task): `config.data` and `config.task` typed by the kind."""
+  kind = config.data.get("kind")
+  if kind not in KINDS:
+    raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
+                      f"{sorted(KINDS)}")
+  k = KINDS[kind]
+  data = from_partial(k.data, config.data, "data")
+  task = None if k.task is None else from_partial(
+      k.task, config.get("task") or {}, "task")
+  return data, task
 
 
 def prepare(config, workdir: str):
-  """Materializes synthetic assets if `config.data.synthetic`; returns config.
+  """Materializes synthetic assets if `data.synthetic`; returns config.
 
   The assets are written once under `<workdir>/runlocal_assets` and reused
   by a resumed run; the returned copy of the config points `model.path`
@@ -56,18 +134,12 @@ def prepare(config, workdir: str):
   + a GSM8K-format JSONL ("jsonl"), a tiny random checkpoint whose
   tokenizer knows the task's text ("sums").
   """
-  if not config.data.get("synthetic", False):
+  data, task = sections_of(config)
+  write = KINDS[data.kind].assets
+  if write is None or not data.synthetic:
     return config
   assets = os.path.join(workdir, "runlocal_assets")
-  if config.data.kind == "jsonl":
-    from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
-    build = lambda: synthetic_gsm8k.build_assets(assets, seed=config.seed)
-  elif config.data.kind == "sums":
-    from rlhf_jax.data import sums as sums_lib  # pylint: disable=g-import-not-at-top
-    build = lambda: (sums_lib.build_tiny_model(
-        assets, sums_lib.Sums(**config.task), seed=config.seed), None)
-  else:
-    return config
+  build = lambda: write(assets, task, config.seed)
   # Multi-host: process 0 writes the shared files, the others then read them.
   model_dir, data_path = distributed.process0_first(build, "runlocal_assets")
   config = config.copy_and_resolve_references()
@@ -77,27 +149,20 @@ def prepare(config, workdir: str):
   return config
 
 
-def build(config, c) -> DataSource:
-  """The DataSource of `config.data.kind`, sized by the sections `c`."""
-  kind = config.data.kind
-  builders = {"addition": addition, "jsonl": from_jsonl,
-              "sums": sums,
-              "random_tokens": random_tokens.source}
-  if kind not in builders:
-    raise ConfigError(f"config.data.kind={kind!r} is unknown; known: "
-                      f"{sorted(builders)}")
-  source = builders[kind](config, c)
+def build(c) -> DataSource:
+  """The DataSource of `c.data.kind`, sized by the sections `c`."""
+  source = KINDS[c.data.kind].build(c)
   if c.sft.steps and source.sft_arrays is None:
     raise ConfigError(f"config.sft.steps={c.sft.steps} but "
-                      f"config.data.kind={kind!r} has no SFT data; set "
-                      "--config.sft.steps=0")
+                      f"config.data.kind={c.data.kind!r} has no SFT data; "
+                      "set --config.sft.steps=0")
   return source
 
 
-def addition(config, c) -> DataSource:
+def addition(c) -> DataSource:
   """The addition task with the character tokenizer (configs/tiny_grpo.py)."""
   tokenizer = CharTokenizer()
-  task = AdditionTask(**config.task)
+  task = c.task
   return DataSource(
       tokenizer=tokenizer, prompt_len=task.max_prompt_len,
       stop_ids=(tokenizer.eos_id,),
@@ -106,10 +171,9 @@ def addition(config, c) -> DataSource:
       sft_arrays=lambda start, size: sft_arrays(task, tokenizer, start, size))
 
 
-def require_path(config, key: str, what: str, example: str) -> str:
-  """`config.<key>` as an existing path, else a ConfigError saying how to set it."""
-  section, name = key.split(".")
-  path = config[section][name]
+def require_path(path: str, key: str, what: str, example: str) -> str:
+  """`path` (`config.<key>`) if it exists, else a ConfigError saying how
+  to set it."""
   if not path:
     raise ConfigError(
         f"config.{key} is empty: set it to {what}, e.g. "
@@ -152,9 +216,9 @@ def _eval_batches(examples, tokenizer, prompt_len: int, batch_size: int,
   return out
 
 
-def _checkpoint_tokenizer(config):
+def _checkpoint_tokenizer(c):
   from rlhf_jax.models.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
-  model_path = require_path(config, "model.path",
+  model_path = require_path(c.model.path, "model.path",
                             "a local Hugging Face checkpoint directory",
                             "/ckpt/Qwen2.5-0.5B-Instruct")
   tokenizer = HFTokenizer.from_dir(model_path)
@@ -164,11 +228,11 @@ def _checkpoint_tokenizer(config):
   return tokenizer
 
 
-def _text_source(config, c, tokenizer, examples, eval_examples, what: str
+def _text_source(c, tokenizer, examples, eval_examples, what: str
                  ) -> DataSource:
-  """Text prompts (prompt, metadata) rendered with `config.data`'s template
+  """Text prompts (prompt, metadata) rendered with `c.data`'s template
   and the tokenizer's chat template, padded to `data.max_prompt_len`."""
-  data = config.data
+  data = c.data
   fmt = _format_kwargs(data)
   source = jsonl.PromptSource(
       examples, tokenizer, batch_size=c.train.prompts_per_step,
@@ -185,21 +249,28 @@ def _text_source(config, c, tokenizer, examples, eval_examples, what: str
                                  c.eval.batch_size, **fmt))
 
 
-def sums(config, c) -> DataSource:
+def sums(c) -> DataSource:
   """Generated sums with the checkpoint's tokenizer."""
-  from rlhf_jax.data.sums import Sums  # pylint: disable=g-import-not-at-top
-  tokenizer = _checkpoint_tokenizer(config)
-  task = Sums(**config.task)
-  return _text_source(config, c, tokenizer,
-                      task.train_examples(config.data.num_train),
-                      task.eval_examples(), "config.task's training set")
+  tokenizer = _checkpoint_tokenizer(c)
+  return _text_source(c, tokenizer, c.task.train_examples(c.data.num_train),
+                      c.task.eval_examples(), "config.task's training set")
 
 
-def from_jsonl(config, c) -> DataSource:
-  """Prompts from `config.data.path` with the checkpoint's tokenizer."""
-  data = config.data
-  tokenizer = _checkpoint_tokenizer(config)
-  data_path = require_path(config, "data.path",
+def _gsm8k_assets(directory: str, task, seed: int):
+  del task
+  from rlhf_jax.data import synthetic_gsm8k  # pylint: disable=g-import-not-at-top
+  return synthetic_gsm8k.build_assets(directory, seed=seed)
+
+
+def _sums_assets(directory: str, task, seed: int):
+  return build_tiny_model(directory, task, seed=seed), None
+
+
+def from_jsonl(c) -> DataSource:
+  """Prompts from `c.data.path` with the checkpoint's tokenizer."""
+  data = c.data
+  tokenizer = _checkpoint_tokenizer(c)
+  data_path = require_path(data.path, "data.path",
                            "a local GSM8K-format .jsonl or .parquet file",
                            "/data/gsm8k/train.jsonl")
   fields = dict(data.fields)
@@ -215,5 +286,14 @@ def from_jsonl(config, c) -> DataSource:
           f"are held out for eval, out of {len(examples)}; set it in "
           "[1, #records) or set config.data.eval_path")
     eval_examples, examples = examples[:num_eval], examples[num_eval:]
-  return _text_source(config, c, tokenizer, examples, eval_examples,
+  return _text_source(c, tokenizer, examples, eval_examples,
                       "config.data.path")
+
+
+KINDS: dict[str, Kind] = {
+    "addition": Kind(AdditionData, AdditionTask, addition),
+    "jsonl": Kind(JsonlData, None, from_jsonl, _gsm8k_assets),
+    "sums": Kind(SumsData, Sums, sums, _sums_assets),
+    "random_tokens": Kind(random_tokens.RandomTokensData, None,
+                          random_tokens.source),
+}

@@ -7,6 +7,7 @@ import time
 import numpy as np
 from absl import logging
 
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
@@ -18,11 +19,11 @@ from rlhf_jax.rollout import build as rollout_build
 
 def run(config, workdir: str):
   del workdir  # Nothing is written.
-  model = sections.from_dict(sections.Model, config.model, "model")
-  ro = sections.from_dict(sections.Rollout, config.rollout, "rollout")
+  model = typed_config.from_dict(sections.Model, config.model, "model")
+  ro = typed_config.from_dict(sections.Rollout, config.rollout, "rollout")
   cfg = model.model_config()
   train, rollout = mesh_lib.layouts(
-      sections.from_dict(sections.Mesh, config.mesh, "mesh"))
+      typed_config.from_dict(sections.Mesh, config.mesh, "mesh"))
   graphdef, params = model_lib.init_params(cfg, config.seed, train)
   params = mesh_lib.to_layout(params, rollout)
   cfg, graphdef, _ = rollout_copy.rollout_model(

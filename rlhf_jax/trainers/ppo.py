@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from rlhf_jax.data import preferences
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.models import lora, reward_model
 from rlhf_jax.scoring.heads import ScalarHead
@@ -62,7 +63,7 @@ class PPO:
     layout = policy.train_layout
     rm_config, rm_cfg, rm_graphdef, self.rm_params, self.rm_step = (
         rm.load_trained(c.reward_model.workdir, layout))
-    _check_reward_model_task(config, rm_config)
+    _check_reward_model_task(c, rm_config)
     logging.info("reward model: %s step %d", c.reward_model.workdir,
                  self.rm_step)
     rl, spec = c.rl, c.lora.spec()
@@ -128,10 +129,11 @@ class PPO:
     if slots is None:
       scores = self.heads.scores(self.rm_params, batch)
     else:  # Every sample, each with its last token (a packed row has not).
-      whole = batch_lib.pack(packing.with_last_token(samples), P, M + 1,
-                             group_size=c.shared_prompt_group, slots=packing.Slots(
-                                 rl.pack_length,
-                                 shards=self.actor.layout.shards("batch")))
+      whole = batch_lib.pack(
+          packing.with_last_token(samples), P, M + 1,
+          group_size=c.shared_prompt_group,
+          slots=packing.Slots(rl.pack_length,
+                              shards=self.actor.layout.shards("batch")))
       scores = self.heads.packed_scores(
           self.rm_params, self.actor.put_batch(whole.arrays),
           packing.last_cells(whole.arrays["seq"], len(samples)))
@@ -163,16 +165,18 @@ class PPO:
     return out
 
 
-def _check_reward_model_task(config, rm_config):
-  """The policy must answer in the format the reward model was trained on."""
-  if rm_config.data.kind != "synthetic" or config.data.kind != "addition":
+def _check_reward_model_task(c, rm_config):
+  """The policy (sections `c`) must answer in the format the reward model
+  (its saved config) was trained on."""
+  _, rm_task = preferences.sections_of(rm_config)
+  if rm_task is None or c.data.kind != "addition":
     return
   for key in _FORMAT_KEYS:
-    mine, theirs = config.task[key], rm_config.task[key]
+    mine, theirs = getattr(c.task, key), getattr(rm_task, key)
     if mine != theirs:
       raise ConfigError(
           f"config.task.{key}={mine!r} but the reward model in "
-          f"{config.reward_model.workdir!r} was trained with {theirs!r}: its "
+          f"{c.reward_model.workdir!r} was trained with {theirs!r}: its "
           "scores would not mean anything for this policy's answers")
 
 

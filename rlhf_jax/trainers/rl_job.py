@@ -83,7 +83,7 @@ def build(config, timeline: Timeline | None = None) -> Job:
   """
   algorithm = algorithms.get(config.job)
   c = RLJob.from_config(config)
-  source = sources.build(config, c)
+  source = sources.build(c)
   split = c.asynchronous.enabled and not c.rollout.workers.num
   if split and c.asynchronous.rollout_devices < 0:
     c = async_split.with_cost_model_split(

@@ -2,8 +2,9 @@
 
 The model is the decoder trunk with a scalar head (`models/reward_model.py`)
 scored at <eos>. Data: a local JSONL of {"prompt", "chosen", "rejected"}
-(config.data.kind="jsonl") or the built-in synthetic addition preferences
-("synthetic"). Held-out pairs give `rm/pair_accuracy` and `rm/loss`.
+(config.data.kind="jsonl") or pairs made from the addition task
+("addition": the right sum against a wrong one). Held-out pairs give
+`rm/pair_accuracy` and `rm/loss`.
 
 Resume order: (1) the latest checkpoint in workdir, else (2) random init.
 The train batch of step s is a pure function of (seed, s), so the checkpoint
@@ -25,12 +26,12 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from rlhf_jax import typed_config
 from rlhf_jax.config import sections
 from rlhf_jax.data import preferences
-from rlhf_jax.data.tasks import AdditionTask
 from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.errors import (CheckpointError, ConfigError, DataError,
-                             MissingInputError, NonFiniteError)
+from rlhf_jax.errors import (CheckpointError, DataError, MissingInputError,
+                             NonFiniteError)
 from rlhf_jax.metrics import Progress
 from rlhf_jax.models import reward_model
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -44,6 +45,7 @@ from rlhf_jax.trainers import loop
 class Job:
   """Everything a reward-model run builds before its first step."""
   config: Any
+  data: preferences.PreferenceData  # The typed `config.data`.
   tokenizer: CharTokenizer
   train_pairs_fn: Any      # (start, count) -> list[preferences.Pair].
   eval_pairs: list
@@ -53,11 +55,9 @@ class Job:
   learner: Learner
 
 
-def _data(config, tokenizer):
-  """(train_pairs_fn, eval_pairs) of `config.data`."""
-  d = config.data
-  if d.kind == "synthetic":
-    task = AdditionTask(**config.task)
+def _data(config, d, task, tokenizer):
+  """(train_pairs_fn, eval_pairs) of the data section `d` (and `task`)."""
+  if d.kind == "addition":
     near_miss = d.near_miss
     return (lambda start, n: preferences.synthetic_train_pairs(
         task, start, n, max_offset=d.max_offset, seed=config.seed,
@@ -65,10 +65,6 @@ def _data(config, tokenizer):
             preferences.synthetic_eval_pairs(task, max_offset=d.max_offset,
                                              seed=config.seed,
                                              near_miss=near_miss))
-  if d.kind != "jsonl":
-    raise ConfigError(f"config.data.kind={d.kind!r}; known: synthetic, jsonl")
-  if not d.train_path:
-    raise ConfigError("config.data.kind='jsonl' needs config.data.train_path")
   train = preferences.load_jsonl(d.train_path)
   if d.eval_path:
     evals = preferences.load_jsonl(d.eval_path)
@@ -100,18 +96,21 @@ def _data(config, tokenizer):
 def build(config) -> Job:
   """Builds data, layout, the scalar-head model and its learner."""
   tokenizer = CharTokenizer()
-  train_fn, evals = _data(config, tokenizer)
-  layout, _ = mesh_lib.layouts(sections.from_dict(sections.Mesh, config.mesh,
-                                                   "mesh"))
-  cfg = sections.from_dict(sections.Model, config.model, "model").model_config(
-      vocab_size=tokenizer.vocab_size)
+  data, task = preferences.sections_of(config)
+  train_fn, evals = _data(config, data, task, tokenizer)
+  layout, _ = mesh_lib.layouts(
+      typed_config.from_dict(sections.Mesh, config.mesh, "mesh"))
+  cfg = typed_config.from_dict(
+      sections.Model, config.model, "model").model_config(
+          vocab_size=tokenizer.vocab_size)
   graphdef, params = reward_model.init_params(cfg, config.seed, layout)
   terms, weight = objectives.reward_model_terms()
-  optim = sections.from_dict(OptimConfig, config.optim, "optim")
+  optim = typed_config.from_dict(OptimConfig, config.optim, "optim")
   learner = Learner(graphdef, layout, make_optimizer(optim),
                     terms_fn=terms, weight_fn=weight,
                     micro_batches=config.train.micro_batches)
-  return Job(config=config, tokenizer=tokenizer, train_pairs_fn=train_fn,
+  return Job(config=config, data=data, tokenizer=tokenizer,
+             train_pairs_fn=train_fn,
              eval_pairs=evals, graphdef=graphdef, params=params,
              layout=layout, learner=learner)
 
@@ -138,11 +137,12 @@ def load_trained(workdir: str, layout):
                           "not a reward model (job 'rm')")
   config = ml_collections.ConfigDict(saved)
   from rlhf_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
-  cfg = sections.from_saved(sections.Model, saved["model"], "model"
-                            ).model_config(vocab_size=CharTokenizer().vocab_size)
+  cfg = typed_config.from_saved(
+      sections.Model, saved["model"], "model").model_config(
+          vocab_size=CharTokenizer().vocab_size)
   graphdef, params = reward_model.init_params(cfg, config.seed, layout)
-  optimizer = make_optimizer(sections.from_saved(OptimConfig, saved["optim"],
-                                                 "optim"))
+  optimizer = make_optimizer(
+      typed_config.from_saved(OptimConfig, saved["optim"], "optim"))
   terms, weight = objectives.reward_model_terms()
   like = Learner(graphdef, layout, optimizer, terms_fn=terms,
                  weight_fn=weight, micro_batches=1).init_state(params)
@@ -160,7 +160,7 @@ def train_arrays(job: Job, step: int) -> dict:
   c = job.config
   n = c.train.batch_size
   pairs = job.train_pairs_fn((step - 1) * n, n)
-  arrays = preferences.encode_pairs(pairs, job.tokenizer, c.data.seq_len)
+  arrays = preferences.encode_pairs(pairs, job.tokenizer, job.data.seq_len)
   arrays["margin"] = arrays["margin"] + np.float32(c.train.margin)
   return arrays
 
@@ -189,7 +189,8 @@ def evaluate(job: Job, eval_fn, params) -> dict:
   for start in range(0, len(pairs), n):
     chunk = pairs[start:start + n]
     padded = chunk + pairs[:n - len(chunk)]  # Static shape; cut below.
-    arrays = preferences.encode_pairs(padded, job.tokenizer, c.data.seq_len)
+    arrays = preferences.encode_pairs(padded, job.tokenizer,
+                                      job.data.seq_len)
     loss, acc = jax.device_get(eval_fn(params, job.learner.put_batch(arrays)))
     losses.append(loss[:len(chunk)])
     correct.append(acc[:len(chunk)])
