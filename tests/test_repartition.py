@@ -299,8 +299,7 @@ def test_a_split_keeps_an_in_flight_rollout_identical():
       sampling=SamplingParams(max_new_tokens=M))
   engines = {"all": make(rollout), "part": make(part)}
   params = {"all": rparams,
-            "part": submesh.move(rparams, engines["part"].param_shardings,
-                                 donate=False)}
+            "part": jax.device_put(rparams, engines["part"].param_shardings)}
   rng = np.random.default_rng(3)
   prompts = [(100 + i, rng.integers(1, CFG.vocab_size, 3 + i))
              for i in range(4)]

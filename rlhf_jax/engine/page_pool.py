@@ -79,13 +79,6 @@ class PagePool:
     self.peak_used = max(self.peak_used, self.num_used)
     return pages
 
-  def retain(self, pages) -> None:
-    """One more reference to each of `pages` (a sharer)."""
-    pages = list(pages)
-    if pages and (self._refs[pages] < 1).any():
-      raise ValueError(f"retain of free pages {pages}")
-    np.add.at(self._refs, pages, 1)
-
   def release(self, pages) -> None:
     """Drops one reference to each page; pages left with none are free."""
     pages = list(pages)
@@ -97,6 +90,3 @@ class PagePool:
     for p in dict.fromkeys(reversed(pages)):
       if self._refs[p] == 0:
         self._free[p // self.per_replica].append(p)
-
-  def refcount(self, page: int) -> int:
-    return int(self._refs[page])

@@ -31,9 +31,7 @@ saving of running the prompt once composes with the flash-style saving.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from kernels_pallas import flash_attention as fa
 from kernels_pallas.attention_parts import merge_parts
@@ -94,7 +92,8 @@ def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
 def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
                    response_tokens_NxGxR):
   """Final-norm hidden states [B, R, D] that predict each response token
-  (`grouped_logits` projects them); `model` is a merged Decoder."""
+  (the model's `project` turns them into logits); `model` is a merged
+  Decoder."""
   cfg = model.cfg
   N, P = prompt_tokens_NxP.shape
   G, R = response_tokens_NxGxR.shape[1:]
@@ -125,25 +124,3 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
                                axis=1)  # [N, 1, D]
   x = jnp.concatenate([jnp.repeat(last_N, G, axis=0), x_r[:, :R - 1]], 1)
   return model.final_norm(constrain(x, ("batch", "length", "embed_act")))
-
-
-def grouped_logits(graphdef, params, prompt_tokens_NxP: jax.Array,
-                   prompt_len_N: jax.Array,
-                   response_tokens_NxGxR: jax.Array) -> jax.Array:
-  """Logits of every response token, prompt computed once per group.
-
-  Args:
-    graphdef, params: the decoder (see `model.forward`).
-    prompt_tokens_NxP: right-padded prompt ids.
-    prompt_len_N: true prompt lengths (>= 1).
-    response_tokens_NxGxR: response ids (padding after each response's end
-      is harmless: no valid position attends to it).
-
-  Returns:
-    fp32 logits [B, R, V], B = N*G rows ordered group-major: row n*G + g,
-    position j is the distribution of response token j, i.e. the logits the
-    repeated layout has at position len_n - 1 + j.
-  """
-  model = nnx.merge(graphdef, params)
-  return model.project(grouped_hidden(model, prompt_tokens_NxP, prompt_len_N,
-                                      response_tokens_NxGxR))

@@ -74,21 +74,6 @@ def layer_groups(tree: PyTree, layers_per_group: int = 1
   return tuple(tuple(v) for v in groups.values())
 
 
-def bytes_groups(tree: PyTree, max_bytes: int) -> tuple[tuple[int, ...], ...]:
-  """Contiguous leaves (flatten order) packed into groups of <= max_bytes."""
-  out, cur, size = [], [], 0
-  for i, x in enumerate(jax.tree.leaves(tree)):
-    n = x.size * x.dtype.itemsize
-    if cur and size + n > max_bytes:
-      out.append(tuple(cur))
-      cur, size = [], 0
-    cur.append(i)
-    size += n
-  if cur:
-    out.append(tuple(cur))
-  return tuple(out)
-
-
 # ------------------------------------------------------------- accounting
 def _shard_bytes(shape, dtype, sharding) -> int:
   """Bytes of one array summed over its devices (replicas counted)."""
@@ -260,26 +245,6 @@ def repartition(tree: PyTree, dst_shardings: PyTree, *,
     if on_group is not None:
       on_group(gi)
   return jax.tree.unflatten(treedef, out)
-
-
-def _buffers(x) -> set:
-  return {(s.device.id, s.data.unsafe_buffer_pointer())
-          for s in x.addressable_shards}
-
-
-def free_unshared(old: PyTree, new: PyTree) -> None:
-  """Deletes the arrays of `old` whose buffers `new` does not reuse.
-
-  `jax.device_put` may return its input (or share its buffers) when the
-  sharding does not change; those must survive.
-  """
-  keep = set()
-  for y in jax.tree.leaves(new):
-    if y.size:
-      keep |= _buffers(y)
-  for x in jax.tree.leaves(old):
-    if x.size and not x.is_deleted() and not _buffers(x) & keep:
-      x.delete()
 
 
 # ---------------------------------------------------------------- offload

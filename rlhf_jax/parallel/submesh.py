@@ -4,22 +4,20 @@ A rollout layout is replicas x tensor over the devices in mesh order. `split`
 cuts it into consecutive blocks of whole replicas, each a layout of its own
 (a rollout layout, or a training/FSDP layout for scoring), so e.g. 8 devices
 in 4 replicas x TP 2 become rollout on 2 replicas (devices 0-3) and scoring on
-devices 4-7. `merge` puts rollout parts back together. `move` carries a live
-pytree (params, a decode state) onto another part's shardings
-(`engine/migrate.move_decode` uses it to carry an in-flight rollout onto
-another engine, with the engine's row bookkeeping).
+devices 4-7. `merge` puts rollout parts back together. `view` reads an
+array on another part's devices without copying the shards it shares
+(`engine/moves.py` carries an in-flight rollout onto another engine).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from rlhf_jax.parallel import mesh as mesh_lib
-from rlhf_jax.parallel import repartition
 from rlhf_jax.parallel.layout import Layout
 
 
@@ -75,18 +73,6 @@ def merge(parts: Sequence[Layout]) -> Layout:
 
 def devices_of(layout: Layout) -> list:
   return list(np.asarray(layout.mesh.devices).reshape(-1))
-
-
-def move(tree: Any, shardings: Any, *, donate: bool = True) -> Any:
-  """Puts a live pytree on `shardings` (another part or the merged mesh).
-
-  Across different device sets this is per-shard device-to-device copies
-  (`jax.device_put`); the source buffers are freed when donating.
-  """
-  out = jax.device_put(tree, shardings)
-  if donate:
-    repartition.free_unshared(tree, out)
-  return out
 
 
 def view(x: jax.Array, sharding, shape: Sequence[int] | None = None):

@@ -59,9 +59,6 @@ class FusedProblem:
     return ([(n, f, True) for n in nodes] +
             [(n, 2 * f, False) for n in reversed(nodes)])
 
-  def node_models(self, node: int) -> list[int]:
-    return [m for m in range(self.n_models) if node in self.fwd_nodes(m)]
-
 
 PUBLISHED_INSTANCES = [
     FusedProblem(8, 4, 32, 16, 5, 4, 1.95, 2),
@@ -140,21 +137,6 @@ def evaluate(problem: FusedProblem,
   if remaining:
     return Evaluation(math.inf, math.inf, math.inf)
   return Evaluation(max(free_at), max(peak), sum(peak))
-
-
-def serial_peak_memory(problem: FusedProblem) -> float:
-  """Peak activation memory per node of unfused 1F1B (for comparison).
-
-  Under 1F1B stage s of an S-stage pipeline holds at most min(S - s, m)
-  micro-batches; serial execution runs the two models one after the other.
-  """
-  peaks = [0.0] * problem.pp0
-  for m in range(problem.n_models):
-    nodes = problem.fwd_nodes(m)
-    for s, node in enumerate(nodes):
-      held = min(len(nodes) - s, problem.micro_batches(m)) * problem.mem(m)
-      peaks[node] = max(peaks[node], held)
-  return max(peaks)
 
 
 def lower_bound(problem: FusedProblem) -> int:
