@@ -145,7 +145,7 @@ class _GeometricLengths:
 
 def _simulated_ratio(sync: dict, asyn: dict, steps: int) -> float:
   """Sync over async step seconds in the simulator at one repeat's units."""
-  from rlhf_jax.sched.policy import get_policy
+  from rlhf_jax.sched.named_policies import get_policy
   from rlhf_jax.sim import async_run
   from rlhf_jax.sched.cost_model.setting import Setting
 

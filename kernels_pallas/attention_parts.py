@@ -7,7 +7,7 @@ an associative rule, so parts can be computed anywhere and merged in any
 order. An empty part (L = -inf: a free slot, an empty suffix) contributes
 nothing and never produces NaN; a query with no keys at all gets zeros.
 The decode kernels (`prefix_decode_attention*.py`) and the grouped
-training layout (`rlhf_jax/models/grouped.py`) build on these.
+training layout (`rlhf_jax/models/grouped_forward.py`) build on these.
 """
 
 from __future__ import annotations

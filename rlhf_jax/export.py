@@ -83,7 +83,8 @@ def read_config(workdir: str) -> dict:
 
 
 def model_source(saved: dict) -> _Source:
-  """The policy's ModelConfig as the job built it (`models/build.py`)."""
+  """The policy's ModelConfig as the job built it
+  (`models/checkpoint_or_preset.py`)."""
   try:
     m = typed_config.from_saved(sections.Model, saved["model"], "model")
   except sections.ConfigError as e:

@@ -23,7 +23,7 @@ from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.samples import Request, Sample
 from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.engine import Engine
-from rlhf_jax.envs.base import Step
+from rlhf_jax.envs.environment import Step
 from rlhf_jax.envs.episodes import Episodes, ReplayLog
 from rlhf_jax.envs.tools import Calculator, QwenFormat, TaggedFormat, ToolEnv
 from rlhf_jax.models import model as model_lib

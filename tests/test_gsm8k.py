@@ -15,7 +15,7 @@ import pytest
 
 from configs import gsm8k_grpo
 from rlhf_jax.data import synthetic_gsm8k
-from rlhf_jax.models.tokenizer import HFTokenizer
+from rlhf_jax.models.hf_tokenizer import HFTokenizer
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data import sources
 

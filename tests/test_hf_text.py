@@ -13,7 +13,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from rlhf_jax.data import jsonl
-from rlhf_jax.models.tokenizer import HFTokenizer
+from rlhf_jax.models.hf_tokenizer import HFTokenizer
 from rlhf_jax.rewards import gsm8k
 from rlhf_jax.rl import registry
 

@@ -153,3 +153,15 @@ def test_sched_is_plain_python():
                if _room(name) == "sched" for imp in _imports(path)
                if imp.split(".")[0] in ("jax", "numpy", "flax", "optax"))
   assert not bad, bad
+
+
+def test_no_file_name_in_two_rooms():
+  """A module's name says which one it is: no two rooms hold files of the
+  same name (`models/tokenizer.py` beside `data/tokenizer.py` once)."""
+  rooms = {}
+  for name, path in MODULES.items():
+    base = os.path.basename(path)
+    if base != "__init__.py":
+      rooms.setdefault(base, []).append(name)
+  twins = {base: names for base, names in rooms.items() if len(names) > 1}
+  assert not twins, twins

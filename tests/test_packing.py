@@ -18,7 +18,7 @@ from rlhf_jax.rl import batch as batch_lib
 from rlhf_jax.rl import objectives, packing
 from rlhf_jax.rl.learner import OptimConfig, make_optimizer, split_micro
 from rlhf_jax.rl.prepare import AdvantageConfig, Preparer
-from rlhf_jax.sched import packing as rules
+from rlhf_jax.sched import row_packing as rules
 from rlhf_jax.rl.losses import KLConfig
 
 # Gemma-2-like switches (window, soft-caps) so segment masks meet them all.

@@ -1,7 +1,7 @@
 """Trainer-side prompt sharing: the grouped layout equals the repeated one.
 
 Grouped = each prompt run once for its G responses (rl/grouped.py,
-models/grouped.py); repeated = [prompt; response] per sequence. Both go
+models/grouped_forward.py); repeated = [prompt; response] per sequence. Both go
 through the same Learner and loss code on the 8-device training mesh, with
 prompts of different lengths (right-padded) and responses of different
 lengths, so positions, padding masks and the prefix/suffix merge all count.

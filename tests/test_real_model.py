@@ -29,7 +29,7 @@ from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import hf
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.tokenizer import HFTokenizer
+from rlhf_jax.models.hf_tokenizer import HFTokenizer
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
 

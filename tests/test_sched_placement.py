@@ -4,7 +4,7 @@ import pytest
 
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.sched import placement
-from rlhf_jax.sched import policy as policy_lib
+from rlhf_jax.sched import named_policies as policy_lib
 from rlhf_jax.sim import runner
 from rlhf_jax.sched.cost_model import costs, hardware, profiles as models
 from rlhf_jax.sched.cost_model.setting import Setting

@@ -75,7 +75,7 @@ def test_seed_window_caps_the_held_workers(mesh8):
   from rlhf_jax.rollout.elastic import ElasticRollout
   from rlhf_jax.sched import offload
   from rlhf_jax.workers import manager as manager_lib
-  from rlhf_jax.workers import pool as pool_lib
+  from rlhf_jax.workers import demand_pool as pool_lib
   from rlhf_jax.workers.seeding import TRAINER_ID, SeedWindow
   from rlhf_jax.workers.worker import RolloutWorker
   from worker_env import M, SPEC, check, published_store, reference

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlhf_jax.sched import policy as policy_lib
+from rlhf_jax.sched import named_policies as policy_lib
 from rlhf_jax.sim import reproduce, runner
 from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.workload import Workload, WorkloadSpec

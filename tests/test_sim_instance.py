@@ -150,7 +150,7 @@ def test_measured_step_cost_schedules_by_hand():
 def test_async_at_eta_zero_is_the_synchronous_step():
   """At measured costs, eta = 0 leaves nothing to overlap: each step is
   the batch's decode then its training, what `sync_step_s` gives."""
-  from rlhf_jax.sched.policy import get_policy
+  from rlhf_jax.sched.named_policies import get_policy
   from rlhf_jax.sim import async_run
   from rlhf_jax.sched.cost_model.setting import Setting
   from rlhf_jax.sim.workload import Workload, WorkloadSpec

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from rlhf_jax.sched import policy as policy_lib
+from rlhf_jax.sched import named_policies as policy_lib
 from rlhf_jax.sim import accounting, availability, runner
-from rlhf_jax.sim.pool import RemotePool
+from rlhf_jax.sim.instance_pool import RemotePool
 from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.step import SampleLedger
 from rlhf_jax.sim.instance import Sample

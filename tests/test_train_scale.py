@@ -174,7 +174,7 @@ def test_chunked_attention_equals_reference_with_lse_grads(
 
   (l0, (o0, s0)), g0 = loss("reference", None)
   # Square blocks, and the grouped prefix's shape: tall query blocks over
-  # wider key blocks (`models/grouped.py`), and the reverse.
+  # wider key blocks (`models/grouped_forward.py`), and the reverse.
   for block in ((8, 8), (24, 16), (8, 32)):
     (l1, (o1, s1)), g1 = loss("chunked", block)
     np.testing.assert_allclose(o1, o0, atol=2e-6, err_msg=str(block))

@@ -12,7 +12,7 @@ import pytest
 import fakes
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.workers import manager as manager_lib
-from rlhf_jax.workers import pool as pool_lib
+from rlhf_jax.workers import demand_pool as pool_lib
 from rlhf_jax.workers.worker import RolloutWorker
 from worker_env import M, SPEC, check as _check, published_store
 from worker_env import reference, requests as _requests

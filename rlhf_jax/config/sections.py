@@ -166,8 +166,9 @@ class Workers:
   cpus_per_worker: float = 1.0
   gpus_per_worker: float = 0.0
   ray_resources: dict = dataclasses.field(default_factory=dict)
-  # Scale to demand (workers/pool.py): hold every available worker ("all")
-  # or the cost-aware count ("cost"; lambda = weight of latency vs cost).
+  # Scale to demand (workers/demand_pool.py): hold every available worker
+  # ("all") or the cost-aware count ("cost"; lambda = weight of latency vs
+  # cost).
   scale: str = "all"
   cost_lambda: float = 0.5
   # Adaptive offload (RLBoost Algorithm 1): the trainer's engine seeds for

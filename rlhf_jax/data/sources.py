@@ -217,7 +217,7 @@ def _eval_batches(examples, tokenizer, prompt_len: int, batch_size: int,
 
 
 def _checkpoint_tokenizer(c):
-  from rlhf_jax.models.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.models.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
   model_path = require_path(c.model.path, "model.path",
                             "a local Hugging Face checkpoint directory",
                             "/ckpt/Qwen2.5-0.5B-Instruct")

@@ -32,7 +32,7 @@ import os
 import re
 from typing import Callable
 
-from rlhf_jax.envs.base import Env, Step
+from rlhf_jax.envs.environment import Env, Step
 from rlhf_jax.errors import DataError
 
 

@@ -21,7 +21,7 @@ import operator
 import re
 from typing import Callable, Mapping, Protocol
 
-from rlhf_jax.envs.base import Step
+from rlhf_jax.envs.environment import Step
 from rlhf_jax.errors import ConfigError
 
 

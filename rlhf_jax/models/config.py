@@ -101,8 +101,8 @@ class ModelConfig:
   # (`rl/logprobs.head_logprobs`); (0, 0): one block, the whole [B*T, V].
   logprob_chunks: tuple[int, int] = (1024, 8192)
   # The grouped layout's prefix part (responses over their prompt's keys,
-  # `models/grouped.py`): fp32 score elements per block of the chunked path,
-  # per (group, query head). Large blocks: few sequential loop steps, which
+  # `models/grouped_forward.py`): fp32 score elements per block of the
+  # chunked path, per (group, query head). Large blocks: few sequential loop steps, which
   # a GPU pays for in launches (docs/results.md, GPU).
   prefix_block_scores: int = 1024 * 2048
   # Trainable LoRA adapters next to the (then frozen) weights; None: none.

@@ -178,7 +178,7 @@ def env_reward(
     completions: Sequence[str],
     metadata: Sequence[Mapping],
 ) -> list[float]:
-  """The environment's rewards of a multi-turn sample (`envs/base.py`),
+  """The environment's rewards of a multi-turn sample (`envs/environment.py`),
   summed over its turns; 0 for single-turn samples."""
   del prompts, completions
   return [float(m.get("env_reward", 0.0)) for m in metadata]

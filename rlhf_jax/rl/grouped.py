@@ -9,7 +9,7 @@ repeated: tokens, positions, attn_mask, targets, loss_mask [B, T]; old_logp,
 grouped: prompt_tokens [N, P] (right-padded), prompt_len [N],
   response_tokens [N, G, R] (also the targets), loss_mask [N, G, R]; old_logp,
   ref_logp [N, G, R]; advantages [N, G]. The forward runs each prompt once
-  (`models/grouped.py`).
+  (`models/grouped_forward.py`).
 
 packed (`rl/packing.py`): rows [W, L] of several sequences (tokens,
   positions, seg, optional sub, targets, loss_mask, seq, seq_len; old_logp,
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlhf_jax.models import grouped as grouped_model
+from rlhf_jax.models import grouped_forward as grouped_model
 from rlhf_jax.rl.logprobs import head_logprobs
 
 PROMPT_KEYS = ("prompt_tokens", "prompt_len")

@@ -24,7 +24,7 @@ Keys (W rows, L = length):
     weight: sums to the batch's B over the batch, so samples that train
     nothing, left out of the rows, still count as in the other layouts).
 
-Rows are placed by `sched/packing.py` (first-fit decreasing into rows,
+Rows are placed by `sched/row_packing.py` (first-fit decreasing into rows,
 longest-first over slots) so each (mini-batch, micro-batch, data shard)
 slot holds the same number of rows and about the same number of tokens;
 mini-batch m is rows [m * n, (m + 1) * n) and `split_micro`'s strided
@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rlhf_jax.sched import packing as rules
+from rlhf_jax.sched import row_packing as rules
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ devices (`kind="local"`, tests) or Ray actors in their own JAX processes
     `LocalRollout` decode loop, so the long-tail policies apply on the
     trainer's mesh;
   - `workers.scale="cost"`: hold the cost-aware number of workers each
-    step (`workers/pool.py`);
+    step (`workers/demand_pool.py`);
   - `rollout.max_common_length > 0`: the batch's common prefix is stored
     once on every worker (and on the trainer's engine).
 Groups stream out as they complete; `trainer_free` turns True at the
@@ -38,7 +38,7 @@ from rlhf_jax.sched import offload
 from rlhf_jax.workers import manager as manager_lib
 from rlhf_jax.workers import ray_local
 from rlhf_jax.workers import weights as weights_lib
-from rlhf_jax.workers.pool import DemandScaler, WorkerPool
+from rlhf_jax.workers.demand_pool import DemandScaler, WorkerPool
 from rlhf_jax.workers.seeding import TRAINER_ID, SeedWindow
 from rlhf_jax.workers.worker import EngineSpec, RolloutWorker, ray_worker
 

@@ -19,7 +19,7 @@ layout: prompt + response per row), cut to a power-of-two length that
 holds its longest sample: samples that finish early are short, and the
 causal forward of a prefix does not depend on what follows it. The
 log-prob passes run each prompt of the chunk once for its samples there
-instead (the grouped layout, `models/grouped.py`; partial groups padded to
+instead (the grouped layout, `models/grouped_forward.py`; partial groups padded to
 the chunk's largest) when that computes fewer token positions
 (`runs_grouped`: long prompts, several samples of one prompt); the reward
 model and critic always read the repeated rows. With `pack` (the training
@@ -254,7 +254,7 @@ class ScoringPasses:
 
   def grouped_positions(self, samples) -> int:
     """Token positions of the chunk with each of its prompts run once for
-    its samples there (`models/grouped.py`), as `_chunk_arrays` pads it."""
+    its samples there (`models/grouped_forward.py`), as `_chunk_arrays` pads it."""
     counts = collections.Counter(s.prompt_id for s in samples)
     return len(counts) * (
         _pow2_at_most(max(len(s.prompt_tokens) for s in samples),

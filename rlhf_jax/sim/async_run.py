@@ -37,7 +37,7 @@ import dataclasses
 import math
 
 from rlhf_jax.sched import staleness
-from rlhf_jax.sched.policy import Policy
+from rlhf_jax.sched.named_policies import Policy
 from rlhf_jax.sched.cost_model import costs
 from rlhf_jax.sched.cost_model.async_batch import batch_seconds
 from rlhf_jax.sim.instance import DecodeInstance, Sample

@@ -8,7 +8,7 @@ policy relative to another, averaged over cases, with the paper's number.
 import dataclasses
 import math
 
-from rlhf_jax.sched import policy as policy_lib
+from rlhf_jax.sched import named_policies as policy_lib
 from rlhf_jax.sim import accounting, async_run, availability, runner
 from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.workload import Workload, WorkloadSpec

@@ -4,9 +4,9 @@ import dataclasses
 
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.sched import length_history, offload
-from rlhf_jax.sched.policy import Policy
+from rlhf_jax.sched.named_policies import Policy
 from rlhf_jax.sim import availability
-from rlhf_jax.sim.pool import RemotePool
+from rlhf_jax.sim.instance_pool import RemotePool
 from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.step import StepSimulator
 from rlhf_jax.sim.workload import Workload

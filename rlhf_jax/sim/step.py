@@ -16,7 +16,7 @@ import math
 
 from rlhf_jax.sched import actor_scaling, assignment, offload, placement
 from rlhf_jax.sched import tail
-from rlhf_jax.sched.policy import Policy
+from rlhf_jax.sched.named_policies import Policy
 from rlhf_jax.sim import accounting, step_elastic, step_phases
 from rlhf_jax.sched.cost_model import costs
 from rlhf_jax.sim import step_tail

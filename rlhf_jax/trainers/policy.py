@@ -24,7 +24,7 @@ from absl import logging
 from flax import nnx
 
 from rlhf_jax.config import compose
-from rlhf_jax.models import build as model_build
+from rlhf_jax.models import checkpoint_or_preset
 from rlhf_jax.models import hf_adapters, lora, rollout_copy
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import colocate
@@ -84,9 +84,9 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
   """The policy of the job sections `c` (see the module doc)."""
   # top_k against the model's vocabulary before its weights are built or
   # loaded: a config error, nothing compiled yet.
-  c.rollout.check_sampling(model_build.config_of(
+  c.rollout.check_sampling(checkpoint_or_preset.config_of(
       c.model, vocab_size=source.tokenizer.vocab_size).vocab_size)
-  cfg, graphdef, params = model_build.build(
+  cfg, graphdef, params = checkpoint_or_preset.build(
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
   spec = c.lora.spec()

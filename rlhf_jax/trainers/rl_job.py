@@ -28,7 +28,7 @@ from rlhf_jax.config import checks
 from rlhf_jax.config.sections import RLJob
 from rlhf_jax.data import sources
 from rlhf_jax.envs.episodes import ReplayLog
-from rlhf_jax.models import build as model_build
+from rlhf_jax.models import checkpoint_or_preset
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import train_stage
 from rlhf_jax.rollout import build as rollout_build
@@ -87,8 +87,8 @@ def build(config, timeline: Timeline | None = None) -> Job:
   split = c.asynchronous.enabled and not c.rollout.workers.num
   if split and c.asynchronous.rollout_devices < 0:
     c = async_split.with_cost_model_split(
-        c, model_build.config_of(c.model,
-                                 vocab_size=source.tokenizer.vocab_size),
+        c, checkpoint_or_preset.config_of(
+            c.model, vocab_size=source.tokenizer.vocab_size),
         jax.devices()[:c.mesh.num_devices or None], source.prompt_len)
   checks.check_rl_job(c, job=algorithm.checks_as,
                       prompt_len=source.prompt_len)
