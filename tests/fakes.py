@@ -98,8 +98,8 @@ def capture_samples(job) -> list:
   from rlhf_jax.rollout.base import Sampled  # pylint: disable=g-import-not-at-top
   seen, make = [], job.train_stage
 
-  def stage(trainable, step):
-    train, got = make(trainable, step=step), []
+  def stage(trainable_of, step):
+    train, got = make(trainable_of, step=step), []
     add, finish = train.add, train.finish
 
     def spy_add(group):

@@ -64,12 +64,12 @@ class ReinforceWithValueBaseline:
     del weights
     return {}
 
-  def batch(self, samples, rewards, trainable, params, ref, *, states=None,
+  def batch(self, samples, rewards, keep, params, ref, *, states=None,
             minibatches: int, current=None, fused=None):
     del minibatches, current, fused
     packed = batch_lib.pack(samples, self.source.prompt_len,
                             self.c.rollout.max_new_tokens,
-                            trainable=trainable)  # Repeated rows.
+                            keep=keep)  # Repeated rows.
     batch = self.preparer.put(packed)
     values = self.value_head.values(states["value"].params, batch)
     batch, info = self.preparer(params, ref, {**batch, "rewards": rewards},

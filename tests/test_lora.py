@@ -326,7 +326,7 @@ def test_adapters_export_as_peft_and_start_a_run(lora_run, tmp_path):
   trained, _ = lora.split(jax.device_get(state.params))
   c = _lora_config(**{"lora.init_from": f"{out}/adapter"})
   job = rl_job.build(c)
-  started, _ = lora.split(job.policy.trainable(job.params))
+  started, _ = lora.split(job.policy.trained_params(job.params))
   for x, y in zip(jax.tree.leaves(trained), jax.tree.leaves(started)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # Adapters of another shape: one line at build, before any work.

@@ -93,7 +93,7 @@ def test_slot_order_is_where_split_micro_and_the_mesh_put_each_slot(mesh8):
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def _train_view(samples, rewards, trainable, params, ref, layout,
+def _train_view(samples, rewards, keep, params, ref, layout,
                 **pack_kw):
   """(batch, info, {mode: (loss, grads)}) of one layout: the ADVANTAGES
   stage (KL as a reward penalty), then the learner's gradient sums over 2
@@ -110,7 +110,7 @@ def _train_view(samples, rewards, trainable, params, ref, layout,
       micro_batches=2)
   preparer = Preparer(learner, AdvantageConfig(
       "grpo", G, kl=KLConfig(0.05, in_loss=False)))
-  packed = batch_lib.pack(samples, P, R, trainable=trainable, **pack_kw)
+  packed = batch_lib.pack(samples, P, R, keep=keep, **pack_kw)
   batch, info = preparer(params, ref, preparer.put(packed, rewards))
   grads, num, _, weight = learner.grad_sums(params, batch)
   out = {"learner": (float(num / weight),
@@ -143,19 +143,19 @@ def test_packed_batch_loss_equals_unpacked(mesh8):
   ref = jax.tree.map(lambda x: x * 1.05, params)
   samples = _samples()
   rewards = np.random.default_rng(1).normal(size=N * G).astype(np.float32)
-  trainable = np.ones(N * G, bool)
-  trainable[5] = False
+  keep = np.ones(N * G, bool)
+  keep[5] = False
   slots = packing.Slots(32, micro_batches=2, shards=layout.shards("batch"))
   views = {
-      "repeated": _train_view(samples, rewards, trainable, params, ref,
+      "repeated": _train_view(samples, rewards, keep, params, ref,
                               layout),
-      "packed": _train_view(samples, rewards, trainable, params, ref,
+      "packed": _train_view(samples, rewards, keep, params, ref,
                             layout, slots=slots),
-      "packed_groups": _train_view(samples, rewards, trainable, params, ref,
+      "packed_groups": _train_view(samples, rewards, keep, params, ref,
                                    layout, group_size=G, slots=slots),
   }
   batch0, info0, out0 = views["repeated"]
-  trained = sum(len(s.tokens) for b, s in enumerate(samples) if trainable[b])
+  trained = sum(len(s.tokens) for b, s in enumerate(samples) if keep[b])
   for name, (batch, info, out) in views.items():
     np.testing.assert_allclose(info["kl"], info0["kl"], rtol=1e-4, atol=1e-5,
                                err_msg=name)

@@ -77,10 +77,10 @@ def test_streamed_minibatches_are_updates_in_arrival_order(mesh8,
   job = rl_job.build(c)
   parts, old_params, real = [], [], job.algorithm.batch
 
-  def spy(samples, rewards, trainable, params, ref, **kw):
+  def spy(samples, rewards, keep, params, ref, **kw):
     parts.append((list(samples), np.asarray(rewards)))
     old_params.append(jax.device_get(params))  # Of the old log-probs.
-    return real(samples, rewards, trainable, params, ref, **kw)
+    return real(samples, rewards, keep, params, ref, **kw)
   monkeypatch.setattr(job.algorithm, "batch", spy)
   prompts = next(job.iterator)
   state, metrics = fakes.first_step(job, prompts)

@@ -55,7 +55,7 @@ def slots(rl, learner, minibatches: int) -> packing.Slots | None:
 
 
 def pack(samples: Sequence, prompt_len: int, max_new: int, *,
-         group_size: int = 0, trainable=None,
+         group_size: int = 0, keep=None,
          slots: packing.Slots | None = None) -> PackedBatch:
   """Host arrays of the batch in one of the layouts of `rl/grouped.py`.
 
@@ -63,23 +63,23 @@ def pack(samples: Sequence, prompt_len: int, max_new: int, *,
   to T; targets are shifted left. group_size=G: the grouped layout, each
   prompt once ([N, P], right-padded) and its G responses [N, G, R]; samples
   must come as `generate` returns them (G consecutive samples per prompt).
-  `trainable` [B] bool: False samples stay in the batch (static shapes) but
+  `keep` [B] bool: False samples stay in the batch (static shapes) but
   out of the loss (stale samples, empty dynamic-sampling slots). `slots`:
   the packed layout instead (`rl/packing.py`: rows of `slots.length`
   tokens dealt to the step's mini-batch x micro-batch x shard cells; with
   group_size each group's prompt is shared inside its row), where
-  untrainable samples take no room at all.
+  samples not kept take no room at all.
   """
   response_len = np.array([len(s.tokens) for s in samples], np.float32)
   if slots is not None:
     arrays, sampler_logp = packing.pack(samples, slots, group_size=group_size,
-                                        trainable=trainable)
+                                        keep=keep)
     return PackedBatch(arrays, sampler_logp, response_len)
   packed = (_pack_grouped(samples, group_size, prompt_len, max_new)
             if group_size else _pack_repeated(samples, prompt_len, max_new))
-  if trainable is not None:
+  if keep is not None:
     rows = packed.arrays["loss_mask"].reshape(len(samples), -1)
-    rows[~np.asarray(trainable, bool)] = 0.0
+    rows[~np.asarray(keep, bool)] = 0.0
   return packed
 
 

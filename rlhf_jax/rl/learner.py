@@ -131,7 +131,7 @@ class Learner:
                               static_argnums=5)
     self._logprobs_jit = jax.jit(self._logprobs_fn)
     self._pacer = pacing.Pacer(MAX_AHEAD)
-    self._rows_jit = jax.jit(
+    self._minibatch_jit = jax.jit(
         lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
 
   def batch_shardings(self, batch: Batch):
@@ -147,9 +147,9 @@ class Learner:
     return jax.tree.map(distributed.put_global, batch,
                         self.batch_shardings(batch))
 
-  def rows(self, batch: Batch, idx) -> Batch:
+  def minibatch(self, batch: Batch, idx) -> Batch:
     """Mini-batch of the given rows, gathered on device, batch-sharded."""
-    out = self._rows_jit(batch, idx)
+    out = self._minibatch_jit(batch, idx)
     return jax.device_put(out, self.batch_shardings(out))
 
   def split(self, params):
@@ -338,7 +338,7 @@ def train_epochs(learners, states, batch: Batch, *, epochs: int,
       perm = rng.permutation(rows)
       minis = [perm[k::num_minibatches] for k in range(num_minibatches)]
     for idx in minis:
-      mini = learners[0].rows(batch, idx)
+      mini = learners[0].minibatch(batch, idx)
       for i, learner in enumerate(learners):
         states[i], m = learner.step(states[i], mini)
         metrics[i].append(m)

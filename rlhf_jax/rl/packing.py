@@ -64,10 +64,10 @@ class _Unit:
   tokens: int
 
 
-def _units(samples, group_size: int, shared: bool, trainable,
+def _units(samples, group_size: int, shared: bool, keep,
            length: int) -> list[_Unit]:
-  """The units of the trainable, non-empty samples."""
-  live = [b for b, s in enumerate(samples) if len(s.tokens) and trainable[b]]
+  """The units of the kept, non-empty samples."""
+  live = [b for b, s in enumerate(samples) if len(s.tokens) and keep[b]]
   if not shared:
     return [_Unit(np.asarray(samples[b].prompt_tokens), (b,), False,
                   len(samples[b].prompt_tokens) + len(samples[b].tokens) - 1)
@@ -106,18 +106,17 @@ def slot_order(slots: Slots, per_slot: int) -> np.ndarray:
 
 
 def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
-         trainable=None):
+         keep=None):
   """(arrays of the packed layout, sampler_logp [W, L]): module doc.
 
   group_size=G shares each group's prompt (samples come G per prompt, as
   `generate` returns them); 0 packs every sequence whole.
   """
   B, L = len(samples), slots.length
-  trainable = (np.ones(B, bool) if trainable is None
-               else np.asarray(trainable, bool))
+  keep = np.ones(B, bool) if keep is None else np.asarray(keep, bool)
   if group_size and B % group_size:
     raise ValueError(f"{B} samples are not groups of {group_size}")
-  units = _units(samples, group_size, bool(group_size), trainable, L)
+  units = _units(samples, group_size, bool(group_size), keep, L)
   unit_rows = rules.fill_rows([u.tokens for u in units], L)
   row_tokens = [sum(units[u].tokens for u in r) for r in unit_rows]
   per_slot = rules.rows_per_slot(len(unit_rows), slots.count)
@@ -144,7 +143,7 @@ def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
   # Samples that train nothing still count as sequences: in the first row
   # of mini-batch (b mod M).
   n = W // slots.minibatches
-  for b in np.flatnonzero(~trainable | np.array([len(s.tokens) == 0
+  for b in np.flatnonzero(~keep | np.array([len(s.tokens) == 0
                                                  for s in samples])):
     a["row_seqs"][(b % slots.minibatches) * n] += 1
   return a, sampler_logp

@@ -3,7 +3,7 @@ is built: `WholeBatch` trains once every group is in, `Streamed` (RLBoost's
 micro-batch streaming, `rl/streaming.py`) trains on parts of the batch
 while the rest still decodes.
 
-  train = stage(trainable, step=step)   # per step
+  train = stage(trainable_of, step=step)   # per step
   train.add(group)                   # each scored group as it finishes
   train.start(states, ref)           # once the trainer's devices are back
   states, info, trained = train.finish(fused)
@@ -14,7 +14,7 @@ wait in host memory: a stage brings them back when it needs them), `ref`
 the reference on device (None when its pass ran fused). The algorithm
 (`trainers/grpo.py`, `trainers/ppo.py`) says how samples become the
 training batch (`batch`) and which learners train (`learners`:
-(metric prefix, state key, Learner), the policy first); `trainable`
+(metric prefix, state key, Learner), the policy first); `trainable_of`
 (samples -> (keep, current)) is the rollout's staleness rule.
 """
 
@@ -37,9 +37,9 @@ class WholeBatch:
   """Every group first, then `epochs x num_minibatches` updates of every
   learner on the same mini-batches (`train_epochs`)."""
 
-  def __init__(self, algorithm, colocation, clock, trainable, *, step: int,
+  def __init__(self, algorithm, colocation, clock, trainable_of, *, step: int,
                epochs: int, num_minibatches: int, seed: int):
-    self.algo, self.co, self.trainable = algorithm, colocation, trainable
+    self.algo, self.co, self.trainable_of = algorithm, colocation, trainable_of
     self.clock = clock
     self.step, self.epochs, self.minibatches = step, epochs, num_minibatches
     self.seed = seed
@@ -71,7 +71,7 @@ class WholeBatch:
     rewards = (None if groups[0].rewards is None
                else np.concatenate([g.rewards for g in groups]))
     valid = np.concatenate([np.full(len(g.samples), g.valid) for g in groups])
-    keep, current = self.trainable(samples)
+    keep, current = self.trainable_of(samples)
     key = algo.learners[0][1]
     with self.clock.span("scoring"):
       states = {k: v if k in (key, "ref") else _live(co, v)
@@ -101,10 +101,10 @@ class Streamed:
   one update equals the whole batch's (float32 rounding). The policy is
   the only learner."""
 
-  def __init__(self, algorithm, colocation, clock, trainable, *, step: int,
+  def __init__(self, algorithm, colocation, clock, trainable_of, *, step: int,
                num_groups: int, groups_per_part: int,
                parts_per_update: int):
-    self.algo, self.co, self.trainable = algorithm, colocation, trainable
+    self.algo, self.co, self.trainable_of = algorithm, colocation, trainable_of
     self.clock = clock
     (_, self.key, learner), = algorithm.learners
     self.updates = streaming.StreamedUpdates(
@@ -148,7 +148,7 @@ class Streamed:
   def _part(self, samples, rewards, params, ref):
     """A part's batch; stale samples are left out (or raise, as the
     rollout's rule says)."""
-    keep, current = self.trainable(samples)
+    keep, current = self.trainable_of(samples)
     batch, info = self.algo.batch(samples, rewards, keep, params, ref,
                                   minibatches=1, current=current)
     return batch, {**info, "keep": keep}

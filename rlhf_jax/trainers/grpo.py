@@ -55,7 +55,7 @@ class GRPO:
     del weights
     return {}
 
-  def batch(self, samples, rewards, trainable, params, ref, *, states=None,
+  def batch(self, samples, rewards, keep, params, ref, *, states=None,
             minibatches: int, current=None, fused=None):
     """The device training batch of whole groups and its info: the
     ADVANTAGES stage's, the response lengths and the trained tokens. With
@@ -67,7 +67,7 @@ class GRPO:
     packed = batch_lib.pack(
         samples, self.source.prompt_len, self.c.rollout.max_new_tokens,
         group_size=self.c.shared_prompt_group,
-        trainable=trainable, slots=batch_lib.slots(rl, self.policy.learner,
+        keep=keep, slots=batch_lib.slots(rl, self.policy.learner,
                                                    minibatches))
     batch = self.preparer.put(packed, rewards, current)
     if fused is None:

@@ -53,7 +53,7 @@ class Policy:
   seed: int
   train_layout: Any
 
-  def trainable(self, params):
+  def trained_params(self, params):
     """The params the learner trains, from the (post-SFT) `params`: with
     LoRA, adapters (fresh, or `lora.init_from`'s) on them as the frozen
     base; else the params themselves."""
@@ -73,7 +73,7 @@ class Policy:
     """{key: the train state of the post-SFT `params`} and, without LoRA,
     "ref": the reference (a frozen copy unless `copy=False`, a restore
     target: the policy's buffers are donated)."""
-    states = {key: self.learner.init_state(self.trainable(params))}
+    states = {key: self.learner.init_state(self.trained_params(params))}
     if self.lora_spec is None:
       states["ref"] = jax.tree.map(lambda x: jnp.array(x, copy=True),
                                    params) if copy else params

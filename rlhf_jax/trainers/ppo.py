@@ -106,7 +106,7 @@ class PPO:
     """The reward model and the (parked) critic for the fused passes."""
     return {"rm": self.rm_params, "critic": weights.states["critic"].params}
 
-  def batch(self, samples, rewards, trainable, params, ref, *, states=None,
+  def batch(self, samples, rewards, keep, params, ref, *, states=None,
             minibatches: int, current=None, fused=None):
     """The training batch: reward-model scores, critic values, then the
     ADVANTAGES stage (GAE); and its info. `rewards` (tracked ones) are not
@@ -119,7 +119,7 @@ class PPO:
     # Shared prompts need packed rows here (`config/compose`: not the
     # grouped layout).
     packed = batch_lib.pack(samples, P, M, group_size=c.shared_prompt_group,
-                            trainable=trainable, slots=slots)
+                            keep=keep, slots=slots)
     if fused is not None:
       per_token = fused.assemble(samples, packed)
       batch = self.preparer.put(packed, rewards=per_token.pop("rewards"))

@@ -51,7 +51,7 @@ class Job:
   policy: policy_lib.Policy  # Model, learner, layout switch, rollouts.
   algorithm: Any            # `trainers/grpo.GRPO`, `trainers/ppo.PPO`, ...
   rollout: Any              # `rollout/step_rollouts`: what a step samples.
-  train_stage: Callable     # (trainable, step=) -> `rl/train_stage` stage.
+  train_stage: Callable     # (trainable_of, step=) -> `rl/train_stage` stage.
   train_layout: Any
   rollout_layout: Any
   fused: Any = None         # `ScoringPasses` on the tail's freed devices.
@@ -142,16 +142,16 @@ def _rollout(c, p: policy_lib.Policy, source, async_layout, policy_key):
 
 
 def _train_stage(c, algo, co, clock) -> Callable:
-  """(trainable, step=) -> the step's train stage (see the module doc)."""
+  """(trainable_of, step=) -> the step's train stage (see the module doc)."""
   rl = c.rl
   if rl.stream:
     groups = c.train.prompts_per_step
-    return lambda trainable, step: train_stage.Streamed(
-        algo, co, clock, trainable, step=step, num_groups=groups,
+    return lambda trainable_of, step: train_stage.Streamed(
+        algo, co, clock, trainable_of, step=step, num_groups=groups,
         groups_per_part=groups // rl.stream_parts,
         parts_per_update=rl.stream_parts // rl.num_minibatches)
-  return lambda trainable, step: train_stage.WholeBatch(
-      algo, co, clock, trainable, step=step, epochs=rl.ppo_epochs,
+  return lambda trainable_of, step: train_stage.WholeBatch(
+      algo, co, clock, trainable_of, step=step, epochs=rl.ppo_epochs,
       num_minibatches=rl.num_minibatches, seed=step_seed(c.seed, step))
 
 
