@@ -76,7 +76,6 @@ def with_sampler(job, sampler):
   import copy  # pylint: disable=g-import-not-at-top
   rollout = copy.copy(job.rollout)
   rollout.sampler = sampler
-  rollout.on_workers = hasattr(sampler, "manager")
   return dataclasses.replace(job, rollout=rollout,
                              policy=dataclasses.replace(job.policy,
                                                         rollout=sampler))

@@ -85,6 +85,12 @@ class Rollout(abc.ABC):
   """Samples prompt batches with versioned weights; see the module doc."""
 
   version: int = -1
+  # Multi-turn environments the samples step through (`envs/episodes`),
+  # or None: single-turn.
+  episodes = None
+  # Whether workers of their own decode the samples (their rollout gets
+  # its own row of the timeline).
+  on_workers: bool = False
 
   @abc.abstractmethod
   def set_weights(self, params, version: int, master=None) -> None:

@@ -71,6 +71,8 @@ class ElasticRollout(Rollout):
     self._free = False
     self._metrics: dict = {}
 
+  on_workers = True  # The workers decode (`Rollout.on_workers`).
+
   @property
   def trainer_free(self) -> bool:
     return self._free

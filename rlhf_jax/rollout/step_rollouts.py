@@ -104,7 +104,6 @@ class Colocated:
     self.sampler, self.co, self.iterator = sampler, colocation, iterator
     self.clock = clock  # `step_clock.StepClock`: the job's phases.
     self.G, self.seed, self.policy_key = group_size, seed, policy_key
-    self.on_workers = hasattr(sampler, "manager")  # Their own span.
     self._metrics: dict = {}
     self._t0 = 0.0
 
@@ -138,7 +137,7 @@ class Colocated:
       rewards = None if scorer is None else scorer.score(group, prompts)
       end = self.clock.now()  # The rollout's end, once all are in.
       yield ScoredGroup(group, rewards, True, order[group[0].prompt_id])
-    if self.on_workers:
+    if self.sampler.on_workers:  # Their own row of the timeline.
       self.clock.timeline.add("workers", "rollout", t0, end)
     self._metrics = {**self.sampler.metrics(),
                      **(scorer.metrics() if scorer is not None else {})}

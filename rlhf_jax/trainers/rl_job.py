@@ -176,7 +176,7 @@ def run(config, workdir: str):
   train state."""
   config = sources.prepare(config, workdir)
   job = build(config)
-  episodes = getattr(job.policy.rollout, "episodes", None)
+  episodes = job.policy.rollout.episodes
   if episodes is not None:  # Tool outputs replayed by a resumed step.
     episodes.log = ReplayLog(os.path.join(workdir, "episodes"),
                              keep_steps=job.c.train.checkpoint_every,
