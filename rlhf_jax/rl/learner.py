@@ -208,7 +208,7 @@ class Learner:
   def grad_sums(self, params, batch: Batch):
     """(gradient, loss numerator, aux, weight) sums of one part of a batch.
 
-    Streaming (`trainers/streaming.py`): the parts of one update arrive one
+    Streaming (`rl/train_stage.Streamed`): the parts of one update arrive one
     by one; the sums over parts, normalised by the summed weight in `apply`,
     are the update `step` makes on the parts' union (weights are additive
     over rows; see `aggregation.aggregate_terms`).
