@@ -88,8 +88,10 @@ class PPOStep:
     self.ppo = object.__new__(PPO)
     self.ppo.__dict__.update(
         source=types.SimpleNamespace(prompt_len=prompt_len),
-        c=types.SimpleNamespace(rl=rl, rollout=types.SimpleNamespace(
-            max_new_tokens=max_new, samples_per_row=group_size)),
+        c=types.SimpleNamespace(
+            rl=rl, rollout=types.SimpleNamespace(
+                max_new_tokens=max_new, samples_per_row=group_size),
+            shared_prompt_group=0),  # rl.share_prompt=False.
         actor=self.actor,
         preparer=prepare.Preparer(self.actor, rl.advantage_config(
             group_size)),
