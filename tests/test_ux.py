@@ -198,6 +198,12 @@ def test_data_and_task_sections_are_typed_by_kind():
   with pytest.raises(ConfigError, match=r"^config\.data\.train_path='': is "
                      "empty"):
     sections_of(ml_collections.ConfigDict({"data": {"kind": "jsonl"}}))
+  # A reward model trained before the "synthetic" kind was named
+  # "addition" still loads into PPO; a new config may not use the old name.
+  old = ml_collections.ConfigDict({"data": {"kind": "synthetic"}})
+  assert sections_of(old, saved=True)[0].kind == "addition"
+  with pytest.raises(ConfigError, match="kind='synthetic': must be one of"):
+    sections_of(old)
 
 
 # ------------------------------------------------------------------ NaN

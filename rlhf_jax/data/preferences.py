@@ -61,10 +61,19 @@ class PreferenceData:
            "its pairs from it")
 
 
-def sections_of(config) -> tuple[PreferenceData, Any]:
+# Kinds a reward-model workdir saved by an older version names otherwise.
+_SAVED_KINDS = {"synthetic": "addition"}  # Renamed 2026-11-30.
+
+
+def sections_of(config, *, saved: bool = False
+                ) -> tuple[PreferenceData, Any]:
   """(data, task) of a reward-model config: the task (AdditionTask) for
-  kind "addition", else None."""
-  data = from_partial(PreferenceData, config.data, "data")
+  kind "addition", else None. `saved`: the config.json of a trained
+  reward model, which may use an older kind's name."""
+  d = dict(config.data)
+  if saved:
+    d["kind"] = _SAVED_KINDS.get(d.get("kind"), d.get("kind"))
+  data = from_partial(PreferenceData, d, "data")
   task = (from_partial(AdditionTask, config.get("task") or {}, "task")
           if data.kind == "addition" else None)
   return data, task

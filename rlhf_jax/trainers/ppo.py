@@ -168,7 +168,7 @@ class PPO:
 def _check_reward_model_task(c, rm_config):
   """The policy (sections `c`) must answer in the format the reward model
   (its saved config) was trained on."""
-  _, rm_task = preferences.sections_of(rm_config)
+  _, rm_task = preferences.sections_of(rm_config, saved=True)
   if rm_task is None or c.data.kind != "addition":
     return
   for key in _FORMAT_KEYS:
