@@ -44,7 +44,7 @@ counted once, at its capacity C), `kv_bytes_ratio` (decode-state bytes,
 tables), `kv_read_ratio_theory` (KV tokens a decode step with every sample
 live reads, as the engine's attention reads them: `kv_tokens_read`, common
 prefix included). Equality: the fraction of samples whose tokens match
-between the variants (same seeds; tests/test_common_prefix.py proves it
+between the variants (same seeds; tests/engine/test_common_prefix.py proves it
 exactly on small shapes).
 
 Model: as benchmarks/engine.py (ModelConfig.tiny with 4 layers, embed 256,

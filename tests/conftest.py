@@ -3,7 +3,7 @@
 Tiers: `pytest -m "not slow" tests` skips the end-to-end runs (whole jobs,
 Ray clusters, multi-process launches); `.ci/run` runs everything.
 
-On an accelerator (`JAX_PLATFORMS=cuda pytest tests/test_hf.py ...`, the
+On an accelerator (`JAX_PLATFORMS=cuda pytest tests/models/test_hf.py ...`, the
 [gpu] checks of docs/results.md) the tests that need the 8-device mesh
 skip, and fp32 matmuls run at full precision: the parity tests compare
 fp32 results with fp64 and torch oracles, and XLA's GPU default (TF32)

@@ -9,6 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlhf_jax.models.config import ModelConfig
+
+# The tiny decoder most engine, rollout and scoring tests run: 64 tokens,
+# GQA (4 query heads over 2 kv heads).
+TINY_CFG = ModelConfig.tiny(vocab_size=64)
+
 
 class Clock:
   """A clock the test sets by hand (`t`), or one second per poll round

@@ -12,7 +12,7 @@ covered by the runs that import it:
   report         every benchmark (`emit`: the last line and `--out`);
   long_tail_workload  paged_long_tail (its long-tail trace);
   static_rows    paged_long_tail (its static baseline; tokens checked)
-                 and the engine tests (their oracle, tests/test_paged.py);
+                 and the engine tests (their oracle, tests/engine/test_paged.py);
   cpu_allocator  repartition re-executes itself through it
                  (`retained_allocator` must come back true);
   long_tail_ppo  long_tail's PPO step (`--ppo`, on by default: the

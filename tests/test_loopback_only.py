@@ -214,12 +214,12 @@ def test_a_local_ray_cluster_talks_over_loopback_only(tmp_path):
 
 
 def test_the_sandbox_network_test_talks_over_loopback_only(tmp_path):
-  """tests/test_sandbox.py::test_no_network, traced: its probes from inside
+  """tests/envs/test_sandbox.py::test_no_network, traced: its probes from inside
   the sandbox's network namespace name loopback only."""
   _strace_or_skip()
   rc, out, trace = _traced(
       [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
-       "no:cacheprovider", "tests/test_sandbox.py::test_no_network"],
+       "no:cacheprovider", "tests/envs/test_sandbox.py::test_no_network"],
       str(tmp_path / "strace.txt"), 300, str(tmp_path))
   if rc == 0 and "1 skipped" in out and not _in_ci():
     pytest.skip("the sandbox cannot be set up here: "

@@ -11,7 +11,7 @@ prompt's group takes a free row whole and frees it once all its samples
 end. That is exact for a paged worker with one group entry per row
 (`num_groups` = rows, `num_slots` = rows x G), pages for every slot (no
 pool preemption) and one decode step a call (`decode_window=1`), as the
-benchmark and tests/test_sim_worker_rows.py build them; with more group
+benchmark and tests/sim/test_sim_worker_rows.py build them; with more group
 entries than rows (the engine's default, 2 S / G) a new group starts as
 soon as one slot frees, which this does not model. Exact and
 deterministic, in simulated seconds, one poll round at a time as in
@@ -59,7 +59,7 @@ deterministic, in simulated seconds, one poll round at a time as in
     holds no more joins).
 With the "rounds" clock the step counts per worker, rounds, migrations,
 running moves and re-prefill tokens equal a live run's, with or without
-`plateau` (tests/test_sim_worker_rows.py); with "seconds" the events land
+`plateau` (tests/sim/test_sim_worker_rows.py); with "seconds" the events land
 at the rounds the simulated costs put them in. Not modelled: stale-weight
 resampling (one weight version), stop tokens (a sample runs its budget),
 worker failures other than the trace's.

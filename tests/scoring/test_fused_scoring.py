@@ -9,10 +9,9 @@ import pytest
 
 import fakes
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
-CFG = ModelConfig.tiny(vocab_size=64)
+CFG = fakes.TINY_CFG
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from rlhf_jax.models.hf_tokenizer import HFTokenizer
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data import sources
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fakes
 from kernels_pallas import prefix_decode_attention as pda
 from rlhf_jax.engine.common_prefix import (
     longest_common_prefix, strip_common_prefix)
@@ -18,10 +19,9 @@ from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
-CFG = ModelConfig.tiny(vocab_size=64)  # GQA: 4 query heads, 2 kv heads.
+CFG = fakes.TINY_CFG  # GQA: 4 query heads, 2 kv heads.
 STOP = 5
 SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95,
                          max_new_tokens=8, stop_tokens=(STOP,))

@@ -17,7 +17,7 @@ from rlhf_jax.config import checks
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.trainers import rl_job
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = {"train.steps": 6, "eval.every": 3}
 
 

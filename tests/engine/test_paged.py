@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks.static_rows import StaticRows
+import fakes
 from kernels_pallas import paged_decode_attention as pda
 from rlhf_jax.engine import moves
 from rlhf_jax.samples import Request
@@ -23,11 +24,10 @@ from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.workers import continuation
 
-CFG = ModelConfig.tiny(vocab_size=64)
+CFG = fakes.TINY_CFG
 STOP = 5
 SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95,
                          max_new_tokens=20, stop_tokens=(STOP,))

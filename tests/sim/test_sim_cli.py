@@ -15,7 +15,7 @@ from rlhf_jax.sim import reproduce, runner
 from rlhf_jax.sched.cost_model.setting import Setting
 from rlhf_jax.sim.workload import Workload, WorkloadSpec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(
     p for p in glob.glob(os.path.join(ROOT, "configs/sim/*.py"))
     if not p.endswith(("__init__.py", "common.py")))

@@ -11,16 +11,16 @@ import jax
 import numpy as np
 import pytest
 
+import fakes
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models import rollout_copy
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 
-CFG = ModelConfig.tiny(vocab_size=64)
+CFG = fakes.TINY_CFG
 STOP = 5
 SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95,
                          max_new_tokens=10, stop_tokens=(STOP,))

@@ -5,7 +5,7 @@ way llama.cpp's converter does (query and key rows interleaved per head,
 dimensions listed innermost first, some tensors quantized to Q8_0), and the
 conversion must give them back. Unsupported input is one line naming it.
 The real model's checks (tokenizer, logits, greedy tokens against
-transformers' own GGUF loader) are in tests/test_real_model.py.
+transformers' own GGUF loader) are in tests/models/test_real_model.py.
 """
 
 import json
@@ -21,7 +21,7 @@ gguf = pytest.importorskip("gguf")
 from rlhf_jax.errors import ConfigError  # noqa: E402
 from rlhf_jax.models import from_gguf  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, KV_HEADS, MLP, LAYERS = 32, 4, 2, 48, 2
 HEAD_DIM = HIDDEN // HEADS
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab",

@@ -17,14 +17,13 @@ from rlhf_jax.engine.long_tail import TailController
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import model as model_lib
-from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rollout.local import LocalRollout
 from rlhf_jax.sched import continuous
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.sim import rows
 
-CFG = ModelConfig.tiny(vocab_size=64)
+CFG = fakes.TINY_CFG
 M = 12
 SAMPLING = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=M)
 G, RPR = 2, 1

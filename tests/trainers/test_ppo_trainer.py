@@ -195,7 +195,7 @@ def test_critic_fits_returns():
 
 def test_learner_paces_every_pass():
   """Every update, gradient sum and apply hands one output of its own pass
-  to the learner's Pacer (whose bound tests/test_pacing.py checks with fake
+  to the learner's Pacer (whose bound tests/parallel/test_pacing.py checks with fake
   markers).
 
   This replaces a test that counted unfinished outputs of real passes: on CPU

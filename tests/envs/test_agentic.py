@@ -30,8 +30,8 @@ from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import aggregation, batch as batch_lib, packing
 from rlhf_jax.rewards import verifiable
-import test_multiturn as mt
-from test_paged import CFG
+import multiturn_cases as mt
+from fakes import TINY_CFG as CFG
 
 TOK = CharTokenizer()
 
@@ -118,7 +118,7 @@ def _run_episodes(model, mesh8, episodes):
   driver = MultiTurnDriver(engine, mesh_lib.to_layout(params, layout),
                            reply=episodes)
   out = {}
-  for s in driver.run(mt._requests()):
+  for s in driver.run(mt.requests()):
     episodes.finish(s)
     out[s.key] = s
   return out
@@ -128,7 +128,7 @@ def test_episodes_turns_equal_reprefill_at_every_turn(model, mesh8, mesh1):
   episodes = Episodes(LengthEnv, TOK, TaggedFormat(), max_turns=4)
   episodes.begin(1)
   got = _run_episodes(model, mesh8, episodes)
-  want = mt._oracle(model, mesh_lib.rollout_layout(mesh1),
+  want = mt.oracle(model, mesh_lib.rollout_layout(mesh1),
                     reply=_oracle_reply())
   assert got.keys() == want.keys()
   for k, s in got.items():

@@ -23,7 +23,7 @@ import pytest
 
 from rlhf_jax.sim import reproduce
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "sim.md")
 
 

@@ -29,7 +29,7 @@ from rlhf_jax.errors import CheckpointError, ConfigError, MissingInputError
 from rlhf_jax.models import hf, hf_config
 from rlhf_jax.models import model as model_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
