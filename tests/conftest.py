@@ -115,6 +115,16 @@ def mesh1():
   return mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])
 
 
+@pytest.fixture(scope="session")
+def tiny_model(mesh8):
+  """(graphdef, params) of `fakes.TINY_CFG` on the 8-device training
+  layout, seed 0: the engine, multi-turn and agent tests' model. Shared by
+  every test of a worker: tests copy or reshard it, never donate it."""
+  from rlhf_jax.models import model as model_lib  # pylint: disable=g-import-not-at-top
+  return model_lib.init_params(fakes.TINY_CFG, 0,
+                               mesh_lib.train_layout(mesh8))
+
+
 @pytest.fixture
 def round_clock():
   return fakes.Clock()

@@ -28,8 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 
 
 @pytest.fixture(scope="module")
-def model(mesh8):
-  return model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+def model(tiny_model):
+  return tiny_model
 
 
 def _prompts(n=5, seed=0):

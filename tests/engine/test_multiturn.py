@@ -10,13 +10,12 @@ from fakes import TINY_CFG as CFG
 from multiturn_cases import GREEDY, oracle, reply_fn, requests
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.multiturn import MultiTurnDriver
-from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
 
 
 @pytest.fixture(scope="module")
-def model(mesh8):
-  return model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+def model(tiny_model):
+  return tiny_model
 
 
 @pytest.mark.parametrize("pages", [200, 40], ids=["roomy", "tight"])

@@ -23,7 +23,6 @@ from rlhf_jax.engine.page_pool import PagePool, PoolExhausted
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.sampling import SamplingParams
-from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.workers import continuation
 
@@ -36,8 +35,8 @@ G = 4
 
 
 @pytest.fixture(scope="module")
-def model(mesh8):
-  return model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+def model(tiny_model):
+  return tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from rlhf_jax.engine.engine import Engine
 from rlhf_jax.envs.environment import Step
 from rlhf_jax.envs.episodes import Episodes, ReplayLog
 from rlhf_jax.envs.tools import Calculator, QwenFormat, TaggedFormat, ToolEnv
-from rlhf_jax.models import model as model_lib
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import aggregation, batch as batch_lib, packing
 from rlhf_jax.rewards import verifiable
@@ -104,8 +103,8 @@ def _oracle_reply():
 
 
 @pytest.fixture(scope="module")
-def model(mesh8):
-  return model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+def model(tiny_model):
+  return tiny_model
 
 
 def _run_episodes(model, mesh8, episodes):
