@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.rollout.base import Rollout
 
 # The tiny decoder most engine, rollout and scoring tests run: 64 tokens,
 # GQA (4 query heads over 2 kv heads).
@@ -215,3 +216,45 @@ def random_samples(rng, groups: int, group_size: int, prompt_lens,
           logp_raw=(-rng.random(r)).tolist(), finish_reason="length",
           weight_version=0))
   return out
+
+
+class ScriptedRollout(Rollout):
+  """An engine-level rollout (`rollout/base.Rollout`) that yields canned
+  groups instead of decoding: the step, its train stages, the loop and the
+  metrics run without compiling an engine.
+
+  `groups_of(prompts, num_samples, seed, step)` -> the groups of one
+  stream (each a list of Samples, in the order they "finish"); every
+  sample is stamped with the weight version `set_weights` last gave, as a
+  real rollout stamps it. `recorded(samples)` replays samples a real
+  rollout produced (by prompt id and sample index), so a scripted step can
+  be checked against the real one.
+  """
+
+  def __init__(self, groups_of):
+    self.groups_of, self.version, self.streams = groups_of, -1, []
+    self.params = None
+
+  def set_weights(self, params, version: int, master=None) -> None:
+    del master
+    self.params, self.version = params, version
+
+  def stream(self, prompts, num_samples: int, seed: int, *, step: int = 0,
+             trainer_busy=None, freed=None):
+    del trainer_busy, freed
+    groups = self.groups_of(prompts, num_samples, seed, step)
+    self.streams.append((step, seed, [len(g) for g in groups]))
+    for group in groups:
+      yield [dataclasses.replace(s, weight_version=self.version)
+             for s in group]
+
+  @staticmethod
+  def recorded(samples):
+    """groups_of replaying `samples` (any order) for the prompts asked."""
+    by_key = {(s.prompt_id, s.sample_idx): s for s in samples}
+
+    def groups_of(prompts, num_samples, seed, step):
+      del seed, step
+      return [[by_key[int(p), j] for j in range(num_samples)]
+              for p in prompts.prompt_ids]
+    return groups_of
