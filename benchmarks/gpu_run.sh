@@ -37,9 +37,9 @@ t0=$SECONDS
 if [[ ${TESTS:-} != none ]]; then
   JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
     timeout "${TESTS_S:-110}" python3 -m pytest -q -p no:cacheprovider \
-    -n "${TEST_WORKERS:-4}" -W ignore ${TESTS:-tests/test_kernels_paged.py \
-    tests/test_hf.py tests/test_model.py tests/test_train_scale.py \
-    tests/test_kernels_prefix.py} >>"$log" 2>&1
+    -n "${TEST_WORKERS:-4}" -W ignore ${TESTS:-tests/kernels/test_kernels_paged.py \
+    tests/models/test_hf.py tests/models/test_model.py tests/models/test_train_scale.py \
+    tests/kernels/test_kernels_prefix.py} >>"$log" 2>&1
   echo "tests rc=$? in $((SECONDS - t0)) s" >>"$log"
 fi
 # A part may carry its own flags after '+': train+--remat=dots:65 runs the
