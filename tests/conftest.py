@@ -15,11 +15,21 @@ import os
 # XLA:CPU's concurrency-optimized scheduler off: with it, programs loaded from
 # the compilation cache (below) deadlock in their collectives; see
 # `compilation_cache`.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 )
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's older loop emitter instead of its MLIR fusion emitters: backend
+# compiling is most of the suite's time (687 of 1,079 test-seconds in the
+# fast tier, 2,055 programs), and the fusion emitters take twice as long to
+# compile the same programs (tests/engine/test_paged.py: 34 s of compiling
+# with them, 16 s without; 2 cores, jax 0.10.2, 2026-11-30). The test
+# programs are tiny, so how well they run matters less. Set for the jobs the
+# tests start too (they inherit XLA_FLAGS), so a resumed subprocess and this
+# process compute with the same code.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # On CPU the tests compile with XLA's backend optimizations off (LLVM -O0, no
 # expensive passes), here and in every job a test starts (they read the
 # variable when they import JAX): the test programs are small and run a few
