@@ -22,10 +22,10 @@ The modules in `EXTERNAL` drive another framework that is not a dependency
 run is skipped where it is not installed.
 
 The runs inherit this process's environment (tests/conftest.py: 8 fake CPU
-devices, XLA's backend optimizations off, the run's compilation cache) plus
-`FAST_COMPILE` (below), in a temporary working directory that must stay
-empty: a benchmark writes nothing of its own (no benchmarks/results/, no
-files in the repo). The runs that take more than ~12 s are `slow`; the
+devices, XLA:CPU's loop emitter, the backend optimizations off, the run's
+compilation cache), in a temporary working directory that must stay empty:
+a benchmark writes nothing of its own (no benchmarks/results/, no files in
+the repo). The runs that take more than ~12 s are `slow`; the
 import check is fast and catches a module that no longer imports (a
 renamed import, a flag defined twice).
 """
@@ -44,14 +44,6 @@ HELPERS = ("cpu_allocator", "long_tail_ppo", "long_tail_workload", "report",
            "static_rows", "timing")
 # name -> the package it drives (importable name).
 EXTERNAL = {"tunix_grpo": "tunix"}
-# XLA:CPU's older (elemental) fusion emitters in the runs: they are
-# compile-bound and their numbers mean nothing, and these compile about
-# twice as fast (2026-11-28: a tiny train step in 9 s instead of 22,
-# engine's smoke in 15 s instead of 36, async_rl's in 48 instead of 84).
-# The flag is part of the compilation cache's key, so the runs share
-# compiled programs with each other but not with the other tests (they
-# shared next to none).
-FAST_COMPILE = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _case(args, keys, timeout_s, slow):
@@ -183,8 +175,7 @@ def test_smoke_run(name, tmp_path):
       # The simulator's CPU profile is a path relative to the repo root;
       # the run's working directory is not the repo.
       RLHF_JAX_CPU_CALIBRATION=os.path.join(
-          ROOT, "benchmarks", "results", "engine_costs_cpu.json"),
-      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}")
+          ROOT, "benchmarks", "results", "engine_costs_cpu.json"))
   record_path = tmp_path / "result.json"
   try:
     out = subprocess.run(

@@ -241,7 +241,14 @@ def _layer_sharding(sharding):
 
 
 def _zeros(shape, dtype, sharding):
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_fn(shape, dtype, sharding):
+  """A jitted zeros per (shape, dtype, sharding): allocated on the devices,
+  never on the host; one compile for every load of the same model."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
