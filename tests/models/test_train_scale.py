@@ -2,6 +2,7 @@
 the chunked attention and log-prob paths equal the reference ones, and no
 [.., T, T] (or [.., T, V]) intermediate is left in a compiled train step."""
 
+import functools
 import re
 
 import jax
@@ -159,7 +160,10 @@ def test_chunked_attention_equals_reference_with_lse_grads(
   w_out = jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32)
   w_lse = jnp.asarray(rng.normal(size=(B, T, H)), jnp.float32)
 
-  def loss(impl, block):
+  # One program per attention path and block shape (eager, each primitive
+  # of the scans compiled alone: 415 programs for this test's cases).
+  @functools.partial(jax.jit, static_argnums=(0, 1))
+  def loss(impl, block, q, k, v, q_pos, k_pos, q_seg, k_seg):
     def f(q, k, v):
       out, lse = fa.attention(q, k, v, q_pos, k_pos, q_seg, k_seg,
                               window=window, softcap=softcap, causal=causal,
@@ -172,11 +176,12 @@ def test_chunked_attention_equals_reference_with_lse_grads(
       return jnp.sum(out * w_out) + jnp.sum(jnp.sin(lse) * w_lse), (out, lse)
     return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
-  (l0, (o0, s0)), g0 = loss("reference", None)
+  inputs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
+  (l0, (o0, s0)), g0 = loss("reference", None, *inputs)
   # Square blocks, and the grouped prefix's shape: tall query blocks over
   # wider key blocks (`models/grouped_forward.py`), and the reverse.
   for block in ((8, 8), (24, 16), (8, 32)):
-    (l1, (o1, s1)), g1 = loss("chunked", block)
+    (l1, (o1, s1)), g1 = loss("chunked", block, *inputs)
     np.testing.assert_allclose(o1, o0, atol=2e-6, err_msg=str(block))
     np.testing.assert_allclose(s1, s0, atol=2e-6, err_msg=str(block))
     for x, y in zip(g0, g1):
@@ -288,13 +293,16 @@ def test_head_logprobs_equal_full_logits():
                                     temperature=temp, row_chunk=8,
                                     vocab_chunk=10)
 
-    a, b = full(h, w), chunked(h, w)
+    # Jitted: one program per path (eager, each primitive of the chunk
+    # loops compiled alone).
+    a, b = jax.jit(full)(h, w), jax.jit(chunked)(h, w)
     np.testing.assert_allclose(b[0], a[0], atol=1e-5)
     np.testing.assert_allclose(b[1], a[1], atol=2e-5)
     np.testing.assert_array_equal(b[2], a[2])
-    ga = jax.grad(lambda h, w: (full(h, w)[0] * weights).sum(), (0, 1))(h, w)
-    gb = jax.grad(lambda h, w: (chunked(h, w)[0] * weights).sum(),
-                  (0, 1))(h, w)
+    ga = jax.jit(jax.grad(lambda h, w: (full(h, w)[0] * weights).sum(),
+                          (0, 1)))(h, w)
+    gb = jax.jit(jax.grad(lambda h, w: (chunked(h, w)[0] * weights).sum(),
+                          (0, 1)))(h, w)
     for x, y in zip(ga, gb):
       np.testing.assert_allclose(y, x, rtol=1e-4, atol=2e-5)
 
