@@ -61,14 +61,21 @@ def test_prefill_then_decode_matches_full_forward(family, mesh8):
       shape = (cfg.num_layers, B, 1, M, cfg.num_kv_heads, cfg.head_dim)
       sk = sv = jnp.zeros(shape)
       slen = jnp.zeros((B, 1), jnp.int32)
-      steps = [logits]
-      for t in range(prompt_len, T):
-        lg, sk, sv = model_lib.decode(
-            graphdef, params, tokens[:, t:t + 1], positions[:, t:t + 1], k, v,
+
+      # One decode step as a scan body: compiled once, not once per step.
+      def step(carry, token_and_position):
+        sk, sv, slen = carry
+        tok_Bx1, pos_Bx1 = token_and_position
+        lg_Bx1xV, sk, sv = model_lib.decode(
+            graphdef, params, tok_Bx1, pos_Bx1, k, v,
             jnp.full((B,), prompt_len), sk, sv, slen)
-        steps.append(lg)
-        slen = slen + 1
-      return jnp.concatenate(steps, axis=1)
+        return (sk, sv, slen + 1), lg_Bx1xV[:, 0]
+
+      later = lambda x: x[:, prompt_len:].T[..., None]  # noqa: E731  [S, B, 1]
+      _, decoded_SxBxV = jax.lax.scan(
+          step, (sk, sv, slen), (later(tokens), later(positions)))
+      return jnp.concatenate(
+          [logits, jnp.moveaxis(decoded_SxBxV, 0, 1)], axis=1)
 
   incremental = prefill_and_decode(params)
   np.testing.assert_allclose(incremental, full, atol=1e-5, rtol=0)
