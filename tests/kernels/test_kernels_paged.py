@@ -78,8 +78,9 @@ def _case(seed, *, S=7, R=4, G=3, H=4, N=2, K=8, T=4, A=3, B=3, C=0,
                 common_len=common_len)
   if window is not None:
     args.update(q_pos_S=q_pos, window=window)
-  args = {k: v if k == "layer" else jnp.asarray(
-      v, jnp.float32 if np.asarray(v).dtype == np.float64 else jnp.int32)
+  # Cast on the host (a cast of a device array compiles a program).
+  args = {k: v if k == "layer" else jnp.asarray(np.asarray(
+      v, np.float32 if np.asarray(v).dtype == np.float64 else np.int32))
           for k, v in args.items()}
   # Exactly what is live: the groups with members, the most pages of one
   # of their prompts, the most own pages of one slot.

@@ -28,7 +28,9 @@ def _make_inputs(seed, *, R, G, H, N, K, P, M, dtype=jnp.float32,
                  prefix_len=None, suffix_len=None):
   """Random inputs; lengths drawn in [0, P] / [0, M] unless given."""
   rng = np.random.default_rng(seed)
-  normal = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+  # Cast on the host (a cast of a device array compiles a program).
+  normal = lambda *s: jnp.asarray(  # noqa: E731
+      rng.standard_normal(s).astype(jnp.dtype(dtype)))
   if prefix_len is None:
     prefix_len = rng.integers(0, P + 1, size=R)
   if suffix_len is None:
