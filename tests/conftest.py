@@ -58,8 +58,10 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 # Python's cyclic garbage collector less often: tracing and lowering make
 # millions of short-lived objects, and at the default thresholds (700, 10,
 # 10) the collector ran 1,134 times in tests/engine/test_paged.py, 2.1 s of
-# its 35; at these, 29 times, 0.3 s. Nothing here waits on a collection:
-# arrays are freed by reference counts (or `delete`), as in the jobs.
+# its 35; at these, 29 times, 0.3 s. Arrays are freed by reference counts
+# (or `delete`), as in the jobs; the tests that count live device bytes
+# collect first and hold collection off while they count
+# (tests/parallel/test_repartition.py: `counted_live_bytes`).
 import gc  # noqa: E402
 gc.set_threshold(20_000, 50, 50)
 
