@@ -376,8 +376,8 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
   prompts = next(plain.source.iterator)
   ref = jax.tree.map(lambda x: x * 1.05, plain.params)
 
-  def step(job):
-    return fakes.first_step(job, prompts, states={
+  def step(job, rollout=None):
+    return fakes.first_step(job, prompts, rollout, states={
         "actor": job.algorithm.actor.init_state(
             fakes.copy_tree(plain.params)),
         "critic": job.algorithm.critic.init_state(
@@ -391,12 +391,18 @@ def test_packed_rows_equal_the_padded_step(rm_workdir):
       "shared_prompts": config(**{"rl.pack_length": 32,
                                   "rl.share_prompt": True}),
       "fused": fused}
+  seen = fakes.capture_samples(plain)
   want = step(plain)
+  # Shared prompts change the train side only: that step replays the plain
+  # step's samples. The fused one decodes for itself (its scoring runs in
+  # the rollout).
+  replayed = {"shared_prompts": fakes.ScriptedRollout(
+      fakes.ScriptedRollout.recorded(seen[0].samples))}
   jobs = {}
   for name, c in variants.items():
     job = jobs[name] = rl_job.build(c)
     assert (job.fused is not None) == (name == "fused")
-    got = step(job)
+    got = step(job, replayed.get(name))
     for k in ("rollout/reward_mean", "rollout/kl", "rollout/return_mean",
               "rollout/value_mean", "train/loss", "train/grad_norm",
               "critic/loss", "critic/value_error"):
