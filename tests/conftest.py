@@ -146,5 +146,27 @@ def tiny_model(mesh8):
 
 
 @pytest.fixture
+def tiny_grpo_job(mesh8, tmp_path):
+  """Builds tiny GRPO jobs: `tiny_grpo_job({"section.key": value, ...})` is
+  configs/tiny_grpo.py:runlocal with those overrides, its data prepared in
+  a directory of its own under the test's tmp_path, built (`rl_job.build`)
+  on the 8 devices. Each call a new job."""
+  del mesh8
+  import itertools  # pylint: disable=g-import-not-at-top
+  import resume  # pylint: disable=g-import-not-at-top
+  from configs import tiny_grpo  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.data import sources  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers import rl_job  # pylint: disable=g-import-not-at-top
+  calls = itertools.count()
+
+  def build(overrides=None):
+    config = resume.override(tiny_grpo.get_config("runlocal"),
+                             **(overrides or {}))
+    workdir = tmp_path / f"tiny_grpo_{next(calls)}"
+    return rl_job.build(sources.prepare(config, str(workdir)))
+  return build
+
+
+@pytest.fixture
 def round_clock():
   return fakes.Clock()

@@ -31,10 +31,14 @@ def rl_records(workdir) -> dict:
 
 
 def override(config, **extra):
-  """`config` with "section.key" overrides; returns it."""
+  """`config` with "section.key" (or "section.sub.key") overrides; returns
+  it."""
   for key, value in extra.items():
-    section, name = key.split(".")
-    config[section][name] = value
+    *path, name = key.split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    node[name] = value
   return config
 
 

@@ -23,27 +23,12 @@ def _rel_err(a_tree, b_tree) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 
 
-def _grpo_jobs(tmp_path):
-  from configs import tiny_grpo
-  from rlhf_jax.data import sources
-  from rlhf_jax.trainers import rl_job
-
-  jobs = {}
-  for dtype in ("float32", "bfloat16"):
-    c = sources.prepare(tiny_grpo.get_config("runlocal"),
-                        str(tmp_path / dtype))
-    c.model.compute_dtype = dtype
-    jobs[dtype] = rl_job.build(c)
-  return jobs
-
-
-def test_bf16_grpo_runlocal_step_runs_and_matches_fp32_loss(mesh8, tmp_path):
+def test_bf16_grpo_runlocal_step_runs_and_matches_fp32_loss(tiny_grpo_job):
   """configs/tiny_grpo.py:runlocal with model.compute_dtype=bfloat16: a
   whole step (bf16 rollout, ADVANTAGES stage, update) runs; on its samples
   the bf16 learner's loss and gradient are close to the fp32 learner's."""
-  del mesh8
-
-  jobs = _grpo_jobs(tmp_path)
+  jobs = {dtype: tiny_grpo_job({"model.compute_dtype": dtype})
+          for dtype in ("float32", "bfloat16")}
   job = jobs["bfloat16"]
   seen = fakes.capture_samples(job)
   prompts = next(job.iterator)
@@ -71,21 +56,13 @@ def test_bf16_grpo_runlocal_step_runs_and_matches_fp32_loss(mesh8, tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_rollout_copy_samples_what_fp32_weights_would(mesh8, tmp_path):
+def test_bf16_rollout_copy_samples_what_fp32_weights_would(tiny_grpo_job):
   """With bf16 compute the rollout copy is stored in bf16 (half the bytes
   each decode step reads): the sampled tokens and their log-probs equal a
   rollout from the fp32 weights, which bf16 compute casts at use."""
-  del mesh8
-  from configs import tiny_grpo
-  from rlhf_jax.data import sources
-  from rlhf_jax.trainers import rl_job
-
   runs = {}
   for cast in (True, False):
-    c = sources.prepare(tiny_grpo.get_config("runlocal"),
-                        str(tmp_path / str(cast)))
-    c.model.compute_dtype = "bfloat16"
-    job = rl_job.build(c)
+    job = tiny_grpo_job({"model.compute_dtype": "bfloat16"})
     co = job.colocation
     assert co.rollout_dtype == np.dtype(jax.numpy.bfloat16)
     if not cast:

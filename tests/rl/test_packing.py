@@ -210,22 +210,16 @@ def test_packed_advantages_sit_on_their_sequence_tokens(mesh8):
     np.testing.assert_array_equal(targets[rows, cols], s.tokens)
 
 
-def test_grpo_job_with_packing_equals_unpacked(mesh8, tmp_path):
+def test_grpo_job_with_packing_equals_unpacked(tiny_grpo_job):
   """configs/tiny_grpo.py:runlocal with `rl.pack_length` (shared prompts
   in packed rows) takes the unpacked job's step on the same samples (the
   plain step's, replayed: packing is the train side's): loss, gradient
   norm and KL (one mini-batch: the two layouts then hold the same
   sequences)."""
-  del mesh8
-  from configs import tiny_grpo
-  from rlhf_jax.data import sources
-  from rlhf_jax.trainers import rl_job
-
   metrics, jobs, rollout = {}, {}, None
   for name, pack_length in (("plain", 0), ("packed", 40)):
-    c = sources.prepare(tiny_grpo.get_config("runlocal"), str(tmp_path / name))
-    c.rl.update(num_minibatches=1, pack_length=pack_length)
-    jobs[name] = rl_job.build(c)
+    jobs[name] = tiny_grpo_job({"rl.num_minibatches": 1,
+                                "rl.pack_length": pack_length})
     seen = fakes.capture_samples(jobs[name])
     prompts = next(jobs[name].iterator)
     _, metrics[name] = fakes.first_step(jobs[name], prompts, rollout)

@@ -9,12 +9,8 @@ import numpy as np
 import fakes
 
 
-def test_replayed_samples_give_the_real_step(mesh8):
-  del mesh8
-  from configs import tiny_grpo
-  from rlhf_jax.trainers import rl_job
-
-  job = rl_job.build(tiny_grpo.get_config("runlocal"))
+def test_replayed_samples_give_the_real_step(tiny_grpo_job):
+  job = tiny_grpo_job()
   prompts = next(job.iterator)
   seen = fakes.capture_samples(job)
   real_state, real = fakes.first_step(job, prompts)

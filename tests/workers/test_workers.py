@@ -130,16 +130,11 @@ def test_idle_worker_takes_queued_requests(pool):
 
 
 @pytest.mark.slow
-def test_grpo_step_on_workers_matches_trainer_only(mesh8):
+def test_grpo_step_on_workers_matches_trainer_only(tiny_grpo_job):
   """One GRPO step with its rollout on 2 local workers equals the
   trainer-only step (same tokens: per-device shapes are the same)."""
-  del mesh8
-  from configs import tiny_grpo
-  from rlhf_jax.trainers import rl_job
-
-  c = tiny_grpo.get_config("runlocal")
-  c.rollout.workers.update(num=2, theta=2, poll_steps=2)
-  job = rl_job.build(c)
+  job = tiny_grpo_job({"rollout.workers.num": 2, "rollout.workers.theta": 2,
+                       "rollout.workers.poll_steps": 2})
   mgr = job.sampler.manager
   assert len(mgr.handles) == 2
   prompts = next(job.iterator)
