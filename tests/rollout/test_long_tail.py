@@ -437,20 +437,17 @@ def test_choose_replicas_trades_latency_for_cost():
 
 
 @pytest.mark.slow
-def test_grpo_step_with_long_tail_matches_plain(mesh8):
+def test_grpo_step_with_long_tail_matches_plain(tiny_grpo_job):
   """One GRPO step on 8 devices: the long-tail rollout (consolidation,
   assignment; rewards scored as groups finish) gives the plain step's
   samples and numbers."""
-  del mesh8
-  from configs import tiny_grpo
-  from rlhf_jax.trainers import rl_job
-
-  c = tiny_grpo.get_config("runlocal")
-  # R_t = 1: consolidate as soon as the 8 rows fit 4 replicas (the
-  # untrained policy answers in ~4 tokens: no natural tail here).
-  c.rollout.long_tail.update(enabled=True, consolidate_below=1.0)
-  c.rollout.num_rows = 16  # 2 rows per replica: 8 prompts fit 4 replicas.
-  job = rl_job.build(c)
+  job = tiny_grpo_job({
+      # R_t = 1: consolidate as soon as the 8 rows fit 4 replicas (the
+      # untrained policy answers in ~4 tokens: no natural tail here).
+      "rollout.long_tail.enabled": True,
+      "rollout.long_tail.consolidate_below": 1.0,
+      # 2 rows per replica: 8 prompts fit 4 replicas.
+      "rollout.num_rows": 16})
   assert job.sampler.tail.enabled
   prompts = next(job.iterator)
   _, plain = fakes.first_step(job, prompts, fakes.local_rollout(job))
