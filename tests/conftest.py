@@ -12,10 +12,10 @@ would be ~1e-3 off.
 
 import os
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU's concurrency-optimized scheduler off: with it, programs loaded from
 # the compilation cache (below) deadlock in their collectives; see
 # `compilation_cache`.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"

@@ -9,6 +9,8 @@ config keys, not read from the table.
 
 import pytest
 
+import resume
+
 from configs import tiny_grpo, tiny_ppo
 from rlhf_jax import typed_config
 from rlhf_jax.config import checks, compose, sections
@@ -55,12 +57,7 @@ def _job(kind, *keys):
   c.agent = typed_config.config_dict(sections.Agent)
   c.asynchronous = typed_config.config_dict(sections.Async)
   for key in keys:
-    for path, value in ON[key].items():
-      *parents, name = path.split(".")
-      node = c
-      for part in parents:
-        node = node[part]
-      node[name] = value
+    resume.override(c, **ON[key])
   return c
 
 

@@ -270,12 +270,7 @@ def test_tool_task_demos_train_the_call_not_the_reply():
     ("agent.tools", ("calc", "abacus"), "unknown tool 'abacus'"),
 ])
 def test_agent_config_errors_name_the_key(key, value, match):
-  c = tiny_tool.get_config("runlocal")
-  node = c
-  *path, name = key.split(".")
-  for part in path:
-    node = node[part]
-  node[name] = value
+  c = resume.override(tiny_tool.get_config("runlocal"), **{key: value})
   with pytest.raises(ConfigError, match=match):
     job = RLJob.from_config(c)
     checks.check_rl_job(job, job="grpo", prompt_len=7, num_devices=8)

@@ -120,10 +120,7 @@ def test_lora_forward_and_merge_equal_the_low_rank_update(base):
     ({"lora.alpha": 0.0}, "config.lora.alpha must be > 0, got 0.0"),
 ])
 def test_lora_config_errors(overrides, message):
-  c = tiny_grpo_lora.get_config("runlocal")
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
+  c = resume.override(tiny_grpo_lora.get_config("runlocal"), **overrides)
   with pytest.raises(ConfigError, match="^" + message.replace(".", r"\.")
                      .replace("(", r"\(")):
     RLJob.from_config(c)

@@ -94,7 +94,7 @@ def gguf_read_once():
     yield
     return
   import gguf  # pylint: disable=g-import-not-at-top
-  readers = {}
+  reader_class, readers = gguf.GGUFReader, {}
 
   def read_once(path, *args, **kwargs):
     key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
@@ -102,7 +102,6 @@ def gguf_read_once():
       readers[key] = reader_class(path, *args, **kwargs)
     return readers[key]
 
-  reader_class = gguf.GGUFReader
   with pytest.MonkeyPatch.context() as patch:
     # transformers imports both names from `gguf` at each call.
     patch.setattr(gguf, "GGUFReader", read_once)

@@ -22,13 +22,8 @@ OVERRIDES = {"train.steps": 6, "eval.every": 3}
 
 
 def _config(num_devices=0, **extra):
-  c = tiny_grpo.get_config("runlocal")
-  for key, value in {**OVERRIDES, **extra}.items():
-    *path, name = key.split(".")
-    node = c
-    for part in path:
-      node = node[part]
-    node[name] = value
+  c = resume.override(tiny_grpo.get_config("runlocal"),
+                      **{**OVERRIDES, **extra})
   c.mesh.num_devices = num_devices
   return c
 

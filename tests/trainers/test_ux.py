@@ -9,18 +9,12 @@ import ml_collections
 import pytest
 
 from configs import tiny_grpo, tiny_rm
+import resume
 from resume import run_main
 from rlhf_jax import cli
 from rlhf_jax.data import jsonl, preferences
 from rlhf_jax.errors import ConfigError, DataError, NonFiniteError
 from rlhf_jax.trainers import rl_job, rm
-
-
-def _set(c, overrides):
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  return c
 
 
 # --------------------------------------------------------------- config keys
@@ -209,7 +203,7 @@ def test_data_and_task_sections_are_typed_by_kind():
 # ------------------------------------------------------------------ NaN
 def test_nan_in_sft_stops_before_saving_it(tmp_path):
   workdir = str(tmp_path / "run")
-  config = _set(tiny_grpo.get_config("runlocal"), {
+  config = resume.override(tiny_grpo.get_config("runlocal"), **{
       "sft.steps": 3, "sft.log_every": 1, "sft.checkpoint_every": 1,
       "sft.learning_rate": float("inf")})
   with pytest.raises(NonFiniteError, match="non-finite SFT loss at step 2"):
