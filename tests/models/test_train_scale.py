@@ -23,7 +23,7 @@ from rlhf_jax.rl.losses import KLConfig
 # Tiny Gemma-2-like switches: sliding window on local layers, attention and
 # final-logit soft-caps, post-norms; GQA.
 GEMMA = ModelConfig.tiny(
-    vocab_size=97, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+    vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
     embed_dim=64, mlp_dim=96, sliding_window=5, attn_logit_softcap=20.0,
     final_logit_softcap=10.0, post_norms=True, norm_plus_one=True,
     mlp_activation="gelu", embed_scale=True, tie_embeddings=True)

@@ -221,7 +221,6 @@ def test_learner_paces_every_pass():
                                    id(m2["loss"])]
 
 
-@pytest.mark.slow
 def _batch(job, samples, keep, params, ref, critic_params, fused=None):
   """PPO's training batch of `samples` and its info (`PPO.batch`), the
   critic's values from `critic_params`."""
