@@ -1,8 +1,9 @@
 """Typed, frozen model configuration for the decoder family, with presets.
 
-One decoder covers Llama 3, Qwen2, Qwen3 and Gemma 2 by switches: norm form,
-RoPE theta and scaling, GQA, gated MLP activation, QKV bias, QK-norm, tied
-embeddings, attention and final-logit soft-caps, post-norms, embedding scale.
+One decoder covers Llama 3, Qwen2, Qwen3, Qwen3-MoE and Gemma 2 by
+switches: norm form, RoPE theta and scaling, GQA, gated MLP activation, QKV
+bias, QK-norm, tied embeddings, attention and final-logit soft-caps,
+post-norms, embedding scale, routed experts in place of the MLP.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ class ModelConfig:
   attn_logit_softcap: float | None = None
   final_logit_softcap: float | None = None
   sliding_window: int | None = None  # Gemma 2: every other layer is local.
+  # Mixture of experts (`models/moe.py`): with num_experts > 0 every layer's
+  # MLP is num_experts gated MLPs of expert_mlp_dim, each token through the
+  # experts_per_token its router ranks first (weights renormalised over
+  # them with norm_topk_prob); mlp_dim is then unused.
+  num_experts: int = 0
+  experts_per_token: int = 0
+  expert_mlp_dim: int = 0
+  norm_topk_prob: bool = True
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   # How the layers run (not part of a checkpoint): under `jax.lax.scan` over
@@ -132,6 +141,25 @@ class ModelConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {REMAT_POLICIES}, got "
                        f"{self.remat!r}")
+    if self.num_experts:
+      if not 1 <= self.experts_per_token <= self.num_experts:
+        raise ValueError(f"experts_per_token={self.experts_per_token} must "
+                         f"be in 1..num_experts={self.num_experts}")
+      if self.expert_mlp_dim < 1:
+        raise ValueError("a mixture of experts needs expert_mlp_dim >= 1, "
+                         f"got {self.expert_mlp_dim}")
+      routed = sorted({"gate", "up", "down"} & set(
+          self.lora.targets if self.lora else ()))
+      if routed:
+        raise ValueError(f"LoRA on the routed experts' {routed}: not "
+                         "implemented (target the attention projections)")
+      if self.weight_quant != "none":
+        raise ValueError(f"weight_quant={self.weight_quant!r} with routed "
+                         "experts: not implemented")
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
 
   @property
   def param_jnp_dtype(self):
@@ -161,7 +189,9 @@ class ModelConfig:
     d, h, n, k, f = (self.embed_dim, self.num_heads, self.num_kv_heads,
                      self.head_dim, self.mlp_dim)
     attn = d * k * (2 * h + 2 * n) + (self.qkv_bias and (h + 2 * n) * k)
-    per_layer = attn + 3 * d * f + d * (4 if self.post_norms else 2)
+    mlp = (d * self.num_experts * (1 + 3 * self.expert_mlp_dim)
+           if self.is_moe else 3 * d * f)
+    per_layer = attn + mlp + d * (4 if self.post_norms else 2)
     per_layer += 2 * k if self.qk_norm else 0
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.num_layers * per_layer + d * self.vocab_size + head + d
@@ -222,6 +252,23 @@ class ModelConfig:
     return cls(**{**base, **kw})
 
   @classmethod
+  def tiny_moe(cls, **kw) -> "ModelConfig":
+    """Qwen3-MoE-like: QK-norm, 8 experts, top 2."""
+    base = dict(vocab_size=256, num_layers=2, embed_dim=64, num_heads=4,
+                num_kv_heads=2, head_dim=16, mlp_dim=128, qk_norm=True,
+                num_experts=8, experts_per_token=2, expert_mlp_dim=32)
+    return cls(**{**base, **kw})
+
+  @classmethod
+  def qwen3_30b_a3b(cls, **kw) -> "ModelConfig":
+    base = dict(vocab_size=151936, num_layers=48, embed_dim=2048,
+                num_heads=32, num_kv_heads=4, head_dim=128, mlp_dim=6144,
+                rope_theta=1e6, qk_norm=True, tie_embeddings=False,
+                norm_eps=1e-6, num_experts=128, experts_per_token=8,
+                expert_mlp_dim=768)
+    return cls(**{**base, **kw})
+
+  @classmethod
   def gemma2_2b(cls, **kw) -> "ModelConfig":
     base = dict(vocab_size=256000, num_layers=26, embed_dim=2304, num_heads=8,
                 num_kv_heads=4, head_dim=256, mlp_dim=9216, rope_theta=10_000.0,
@@ -236,7 +283,9 @@ class ModelConfig:
     presets = {"tiny": cls.tiny, "qwen2.5-0.5b": cls.qwen2_5_0_5b,
                "qwen2.5-1.5b": cls.qwen2_5_1_5b, "qwen2.5-7b": cls.qwen2_5_7b,
                "llama3.2-1b": cls.llama3_2_1b, "llama3.1-8b": cls.llama3_1_8b,
-               "qwen3-0.6b": cls.qwen3_0_6b, "gemma2-2b": cls.gemma2_2b}
+               "qwen3-0.6b": cls.qwen3_0_6b, "gemma2-2b": cls.gemma2_2b,
+               "tiny-moe": cls.tiny_moe,
+               "qwen3-30b-a3b": cls.qwen3_30b_a3b}
     if name not in presets:
       raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
     return presets[name](**kw)

@@ -5,7 +5,8 @@
   hf.save("/out/step_1000", cfg, params, tokenizer_dir="/ckpt/Qwen2.5-...")
 
 Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Gemma2ForCausalLM (config mapping in `hf_config`, tensor
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM (config mapping in
+`hf_config`, tensor
 names and layouts in `hf_weights`). Everything reads local directories;
 nothing is downloaded.
 """

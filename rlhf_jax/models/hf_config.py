@@ -7,7 +7,8 @@ Writes a config that both spellings' readers accept.
 
 Anything the decoder cannot express (an o_proj or MLP bias, Qwen2 sliding
 windows, RoPE types other than default and llama3, a Gemma 2 layer pattern
-other than local/global alternation) raises instead of loading silently wrong.
+other than local/global alternation, dense layers in a Qwen3-MoE) raises
+instead of loading silently wrong.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from rlhf_jax.errors import ConfigError
 from rlhf_jax.models.config import ModelConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Gemma2ForCausalLM")
+                 "Qwen3MoeForCausalLM", "Gemma2ForCausalLM")
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2"}
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "Gemma2ForCausalLM": "gemma2"}
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Class defaults of transformers where config.json may omit the key.
-_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256}
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128,
+                     "Gemma2ForCausalLM": 256}
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
 
@@ -124,14 +128,30 @@ def from_hf(hf: Mapping[str, Any], *, dtype: str | None = None,
     raise _unsupported(arch, "mlp_bias=True")
   if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
     raise _unsupported(arch, "attention_bias=True (o_proj bias)")
-  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get(
-      "use_sliding_window"):
+  if arch in ("Qwen2ForCausalLM",) + _QWEN3 and hf.get("use_sliding_window"):
     raise _unsupported(arch, "use_sliding_window=True")
   kw["qkv_bias"] = arch == "Qwen2ForCausalLM"
-  kw["qk_norm"] = arch == "Qwen3ForCausalLM"
+  kw["qk_norm"] = arch in _QWEN3
+  if arch == "Qwen3MoeForCausalLM":
+    kw.update(_experts(arch, hf))
   cfg = ModelConfig(**kw)
   _check_layer_types(arch, hf, cfg)
   return cfg
+
+
+def _experts(arch: str, hf: Mapping[str, Any]) -> dict:
+  """ModelConfig's MoE fields from a Qwen3-MoE config.json (4.x names the
+  expert count `num_experts`, 5.x `num_local_experts`); every layer must
+  be sparse (the layers are scanned: one structure for all)."""
+  if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+    raise _unsupported(arch, "dense MLP layers between sparse ones "
+                       f"(decoder_sparse_step={hf.get('decoder_sparse_step')},"
+                       f" mlp_only_layers={hf.get('mlp_only_layers')})")
+  return dict(
+      num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+      experts_per_token=int(hf["num_experts_per_tok"]),
+      expert_mlp_dim=int(hf["moe_intermediate_size"]),
+      norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def _check_layer_types(arch: str, hf: Mapping[str, Any], cfg: ModelConfig):
@@ -149,6 +169,8 @@ def family(cfg: ModelConfig) -> str:
   """The HF architecture that expresses `cfg` exactly, or raise."""
   if cfg.post_norms or cfg.norm_plus_one:
     arch = "Gemma2ForCausalLM"
+  elif cfg.is_moe:
+    arch = "Qwen3MoeForCausalLM"
   elif cfg.qk_norm:
     arch = "Qwen3ForCausalLM"
   elif cfg.qkv_bias:
@@ -163,7 +185,8 @@ def family(cfg: ModelConfig) -> str:
           ("embed_scale", cfg.embed_scale == gemma),
           ("mlp_activation", (cfg.mlp_activation == "gelu") == gemma),
           ("qkv_bias", cfg.qkv_bias == (arch == "Qwen2ForCausalLM")),
-          ("qk_norm", cfg.qk_norm == (arch == "Qwen3ForCausalLM")),
+          ("qk_norm", cfg.qk_norm == (arch in _QWEN3)),
+          ("num_experts", cfg.is_moe == (arch == "Qwen3MoeForCausalLM")),
           ("rope_scaling", cfg.rope_scaling is None
            or arch == "LlamaForCausalLM"),
           ("softcaps/sliding_window/query_scale", gemma or (
@@ -205,8 +228,15 @@ def to_hf(cfg: ModelConfig, dtype: str) -> dict:
     hf.pop("attention_bias")
   if arch == "LlamaForCausalLM":
     hf["mlp_bias"] = False
-  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+  if arch in ("Qwen2ForCausalLM",) + _QWEN3:
     hf["use_sliding_window"] = False
+  if arch == "Qwen3MoeForCausalLM":
+    hf.update(num_experts=cfg.num_experts,  # 4.x
+              num_local_experts=cfg.num_experts,  # 5.x
+              num_experts_per_tok=cfg.experts_per_token,
+              moe_intermediate_size=cfg.expert_mlp_dim,
+              norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+              mlp_only_layers=[], output_router_logits=False)
   if arch == "Gemma2ForCausalLM":
     hf.update(
         hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",

@@ -8,7 +8,10 @@ and the embedding are stored as they are (Gemma's (1 + w) norm is our
 `norm_plus_one`, so w is not shifted).
 
 Our layer weights are stacked over layers ([L, ...], `stack_layers`): HF's
-tensor of layer i is slice i of one param. Reading is one tensor at a time:
+tensor of layer i is slice i of one param. A Qwen3-MoE layer's experts are
+stacked too ([L, E, ...]): HF's expert e of layer i
+(`mlp.experts.{e}.gate_proj.weight`) is slice [i, e]; its router
+`mlp.gate.weight` [E, D] is ours [D, E]. Reading is one tensor at a time:
 read from its file, re-layout and cast on the host, `jax.device_put` to
 that param's sharding (a layer slice: the stacked sharding without its
 layer axis) and written into its slice of the stacked param, which is
@@ -60,7 +63,13 @@ class TensorSpec:
   hf_name: str
   path: tuple[Any, ...]
   n_in: int
-  layer: int | None = None  # Slice `layer` of a stacked param.
+  layer: int | None = None  # Slice `layer` of a stacked param,
+  expert: int | None = None  # and in it slice `expert` (stacked experts).
+
+  @property
+  def index(self) -> tuple[int, ...]:
+    """The leading indices of the param's slice this tensor is."""
+    return tuple(i for i in (self.layer, self.expert) if i is not None)
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     if self.n_in == 0:
@@ -96,8 +105,8 @@ def tensor_specs(cfg: ModelConfig, arch: str) -> list[TensorSpec]:
   norms.append(("input_layernorm", "attn_norm"))
   for i in range(cfg.num_layers):
     pre = f"model.layers.{i}."
-    add = lambda name, path, n_in, i=i, pre=pre: specs.append(
-        TensorSpec(pre + name, ("blocks",) + path, n_in, i))
+    add = lambda name, path, n_in, e=None, i=i, pre=pre: specs.append(
+        TensorSpec(pre + name, ("blocks",) + path, n_in, i, e))
     for hf, ours in norms:
       add(f"{hf}.weight", (ours, "scale"), 0)
     for x in "qkv":
@@ -108,6 +117,12 @@ def tensor_specs(cfg: ModelConfig, arch: str) -> list[TensorSpec]:
     if cfg.qk_norm:
       add("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), 0)
       add("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), 0)
+    if cfg.is_moe:  # Qwen3-MoE: the router, then each expert's MLP.
+      add("mlp.gate.weight", ("mlp", "router"), 1)
+      for e in range(cfg.num_experts):
+        for x in ("gate", "up", "down"):
+          add(f"mlp.experts.{e}.{x}_proj.weight", ("mlp", x), 1, e)
+      continue
     for x in ("gate", "up", "down"):
       add(f"mlp.{x}_proj.weight", ("mlp", x), 1)
   return specs
@@ -204,23 +219,24 @@ def load_params(path: str, cfg: ModelConfig, arch: str, abstract,
     spec = specs[name]
     var = flat[spec.path]
     full = tuple(var.get_value().shape)
-    shape = full if spec.layer is None else full[1:]
+    index = spec.index
+    shape = full[len(index):]
     if tuple(w.shape) != spec.hf_shape(shape):
       raise CheckpointError(
           f"tensor {name!r} has shape {tuple(w.shape)}, expected "
           f"{spec.hf_shape(shape)} for param {'.'.join(map(str, spec.path))} "
-          f"{full}{'' if spec.layer is None else f' [layer {spec.layer}]'}")
+          f"{full}{f' {list(index)}' if index else ''}")
     # astype copies: nothing placed on a device aliases the file's mmap.
     host = spec.to_ours(w, shape).astype(var.get_value().dtype)
     sharding = flat_sh[spec.path].get_value() if flat_sh else None
-    if spec.layer is None:
+    if not index:
       value = _put(host, sharding)
     else:
       if spec.path not in out:  # The stacked param, allocated once.
         out[spec.path] = var.replace(_zeros(full, host.dtype, sharding))
-      value = _set_layer(out[spec.path].get_value(),
-                         _put(host, _layer_sharding(sharding)),
-                         spec.layer)
+      value = _set_slice(out[spec.path].get_value(),
+                         _put(host, _slice_sharding(sharding, len(index))),
+                         np.asarray(index, np.int32))
     out[spec.path] = var.replace(value)
     value.block_until_ready()  # Bounds host memory.
   return nnx.from_flat_state(out)
@@ -232,12 +248,14 @@ def _put(host: np.ndarray, sharding):
           else distributed.put_global(host, sharding))
 
 
-def _layer_sharding(sharding):
-  """The sharding of one layer of a stacked param (no layer axis)."""
+def _slice_sharding(sharding, leading: int):
+  """The sharding of one slice of a stacked param (its `leading` axes,
+  layer and expert, indexed away)."""
   if sharding is None:
     return None
   return jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
+      sharding.mesh,
+      jax.sharding.PartitionSpec(*tuple(sharding.spec)[leading:]))
 
 
 def _zeros(shape, dtype, sharding):
@@ -252,8 +270,13 @@ def _zeros_fn(shape, dtype, sharding):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stacked, layer_value, layer: int):
-  return jax.lax.dynamic_update_index_in_dim(stacked, layer_value, layer, 0)
+def _set_slice(stacked, value, index_I):
+  """`stacked` with its slice at the leading indices `index_I` set to
+  `value` (a traced index: one compile serves every slice)."""
+  lead = index_I.shape[0]
+  start = tuple(index_I) + (0,) * value.ndim
+  return jax.lax.dynamic_update_slice(
+      stacked, value.reshape((1,) * lead + value.shape), start)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -282,11 +305,11 @@ def save_params(path: str, cfg: ModelConfig, arch: str, params, *,
 
   def value(s: TensorSpec):
     x = flat[s.path].get_value()
-    return x if s.layer is None else x[s.layer]
+    return x[s.index] if s.index else x
 
   def size(s: TensorSpec) -> int:
     shape = flat[s.path].get_value().shape
-    return math.prod(shape[s.layer is not None:]) * dtype.itemsize
+    return math.prod(shape[len(s.index):]) * dtype.itemsize
 
   shards: list[list[TensorSpec]] = [[]]
   used = 0

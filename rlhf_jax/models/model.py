@@ -70,11 +70,13 @@ def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
 
 
 def forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, *,
-            return_kv: bool = False, context=None):
-  """Full-sequence logits (and per-layer KV); see `Decoder.__call__`."""
+            return_kv: bool = False, context=None,
+            router_stats: bool = False):
+  """Full-sequence logits (and per-layer KV, and an MoE's router
+  statistics); see `Decoder.__call__`."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, return_kv=return_kv,
-               context=context)
+               context=context, router_stats=router_stats)
 
 
 def prefill(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, last_B,

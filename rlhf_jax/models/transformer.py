@@ -28,6 +28,7 @@ from kernels_pallas.attention_parts import cap_logits, merge_parts
 from kernels_pallas.paged_decode_attention import paged_decode_attention
 from kernels_pallas.prefix_decode_attention import prefix_decode_attention
 from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.models import moe
 from rlhf_jax.models.layers import (
     AttentionProjections, GatedMLP, RMSNorm, _param)
 from rlhf_jax.parallel.layout import constrain
@@ -90,27 +91,33 @@ def context_attention(q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT,
 
 
 class Block(nnx.Module):
-  """Pre-norm attention + gated MLP, with Gemma 2's optional post-norms."""
+  """Pre-norm attention + gated MLP (or routed experts, `moe.MoeMLP`), with
+  Gemma 2's optional post-norms."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d = cfg.embed_dim
     self.attn_norm = RMSNorm(d, cfg, rngs=rngs)
     self.attn = AttentionProjections(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(d, cfg, rngs=rngs)
-    self.mlp = GatedMLP(cfg, rngs=rngs)
+    self.mlp = (moe.MoeMLP if cfg.is_moe else GatedMLP)(cfg, rngs=rngs)
     if cfg.post_norms:
       self.attn_post_norm = RMSNorm(d, cfg, rngs=rngs)
       self.mlp_post_norm = RMSNorm(d, cfg, rngs=rngs)
     self.post_norms = cfg.post_norms
 
-  def _residual_mlp(self, x, attn_out):
+  def _residual_mlp(self, x, attn_out, *, router_logits: bool = False):
+    """The residual stream after the attention output and the MLP; with
+    `router_logits`, also the MoE router's logits [..., E] of each token."""
     if self.post_norms:
       attn_out = self.attn_post_norm(attn_out)
     x = x + attn_out.astype(x.dtype)
-    y = self.mlp(self.mlp_norm(x))
+    h = self.mlp_norm(x)
+    y, logits = (self.mlp.with_router(h) if router_logits
+                 else (self.mlp(h), None))
     if self.post_norms:
       y = self.mlp_post_norm(y)
-    return x + y.astype(x.dtype)
+    x = x + y.astype(x.dtype)
+    return (x, logits) if router_logits else x
 
 
 def stack_layers(modules: list[nnx.Module]) -> nnx.Module:
@@ -215,7 +222,8 @@ class Decoder(nnx.Module):
     return self.project(self.final_norm(x))
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, *,
-               return_kv: bool = False, context=None):
+               return_kv: bool = False, context=None,
+               router_stats: bool = False):
     """Full-sequence forward.
 
     Args:
@@ -227,24 +235,28 @@ class Decoder(nnx.Module):
         positions 0..length-1 that precede every sequence (one copy for the
         batch); every token also attends to them. Positions must continue
         after the context. C = 0 is the same as None.
+      router_stats: (MoE) also return each layer's router statistics over
+        the real tokens (`moe.STAT_KEYS`, each with a leading [L]).
 
     Returns:
-      logits [B,T,V] fp32, and with return_kv (k, v) each [L,B,T,N,K] (the
-      tokens' own KV, not the context's).
+      logits [B,T,V] fp32, then with return_kv (k, v) each [L,B,T,N,K] (the
+      tokens' own KV, not the context's), then with router_stats the stats.
     """
-    x, ks, vs = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
-                            context=context)
-    logits = self._logits(x)
+    x, ks, vs, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                                   context=context, router_stats=router_stats)
+    out = (self._logits(x),)
     if return_kv:
-      return logits, (ks, vs)
-    return logits
+      out += ((ks, vs),)
+    if router_stats:
+      out += (stats,)
+    return out if len(out) > 1 else out[0]
 
   def prefill(self, tokens_BxT, positions_BxT, mask_BxT, last_B, *,
               context=None):
     """(logits [B,V] fp32 at positions `last_B` only, (k, v) [L,B,T,N,K]):
     the engine's prefill, without the [B,T,V] logits of every position."""
-    x, ks, vs = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
-                            context=context)
+    x, ks, vs, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                               context=context)
     x_last = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
     return self.project(self.final_norm(x_last)), (ks, vs)
 
@@ -254,13 +266,15 @@ class Decoder(nnx.Module):
     rows (`mask_BxT`), or of packed rows (`segments` [B,T]: tokens attend
     within their segment; negative: padding; `subs` [B,T]: packed groups,
     `rl/packing.py`)."""
-    x, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
-                          segments=segments, subs=subs)
+    x, _, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                             segments=segments, subs=subs)
     return self.final_norm(x)
 
   def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None,
-             segments=None, subs=None):
-    """Embedding + blocks: residual stream [B,T,D] and k, v [L,B,T,N,K]."""
+             segments=None, subs=None, router_stats: bool = False):
+    """Embedding + blocks: residual stream [B,T,D], k, v [L,B,T,N,K] and
+    (with `router_stats`, MoE) each layer's router statistics, else
+    None."""
     cfg = self.cfg
     padded_rows = segments is None
     seg_BxT = (jnp.where(mask_BxT, 0, -1) if padded_rows  # Padding: its own.
@@ -278,13 +292,22 @@ class Decoder(nnx.Module):
       else:
         o = context_attention(q, k, v, positions_BxT, seg_BxT, ctx[0],
                               ctx[1], ctx_len, window, cfg)
-      return block._residual_mlp(x, block.attn.out(o)), (k, v)
+      if not router_stats:
+        return block._residual_mlp(x, block.attn.out(o)), (k, v, None)
+      x, logits = block._residual_mlp(x, block.attn.out(o),
+                                      router_logits=True)
+      stats = moe.router_stats(logits.reshape(-1, cfg.num_experts),
+                               (seg_BxT >= 0).reshape(-1),
+                               cfg.experts_per_token)
+      return x, (k, v, stats)
 
+    if router_stats and not cfg.is_moe:
+      raise ValueError("router_stats: the model has no routed experts")
     x = self._embed(tokens_BxT)
-    x, (ks, vs) = scan_layers(
+    x, (ks, vs, stats) = scan_layers(
         self.blocks, cfg, layer, x,
         None if context is None else (context[0], context[1]))
-    return x, ks, vs
+    return x, ks, vs, stats
 
   def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,
              suffix_k, suffix_v, suffix_len_RxG, *, attention_impl="auto",

@@ -29,8 +29,9 @@ _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar(
 class Layout:
   """A named mesh + logical axis rules (logical name -> mesh axis/axes/None).
 
-  `param_axis` (training: "fsdp") additionally shards every parameter along
-  its leading dimension, as ZeRO-3 / PyTorch FSDP shard the flat parameter:
+  `param_axes` (training: "fsdp", then "expert") additionally shard every
+  parameter along its leading dimension, as ZeRO-3 / PyTorch FSDP shard the
+  flat parameter:
   each device's shard is a contiguous block of rows, so gathering it (every
   forward pass, and every switch to the rollout layout) concatenates whole
   blocks. Sharding a minor dimension (e.g. "embed" of the (vocab, embed)
@@ -39,7 +40,7 @@ class Layout:
   name: str
   mesh: Mesh
   rules: Rules
-  param_axis: str | None = None
+  param_axes: tuple[str, ...] = ()
 
   def spec(self, logical: Sequence[str | None],
            shape: Sequence[int] | None = None) -> PartitionSpec:
@@ -80,30 +81,35 @@ class Layout:
 
   def param_spec(self, logical: Sequence[str | None],
                  shape: Sequence[int]) -> PartitionSpec:
-    """`spec` plus `param_axis` on the first dimension it divides.
+    """`spec` plus the `param_axes` it leaves unused, on the first
+    dimension they divide.
 
     On a dimension already split over other axes (e.g. "tensor" on heads),
-    `param_axis` goes minor to them: ("tensor", "fsdp"). Every device's block
-    then lies inside its block of the rollout layout (which drops
-    `param_axis`), so the switch gathers within groups only. The "layers"
-    axis of stacked params is never split: a scan over layers slices it,
-    and each layer's shards must be on every device.
+    they go minor to them: ("tensor", "fsdp"). Every device's block then
+    lies inside its block of the rollout layout (which drops them), so the
+    switch gathers within groups only. When no dimension takes all of them,
+    the last ones are left out (replicated) one by one. The "layers" axis
+    of stacked params is never split: a scan over layers slices it, and
+    each layer's shards must be on every device.
     """
     spec = list(self.spec(logical, shape))
     spec += [None] * (len(shape) - len(spec))
-    axis = self.param_axis
-    if axis is None or self.mesh.shape[axis] == 1 or any(
-        axis in ((s,) if isinstance(s, str) else tuple(s or ()))
-        for s in spec):
-      return PartitionSpec(*spec)
-    for i, n in enumerate(shape):
-      if i < len(logical) and logical[i] == "layers":
-        continue
-      axes = (spec[i],) if isinstance(spec[i], str) else tuple(spec[i] or ())
-      size = int(np.prod([self.mesh.shape[a] for a in axes]))
-      if n % (size * self.mesh.shape[axis]) == 0:
-        spec[i] = axis if not axes else (*axes, axis)
-        break
+    used = {a for s in spec for a in ((s,) if isinstance(s, str)
+                                      else tuple(s or ()))}
+    extra = [a for a in self.param_axes
+             if a not in used and self.mesh.shape[a] > 1]
+    while extra:
+      width = int(np.prod([self.mesh.shape[a] for a in extra]))
+      for i, n in enumerate(shape):
+        if i < len(logical) and logical[i] == "layers":
+          continue
+        axes = (spec[i],) if isinstance(spec[i], str) else tuple(spec[i] or ())
+        size = int(np.prod([self.mesh.shape[a] for a in axes]))
+        if n % (size * width) == 0:
+          spec[i] = (*axes, *extra)
+          spec[i] = spec[i][0] if len(spec[i]) == 1 else spec[i]
+          return PartitionSpec(*spec)
+      extra.pop()
     return PartitionSpec(*spec)
 
   def param_sharding(self, logical, shape) -> NamedSharding:

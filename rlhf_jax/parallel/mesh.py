@@ -1,11 +1,17 @@
 """Mesh construction and the two layouts (training, rollout) over one device set.
 
-Training: params FSDP over `fsdp` along their leading dimension (optionally TP
-over `tensor`), batch over
-`data` x `fsdp`. Rollout: the same devices, in the same order, reshaped into
-replicas x tensor: params replicated across replicas, TP inside a replica,
-decode rows split across replicas. Both meshes use the axis names
-("data", "fsdp", "tensor"); the rollout mesh has fsdp = 1 and data = replicas.
+Mesh axes, major to minor: `AXES`. Each axis past ("data", "fsdp",
+"tensor") is size 1 unless a config asks for it, so a new kind of
+parallelism is one more entry here and in the rules.
+
+Training: params FSDP over `fsdp` (and over `expert` where an expert axis
+does not already split them) along their leading dimension, optionally TP
+over `tensor`; batch over `data` x `fsdp` x `expert`; an MoE layer's
+experts over `expert` (tokens go to their experts' devices and back,
+`models/moe.py`). Rollout: the same devices, in the same order, reshaped
+into replicas x expert x tensor: params replicated across replicas, experts
+and TP inside a replica, decode rows split across replicas. The rollout
+mesh has fsdp = 1 and data = replicas.
 """
 
 from __future__ import annotations
@@ -17,15 +23,18 @@ from jax.sharding import AxisType, Mesh
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.parallel.layout import Layout
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "expert", "tensor")
+_AUTO = (AxisType.Auto,) * len(AXES)
 
 # Logical axis -> mesh axes. Names not listed are replicated.
 TRAIN_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
 )
 ROLLOUT_RULES = (
     ("batch", "data"),
@@ -33,18 +42,21 @@ ROLLOUT_RULES = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
 )
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices=None) -> Mesh:
-  """A ("data", "fsdp", "tensor") mesh; one size may be -1 (fill the rest).
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *,
+              expert: int = 1, devices=None) -> Mesh:
+  """A mesh with the axes `AXES`; one size may be -1 (fill the rest).
 
   Axis types are Auto on purpose: `jax.make_mesh` defaults to Explicit axes,
   under which sharding constraints become assertions.
   """
   devices = list(jax.devices() if devices is None else devices)
-  sizes = [data, fsdp, tensor]
+  named = dict(data=data, fsdp=fsdp, expert=expert, tensor=tensor)
+  sizes = [named[a] for a in AXES]
   if sizes.count(-1) > 1:
     raise ConfigError(
         f"at most one mesh axis may be -1, got {dict(zip(AXES, sizes))}")
@@ -57,23 +69,31 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   if int(np.prod(sizes)) != len(devices):
     raise ConfigError(f"mesh {dict(zip(AXES, sizes))} needs "
                       f"{int(np.prod(sizes))} devices, have {len(devices)}")
-  return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=devices)
+  return jax.make_mesh(tuple(sizes), AXES, axis_types=_AUTO, devices=devices)
+
+
+def replica_mesh(devices, replicas: int, tensor: int = 1,
+                 expert: int = 1) -> Mesh:
+  """`devices` in order as `replicas` x expert x tensor (fsdp = 1): the
+  rollout's mesh."""
+  grid = np.asarray(devices).reshape(replicas, 1, expert, tensor)
+  return Mesh(grid, AXES, axis_types=_AUTO)
 
 
 def train_layout(mesh: Mesh) -> Layout:
-  return Layout("train", mesh, TRAIN_RULES, param_axis="fsdp")
+  return Layout("train", mesh, TRAIN_RULES, param_axes=("fsdp", "expert"))
 
 
-def rollout_layout(mesh: Mesh, tensor: int = 1) -> Layout:
-  """Replicas x tensor over the devices of `mesh`, in the same order."""
+def rollout_layout(mesh: Mesh, tensor: int = 1, expert: int = 1) -> Layout:
+  """Replicas x expert x tensor over the devices of `mesh`, in the same
+  order."""
   devices = mesh.devices.reshape(-1)
-  if len(devices) % tensor:
-    raise ConfigError(f"rollout tensor={tensor} does not divide "
-                      f"{len(devices)} devices")
-  grid = devices.reshape(len(devices) // tensor, 1, tensor)
-  rmesh = Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
-  return Layout("rollout", rmesh, ROLLOUT_RULES)
+  if len(devices) % (tensor * expert):
+    raise ConfigError(f"rollout tensor={tensor} x expert={expert} does not "
+                      f"divide {len(devices)} devices")
+  return Layout("rollout", replica_mesh(
+      devices, len(devices) // (tensor * expert), tensor, expert),
+                ROLLOUT_RULES)
 
 
 def to_layout(params, layout: Layout):
@@ -89,8 +109,10 @@ def to_layout(params, layout: Layout):
 def layouts(section) -> tuple[Layout, Layout]:
   """(train, rollout) layouts over one mesh from a `config.sections.Mesh`."""
   devices = jax.devices()[:section.num_devices or None]
-  mesh = make_mesh(section.data, section.fsdp, section.tensor, devices=devices)
-  return train_layout(mesh), rollout_layout(mesh, section.rollout_tensor)
+  mesh = make_mesh(section.data, section.fsdp, section.tensor,
+                   expert=section.expert, devices=devices)
+  return train_layout(mesh), rollout_layout(mesh, section.rollout_tensor,
+                                            section.rollout_expert)
 
 
 def async_layouts(section, rollout_devices: int
@@ -105,8 +127,10 @@ def async_layouts(section, rollout_devices: int
                       f"{len(devices)} devices: it needs at least one and "
                       "must leave one to train on")
   train = make_mesh(section.data, section.fsdp, section.tensor,
-                    devices=devices[:-rollout_devices])
+                    expert=section.expert, devices=devices[:-rollout_devices])
   decode = make_mesh(fsdp=-1, devices=devices[-rollout_devices:])
   return (train_layout(train),
-          rollout_layout(decode, section.rollout_tensor),
-          rollout_layout(train, section.rollout_tensor))
+          rollout_layout(decode, section.rollout_tensor,
+                         section.rollout_expert),
+          rollout_layout(train, section.rollout_tensor,
+                         section.rollout_expert))

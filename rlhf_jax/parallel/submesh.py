@@ -1,6 +1,7 @@
 """Sub-mesh splits: carve the device set into parts at run time, merge back.
 
-A rollout layout is replicas x tensor over the devices in mesh order. `split`
+A rollout layout is replicas x expert x tensor over the devices in mesh
+order. `split`
 cuts it into consecutive blocks of whole replicas, each a layout of its own
 (a rollout layout, or a training/FSDP layout for scoring), so e.g. 8 devices
 in 4 replicas x TP 2 become rollout on 2 replicas (devices 0-3) and scoring on
@@ -15,17 +16,16 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
 
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import Layout
 
 
-def _rollout(devices_RxT) -> Layout:
-  R, T = devices_RxT.shape
-  mesh = Mesh(devices_RxT.reshape(R, 1, T), mesh_lib.AXES,
-              axis_types=(AxisType.Auto,) * 3)
-  return Layout("rollout", mesh, mesh_lib.ROLLOUT_RULES)
+def _rollout(devices_RxT, expert: int) -> Layout:
+  """Replicas (rows of the grid) x expert x tensor."""
+  R, per_replica = devices_RxT.shape
+  return Layout("rollout", mesh_lib.replica_mesh(
+      devices_RxT, R, per_replica // expert, expert), mesh_lib.ROLLOUT_RULES)
 
 
 def split(layout: Layout, replicas: Sequence[int],
@@ -52,7 +52,7 @@ def split(layout: Layout, replicas: Sequence[int],
     part = grid[start:start + n]
     start += n
     if kind == "rollout":
-      out.append(_rollout(part))
+      out.append(_rollout(part, layout.mesh.shape["expert"]))
     elif kind == "train":
       out.append(mesh_lib.train_layout(
           mesh_lib.make_mesh(fsdp=-1, devices=list(part.reshape(-1)))))
@@ -68,7 +68,8 @@ def merge(parts: Sequence[Layout]) -> Layout:
   if len({g.shape[1] for g in grids}) != 1:
     raise ValueError("parts differ in devices per replica: "
                      f"{[g.shape[1] for g in grids]}")
-  return _rollout(np.concatenate(grids, axis=0))
+  return _rollout(np.concatenate(grids, axis=0),
+                  parts[0].mesh.shape["expert"])
 
 
 def devices_of(layout: Layout) -> list:

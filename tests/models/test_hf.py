@@ -1,5 +1,7 @@
 """HF checkpoints: parity with transformers (logits, greedy decoding), save ->
-load -> transformers round trips, sharded loading, config spellings, errors.
+load -> transformers round trips, sharded loading, config spellings, errors;
+for Llama, Qwen2, Qwen3, Qwen3-MoE and Gemma 2 (expert parallelism and the
+router losses: tests/models/test_moe.py).
 
 Tiny random models are built offline with transformers' config classes and
 `save_pretrained` (test-only dependencies: transformers, torch CPU).
@@ -48,6 +50,12 @@ FAMILIES = {
                                   tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),
+    # 8 experts, top 2 (renormalised); the router is drawn at scale 0.1
+    # like every weight, so tokens spread over the experts.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        tie_word_embeddings=False)),
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=4, head_dim=16,
                                     query_pre_attn_scalar=24,
                                     attn_logit_softcapping=5.0,

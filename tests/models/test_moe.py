@@ -1,0 +1,207 @@
+"""Qwen3-MoE: expert parallelism on the 8-device mesh against transformers
+(logits, router and expert gradients, training and rollout layouts), the
+router losses against transformers' `aux_loss` and numpy, the paged engine
+decoding with experts split over a replica, and config errors.
+
+(Logits on one device, greedy decoding and the save -> transformers round
+trip run with the other families in tests/models/test_hf.py.)
+"""
+
+import numpy as np
+import pytest
+
+import jax
+from flax import nnx
+
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import hf, hf_config, moe
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.models.config import LoraSpec, ModelConfig
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.samples import Request
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V, E, K, F = 64, 8, 2, 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """(transformers model, its directory): 2 layers of 8 experts, top 2;
+  the router drawn at std 0.5 so its choices are clear (no near-ties for
+  rounding to flip) and spread over the experts."""
+  config = transformers.Qwen3MoeConfig(
+      vocab_size=V, hidden_size=32, intermediate_size=48,
+      moe_intermediate_size=F, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=16, num_experts=E,
+      num_experts_per_tok=K, norm_topk_prob=True, tie_word_embeddings=False,
+      initializer_range=0.1)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(
+      config, attn_implementation="eager").eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if p.ndim == 1:  # Norms are born 1 and would hide bugs.
+        p.add_(0.1 * torch.randn_like(p))
+      if name.endswith("mlp.gate.weight"):
+        p.normal_(0.0, 0.5)
+  path = str(tmp_path_factory.mktemp("qwen3_moe"))
+  model.save_pretrained(path)
+  return model, path
+
+
+def _batch(B=8, T=12, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+  mask = np.arange(T)[None] < rng.integers(T // 2, T + 1, B)[:, None]
+  positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
+  return tokens, positions, mask
+
+
+def _torch_reference(model, tokens, mask, weights):
+  """transformers' logits, aux loss, router logits per layer, and the
+  gradient of sum(logits * weights) over real tokens for the router and
+  the experts, in our layouts: router [L, D, E], gate / up [L, E, D, F],
+  down [L, E, F, D]."""
+  model.zero_grad()
+  out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+              attention_mask=torch.tensor(mask, dtype=torch.long),
+              output_router_logits=True)
+  loss = (out.logits * torch.tensor(weights * mask[..., None])).sum()
+  loss.backward()
+  grads = {"router": [], "gate": [], "up": [], "down": []}
+  for layer in model.model.layers:
+    experts = layer.mlp.experts
+    grads["router"].append(layer.mlp.gate.weight.grad.T)
+    gate_up = experts.gate_up_proj.grad  # [E, 2F, D]: gate rows, then up.
+    grads["gate"].append(gate_up[:, :F].transpose(1, 2))
+    grads["up"].append(gate_up[:, F:].transpose(1, 2))
+    grads["down"].append(experts.down_proj.grad.transpose(1, 2))
+  grads = {k: torch.stack(v).numpy() for k, v in grads.items()}
+  return (out.logits.detach().numpy(), float(out.aux_loss.detach()),
+          [r.detach().numpy() for r in out.router_logits], grads)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_parallel_matches_transformers(checkpoint, ep):
+  """EP = ep on the 8-device training mesh (FSDP over the rest; the batch
+  split over the expert axis too, so tokens travel to their experts'
+  devices and back): logits equal transformers' to 1e-5 and the router's
+  and experts' gradients equal torch autograd's; the rollout layout's
+  replicas (experts split inside each, tokens summed over them) give the
+  same logits."""
+  model, path = checkpoint
+  tokens, positions, mask = _batch()
+  weights = np.random.default_rng(1).normal(
+      size=tokens.shape + (V,)).astype(np.float32)
+  ref, _, _, ref_grads = _torch_reference(model, tokens, mask, weights)
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=ep))
+  if ep > 1:
+    assert "expert" in layout.spec(("batch",), (8,))[0]
+  cfg, graphdef, params = hf.load(path, layout=layout)
+  assert (cfg.num_experts, cfg.experts_per_token) == (E, K)
+  experts = dict(nnx.to_flat_state(params))[("blocks", "mlp", "gate")]
+  axes = experts.get_value().sharding.spec[1]  # [L, E, D, F]: E's axes.
+  assert ("expert" in ((axes,) if isinstance(axes, str) else axes or ())
+          ) == (ep > 1)
+
+  def loss(p):
+    logits = model_lib.forward(graphdef, p, tokens, positions, mask)
+    return (logits * weights * mask[..., None]).sum(), logits
+
+  with use_layout(layout):
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        params)
+  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
+                             rtol=0)
+  flat = dict(nnx.to_flat_state(grads))
+  for name, want in ref_grads.items():
+    got = np.asarray(flat[("blocks", "mlp", name)].get_value())
+    assert np.abs(want).max() > 1e-2, name  # Every part gets gradient.
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+  rollout = mesh_lib.rollout_layout(layout.mesh, expert=ep)
+  with use_layout(rollout):
+    logits = jax.jit(model_lib.forward, static_argnums=0)(
+        graphdef, mesh_lib.to_layout(params, rollout), tokens, positions,
+        mask)
+  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
+                             rtol=0)
+
+
+def test_router_losses_and_load_match_transformers_and_numpy(checkpoint):
+  """From our forward's router statistics (EP 2, 8 devices): the
+  load-balancing loss equals transformers' `aux_loss` (padding excluded
+  by the attention mask), the z-loss and the per-expert loads equal numpy
+  on transformers' router logits; every expert receives tokens."""
+  model, path = checkpoint
+  tokens, positions, mask = _batch(seed=2)
+  _, aux, router_logits, _ = _torch_reference(
+      model, tokens, mask, np.zeros(tokens.shape + (V,), np.float32))
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
+  _, graphdef, params = hf.load(path, layout=layout)
+  fwd = jax.jit(lambda p: model_lib.forward(graphdef, p, tokens, positions,
+                                            mask, router_stats=True)[1])
+  with use_layout(layout):
+    stats = fwd(params)
+  np.testing.assert_allclose(float(moe.balance_loss(stats)), aux, rtol=1e-5)
+  real = mask.reshape(-1)
+  lse = [np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1)) + r.max(-1)
+         for r in router_logits]  # [B*T] per layer.
+  z = np.mean(np.concatenate([x[real] ** 2 for x in lse]))
+  np.testing.assert_allclose(float(moe.z_loss(stats)), z, rtol=1e-5)
+  load = np.stack([np.bincount(np.argsort(-r[real], -1)[:, :K].reshape(-1),
+                               minlength=E) for r in router_logits])
+  metrics = jax.device_get(moe.expert_load(stats))
+  assert metrics["moe/expert_tokens_max"] == load.max()
+  assert metrics["moe/expert_tokens_min"] == load.min() > 0
+  np.testing.assert_allclose(metrics["moe/expert_tokens_mean"], load.mean())
+
+
+def test_paged_engine_decodes_with_experts_split_over_each_replica(
+    checkpoint, mesh8):
+  """Greedy tokens of the paged engine on 4 replicas x EP 2 (each replica's
+  decode rows through experts on its two devices) equal
+  `transformers.generate`."""
+  model, path = checkpoint
+  layout = mesh_lib.rollout_layout(mesh8, expert=2)
+  cfg, graphdef, params = hf.load(path, layout=layout)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, V, n).astype(np.int32) for n in (5, 8, 3, 7)]
+  engine = Engine(cfg, graphdef, layout, num_slots=4, samples_per_group=1,
+                  prefill_buckets=(8,), sampling=SamplingParams(
+                      temperature=0.0, max_new_tokens=16),
+                  page_size=4, num_pages=64)
+  ours = {s.prompt_id: s.tokens for s in Driver(engine, params).run(
+      [Request(i, p) for i, p in enumerate(prompts)])}
+  model.generation_config.eos_token_id = None
+  for i, prompt in enumerate(prompts):
+    ids = torch.tensor(prompt[None], dtype=torch.long)
+    with torch.no_grad():
+      out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                           do_sample=False, max_new_tokens=16, pad_token_id=0)
+    assert ours[i] == out[0, len(prompt):].tolist(), i
+
+
+def test_moe_config_errors_name_the_problem():
+  hf_cfg = hf_config.to_hf(ModelConfig.tiny_moe(), "float32")
+  with pytest.raises(NotImplementedError, match="dense MLP layers between "
+                     "sparse ones"):
+    hf_config.from_hf({**hf_cfg, "mlp_only_layers": [1]})
+  assert hf_config.from_hf(hf_cfg) == ModelConfig.tiny_moe()
+  with pytest.raises(ValueError, match=r"experts_per_token=9 must be in "
+                     r"1\.\.num_experts=8"):
+    ModelConfig.tiny_moe(experts_per_token=9)
+  with pytest.raises(ValueError, match=r"LoRA on the routed experts' "
+                     r"\['up'\]: not implemented"):
+    ModelConfig.tiny_moe(lora=LoraSpec(4, 8.0, ("q", "up")))
+  with pytest.raises(ValueError, match="the model has no routed experts"):
+    cfg = ModelConfig.tiny()
+    graphdef, params = model_lib.init_params(cfg, 0)
+    x = np.zeros((1, 4), np.int32)
+    model_lib.forward(graphdef, params, x, x, x == 0, router_stats=True)
