@@ -71,6 +71,7 @@ Last stdout line: JSON with `<preset>.train_gib_per_device`,
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -95,6 +96,11 @@ PAGE_SIZE = 16  # Tokens per KV page (`rollout.page_size`'s default).
 MOVE_GROUPS = 4  # Groups moving in a consolidation, one per dropped replica.
 SMALL = "qwen2.5-0.5b"  # The baseline's model (`small.*`).
 NUM_LAYERS = None  # None: each preset's own.
+# The MoE model: two hosts of 8 devices, experts split 8 ways inside a host
+# (FSDP 2 across the hosts), 8K tokens per device per micro-batch; the
+# rollout: 2 replicas of 8 devices, a 64K-token KV pool per device.
+MOE_PRESET, MOE_DEVICES, MOE_EXPERT = "qwen3-30b-a3b", 16, 8
+MOE_SEQS, MOE_SEQ_LEN, MOE_KV_TOKENS = 2, 4096, 65536
 
 
 def _use_smoke_shapes() -> None:
@@ -105,8 +111,10 @@ def _use_smoke_shapes() -> None:
   The shapes are module constants the measuring functions read when they
   run; only `--smoke` rebinds them, before anything is measured.
   """
-  global PROMPT, RESPONSE, SMALL, NUM_LAYERS
+  global PROMPT, RESPONSE, SMALL, NUM_LAYERS, MOE_PRESET, MOE_SEQ_LEN
+  global MOE_KV_TOKENS
   PROMPT, RESPONSE, SMALL, NUM_LAYERS = 64, 192, "tiny", 1
+  MOE_PRESET, MOE_SEQ_LEN, MOE_KV_TOKENS = "tiny-moe", 64, 1024
 
 
 def _abstract(tree, shardings):
@@ -124,6 +132,28 @@ def _memory(compiled) -> dict:
           "argument_gib": m.argument_size_in_bytes / GIB}
 
 
+def _dense_mesh():
+  """FSDP over the first `_DEVICES` devices (the process has more when
+  the MoE model is measured)."""
+  import jax
+  from rlhf_jax.parallel import mesh as mesh_lib
+  return mesh_lib.make_mesh(fsdp=_DEVICES, devices=jax.devices()[:_DEVICES])
+
+
+def _train_state(learner, layout, params):
+  """(params, the learner's TrainState) as ShapeDtypeStructs on their
+  shardings, from abstract params."""
+  import jax
+  import jax.numpy as jnp
+  from rlhf_jax.rl.learner import TrainState
+  params = _abstract(params, layout.param_shardings(params))
+  trained, _ = learner.split(params)  # LoRA: the optimizer's share.
+  opt = jax.eval_shape(learner.optimizer.init, trained)
+  opt = _abstract(opt, learner.opt_shardings(trained, opt))
+  return params, TrainState(params, opt, jax.ShapeDtypeStruct(
+      (), jnp.int32, sharding=layout.replicated()))
+
+
 def _train(cfg, learner_of):
   """(train memory, log-prob memory, compile seconds) of `cfg`."""
   import jax
@@ -131,17 +161,10 @@ def _train(cfg, learner_of):
   from rlhf_jax.models import model as model_lib
   from rlhf_jax.parallel import mesh as mesh_lib
 
-  mesh = mesh_lib.make_mesh(fsdp=_DEVICES)
-  layout = mesh_lib.train_layout(mesh)
+  layout = mesh_lib.train_layout(_dense_mesh())
   graphdef, params = model_lib.abstract_params(cfg)
   learner = learner_of(graphdef, layout)
-  params = _abstract(params, layout.param_shardings(params))
-  trained, _ = learner.split(params)  # LoRA: the optimizer's share.
-  opt = jax.eval_shape(learner.optimizer.init, trained)
-  opt = _abstract(opt, learner.opt_shardings(trained, opt))
-  from rlhf_jax.rl.learner import TrainState
-  state = TrainState(params, opt, jax.ShapeDtypeStruct(
-      (), jnp.int32, sharding=layout.replicated()))
+  params, state = _train_state(learner, layout, params)
   n_groups = SEQ_PER_DEVICE * _DEVICES // G
   shapes = {"prompt_tokens": ((n_groups, PROMPT), jnp.int32),
             "prompt_len": ((n_groups,), jnp.int32),
@@ -203,8 +226,7 @@ def _decode(cfg, quant: str = "none"):
   from rlhf_jax.models import rollout_copy
   from rlhf_jax.parallel import mesh as mesh_lib
 
-  mesh = mesh_lib.make_mesh(fsdp=_DEVICES)
-  layout = mesh_lib.rollout_layout(mesh, 1)
+  layout = mesh_lib.rollout_layout(_dense_mesh(), 1)
   graphdef, params = model_lib.abstract_params(cfg)
   rollout_cfg, graphdef, to_rollout = rollout_copy.rollout_model(
       cfg, graphdef, quant=quant)
@@ -254,7 +276,7 @@ def _move(cfg) -> tuple[dict, float]:
   from rlhf_jax.parallel import mesh as mesh_lib
   from rlhf_jax.parallel import submesh
 
-  layout = mesh_lib.rollout_layout(mesh_lib.make_mesh(fsdp=_DEVICES), 1)
+  layout = mesh_lib.rollout_layout(_dense_mesh(), 1)
   graphdef, _ = model_lib.abstract_params(cfg)
   src = _paged_engine(cfg, graphdef, layout)
   half = submesh.split(layout, [_DEVICES // 2, _DEVICES // 2])[0]
@@ -297,6 +319,97 @@ def _move(cfg) -> tuple[dict, float]:
   return {"gib": max(a + b for a, b in programs)}, P + O
 
 
+@contextlib.contextmanager
+def _grouped_matmul_as_a_kernel_holds_it():
+  """`jax.lax.ragged_dot` replaced, while a program is traced for its
+  memory, by a matmul of the same operands and output ([rows, in] x
+  [in, out] -> [rows, out]): the bytes an accelerator's grouped-matmul
+  kernel holds. XLA:CPU lowers `ragged_dot` densely, with temporaries of
+  groups x rows x out (forward and gradient) that no accelerator holds;
+  the difference of the two programs is that term. Only compiled, never
+  run: the values would be wrong."""
+  import jax
+  import jax.numpy as jnp
+  real = jax.lax.ragged_dot
+
+  def as_kernel(lhs, rhs, group_sizes, precision=None,
+                preferred_element_type=None, group_offset=None):
+    del group_sizes, precision, group_offset
+    return jnp.einsum("md,df->mf", lhs, rhs[0],
+                      preferred_element_type=preferred_element_type)
+
+  jax.lax.ragged_dot = as_kernel
+  try:
+    yield
+  finally:
+    jax.lax.ragged_dot = real
+
+
+def _moe_train(cfg, devices) -> dict:
+  """The GRPO train step of an MoE `cfg` on `devices` (FSDP x EP
+  `MOE_EXPERT`): repeated layout, `MOE_SEQS` sequences of `MOE_SEQ_LEN`
+  tokens per device; compiled as XLA:CPU lowers `ragged_dot` and as a
+  grouped-matmul kernel holds it. Returns their memories and the EP."""
+  import jax
+  import jax.numpy as jnp
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.parallel import mesh as mesh_lib
+
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(
+      fsdp=-1, expert=MOE_EXPERT, devices=devices))
+  B, T = MOE_SEQS * len(devices), MOE_SEQ_LEN
+  shapes = {"tokens": ((B, T), jnp.int32), "positions": ((B, T), jnp.int32),
+            "attn_mask": ((B, T), jnp.bool_), "targets": ((B, T), jnp.int32),
+            "loss_mask": ((B, T), jnp.float32),
+            "old_logp": ((B, T), jnp.float32),
+            "ref_logp": ((B, T), jnp.float32),
+            "advantages": ((B,), jnp.float32)}
+  batch = {k: jax.ShapeDtypeStruct(
+      s, d, sharding=layout.sharding(("batch",) + (None,) * (len(s) - 1), s))
+           for k, (s, d) in shapes.items()}
+  out = {}
+  for name, context in (("cpu", contextlib.nullcontext),
+                        ("kernel", _grouped_matmul_as_a_kernel_holds_it)):
+    graphdef, params = model_lib.abstract_params(cfg)
+    learner = _learner_of(cfg)(graphdef, layout)
+    _, state = _train_state(learner, layout, params)
+    t0 = time.perf_counter()
+    with context():
+      compiled = learner._step_jit.lower(state, batch).compile()  # pylint: disable=protected-access
+    out[name] = {**_memory(compiled),
+                 "compile_s": time.perf_counter() - t0}
+  out["expert_parallel"] = layout.mesh.shape["expert"]
+  out["fsdp"] = layout.mesh.shape["fsdp"]
+  return out
+
+
+def _moe_rollout(cfg, devices) -> dict:
+  """Bytes per device of the rollout layout (replicas x EP `MOE_EXPERT`):
+  the rollout copy of the weights in the compute dtype, each on its real
+  sharding, and a KV pool of `MOE_KV_TOKENS` tokens (a replica's pool is
+  on each of its devices: attention runs on every device of the
+  replica, the experts split over them)."""
+  import math
+  import jax
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.parallel import mesh as mesh_lib
+
+  layout = mesh_lib.rollout_layout(
+      mesh_lib.make_mesh(fsdp=-1, devices=devices), expert=MOE_EXPERT)
+  _, params = model_lib.abstract_params(cfg)
+  shardings = layout.param_shardings(params)
+  item = jax.numpy.dtype(cfg.compute_jnp_dtype).itemsize
+  weights = sum(math.prod(sh.shard_shape(x.shape)) * item
+                for x, sh in zip(jax.tree.leaves(params),
+                                 jax.tree.leaves(shardings)))
+  kv_heads = layout.shards("kv_heads")
+  kv = (MOE_KV_TOKENS * cfg.num_layers * 2 * cfg.num_kv_heads // kv_heads
+        * cfg.head_dim * item)
+  return {"weights_gib": weights / GIB, "kv_pool_gib": kv / GIB,
+          "replicas": layout.mesh.shape["data"],
+          "expert_parallel": layout.mesh.shape["expert"]}
+
+
 def _learner_of(cfg):
   from rlhf_jax.models import lora
   from rlhf_jax.rl import objectives
@@ -323,15 +436,17 @@ def _configs(preset: str):
   ours = cfg.replace(scan_layers=True, remat="full", attention="chunked")
   before = cfg.replace(scan_layers=False, remat="none", attention="reference",
                        logprob_chunks=(0, 0))
+  targets = tuple(t for t in LORA_TARGETS  # An MoE's experts take none.
+                  if not (cfg.is_moe and t in ("gate", "up", "down")))
   lora = ours.replace(param_dtype="bfloat16",
-                      lora=LoraSpec(16, 32.0, LORA_TARGETS))
+                      lora=LoraSpec(16, 32.0, targets))
   return ours, before, lora
 
 
 def main(argv):
   del argv
   import jax
-  timing.fake_cpu_devices(_DEVICES)
+  timing.fake_cpu_devices(MOE_DEVICES)  # The dense presets use 8 of them.
   jax.config.update("jax_platforms", "cpu")
   if _SMOKE.value:
     timing.smoke_defaults(quick=True, presets=["tiny"])
@@ -382,6 +497,38 @@ def main(argv):
           f"({time.perf_counter() - t_start:.0f}s)", flush=True)
     if not _QUICK.value:
       measure(preset, preset, before=True)
+  moe_cfg = _configs(MOE_PRESET)[0]
+  devices = jax.devices()[:MOE_DEVICES]
+  moe_train = _moe_train(moe_cfg, devices)
+  moe_rollout = _moe_rollout(moe_cfg, devices)
+  kernel, cpu = moe_train["kernel"], moe_train["cpu"]
+  out.update({
+      # The gate's figure: a grouped matmul as an accelerator's kernel
+      # holds it; XLA:CPU's dense lowering of ragged_dot apart.
+      f"{MOE_PRESET}.train_gib_per_device": round(kernel["gib"], 2),
+      f"{MOE_PRESET}.train_temp_gib": round(kernel["temp_gib"], 2),
+      f"{MOE_PRESET}.train_argument_gib": round(kernel["argument_gib"], 2),
+      f"{MOE_PRESET}.train_gib_per_device_cpu_ragged_dot": round(
+          cpu["gib"], 2),
+      f"{MOE_PRESET}.ragged_dot_dense_cpu_gib": round(
+          cpu["gib"] - kernel["gib"], 2),
+      f"{MOE_PRESET}.compile_s": round(kernel["compile_s"], 1),
+      f"{MOE_PRESET}.devices": len(devices),
+      f"{MOE_PRESET}.expert_parallel": moe_train["expert_parallel"],
+      f"{MOE_PRESET}.fsdp": moe_train["fsdp"],
+      f"{MOE_PRESET}.tokens_per_device": MOE_SEQS * MOE_SEQ_LEN,
+      f"{MOE_PRESET}.rollout_weights_gib": round(
+          moe_rollout["weights_gib"], 2),
+      f"{MOE_PRESET}.rollout_kv_pool_gib": round(
+          moe_rollout["kv_pool_gib"], 2),
+      f"{MOE_PRESET}.rollout_expert_parallel": moe_rollout["expert_parallel"],
+      f"{MOE_PRESET}.rollout_replicas": moe_rollout["replicas"],
+  })
+  print(f"  {MOE_PRESET}: train {kernel['gib']:.2f} GiB a device "
+        f"({cpu['gib']:.2f} with XLA:CPU's dense ragged_dot), rollout "
+        f"weights {moe_rollout['weights_gib']:.2f} + KV pool "
+        f"{moe_rollout['kv_pool_gib']:.2f} GiB "
+        f"({time.perf_counter() - t_start:.0f}s)", flush=True)
   for before in (False, True):  # The baseline on a model both compile for.
     if not before and SMALL in presets:  # Measured above (--smoke: tiny).
       out.update({f"small.{k}": out[f"{SMALL}.{k}"] for k in (
@@ -413,6 +560,15 @@ def main(argv):
           f"{out[f'{preset}.move_gib_per_device']:.2f} GiB per device "
           f"({MOVE_GROUPS} groups moving; their KV gathered on every "
           f"device: {out[f'{preset}.move_gathered_gib']:.2f})")
+  print(f"{MOE_PRESET} on {len(devices)} devices (FSDP "
+        f"{moe_train['fsdp']} x EP {moe_train['expert_parallel']}), "
+        f"repeated layout, {MOE_SEQS} x {MOE_SEQ_LEN} tokens per device: "
+        f"train step {kernel['gib']:.2f} GiB per device with the grouped "
+        f"matmul as a kernel holds it (XLA:CPU's dense ragged_dot: "
+        f"{cpu['gib']:.2f}); rollout ({moe_rollout['replicas']} replicas x "
+        f"EP {moe_rollout['expert_parallel']}): weights "
+        f"{moe_rollout['weights_gib']:.2f} GiB + a {MOE_KV_TOKENS}-token KV "
+        f"pool {moe_rollout['kv_pool_gib']:.2f} GiB per device")
   out["quick"] = _QUICK.value
   out["wall_s"] = round(time.perf_counter() - t_start, 1)
   sys.stdout.flush()

@@ -326,6 +326,10 @@ class RL:
   # Warn and set rollout/mismatch_alarm when KL(sampler || trainer) per
   # token passes this (0 = off).
   mismatch_alarm_kl: float = 0.01
+  # An MoE policy's router losses in the policy loss (`models/moe.py`):
+  # load balancing (transformers' router_aux_loss_coef is 0.001) and z-loss.
+  moe_balance_coef: float = 0.0
+  moe_z_coef: float = 0.0
 
   def __post_init__(self):
     from rlhf_jax.rl import registry
@@ -353,6 +357,9 @@ class RL:
       fail(self, "importance_cap", "must be > 0")
     if self.mismatch_alarm_kl < 0:
       fail(self, "mismatch_alarm_kl", "must be >= 0 (0 = off)")
+    for key in ("moe_balance_coef", "moe_z_coef"):
+      if getattr(self, key) < 0:
+        fail(self, key, "must be >= 0 (0 = off)")
     if not isinstance(self.kl_coef, float) or self.kl_coef < 0:
       fail(self, "kl_coef", "must be a float >= 0")
     if self.overlong_buffer < 0:
@@ -389,7 +396,8 @@ class RL:
         kl=self.kl_config(), aggregation=self.aggregation,
         max_len=max_len, importance_weight=self.importance_weight,
         importance_cap=self.importance_cap,
-        on_policy=off_policy.on_policy(self))
+        on_policy=off_policy.on_policy(self),
+        moe_balance_coef=self.moe_balance_coef, moe_z_coef=self.moe_z_coef)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import flash_attention as fa
 from kernels_pallas.attention_parts import merge_parts
+from rlhf_jax.models import moe
 from rlhf_jax.models.transformer import (
     Decoder, layer_window, parts_impl, scan_layers, self_attention)
 from rlhf_jax.parallel.layout import constrain
@@ -90,10 +91,16 @@ def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
 
 
 def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
-                   response_tokens_NxGxR):
+                   response_tokens_NxGxR, router_weights_NxGxR=None):
   """Final-norm hidden states [B, R, D] that predict each response token
   (the model's `project` turns them into logits); `model` is a merged
-  Decoder."""
+  Decoder.
+
+  With `router_weights_NxGxR` (MoE): also each layer's router statistics
+  over the tokens that predict the response tokens, each counted with the
+  weight of the token it predicts (a prompt's last token once per
+  response of its group): the tokens, and counts, of the repeated
+  layout."""
   cfg = model.cfg
   N, P = prompt_tokens_NxP.shape
   G, R = response_tokens_NxGxR.shape[1:]
@@ -103,6 +110,13 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
   pos_r = len_B[:, None] + jnp.arange(R, dtype=jnp.int32)[None]  # [B, R]
   seg_p = jnp.where(pos_p < prompt_len_N[:, None], 0, -1)
 
+  stats = router_weights_NxGxR is not None
+  if stats:  # Who predicts what: see the end of this function.
+    w_r = router_weights_NxGxR.reshape(B, R)
+    w_p = jnp.where(jnp.arange(P)[None] == prompt_len_N[:, None] - 1,
+                    jnp.sum(router_weights_NxGxR[..., 0], 1)[:, None], 0.0)
+    w_r = jnp.concatenate([w_r[:, 1:], jnp.zeros((B, 1), w_r.dtype)], 1)
+
   def layer(block, i, x, _):
     x_p, x_r = x
     window = layer_window(cfg, i)
@@ -111,16 +125,27 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
     o_p = self_attention(q_p, k_p, v_p, pos_p, seg_p, window, cfg)
     o_r = prefix_suffix_attention(q_r, k_r, v_r, pos_r, k_p, v_p, pos_p,
                                   seg_p, window, cfg)
-    return (block._residual_mlp(x_p, block.attn.out(o_p)),
-            block._residual_mlp(x_r, block.attn.out(o_r))), None
+    if not stats:
+      return (block._residual_mlp(x_p, block.attn.out(o_p)),
+              block._residual_mlp(x_r, block.attn.out(o_r))), None
+    x_p, logits_p = block._residual_mlp(x_p, block.attn.out(o_p),
+                                        router_logits=True)
+    x_r, logits_r = block._residual_mlp(x_r, block.attn.out(o_r),
+                                        router_logits=True)
+    E = cfg.num_experts
+    return (x_p, x_r), moe.router_stats(
+        jnp.concatenate([logits_p.reshape(-1, E), logits_r.reshape(-1, E)]),
+        jnp.concatenate([w_p.reshape(-1), w_r.reshape(-1)]),
+        cfg.experts_per_token)
 
   x = (model._embed(prompt_tokens_NxP),
        model._embed(response_tokens_NxGxR.reshape(B, R)))
-  (x_p, x_r), _ = scan_layers(model.blocks, cfg, layer, x)
+  (x_p, x_r), layer_stats = scan_layers(model.blocks, cfg, layer, x)
   # Response token 0 is predicted by the prompt's last token (shared by the
   # group), token j > 0 by response token j - 1; the last response token
   # predicts nothing.
   last_N = jnp.take_along_axis(x_p, (prompt_len_N - 1)[:, None, None],
                                axis=1)  # [N, 1, D]
   x = jnp.concatenate([jnp.repeat(last_N, G, axis=0), x_r[:, :R - 1]], 1)
-  return model.final_norm(constrain(x, ("batch", "length", "embed_act")))
+  h = model.final_norm(constrain(x, ("batch", "length", "embed_act")))
+  return (h, layer_stats) if stats else h

@@ -204,6 +204,6 @@ def expert_load(stats: dict) -> dict:
   (their ratio is 1 when balanced), and the fewest (0: an expert of some
   layer received no token)."""
   per_layer_LxE = stats["assigned_E"]
-  return {"moe/expert_tokens_max": jnp.max(per_layer_LxE),
-          "moe/expert_tokens_mean": jnp.mean(per_layer_LxE),
-          "moe/expert_tokens_min": jnp.min(per_layer_LxE)}
+  return {"expert_tokens_max": jnp.max(per_layer_LxE),
+          "expert_tokens_mean": jnp.mean(per_layer_LxE),
+          "expert_tokens_min": jnp.min(per_layer_LxE)}

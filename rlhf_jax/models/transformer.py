@@ -261,19 +261,25 @@ class Decoder(nnx.Module):
     return self.project(self.final_norm(x_last)), (ks, vs)
 
   def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT, *,
-                    segments=None, subs=None):
+                    segments=None, subs=None, router_weights_BxT=None):
     """Final-norm hidden states [B,T,D] (compute dtype): of right-padded
     rows (`mask_BxT`), or of packed rows (`segments` [B,T]: tokens attend
     within their segment; negative: padding; `subs` [B,T]: packed groups,
-    `rl/packing.py`)."""
-    x, _, _, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
-                             segments=segments, subs=subs)
-    return self.final_norm(x)
+    `rl/packing.py`). With `router_weights_BxT` (MoE): also each layer's
+    router statistics, each token counted with its weight."""
+    x, _, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                                 segments=segments, subs=subs,
+                                 router_stats=router_weights_BxT is not None,
+                                 router_weights_BxT=router_weights_BxT)
+    h = self.final_norm(x)
+    return h if router_weights_BxT is None else (h, stats)
 
   def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None,
-             segments=None, subs=None, router_stats: bool = False):
+             segments=None, subs=None, router_stats: bool = False,
+             router_weights_BxT=None):
     """Embedding + blocks: residual stream [B,T,D], k, v [L,B,T,N,K] and
-    (with `router_stats`, MoE) each layer's router statistics, else
+    (with `router_stats`, MoE) each layer's router statistics over the
+    real tokens (or each token counted `router_weights_BxT` times), else
     None."""
     cfg = self.cfg
     padded_rows = segments is None
@@ -297,12 +303,13 @@ class Decoder(nnx.Module):
       x, logits = block._residual_mlp(x, block.attn.out(o),
                                       router_logits=True)
       stats = moe.router_stats(logits.reshape(-1, cfg.num_experts),
-                               (seg_BxT >= 0).reshape(-1),
-                               cfg.experts_per_token)
+                               weights_N, cfg.experts_per_token)
       return x, (k, v, stats)
 
     if router_stats and not cfg.is_moe:
       raise ValueError("router_stats: the model has no routed experts")
+    weights_N = (seg_BxT >= 0 if router_weights_BxT is None
+                 else router_weights_BxT).reshape(-1)
     x = self._embed(tokens_BxT)
     x, (ks, vs, stats) = scan_layers(
         self.blocks, cfg, layer, x,

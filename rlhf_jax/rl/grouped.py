@@ -81,33 +81,43 @@ def per_sequence(batch: dict) -> dict:
 
 
 def target_logprobs(graphdef, params, mb: dict, *,
-                    temperature: float = 1.0):
+                    temperature: float = 1.0, router_stats: bool = False):
   """(log p(targets), entropy, argmax) [B, T] of a micro-batch, either layout.
 
   From the final hidden states and the vocabulary projection in chunks
   (`logprobs.head_logprobs`: never the [B, T, V] logits). For a grouped
   batch T = R: position j holds response token j.
+
+  With `router_stats`, a fourth output: an MoE's router statistics per
+  layer (`models/moe.py`) over the tokens that predict trained targets
+  (the loss mask), the same tokens in every layout; None for a dense
+  model.
   """
   model = nnx.merge(graphdef, params)
+  weights = mb["loss_mask"] if router_stats and model.cfg.is_moe else None
   if is_grouped(mb):
     hidden = grouped_model.grouped_hidden(
-        model, mb["prompt_tokens"], mb["prompt_len"], mb["response_tokens"])
+        model, mb["prompt_tokens"], mb["prompt_len"], mb["response_tokens"],
+        router_weights_NxGxR=weights)
     targets = per_sequence(mb)["targets"]
   elif is_packed(mb):
     hidden = model.hidden_states(mb["tokens"], mb["positions"], None,
-                                 segments=mb["seg"], subs=mb.get("sub"))
+                                 segments=mb["seg"], subs=mb.get("sub"),
+                                 router_weights_BxT=weights)
     targets = mb["targets"]
   else:
     hidden = model.hidden_states(mb["tokens"], mb["positions"],
-                                 mb["attn_mask"])
+                                 mb["attn_mask"], router_weights_BxT=weights)
     targets = mb["targets"]
+  hidden, stats = hidden if weights is not None else (hidden, None)
   head, axis = model.head()
   rows, vocab = model.cfg.logprob_chunks
-  return head_logprobs(hidden, head, targets, vocab_axis=axis,
-                       softcap=model.cfg.final_logit_softcap,
-                       temperature=temperature,
-                       row_chunk=rows or targets.size,
-                       vocab_chunk=vocab or head.shape[axis])
+  out = head_logprobs(hidden, head, targets, vocab_axis=axis,
+                      softcap=model.cfg.final_logit_softcap,
+                      temperature=temperature,
+                      row_chunk=rows or targets.size,
+                      vocab_chunk=vocab or head.shape[axis])
+  return (*out, stats) if router_stats else out
 
 
 def token_logprobs_in_layout(graphdef, params, mb: dict,

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rlhf_jax.models import reward_model
+from rlhf_jax.models import moe, reward_model
 from rlhf_jax.rl import (
   aggregation,
   critic,
@@ -60,6 +60,11 @@ class PolicyLossConfig:
   # and the loss measures the sampler mismatch (`off_policy.mismatch_sums`
   # over "mismatch_mask", default the loss mask).
   on_policy: bool = False
+  # An MoE policy's router terms (`models/moe.py`), over the tokens that
+  # predict trained targets: coef x the load-balancing loss, coef x the
+  # router z-loss.
+  moe_balance_coef: float = 0.0
+  moe_z_coef: float = 0.0
 
 
 def policy_terms(c: PolicyLossConfig):
@@ -84,7 +89,9 @@ def policy_terms(c: PolicyLossConfig):
     return batch
 
   def terms(graphdef, params, mb):
-    logp, entropy, _ = grouped.target_logprobs(graphdef, params, mb)
+    logp, entropy, _, router = grouped.target_logprobs(
+        graphdef, params, mb, router_stats=True)
+    weight_mb = weight(mb)
     mb = grouped.per_sequence(mb)
     mask = mb["loss_mask"]
     aux = {}
@@ -113,6 +120,13 @@ def policy_terms(c: PolicyLossConfig):
     aux = {**aux, "kl": _masked_mean(kl, mask),
            "entropy": _masked_mean(entropy, mask),
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
+    if router is not None:
+      # Each micro-batch's router terms weighted by its share of the
+      # batch's normaliser: with one micro-batch, exactly coef x the term.
+      balance, z = moe.balance_loss(router), moe.z_loss(router)
+      num = num + (c.moe_balance_coef * balance + c.moe_z_coef * z) * weight_mb
+      aux.update(moe.expert_load(router), moe_balance_loss=balance,
+                 moe_z_loss=z)
     return num, aux
 
   def weight(batch):

@@ -158,9 +158,9 @@ def test_router_losses_and_load_match_transformers_and_numpy(checkpoint):
   load = np.stack([np.bincount(np.argsort(-r[real], -1)[:, :K].reshape(-1),
                                minlength=E) for r in router_logits])
   metrics = jax.device_get(moe.expert_load(stats))
-  assert metrics["moe/expert_tokens_max"] == load.max()
-  assert metrics["moe/expert_tokens_min"] == load.min() > 0
-  np.testing.assert_allclose(metrics["moe/expert_tokens_mean"], load.mean())
+  assert metrics["expert_tokens_max"] == load.max()
+  assert metrics["expert_tokens_min"] == load.min() > 0
+  np.testing.assert_allclose(metrics["expert_tokens_mean"], load.mean())
 
 
 def test_paged_engine_decodes_with_experts_split_over_each_replica(
@@ -205,3 +205,85 @@ def test_moe_config_errors_name_the_problem():
     graphdef, params = model_lib.init_params(cfg, 0)
     x = np.zeros((1, 4), np.int32)
     model_lib.forward(graphdef, params, x, x, x == 0, router_stats=True)
+
+
+def _layouts_of_groups(seed=4, N=2, G=2, P=6, R=5):
+  """The same N x G sequences (prompt + response) as a grouped batch and as
+  a repeated one, with a loss mask over the responses (a few tokens off)."""
+  rng = np.random.default_rng(seed)
+  plen = np.array([P, 3], np.int32)
+  prompt = np.where(np.arange(P)[None] < plen[:, None],
+                    rng.integers(1, V, (N, P)), 0).astype(np.int32)
+  resp = rng.integers(1, V, (N, G, R)).astype(np.int32)
+  lm = (rng.random((N, G, R)) < 0.8).astype(np.float32)
+  lm[0, 1, 0] = 0.0  # A response whose first token is not trained.
+  grouped = dict(prompt_tokens=prompt, prompt_len=plen, response_tokens=resp,
+                 loss_mask=lm)
+  T = P + R
+  tokens = np.zeros((N * G, T), np.int32)
+  loss_mask = np.zeros((N * G, T), np.float32)
+  for n in range(N):
+    for g in range(G):
+      b, p = n * G + g, plen[n]
+      tokens[b, :p + R] = np.concatenate([prompt[n, :p], resp[n, g]])
+      loss_mask[b, p - 1:p - 1 + R] = lm[n, g]
+  repeated = dict(
+      tokens=tokens, attn_mask=np.arange(T)[None] < (plen.repeat(G) + R)[
+          :, None],
+      positions=np.broadcast_to(np.arange(T, dtype=np.int32), (N * G, T)),
+      targets=np.concatenate([tokens[:, 1:], np.zeros((N * G, 1), np.int32)],
+                             1),
+      loss_mask=loss_mask)
+  return grouped, repeated
+
+
+def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
+  """The policy loss's router statistics count the tokens that predict
+  trained targets: in the repeated layout and in the grouped one (each
+  prompt run once, its last token counted per trained response) they
+  equal numpy on transformers' router logits at those positions, and
+  `rl.moe_balance_coef` / `moe_z_coef` add exactly coef x each term to
+  the loss (one micro-batch)."""
+  from rlhf_jax.rl import grouped as grouped_lib
+  from rlhf_jax.rl import objectives
+
+  model, path = checkpoint
+  grouped, repeated = _layouts_of_groups()
+  _, _, router_logits, _ = _torch_reference(
+      model, repeated["tokens"], repeated["attn_mask"],
+      np.zeros(repeated["tokens"].shape + (V,), np.float32))
+  trained = repeated["loss_mask"].reshape(-1) > 0
+  probs = [np.exp(r - r.max(-1, keepdims=True)) for r in router_logits]
+  probs = [p / p.sum(-1, keepdims=True) for p in probs]
+  rows = trained.sum() * len(probs)
+  f = sum(np.bincount(np.argsort(-p[trained], -1)[:, :K].reshape(-1),
+                      minlength=E) for p in probs) / rows
+  p_mean = sum(p[trained].sum(0) for p in probs) / rows
+  want_balance = E * np.sum(f * p_mean)
+  want_z = np.mean(np.concatenate([
+      (np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1)) + r.max(-1))[
+          trained] ** 2 for r in router_logits]))
+
+  cfg, graphdef, params = hf.load(path)
+  for name, batch in (("repeated", repeated), ("grouped", grouped)):
+    stats = jax.jit(lambda p, b: grouped_lib.target_logprobs(
+        graphdef, p, b, router_stats=True)[3])(params, batch)
+    np.testing.assert_allclose(float(moe.balance_loss(stats)), want_balance,
+                               rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(float(moe.z_loss(stats)), want_z, rtol=1e-5,
+                               err_msg=name)
+
+  batch = {**repeated, "old_logp": np.zeros_like(repeated["loss_mask"]),
+           "ref_logp": np.zeros_like(repeated["loss_mask"]),
+           "advantages": np.ones(len(repeated["tokens"]), np.float32)}
+  nums = {}
+  for coefs in ((0.0, 0.0), (0.01, 0.0), (0.0, 0.001)):
+    terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
+        moe_balance_coef=coefs[0], moe_z_coef=coefs[1]))
+    num, aux = jax.jit(lambda p, b: terms(graphdef, p, b))(params, batch)
+    nums[coefs] = float(num / weight(batch))
+  assert aux["expert_tokens_max"] > aux["expert_tokens_mean"] > 0
+  np.testing.assert_allclose(nums[(0.01, 0.0)] - nums[(0.0, 0.0)],
+                             0.01 * want_balance, rtol=1e-4)
+  np.testing.assert_allclose(nums[(0.0, 0.001)] - nums[(0.0, 0.0)],
+                             0.001 * want_z, rtol=1e-4)
