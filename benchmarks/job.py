@@ -16,8 +16,9 @@ evaluation (`eval_<reward>`), the median RL step and where its time goes,
 the per-token KL of every step, the padded fraction of the positions the
 train step computes on, each phase's total time and the eval's share of the
 wall time (timeline.json), the reward model's held-out pair accuracy
-(`configs/tiny_rm.py`), the tool-call rate (`config.agent`), and the job's
-own summary.txt. `--workdir` keeps the run's directory: the
+(`configs/tiny_rm.py`), the tool-call rate (`config.agent`), an MoE
+policy's fewest and most tokens an expert received in a step's batch, and
+the job's own summary.txt. `--workdir` keeps the run's directory: the
 PPO job reads its reward model from `reward_model.workdir`
 (`workdirs/tiny_rm` in `configs/tiny_ppo.py`), so run
 `--config=configs/tiny_rm.py --workdir=workdirs/tiny_rm` first.
@@ -103,6 +104,13 @@ def outcome(records: list[dict]) -> dict:
     if len(positions) == len(padding):  # Over the run: weighed by size.
       out["padding_fraction_total"] = round(float(
           np.dot(positions, padding) / np.sum(positions)), 4)
+  fewest = _series(rl, "train/expert_tokens_min")
+  if fewest:  # An MoE policy: did every expert of every layer get tokens?
+    out.update(expert_tokens_min_over_steps=min(fewest),
+               expert_tokens_max_over_steps=max(
+                   _series(rl, "train/expert_tokens_max")),
+               moe_balance_loss_last=round(
+                   _series(rl, "train/moe_balance_loss")[-1], 4))
   pair = _series(records, "rm/pair_accuracy")
   if pair:
     out.update(rm_pair_accuracy=pair, rm_pair_accuracy_last=pair[-1])
