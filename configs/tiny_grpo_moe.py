@@ -7,9 +7,9 @@ tiny_grpo's job (SFT warm-start, then GRPO on 2-digit addition) with the
 tiny decoder's MLP replaced by 8 experts of 96 hidden units, each token
 through its top 2 (`models/moe.py`), Qwen3-MoE style (QK-norm). The
 experts are split over 2 devices (`mesh.expert`) in training and in each
-rollout replica (`mesh.rollout_expert`); the load-balancing loss at
-transformers' default coefficient (0.001) keeps every expert in use
-(`train/expert_tokens_min` > 0). 500 RL steps, tiny_grpo's 300 and
+rollout replica (`mesh.rollout_expert`); the load-balancing loss in the
+warm-start and in RL keeps every expert in use (`train/expert_tokens_min`
+> 0). 500 RL steps, tiny_grpo's 300 and
 more: its held-out accuracy was still rising at 300 (docs/results.md).
 On CPU the devices are fake ones (XLA_FLAGS above); the expert axis
 needs at least 2.
@@ -29,7 +29,10 @@ def get_config(arg=None):
       scan_layers=False)
   c.mesh.expert = 2
   c.mesh.rollout_expert = 2
-  c.rl.moe_balance_coef = 0.001
+  # The router's load balancing in both phases (transformers' default for
+  # Qwen3-MoE is 0.001; Switch Transformer's 0.01).
+  c.rl.moe_balance_coef = 0.01
+  c.sft.moe_balance_coef = 0.01
   if not runlocal:
     c.train.steps = 500
   return c

@@ -436,11 +436,17 @@ class SFT:
   grad_clip: float = 1.0
   log_every: int = 25
   checkpoint_every: int = 100  # And on SIGTERM; a rerun resumes the SFT.
+  # An MoE policy's router losses (as rl.moe_balance_coef, rl.moe_z_coef).
+  moe_balance_coef: float = 0.0
+  moe_z_coef: float = 0.0
 
   def __post_init__(self):
     if self.steps < 0:
       fail(self, "steps", "must be >= 0")
     positive_ints(self, "batch_size", "log_every", "checkpoint_every")
+    for key in ("moe_balance_coef", "moe_z_coef"):
+      if getattr(self, key) < 0:
+        fail(self, key, "must be >= 0 (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,13 +30,32 @@ def _masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def sft_terms():
-  """Token-mean cross-entropy on the loss_mask targets."""
+def _router_terms(router, balance_coef: float, z_coef: float, weight):
+  """(coef-weighted router losses x `weight`, their metrics) of an MoE
+  micro-batch's router statistics (`models/moe.py`); weighting each
+  micro-batch by its share of the batch's normaliser makes one
+  micro-batch's loss exactly coef x each term."""
+  balance, z = moe.balance_loss(router), moe.z_loss(router)
+  return ((balance_coef * balance + z_coef * z) * weight,
+          {**moe.expert_load(router), "moe_balance_loss": balance,
+           "moe_z_loss": z})
+
+
+def sft_terms(moe_balance_coef: float = 0.0, moe_z_coef: float = 0.0):
+  """Token-mean cross-entropy on the loss_mask targets (+ an MoE's router
+  losses, `_router_terms`)."""
   def terms(graphdef, params, mb):
-    logp, _, argmax = grouped.target_logprobs(graphdef, params, mb)
+    logp, _, argmax, router = grouped.target_logprobs(graphdef, params, mb,
+                                                      router_stats=True)
     mask = mb["loss_mask"]
-    return -jnp.sum(logp * mask), {"accuracy": _masked_mean(
+    num = -jnp.sum(logp * mask)
+    aux = {"accuracy": _masked_mean(
         (argmax == mb["targets"]).astype(jnp.float32), mask)}
+    if router is not None:
+      extra, router_aux = _router_terms(router, moe_balance_coef, moe_z_coef,
+                                        jnp.sum(mask))
+      num, aux = num + extra, {**aux, **router_aux}
+    return num, aux
 
   return terms, lambda batch: jnp.sum(batch["loss_mask"])
 
@@ -121,12 +140,9 @@ def policy_terms(c: PolicyLossConfig):
            "entropy": _masked_mean(entropy, mask),
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
     if router is not None:
-      # Each micro-batch's router terms weighted by its share of the
-      # batch's normaliser: with one micro-batch, exactly coef x the term.
-      balance, z = moe.balance_loss(router), moe.z_loss(router)
-      num = num + (c.moe_balance_coef * balance + c.moe_z_coef * z) * weight_mb
-      aux.update(moe.expert_load(router), moe_balance_loss=balance,
-                 moe_z_loss=z)
+      extra, router_aux = _router_terms(router, c.moe_balance_coef,
+                                        c.moe_z_coef, weight_mb)
+      num, aux = num + extra, {**aux, **router_aux}
     return num, aux
 
   def weight(batch):

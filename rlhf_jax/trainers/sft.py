@@ -40,7 +40,7 @@ def run_sft(c, graphdef, params, layout, arrays_fn,
     raise ConfigError(f"config.sft.steps={c.steps} but the data source "
                       "(config.data.kind) has no SFT data; set "
                       "config.sft.steps=0")
-  terms, weight = objectives.sft_terms()
+  terms, weight = objectives.sft_terms(c.moe_balance_coef, c.moe_z_coef)
   learner = Learner(graphdef, layout, make_optimizer(OptimConfig(
       learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
       grad_clip=c.grad_clip)), terms_fn=terms, weight_fn=weight,
@@ -70,7 +70,9 @@ def run_sft(c, graphdef, params, layout, arrays_fn,
             "the same command: it resumes from the last SFT checkpoint")
       if log:
         record = writer.write("sft", step, {
-            "sft/loss": metrics["loss"], "sft/accuracy": metrics["accuracy"]})
+            f"sft/{k}": v for k, v in metrics.items()
+            if k == "loss" or k == "accuracy" or k.startswith(
+                ("expert_tokens_", "moe_"))})
         progress.update(step, f"loss {record['sft/loss']:.3f}")
       if saving:
         ckpt.save(step, state, {"step": step})
