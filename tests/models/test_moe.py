@@ -289,6 +289,7 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
                              0.001 * want_z, rtol=1e-4)
 
 
+@pytest.mark.slow  # A whole job (the tier's rule), 22 s alone.
 def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path):
   """configs/tiny_grpo_moe.py:runlocal end to end on the real engine, the
   experts split 2 ways in training and in each rollout replica: the
