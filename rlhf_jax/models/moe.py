@@ -98,10 +98,12 @@ def _expert_parallel(cfg: ModelConfig, layout, x, ids, weights, gate, up,
   batch = layout.spec(("batch",), lead[:1])[0]
   batch_axes = () if batch is None else (
       (batch,) if isinstance(batch, str) else tuple(batch))
-  gather = "expert" in batch_axes
   experts = layout.spec(("experts",), gate.shape[:1])[0]
   hidden = layout.spec(("expert_mlp",), gate.shape[2:])[0]
+  # Experts split over "expert" (dropped when it does not divide E: then
+  # every device holds them all and computes its own tokens).
   ep = layout.mesh.shape["expert"] if experts is not None else 1
+  gather = "expert" in batch_axes and ep > 1
   token_spec = P(batch, *(None,) * (len(lead) - 1), None)
 
   def local(x, ids, weights, gate, up, down):

@@ -29,15 +29,14 @@ transformers = pytest.importorskip("transformers")
 V, E, K, F = 64, 8, 2, 24
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  """(transformers model, its directory): 2 layers of 8 experts, top 2;
-  the router drawn at std 0.5 so its choices are clear (no near-ties for
-  rounding to flip) and spread over the experts."""
+def _checkpoint(path, num_experts=E):
+  """(transformers model, its directory): 2 layers of `num_experts`
+  experts, top 2; the router drawn at std 0.5 so its choices are clear (no
+  near-ties for rounding to flip) and spread over the experts."""
   config = transformers.Qwen3MoeConfig(
       vocab_size=V, hidden_size=32, intermediate_size=48,
       moe_intermediate_size=F, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, head_dim=16, num_experts=E,
+      num_key_value_heads=2, head_dim=16, num_experts=num_experts,
       num_experts_per_tok=K, norm_topk_prob=True, tie_word_embeddings=False,
       initializer_range=0.1)
   torch.manual_seed(0)
@@ -49,9 +48,13 @@ def checkpoint(tmp_path_factory):
         p.add_(0.1 * torch.randn_like(p))
       if name.endswith("mlp.gate.weight"):
         p.normal_(0.0, 0.5)
-  path = str(tmp_path_factory.mktemp("qwen3_moe"))
   model.save_pretrained(path)
   return model, path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return _checkpoint(str(tmp_path_factory.mktemp("qwen3_moe")))
 
 
 def _batch(B=8, T=12, seed=0):
@@ -130,6 +133,25 @@ def test_expert_parallel_matches_transformers(checkpoint, ep):
     logits = jax.jit(model_lib.forward, static_argnums=0)(
         graphdef, mesh_lib.to_layout(params, rollout), tokens, positions,
         mask)
+  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
+                             rtol=0)
+
+
+def test_experts_the_expert_axis_does_not_divide_stay_whole(tmp_path):
+  """6 experts on an expert axis of 4 (the batch still split over it):
+  every device holds all 6 and computes its own tokens; the logits equal
+  transformers'."""
+  model, path = _checkpoint(str(tmp_path), num_experts=6)
+  tokens, positions, mask = _batch()
+  ref, _, _, _ = _torch_reference(model, tokens, mask, np.zeros(
+      tokens.shape + (V,), np.float32))
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=4))
+  assert layout.spec(("experts",), (6,))[0] is None
+  assert "expert" in layout.spec(("batch",), (8,))[0]
+  _, graphdef, params = hf.load(path, layout=layout)
+  with use_layout(layout):
+    logits = jax.jit(model_lib.forward, static_argnums=0)(
+        graphdef, params, tokens, positions, mask)
   np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
                              rtol=0)
 
