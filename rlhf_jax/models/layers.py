@@ -196,6 +196,13 @@ class AttentionProjections(nnx.Module):
     return constrain(y, ("batch", "length", "embed_act"))
 
 
+def gate_activation(cfg: ModelConfig, gate):
+  """The gated MLP's activation of its gate: silu (SwiGLU) or
+  tanh-approximate gelu (GeGLU); the dense MLP and every expert share it."""
+  return (jax.nn.silu(gate) if cfg.mlp_activation == "silu"
+          else jax.nn.gelu(gate, approximate=True))
+
+
 class GatedMLP(nnx.Module):
   """SwiGLU (silu) or GeGLU (tanh-approximate gelu) feed-forward."""
 
@@ -213,8 +220,7 @@ class GatedMLP(nnx.Module):
     x = x_BxTxD.astype(cdt)
     gate = project(self, "btd,df->btf", x, "gate")
     up = project(self, "btd,df->btf", x, "up")
-    act = (jax.nn.silu(gate) if self.cfg.mlp_activation == "silu"
-           else jax.nn.gelu(gate, approximate=True))
+    act = gate_activation(self.cfg, gate)
     h = constrain(act * up, ("batch", "length", "mlp"))
     y = project(self, "btf,fd->btd", h, "down")
     return constrain(y, ("batch", "length", "embed_act"))

@@ -33,18 +33,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rlhf_jax.models.config import ModelConfig
-from rlhf_jax.models.layers import _param
+from rlhf_jax.models.layers import _param, gate_activation
 from rlhf_jax.parallel.layout import active_layout
 
 # Router statistics of one layer (`Decoder.__call__(router_stats=True)`),
 # summed over the real tokens: top-k assignments per expert, router
 # probability per expert, squared log-sum-exp of the router logits, tokens.
 STAT_KEYS = ("assigned_E", "prob_E", "lse_sq", "tokens")
-
-
-def _activation(cfg: ModelConfig, gate):
-  return (jax.nn.silu(gate) if cfg.mlp_activation == "silu"
-          else jax.nn.gelu(gate, approximate=True))
 
 
 def route(cfg: ModelConfig, router_DxE, x_NxD):
@@ -81,7 +76,7 @@ def routed_experts(cfg: ModelConfig, x_NxD, ids_NxK, weights_NxK, gate_ExDxF,
   cdt = x_NxD.dtype
   gate = jax.lax.ragged_dot(xs_AxD, gate_ExDxF.astype(cdt), group_sizes)
   up = jax.lax.ragged_dot(xs_AxD, up_ExDxF.astype(cdt), group_sizes)
-  h_AxF = _activation(cfg, gate) * up
+  h_AxF = gate_activation(cfg, gate) * up
   y_AxD = jax.lax.ragged_dot(h_AxF, down_ExFxD.astype(cdt), group_sizes)
   w_A = jnp.where(local_A, weights_NxK.reshape(-1), 0.0)[order_A]
   y_AxD = (y_AxD.astype(jnp.float32) * w_A[:, None])

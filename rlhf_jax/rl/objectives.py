@@ -110,7 +110,6 @@ def policy_terms(c: PolicyLossConfig):
   def terms(graphdef, params, mb):
     logp, entropy, _, router = grouped.target_logprobs(
         graphdef, params, mb, router_stats=True)
-    weight_mb = weight(mb)
     mb = grouped.per_sequence(mb)
     mask = mb["loss_mask"]
     aux = {}
@@ -141,7 +140,7 @@ def policy_terms(c: PolicyLossConfig):
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
     if router is not None:
       extra, router_aux = _router_terms(router, c.moe_balance_coef,
-                                        c.moe_z_coef, weight_mb)
+                                        c.moe_z_coef, weight(mb))
       num, aux = num + extra, {**aux, **router_aux}
     return num, aux
 
