@@ -107,6 +107,7 @@ def outcome(records: list[dict]) -> dict:
   fewest = _series(rl, "train/expert_tokens_min")
   if fewest:  # An MoE policy: did every expert of every layer get tokens?
     out.update(expert_tokens_min_over_steps=min(fewest),
+               steps_with_an_idle_expert=sum(v == 0 for v in fewest),
                expert_tokens_max_over_steps=max(
                    _series(rl, "train/expert_tokens_max")),
                moe_balance_loss_last=round(

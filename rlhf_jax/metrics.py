@@ -95,6 +95,13 @@ class Progress:
       print(file=sys.stderr, flush=True)
 
 
+def _over_updates(key: str):
+  """How one metric of a step's updates is logged."""
+  if key.endswith("_max"):
+    return np.max
+  return np.min if key.endswith("_min") else np.mean
+
+
 def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
                     *extra: dict, version: int, stale: int, step: int,
                     alarm_kl: float) -> dict:
@@ -109,7 +116,8 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
       `rl/off_policy.mismatch`); on the on-policy path the policy's
       updates measured them instead (`off_policy.on_policy`).
     trained: prefix -> metrics of every update ("train": the policy,
-      "critic": PPO's value function); means are logged.
+      "critic": PPO's value function); means are logged, but of "*_max"
+      the max and of "*_min" the min.
     perf: the timeline's perf/ metrics of the step.
     extra: further metric dicts (rollout, rewards, workers).
     version: the weight version the samples came from.
@@ -136,8 +144,8 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
   for metrics in extra:
     out.update({k: float(v) for k, v in metrics.items()})
   for prefix, updates in trained.items():
-    out.update({f"{prefix}/{k}": float(np.mean([m[k] for m in updates]))
-                for k in updates[0]})
+    out.update({f"{prefix}/{k}": float(_over_updates(k)(
+        [m[k] for m in updates])) for k in updates[0]})
   out.update(perf)
   out["perf/tokens_per_s"] = tokens / perf["perf/step_s"]
   return off_policy.alarm(out, alarm_kl, step=step)

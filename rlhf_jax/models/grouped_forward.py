@@ -31,6 +31,7 @@ saving of running the prompt once composes with the flash-style saving.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kernels_pallas import flash_attention as fa
@@ -96,11 +97,11 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
   (the model's `project` turns them into logits); `model` is a merged
   Decoder.
 
-  With `router_weights_NxGxR` (MoE): also each layer's router statistics
-  over the tokens that predict the response tokens, each counted with the
-  weight of the token it predicts (a prompt's last token once per
-  response of its group): the tokens, and counts, of the repeated
-  layout."""
+  With `router_weights_NxGxR` (MoE): also each layer's router statistics:
+  the loss terms' over the tokens that predict the response tokens, each
+  counted with the weight of the token it predicts (a prompt's last token
+  once per response of its group): the tokens, and counts, of the
+  repeated layout; the load over the real tokens routed (a prompt once)."""
   cfg = model.cfg
   N, P = prompt_tokens_NxP.shape
   G, R = response_tokens_NxGxR.shape[1:]
@@ -113,6 +114,12 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
   stats = router_weights_NxGxR is not None
   if stats:  # Who predicts what: see the end of this function.
     w_r = router_weights_NxGxR.reshape(B, R)
+    # The load counts every real token once: the prompt's, and a
+    # response's up to its last trained token (the layout marks no other
+    # end; tokens an environment appended after it are not counted).
+    routed_p = seg_p >= 0
+    routed_r = jax.lax.cummax((w_r > 0).astype(jnp.int32), axis=1,
+                              reverse=True)
     w_p = jnp.where(jnp.arange(P)[None] == prompt_len_N[:, None] - 1,
                     jnp.sum(router_weights_NxGxR[..., 0], 1)[:, None], 0.0)
     w_r = jnp.concatenate([w_r[:, 1:], jnp.zeros((B, 1), w_r.dtype)], 1)
@@ -136,6 +143,7 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
     return (x_p, x_r), moe.router_stats(
         jnp.concatenate([logits_p.reshape(-1, E), logits_r.reshape(-1, E)]),
         jnp.concatenate([w_p.reshape(-1), w_r.reshape(-1)]),
+        jnp.concatenate([routed_p.reshape(-1), routed_r.reshape(-1)]),
         cfg.experts_per_token)
 
   x = (model._embed(prompt_tokens_NxP),

@@ -37,9 +37,11 @@ from rlhf_jax.models.layers import _param, gate_activation
 from rlhf_jax.parallel.layout import active_layout
 
 # Router statistics of one layer (`Decoder.__call__(router_stats=True)`),
-# summed over the real tokens: top-k assignments per expert, router
-# probability per expert, squared log-sum-exp of the router logits, tokens.
-STAT_KEYS = ("assigned_E", "prob_E", "lse_sq", "tokens")
+# summed over the tokens the losses count (each with its weight): top-k
+# assignments per expert, router probability per expert, squared
+# log-sum-exp of the router logits, tokens; and the load: top-k
+# assignments per expert over every real token the pass routes.
+STAT_KEYS = ("assigned_E", "prob_E", "lse_sq", "tokens", "routed_E")
 
 
 def route(cfg: ModelConfig, router_DxE, x_NxD):
@@ -167,16 +169,22 @@ class MoeMLP(nnx.Module):
     return y, logits.reshape(lead + logits.shape[-1:])
 
 
-def router_stats(logits_NxE, mask_N, k: int) -> dict:
-  """One layer's `STAT_KEYS` over the tokens where `mask_N`."""
-  m = mask_N.astype(jnp.float32)
+def router_stats(logits_NxE, weights_N, routed_N, k: int) -> dict:
+  """One layer's `STAT_KEYS`: the loss terms' over the tokens counted
+  `weights_N` times, the load over the tokens where `routed_N`."""
+  m = weights_N.astype(jnp.float32)
   probs = jax.nn.softmax(logits_NxE, axis=-1)
   _, ids = jax.lax.top_k(probs, k)
-  assigned = jnp.zeros(logits_NxE.shape[-1], jnp.float32).at[
-      ids.reshape(-1)].add(jnp.repeat(m, k))
+
+  def per_expert(count_N):
+    return jnp.zeros(logits_NxE.shape[-1], jnp.float32).at[
+        ids.reshape(-1)].add(jnp.repeat(count_N.astype(jnp.float32), k))
+
   lse = jax.nn.logsumexp(logits_NxE, axis=-1)
-  return {"assigned_E": assigned, "prob_E": jnp.sum(probs * m[:, None], 0),
-          "lse_sq": jnp.sum(lse * lse * m), "tokens": jnp.sum(m)}
+  return {"assigned_E": per_expert(m),
+          "prob_E": jnp.sum(probs * m[:, None], 0),
+          "lse_sq": jnp.sum(lse * lse * m), "tokens": jnp.sum(m),
+          "routed_E": per_expert(routed_N)}
 
 
 def balance_loss(stats: dict) -> jax.Array:
@@ -197,10 +205,11 @@ def z_loss(stats: dict) -> jax.Array:
 
 
 def expert_load(stats: dict) -> dict:
-  """Top-k assignments per expert and layer: the largest and the mean
-  (their ratio is 1 when balanced), and the fewest (0: an expert of some
-  layer received no token)."""
-  per_layer_LxE = stats["assigned_E"]
+  """Top-k assignments per expert and layer over the real tokens the pass
+  routed (a prompt the grouped or packed layout shares once): the largest
+  and the mean (their ratio is 1 when balanced), and the fewest (0: an
+  expert of some layer received no token)."""
+  per_layer_LxE = stats["routed_E"]
   return {"expert_tokens_max": jnp.max(per_layer_LxE),
           "expert_tokens_mean": jnp.mean(per_layer_LxE),
           "expert_tokens_min": jnp.min(per_layer_LxE)}

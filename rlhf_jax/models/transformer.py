@@ -303,13 +303,14 @@ class Decoder(nnx.Module):
       x, logits = block._residual_mlp(x, block.attn.out(o),
                                       router_logits=True)
       stats = moe.router_stats(logits.reshape(-1, cfg.num_experts),
-                               weights_N, cfg.experts_per_token)
+                               weights_N, real_N, cfg.experts_per_token)
       return x, (k, v, stats)
 
     if router_stats and not cfg.is_moe:
       raise ValueError("router_stats: the model has no routed experts")
-    weights_N = (seg_BxT >= 0 if router_weights_BxT is None
-                 else router_weights_BxT).reshape(-1)
+    real_N = (seg_BxT >= 0).reshape(-1)
+    weights_N = (real_N if router_weights_BxT is None
+                 else router_weights_BxT.reshape(-1))
     x = self._embed(tokens_BxT)
     x, (ks, vs, stats) = scan_layers(
         self.blocks, cfg, layer, x,

@@ -36,14 +36,20 @@ MAX_AHEAD = pacing.MAX_AHEAD
 
 
 # Aux metrics are means over micro-batches, except those named "*_max"
-# (the max) and "*_sum" (the sum), which are totals over the batch.
-_TOTALS = ("_max", "_sum")
+# (the max), "*_min" (the min) and "*_sum" (the sum), which are totals over
+# the batch.
+_TOTALS = ("_max", "_min", "_sum")
 
 
 def add_aux(a: dict, b: dict) -> dict:
-  """Two parts' aux metrics combined: the max of "*_max", else the sum."""
-  return {k: jnp.maximum(a[k], b[k]) if k.endswith("_max") else a[k] + b[k]
-          for k in a}
+  """Two parts' aux metrics combined: the max of "*_max", the min of
+  "*_min", else the sum."""
+  def add(k):
+    if k.endswith("_max"):
+      return jnp.maximum(a[k], b[k])
+    return jnp.minimum(a[k], b[k]) if k.endswith("_min") else a[k] + b[k]
+
+  return {k: add(k) for k in a}
 
 
 def add_sums(a, b):
@@ -254,7 +260,9 @@ class Learner:
     def zeros(tree):
       return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
-    init = (zeros(params), jnp.zeros((), jnp.float32), zeros(aux_shape))
+    no_aux = {k: jnp.full(v.shape, jnp.inf if k.endswith("_min") else 0,
+                          v.dtype) for k, v in aux_shape.items()}
+    init = (zeros(params), jnp.zeros((), jnp.float32), no_aux)
     (grads, loss_value, aux), _ = jax.lax.scan(body, init, micro)
     return grads, loss_value, aux
 

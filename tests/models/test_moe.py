@@ -239,6 +239,7 @@ def _layouts_of_groups(seed=4, N=2, G=2, P=6, R=5):
   resp = rng.integers(1, V, (N, G, R)).astype(np.int32)
   lm = (rng.random((N, G, R)) < 0.8).astype(np.float32)
   lm[0, 1, 0] = 0.0  # A response whose first token is not trained.
+  lm[1, 0, -2:] = 0.0  # Ends untrained: the grouped load stops before.
   grouped = dict(prompt_tokens=prompt, prompt_len=plen, response_tokens=resp,
                  loss_mask=lm)
   T = P + R
@@ -263,7 +264,8 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
   """The policy loss's router statistics count the tokens that predict
   trained targets: in the repeated layout and in the grouped one (each
   prompt run once, its last token counted per trained response) they
-  equal numpy on transformers' router logits at those positions, and
+  equal numpy on transformers' router logits at those positions (the
+  expert loads: at every real token each layout routes), and
   `rl.moe_balance_coef` / `moe_z_coef` add exactly coef x each term to
   the loss (one micro-batch)."""
   from rlhf_jax.rl import grouped as grouped_lib
@@ -286,6 +288,20 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
       (np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1)) + r.max(-1))[
           trained] ** 2 for r in router_logits]))
 
+  # The loads count what each pass routes: every real token of the
+  # repeated rows; the grouped layout's prompts once, and each response up
+  # to its last trained token.
+  G, R = grouped["response_tokens"].shape[1:]
+  routed_grouped = np.zeros_like(repeated["attn_mask"])
+  for b in range(len(routed_grouped)):
+    n, g = divmod(b, G)
+    p = grouped["prompt_len"][n]
+    routed_grouped[b, :p] = g == 0
+    trained_from = np.cumsum(grouped["loss_mask"][n, g, ::-1])[::-1] > 0
+    routed_grouped[b, p:p + R] = trained_from
+  routed = {"repeated": repeated["attn_mask"].reshape(-1),
+            "grouped": routed_grouped.reshape(-1)}
+
   cfg, graphdef, params = hf.load(path)
   for name, batch in (("repeated", repeated), ("grouped", grouped)):
     stats = jax.jit(lambda p, b: grouped_lib.target_logprobs(
@@ -293,6 +309,14 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
     np.testing.assert_allclose(float(moe.balance_loss(stats)), want_balance,
                                rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(float(moe.z_loss(stats)), want_z, rtol=1e-5,
+                               err_msg=name)
+    load = np.stack([np.bincount(
+        np.argsort(-p[routed[name]], -1)[:, :K].reshape(-1), minlength=E)
+        for p in probs])
+    got = jax.device_get(moe.expert_load(stats))
+    assert (got["expert_tokens_max"], got["expert_tokens_min"]) == (
+        load.max(), load.min()), name
+    np.testing.assert_allclose(got["expert_tokens_mean"], load.mean(),
                                err_msg=name)
 
   batch = {**repeated, "old_logp": np.zeros_like(repeated["loss_mask"]),

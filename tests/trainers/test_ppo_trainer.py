@@ -193,6 +193,48 @@ def test_critic_fits_returns():
   assert errors[-1] < 0.5 * errors[0], errors
 
 
+def test_learner_logs_extremes_and_means_over_micro_batches():
+  """An update's aux metrics over its micro-batches (the strided rows
+  `split_micro` takes): "*_min" is the least, "*_max" the most, any other
+  the mean; the step's metrics over its updates keep the same rule."""
+  import jax.numpy as jnp
+  from rlhf_jax import metrics as metrics_lib
+  from rlhf_jax.rl.learner import Learner
+
+  import jax
+  learner, heads, state, batch = _critic_fixture()
+  value_terms = learner.terms_fn
+
+  def terms(graphdef, params, mb):
+    num, aux = value_terms(graphdef, params, mb)
+    first = mb["tokens"][:, 0].astype(jnp.float32)
+    return num, {**aux, "first_min": jnp.min(first),
+                 "first_max": jnp.max(first), "first": jnp.mean(first)}
+
+  probe = Learner(learner.graphdef, learner.layout, learner.optimizer,
+                  terms_fn=terms, weight_fn=learner.weight_fn,
+                  micro_batches=2)
+  batch = {**batch, "old_values": heads.values(state.params, batch)}
+  _, m = probe.step(state, batch)
+  first = np.asarray(jax.device_get(batch["tokens"]))[:, 0].astype(float)
+  per_micro = [first[u::2] for u in range(2)]  # split_micro's rows.
+  assert len({x.min() for x in per_micro}) == 2  # Else it shows nothing.
+  assert float(m["first_min"]) == min(x.min() for x in per_micro)
+  assert float(m["first_max"]) == max(x.max() for x in per_micro)
+  np.testing.assert_allclose(float(m["first"]),
+                             np.mean([x.mean() for x in per_micro]),
+                             rtol=1e-6)
+  updates = [{"first_min": 3.0, "first_max": 5.0, "first": 4.0},
+             {"first_min": 1.0, "first_max": 9.0, "first": 6.0}]
+  logged = metrics_lib.rl_step_metrics(
+      {"rewards": np.ones(2), "kl": np.zeros(2), "response_len": np.ones(2),
+       "positions": 4, "real_positions": 4, "gap_max": 0.0, "gap_mean": 0.0,
+       "mismatch_kl": 0.0}, {"train": updates}, {"perf/step_s": 1.0},
+      version=0, stale=0, step=1, alarm_kl=0.0)
+  assert (logged["train/first_min"], logged["train/first_max"],
+          logged["train/first"]) == (1.0, 9.0, 5.0)
+
+
 def test_learner_paces_every_pass():
   """Every update, gradient sum and apply hands one output of its own pass
   to the learner's Pacer (whose bound tests/parallel/test_pacing.py checks with fake
