@@ -27,6 +27,14 @@ from rlhf_jax.sched import staleness
 
 
 # ----------------------------------------------------------------- sections
+def router_loss(section):
+  """An `RL` or `SFT` section's MoE router terms (`objectives.RouterLoss`)."""
+  from rlhf_jax.rl.objectives import RouterLoss  # pylint: disable=g-import-not-at-top
+  return RouterLoss(balance_coef=section.moe_balance_coef,
+                    z_coef=section.moe_z_coef,
+                    balance_per_layer=section.moe_balance_per_layer)
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
   """The policy: a preset with overrides, or a local HF checkpoint."""
@@ -327,8 +335,11 @@ class RL:
   # token passes this (0 = off).
   mismatch_alarm_kl: float = 0.01
   # An MoE policy's router losses in the policy loss (`models/moe.py`):
-  # load balancing (transformers' router_aux_loss_coef is 0.001) and z-loss.
+  # load balancing (transformers' router_aux_loss_coef is 0.001), each
+  # layer's (True) or transformers' form over all layers together (False),
+  # and the z-loss.
   moe_balance_coef: float = 0.0
+  moe_balance_per_layer: bool = True
   moe_z_coef: float = 0.0
 
   def __post_init__(self):
@@ -397,7 +408,7 @@ class RL:
         max_len=max_len, importance_weight=self.importance_weight,
         importance_cap=self.importance_cap,
         on_policy=off_policy.on_policy(self),
-        moe_balance_coef=self.moe_balance_coef, moe_z_coef=self.moe_z_coef)
+        router=router_loss(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,8 +447,9 @@ class SFT:
   grad_clip: float = 1.0
   log_every: int = 25
   checkpoint_every: int = 100  # And on SIGTERM; a rerun resumes the SFT.
-  # An MoE policy's router losses (as rl.moe_balance_coef, rl.moe_z_coef).
+  # An MoE policy's router losses (as rl.moe_balance_coef, ...).
   moe_balance_coef: float = 0.0
+  moe_balance_per_layer: bool = True
   moe_z_coef: float = 0.0
 
   def __post_init__(self):

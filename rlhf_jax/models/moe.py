@@ -187,12 +187,22 @@ def router_stats(logits_NxE, weights_N, routed_N, k: int) -> dict:
           "routed_E": per_expert(routed_N)}
 
 
-def balance_loss(stats: dict) -> jax.Array:
-  """Switch-Transformer load balancing over all layers together (as
-  transformers' `load_balancing_loss_func`): E x sum_e f_e p_e, f_e the
-  share of top-k assignments to expert e per token, p_e its mean router
-  probability, both over every (layer, token). 1 x k when balanced."""
-  rows = jnp.sum(stats["tokens"])
+def balance_loss(stats: dict, per_layer: bool = True) -> jax.Array:
+  """Switch-Transformer load balancing: E x sum_e f_e p_e, f_e the share of
+  top-k assignments to expert e per token, p_e its mean router
+  probability; k when balanced.
+
+  per_layer: f and p of each layer, the mean over layers (Switch,
+  Megatron-LM, MaxText): every layer is balanced. False: transformers'
+  `load_balancing_loss_func`, f and p over every (layer, token) together,
+  which balances only each expert index summed over the layers (an expert
+  idle in one layer and busy in another costs nothing).
+  """
+  if per_layer:
+    rows_L = jnp.maximum(stats["tokens"], 1.0)[:, None]
+    f_LxE, p_LxE = stats["assigned_E"] / rows_L, stats["prob_E"] / rows_L
+    return f_LxE.shape[-1] * jnp.mean(jnp.sum(f_LxE * p_LxE, -1))
+  rows = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
   f_E = jnp.sum(stats["assigned_E"], 0) / rows
   p_E = jnp.sum(stats["prob_E"], 0) / rows
   return f_E.shape[0] * jnp.sum(f_E * p_E)

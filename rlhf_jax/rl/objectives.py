@@ -30,18 +30,30 @@ def _masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _router_terms(router, balance_coef: float, z_coef: float, weight):
+@dataclasses.dataclass(frozen=True)
+class RouterLoss:
+  """An MoE policy's router terms (`models/moe.py`), over the tokens that
+  predict trained targets: coef x the load-balancing loss (each layer's,
+  or transformers' form over all layers together: `moe.balance_loss`),
+  coef x the router z-loss."""
+  balance_coef: float = 0.0
+  z_coef: float = 0.0
+  balance_per_layer: bool = True
+
+
+def _router_terms(router, c: RouterLoss, weight):
   """(coef-weighted router losses x `weight`, their metrics) of an MoE
   micro-batch's router statistics (`models/moe.py`); weighting each
   micro-batch by its share of the batch's normaliser makes one
   micro-batch's loss exactly coef x each term."""
-  balance, z = moe.balance_loss(router), moe.z_loss(router)
-  return ((balance_coef * balance + z_coef * z) * weight,
+  balance = moe.balance_loss(router, per_layer=c.balance_per_layer)
+  z = moe.z_loss(router)
+  return ((c.balance_coef * balance + c.z_coef * z) * weight,
           {**moe.expert_load(router), "moe_balance_loss": balance,
            "moe_z_loss": z})
 
 
-def sft_terms(moe_balance_coef: float = 0.0, moe_z_coef: float = 0.0):
+def sft_terms(router_loss: RouterLoss = RouterLoss()):
   """Token-mean cross-entropy on the loss_mask targets (+ an MoE's router
   losses, `_router_terms`)."""
   def terms(graphdef, params, mb):
@@ -52,8 +64,7 @@ def sft_terms(moe_balance_coef: float = 0.0, moe_z_coef: float = 0.0):
     aux = {"accuracy": _masked_mean(
         (argmax == mb["targets"]).astype(jnp.float32), mask)}
     if router is not None:
-      extra, router_aux = _router_terms(router, moe_balance_coef, moe_z_coef,
-                                        jnp.sum(mask))
+      extra, router_aux = _router_terms(router, router_loss, jnp.sum(mask))
       num, aux = num + extra, {**aux, **router_aux}
     return num, aux
 
@@ -79,11 +90,7 @@ class PolicyLossConfig:
   # and the loss measures the sampler mismatch (`off_policy.mismatch_sums`
   # over "mismatch_mask", default the loss mask).
   on_policy: bool = False
-  # An MoE policy's router terms (`models/moe.py`), over the tokens that
-  # predict trained targets: coef x the load-balancing loss, coef x the
-  # router z-loss.
-  moe_balance_coef: float = 0.0
-  moe_z_coef: float = 0.0
+  router: RouterLoss = RouterLoss()  # An MoE policy's router terms.
 
 
 def policy_terms(c: PolicyLossConfig):
@@ -139,8 +146,7 @@ def policy_terms(c: PolicyLossConfig):
            "entropy": _masked_mean(entropy, mask),
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
     if router is not None:
-      extra, router_aux = _router_terms(router, c.moe_balance_coef,
-                                        c.moe_z_coef, weight(mb))
+      extra, router_aux = _router_terms(router, c.router, weight(mb))
       num, aux = num + extra, {**aux, **router_aux}
     return num, aux
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rlhf_jax.config import sections
 from rlhf_jax.errors import ConfigError, NonFiniteError
 from rlhf_jax.metrics import MetricWriter, Progress
 from rlhf_jax.rl import objectives
@@ -40,7 +41,7 @@ def run_sft(c, graphdef, params, layout, arrays_fn,
     raise ConfigError(f"config.sft.steps={c.steps} but the data source "
                       "(config.data.kind) has no SFT data; set "
                       "config.sft.steps=0")
-  terms, weight = objectives.sft_terms(c.moe_balance_coef, c.moe_z_coef)
+  terms, weight = objectives.sft_terms(sections.router_loss(c))
   learner = Learner(graphdef, layout, make_optimizer(OptimConfig(
       learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
       grad_clip=c.grad_clip)), terms_fn=terms, weight_fn=weight,

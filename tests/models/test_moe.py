@@ -158,8 +158,9 @@ def test_experts_the_expert_axis_does_not_divide_stay_whole(tmp_path):
 
 def test_router_losses_and_load_match_transformers_and_numpy(checkpoint):
   """From our forward's router statistics (EP 2, 8 devices): the
-  load-balancing loss equals transformers' `aux_loss` (padding excluded
-  by the attention mask), the z-loss and the per-expert loads equal numpy
+  load-balancing loss in transformers' form equals its `aux_loss` (padding
+  excluded by the attention mask), the per-layer form (the default) a
+  numpy computation, the z-loss and the per-expert loads equal numpy
   on transformers' router logits; every expert receives tokens."""
   model, path = checkpoint
   tokens, positions, mask = _batch(seed=2)
@@ -171,8 +172,18 @@ def test_router_losses_and_load_match_transformers_and_numpy(checkpoint):
                                             mask, router_stats=True)[1])
   with use_layout(layout):
     stats = fwd(params)
-  np.testing.assert_allclose(float(moe.balance_loss(stats)), aux, rtol=1e-5)
+  np.testing.assert_allclose(
+      float(moe.balance_loss(stats, per_layer=False)), aux, rtol=1e-5)
   real = mask.reshape(-1)
+  probs = [np.exp(r[real] - r[real].max(-1, keepdims=True))
+           for r in router_logits]
+  probs = [p / p.sum(-1, keepdims=True) for p in probs]
+  per_layer = [E * np.sum(np.bincount(np.argsort(-p, -1)[:, :K].reshape(-1),
+                                      minlength=E) / len(p) * p.mean(0))
+               for p in probs]  # Each layer's own f and p.
+  np.testing.assert_allclose(float(moe.balance_loss(stats)),
+                             np.mean(per_layer), rtol=1e-5)
+  assert abs(np.mean(per_layer) - aux) > 1e-3  # The two forms differ here.
   lse = [np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1)) + r.max(-1)
          for r in router_logits]  # [B*T] per layer.
   z = np.mean(np.concatenate([x[real] ** 2 for x in lse]))
@@ -229,6 +240,22 @@ def test_moe_config_errors_name_the_problem():
     model_lib.forward(graphdef, params, x, x, x == 0, router_stats=True)
 
 
+def test_router_loss_keys_reach_the_rl_and_sft_losses():
+  """`rl.moe_*` and `sft.moe_*` become the losses' `RouterLoss`; the
+  per-layer balancing is the default."""
+  from rlhf_jax.config import sections
+  from rlhf_jax.rl.objectives import RouterLoss
+  assert sections.RL().policy_loss_config(8).router == RouterLoss(
+      0.0, 0.0, balance_per_layer=True)
+  rl = sections.RL(moe_balance_coef=0.01, moe_z_coef=0.001,
+                   moe_balance_per_layer=False)
+  assert rl.policy_loss_config(8).router == RouterLoss(0.01, 0.001, False)
+  sft = sections.SFT(moe_balance_coef=0.02, moe_z_coef=0.003)
+  assert sections.router_loss(sft) == RouterLoss(0.02, 0.003, True)
+  with pytest.raises(sections.ConfigError, match="moe_z_coef"):
+    sections.SFT(moe_z_coef=-1.0)
+
+
 def _layouts_of_groups(seed=4, N=2, G=2, P=6, R=5):
   """The same N x G sequences (prompt + response) as a grouped batch and as
   a repeated one, with a loss mask over the responses (a few tokens off)."""
@@ -283,7 +310,11 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
   f = sum(np.bincount(np.argsort(-p[trained], -1)[:, :K].reshape(-1),
                       minlength=E) for p in probs) / rows
   p_mean = sum(p[trained].sum(0) for p in probs) / rows
-  want_balance = E * np.sum(f * p_mean)
+  want_balance = E * np.sum(f * p_mean)  # transformers' form.
+  want_layer_balance = np.mean([E * np.sum(
+      np.bincount(np.argsort(-p[trained], -1)[:, :K].reshape(-1),
+                  minlength=E) / trained.sum() * p[trained].mean(0))
+      for p in probs])
   want_z = np.mean(np.concatenate([
       (np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1)) + r.max(-1))[
           trained] ** 2 for r in router_logits]))
@@ -306,8 +337,10 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
   for name, batch in (("repeated", repeated), ("grouped", grouped)):
     stats = jax.jit(lambda p, b: grouped_lib.target_logprobs(
         graphdef, p, b, router_stats=True)[3])(params, batch)
-    np.testing.assert_allclose(float(moe.balance_loss(stats)), want_balance,
-                               rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(float(moe.balance_loss(stats, False)),
+                               want_balance, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(float(moe.balance_loss(stats)),
+                               want_layer_balance, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(float(moe.z_loss(stats)), want_z, rtol=1e-5,
                                err_msg=name)
     load = np.stack([np.bincount(
@@ -325,12 +358,13 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
   nums = {}
   for coefs in ((0.0, 0.0), (0.01, 0.0), (0.0, 0.001)):
     terms, weight = objectives.policy_terms(objectives.PolicyLossConfig(
-        moe_balance_coef=coefs[0], moe_z_coef=coefs[1]))
+        router=objectives.RouterLoss(balance_coef=coefs[0],
+                                     z_coef=coefs[1])))
     num, aux = jax.jit(lambda p, b: terms(graphdef, p, b))(params, batch)
     nums[coefs] = float(num / weight(batch))
   assert aux["expert_tokens_max"] > aux["expert_tokens_mean"] > 0
   np.testing.assert_allclose(nums[(0.01, 0.0)] - nums[(0.0, 0.0)],
-                             0.01 * want_balance, rtol=1e-4)
+                             0.01 * want_layer_balance, rtol=1e-4)
   np.testing.assert_allclose(nums[(0.0, 0.001)] - nums[(0.0, 0.0)],
                              0.001 * want_z, rtol=1e-4)
 
