@@ -7,9 +7,10 @@ tiny_grpo's job (SFT warm-start, then GRPO on 2-digit addition) with the
 tiny decoder's MLP replaced by 8 experts of 96 hidden units, each token
 through its top 2 (`models/moe.py`), Qwen3-MoE style (QK-norm). The
 experts are split over 2 devices (`mesh.expert`) in training and in each
-rollout replica (`mesh.rollout_expert`), with the load-balancing loss in
-RL; `train/expert_tokens_{min,mean,max}` log the experts' loads. 500 RL steps, tiny_grpo's 300 and
-more: its held-out accuracy was still rising at 300 (docs/results.md).
+rollout replica (`mesh.rollout_expert`), with each layer's load-balancing
+loss in the warm-start and in RL; `train/expert_tokens_{min,mean,max}` log
+the experts' loads. 500 RL steps, tiny_grpo's 300 and more: its held-out
+accuracy was still rising at 300 (docs/results.md).
 On CPU the devices are fake ones (XLA_FLAGS above); the expert axis
 needs at least 2.
 """
@@ -28,10 +29,12 @@ def get_config(arg=None):
       scan_layers=False)
   c.mesh.expert = 2
   c.mesh.rollout_expert = 2
-  # Load balancing in RL at transformers' default for Qwen3-MoE. At 0.01 in
-  # the warm-start and in RL the held-out gain fell from +0.23 to +0.12
-  # (seed 0, 500 steps), and the least-used expert of some layer still
-  # received none of a step's trained tokens in about half the steps.
+  # Load balancing per layer (`moe.balance_loss`): 0.01 in the warm-start,
+  # where the routing forms, and transformers' default 0.001 in RL. With
+  # none in the warm-start an expert of the first layer received no token
+  # in most RL steps; with transformers' all-layers form at 0.01 in the
+  # warm-start, in 153 of 500 (seed 0; docs/results.md).
+  c.sft.moe_balance_coef = 0.01
   c.rl.moe_balance_coef = 0.001
   if not runlocal:
     c.train.steps = 500
