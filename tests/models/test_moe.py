@@ -375,8 +375,9 @@ def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path):
   experts split 2 ways in training and in each rollout replica: the
   sampler's log-probs equal the trainer's (the rollout's psum path and
   the training's gather path compute one model), and the router terms
-  and expert loads are logged. (Whether every expert receives tokens is
-  the full job's figure: runlocal's batch is ~80 trained tokens.)"""
+  and expert loads are logged. (Whether every expert receives tokens at
+  every step is the full job's figure: `benchmarks.job`'s
+  steps_with_an_idle_expert, docs/results.md.)"""
   import resume
   from configs import tiny_grpo_moe
   from rlhf_jax.trainers import rl_job
