@@ -92,7 +92,8 @@ def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
 
 
 def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
-                   response_tokens_NxGxR, router_weights_NxGxR=None):
+                   response_tokens_NxGxR, router_weights_NxGxR=None,
+                   replay=None):
   """Final-norm hidden states [B, R, D] that predict each response token
   (the model's `project` turns them into logits); `model` is a merged
   Decoder.
@@ -101,7 +102,10 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
   the loss terms' over the tokens that predict the response tokens, each
   counted with the weight of the token it predicts (a prompt's last token
   once per response of its group): the tokens, and counts, of the
-  repeated layout; the load over the real tokens routed (a prompt once)."""
+  repeated layout; the load over the real tokens routed (a prompt once).
+
+  `replay` (MoE, rollout routing replay): (prompt [N, P, L, k], responses
+  [N, G, R, L, k]) expert ids to route each token to (`moe.route`)."""
   cfg = model.cfg
   N, P = prompt_tokens_NxP.shape
   G, R = response_tokens_NxGxR.shape[1:]
@@ -124,7 +128,7 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
                     jnp.sum(router_weights_NxGxR[..., 0], 1)[:, None], 0.0)
     w_r = jnp.concatenate([w_r[:, 1:], jnp.zeros((B, 1), w_r.dtype)], 1)
 
-  def layer(block, i, x, _):
+  def layer(block, i, x, replay_i):
     x_p, x_r = x
     window = layer_window(cfg, i)
     q_p, k_p, v_p = block.attn.qkv(block.attn_norm(x_p), pos_p)
@@ -132,23 +136,35 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
     o_p = self_attention(q_p, k_p, v_p, pos_p, seg_p, window, cfg)
     o_r = prefix_suffix_attention(q_r, k_r, v_r, pos_r, k_p, v_p, pos_p,
                                   seg_p, window, cfg)
-    if not stats:
+    if not stats and replay_i is None:
       return (block._residual_mlp(x_p, block.attn.out(o_p)),
               block._residual_mlp(x_r, block.attn.out(o_r))), None
-    x_p, logits_p = block._residual_mlp(x_p, block.attn.out(o_p),
-                                        router_logits=True)
-    x_r, logits_r = block._residual_mlp(x_r, block.attn.out(o_r),
-                                        router_logits=True)
-    E = cfg.num_experts
+    rep_p, rep_r = (None, None) if replay_i is None else replay_i
+    x_p, logits_p, ids_p = block._residual_mlp(
+        x_p, block.attn.out(o_p), routing=True, replay=rep_p)
+    x_r, logits_r, ids_r = block._residual_mlp(
+        x_r, block.attn.out(o_r), routing=True, replay=rep_r)
+    if not stats:
+      return (x_p, x_r), None
+    E, K = cfg.num_experts, cfg.experts_per_token
+
+    def rows(a, b, width):
+      return jnp.concatenate([a.reshape(-1, width), b.reshape(-1, width)])
+
     return (x_p, x_r), moe.router_stats(
-        jnp.concatenate([logits_p.reshape(-1, E), logits_r.reshape(-1, E)]),
+        rows(logits_p, logits_r, E),
         jnp.concatenate([w_p.reshape(-1), w_r.reshape(-1)]),
-        jnp.concatenate([routed_p.reshape(-1), routed_r.reshape(-1)]),
-        cfg.experts_per_token)
+        jnp.concatenate([routed_p.reshape(-1), routed_r.reshape(-1)]), K,
+        ids_NxK=rows(ids_p, ids_r, K),
+        replay_NxK=None if replay_i is None else rows(rep_p, rep_r, K))
 
   x = (model._embed(prompt_tokens_NxP),
        model._embed(response_tokens_NxGxR.reshape(B, R)))
-  (x_p, x_r), layer_stats = scan_layers(model.blocks, cfg, layer, x)
+  if replay is not None:  # Scanned over layers: [L, ...] first.
+    L, K = cfg.num_layers, cfg.experts_per_token
+    replay = (jnp.moveaxis(replay[0], 2, 0),
+              jnp.moveaxis(replay[1].reshape(B, R, L, K), 2, 0))
+  (x_p, x_r), layer_stats = scan_layers(model.blocks, cfg, layer, x, replay)
   # Response token 0 is predicted by the prompt's last token (shared by the
   # group), token j > 0 by response token j - 1; the last response token
   # predicts nothing.

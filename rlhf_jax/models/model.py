@@ -71,12 +71,13 @@ def init_params(cfg: ModelConfig, seed: int, layout: Layout | None = None):
 
 def forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, *,
             return_kv: bool = False, context=None,
-            router_stats: bool = False):
+            router_stats: bool = False, replay_BxTxLxK=None):
   """Full-sequence logits (and per-layer KV, and an MoE's router
-  statistics); see `Decoder.__call__`."""
+  statistics; `replay_BxTxLxK`: routing replay); see `Decoder.__call__`."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, return_kv=return_kv,
-               context=context, router_stats=router_stats)
+               context=context, router_stats=router_stats,
+               replay_BxTxLxK=replay_BxTxLxK)
 
 
 def prefill(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, last_B,

@@ -39,22 +39,36 @@ from rlhf_jax.parallel.layout import active_layout
 # Router statistics of one layer (`Decoder.__call__(router_stats=True)`),
 # summed over the tokens the losses count (each with its weight): top-k
 # assignments per expert, router probability per expert, squared
-# log-sum-exp of the router logits, tokens; and the load: top-k
-# assignments per expert over every real token the pass routes.
-STAT_KEYS = ("assigned_E", "prob_E", "lse_sq", "tokens", "routed_E")
+# log-sum-exp of the router logits, tokens; the load: top-k assignments
+# per expert over every real token the pass routes; with routing replay,
+# the routed tokens replayed and those whose own top k differs.
+STAT_KEYS = ("assigned_E", "prob_E", "lse_sq", "tokens", "routed_E",
+             "replayed", "flipped")
 
 
-def route(cfg: ModelConfig, router_DxE, x_NxD):
-  """(router logits [N, E] fp32, top-k expert ids [N, k], their weights
-  [N, k] fp32) as Qwen3-MoE routes: softmax in fp32 over all experts, the
-  k largest, renormalised to sum 1 with `norm_topk_prob`."""
+def route(cfg: ModelConfig, router_DxE, x_NxD, replay_NxK=None):
+  """(router logits [N, E] fp32, expert ids [N, k], their weights [N, k]
+  fp32) as Qwen3-MoE routes: softmax in fp32 over all experts, the k
+  largest, renormalised to sum 1 with `norm_topk_prob`.
+
+  With `replay_NxK` (rollout routing replay: the experts the sampler
+  chose), a token whose row holds k ids >= 0 goes to those experts instead,
+  weighted by this router's probabilities of them (renormalised the same
+  way), so the router still gets gradients; a row with a -1 (no record)
+  keeps the token's own top k.
+  """
   logits = jnp.einsum("nd,de->ne", x_NxD, router_DxE.astype(x_NxD.dtype),
                       preferred_element_type=jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
   weights, ids = jax.lax.top_k(probs, cfg.experts_per_token)
+  ids = ids.astype(jnp.int32)
+  if replay_NxK is not None:
+    recorded = jnp.all(replay_NxK >= 0, axis=-1, keepdims=True)
+    ids = jnp.where(recorded, replay_NxK.astype(jnp.int32), ids)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
   if cfg.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return logits, ids.astype(jnp.int32), weights
+  return logits, ids, weights
 
 
 def routed_experts(cfg: ModelConfig, x_NxD, ids_NxK, weights_NxK, gate_ExDxF,
@@ -148,13 +162,16 @@ class MoeMLP(nnx.Module):
   def __call__(self, x_BxTxD):
     return self.with_router(x_BxTxD)[0]
 
-  def with_router(self, x_BxTxD):
-    """(output like x, router logits [..., E] fp32)."""
+  def with_router(self, x_BxTxD, replay_BxTxK=None):
+    """(output like x, router logits [..., E] fp32, the expert ids each
+    token went to [..., k]); `replay_BxTxK`: see `route`."""
     cfg = self.cfg
     x = x_BxTxD.astype(cfg.compute_jnp_dtype)
     lead = x.shape[:-1]
-    logits, ids, weights = route(cfg, self.router[...],
-                                 x.reshape(-1, x.shape[-1]))
+    K = cfg.experts_per_token
+    logits, ids, weights = route(
+        cfg, self.router[...], x.reshape(-1, x.shape[-1]),
+        None if replay_BxTxK is None else replay_BxTxK.reshape(-1, K))
     ids = ids.reshape(lead + ids.shape[-1:])
     weights = weights.reshape(lead + weights.shape[-1:])
     gate, up, down = self.gate[...], self.up[...], self.down[...]
@@ -166,25 +183,40 @@ class MoeMLP(nnx.Module):
                          down).reshape(x.shape)
     else:
       y = _expert_parallel(cfg, layout, x, ids, weights, gate, up, down)
-    return y, logits.reshape(lead + logits.shape[-1:])
+    return y, logits.reshape(lead + logits.shape[-1:]), ids
 
 
-def router_stats(logits_NxE, weights_N, routed_N, k: int) -> dict:
+def router_stats(logits_NxE, weights_N, routed_N, k: int, ids_NxK=None,
+                 replay_NxK=None) -> dict:
   """One layer's `STAT_KEYS`: the loss terms' over the tokens counted
-  `weights_N` times, the load over the tokens where `routed_N`."""
+  `weights_N` times, the load over the tokens where `routed_N`. `ids_NxK`:
+  the experts each token went to (default: its top k); with `replay_NxK`
+  (`route`), also how many routed tokens had a recorded choice and how many
+  of those the router's own top k would have sent elsewhere (another set
+  of experts)."""
   m = weights_N.astype(jnp.float32)
   probs = jax.nn.softmax(logits_NxE, axis=-1)
-  _, ids = jax.lax.top_k(probs, k)
+  _, own = jax.lax.top_k(probs, k)
+  ids = own if ids_NxK is None else ids_NxK
 
   def per_expert(count_N):
     return jnp.zeros(logits_NxE.shape[-1], jnp.float32).at[
         ids.reshape(-1)].add(jnp.repeat(count_N.astype(jnp.float32), k))
 
   lse = jax.nn.logsumexp(logits_NxE, axis=-1)
+  routed = routed_N.astype(jnp.float32)
+  if replay_NxK is None:
+    replayed = flipped = jnp.zeros((), jnp.float32)
+  else:
+    recorded = jnp.all(replay_NxK >= 0, axis=-1).astype(jnp.float32)
+    differ = jnp.any(jnp.sort(own, -1) != jnp.sort(replay_NxK, -1), -1)
+    replayed = jnp.sum(recorded * routed)
+    flipped = jnp.sum(recorded * routed * differ)
   return {"assigned_E": per_expert(m),
           "prob_E": jnp.sum(probs * m[:, None], 0),
           "lse_sq": jnp.sum(lse * lse * m), "tokens": jnp.sum(m),
-          "routed_E": per_expert(routed_N)}
+          "routed_E": per_expert(routed_N), "replayed": replayed,
+          "flipped": flipped}
 
 
 def balance_loss(stats: dict, per_layer: bool = True) -> jax.Array:

@@ -105,19 +105,21 @@ class Block(nnx.Module):
       self.mlp_post_norm = RMSNorm(d, cfg, rngs=rngs)
     self.post_norms = cfg.post_norms
 
-  def _residual_mlp(self, x, attn_out, *, router_logits: bool = False):
+  def _residual_mlp(self, x, attn_out, *, routing: bool = False,
+                    replay=None):
     """The residual stream after the attention output and the MLP; with
-    `router_logits`, also the MoE router's logits [..., E] of each token."""
+    `routing` (MoE), also the router's logits [..., E] of each token and
+    the experts it went to [..., k] (`replay`: `moe.route`)."""
     if self.post_norms:
       attn_out = self.attn_post_norm(attn_out)
     x = x + attn_out.astype(x.dtype)
     h = self.mlp_norm(x)
-    y, logits = (self.mlp.with_router(h) if router_logits
-                 else (self.mlp(h), None))
+    y, logits, ids = (self.mlp.with_router(h, replay) if routing
+                      else (self.mlp(h), None, None))
     if self.post_norms:
       y = self.mlp_post_norm(y)
     x = x + y.astype(x.dtype)
-    return (x, logits) if router_logits else x
+    return (x, logits, ids) if routing else x
 
 
 def stack_layers(modules: list[nnx.Module]) -> nnx.Module:
@@ -223,7 +225,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, *,
                return_kv: bool = False, context=None,
-               router_stats: bool = False):
+               router_stats: bool = False, replay_BxTxLxK=None):
     """Full-sequence forward.
 
     Args:
@@ -237,13 +239,16 @@ class Decoder(nnx.Module):
         after the context. C = 0 is the same as None.
       router_stats: (MoE) also return each layer's router statistics over
         the real tokens (`moe.STAT_KEYS`, each with a leading [L]).
+      replay_BxTxLxK: (MoE) each token's experts in each layer to route it
+        to (rollout routing replay, `moe.route`; -1: its own top k).
 
     Returns:
       logits [B,T,V] fp32, then with return_kv (k, v) each [L,B,T,N,K] (the
       tokens' own KV, not the context's), then with router_stats the stats.
     """
     x, ks, vs, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
-                                   context=context, router_stats=router_stats)
+                                   context=context, router_stats=router_stats,
+                                   replay_BxTxLxK=replay_BxTxLxK)
     out = (self._logits(x),)
     if return_kv:
       out += ((ks, vs),)
@@ -261,26 +266,29 @@ class Decoder(nnx.Module):
     return self.project(self.final_norm(x_last)), (ks, vs)
 
   def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT, *,
-                    segments=None, subs=None, router_weights_BxT=None):
+                    segments=None, subs=None, router_weights_BxT=None,
+                    replay_BxTxLxK=None):
     """Final-norm hidden states [B,T,D] (compute dtype): of right-padded
     rows (`mask_BxT`), or of packed rows (`segments` [B,T]: tokens attend
     within their segment; negative: padding; `subs` [B,T]: packed groups,
     `rl/packing.py`). With `router_weights_BxT` (MoE): also each layer's
-    router statistics, each token counted with its weight."""
+    router statistics, each token counted with its weight (the load over
+    the real tokens). `replay_BxTxLxK`: see `__call__`."""
     x, _, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
                                  segments=segments, subs=subs,
                                  router_stats=router_weights_BxT is not None,
-                                 router_weights_BxT=router_weights_BxT)
+                                 router_weights_BxT=router_weights_BxT,
+                                 replay_BxTxLxK=replay_BxTxLxK)
     h = self.final_norm(x)
     return h if router_weights_BxT is None else (h, stats)
 
   def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None,
              segments=None, subs=None, router_stats: bool = False,
-             router_weights_BxT=None):
+             router_weights_BxT=None, replay_BxTxLxK=None):
     """Embedding + blocks: residual stream [B,T,D], k, v [L,B,T,N,K] and
     (with `router_stats`, MoE) each layer's router statistics over the
     real tokens (or each token counted `router_weights_BxT` times), else
-    None."""
+    None. `replay_BxTxLxK`: see `__call__`."""
     cfg = self.cfg
     padded_rows = segments is None
     seg_BxT = (jnp.where(mask_BxT, 0, -1) if padded_rows  # Padding: its own.
@@ -289,7 +297,8 @@ class Decoder(nnx.Module):
       context = None
     ctx_len = None if context is None else context[2]
 
-    def layer(block, i, x, ctx):
+    def layer(block, i, x, xs):
+      ctx, replay_BxTxK = xs
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_BxT)
       window = layer_window(cfg, i)
       if ctx is None:
@@ -298,23 +307,32 @@ class Decoder(nnx.Module):
       else:
         o = context_attention(q, k, v, positions_BxT, seg_BxT, ctx[0],
                               ctx[1], ctx_len, window, cfg)
-      if not router_stats:
+      if not (router_stats or replay_BxTxK is not None):
         return block._residual_mlp(x, block.attn.out(o)), (k, v, None)
-      x, logits = block._residual_mlp(x, block.attn.out(o),
-                                      router_logits=True)
-      stats = moe.router_stats(logits.reshape(-1, cfg.num_experts),
-                               weights_N, real_N, cfg.experts_per_token)
+      x, logits, ids = block._residual_mlp(x, block.attn.out(o), routing=True,
+                                           replay=replay_BxTxK)
+      if not router_stats:
+        return x, (k, v, None)
+      K = cfg.experts_per_token
+      stats = moe.router_stats(
+          logits.reshape(-1, cfg.num_experts), weights_N, real_N, K,
+          ids_NxK=ids.reshape(-1, K), replay_NxK=None
+          if replay_BxTxK is None else replay_BxTxK.reshape(-1, K))
       return x, (k, v, stats)
 
-    if router_stats and not cfg.is_moe:
-      raise ValueError("router_stats: the model has no routed experts")
+    if (router_stats or replay_BxTxLxK is not None) and not cfg.is_moe:
+      raise ValueError("router_stats / routing replay: the model has no "
+                       "routed experts")
     real_N = (seg_BxT >= 0).reshape(-1)
     weights_N = (real_N if router_weights_BxT is None
                  else router_weights_BxT.reshape(-1))
     x = self._embed(tokens_BxT)
+    replay_LxBxTxK = (None if replay_BxTxLxK is None
+                      else jnp.moveaxis(replay_BxTxLxK, 2, 0))
     x, (ks, vs, stats) = scan_layers(
         self.blocks, cfg, layer, x,
-        None if context is None else (context[0], context[1]))
+        (None if context is None else (context[0], context[1]),
+         replay_LxBxTxK))
     return x, ks, vs, stats
 
   def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,

@@ -89,6 +89,88 @@ def _torch_reference(model, tokens, mask, weights):
           [r.detach().numpy() for r in out.router_logits], grads)
 
 
+def _forced_router(router, replay_NxK):
+  """transformers' `Qwen3MoeTopKRouter.forward` with each token whose row
+  of `replay_NxK` has no -1 sent to those experts, weighted by its router
+  probabilities of them, renormalised: the oracle of routing replay."""
+  def forward(hidden_states):
+    h = hidden_states.reshape(-1, router.hidden_dim)
+    logits = torch.nn.functional.linear(h, router.weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    _, top = torch.topk(probs, router.top_k, dim=-1)
+    forced = torch.tensor(replay_NxK, dtype=torch.long)
+    ids = torch.where((forced >= 0).all(-1, keepdim=True), forced, top)
+    w = probs.gather(-1, ids)
+    return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), ids
+  return forward
+
+
+def test_routing_replay_routes_tokens_to_the_recorded_experts(checkpoint):
+  """Rollout routing replay ([r3]) on EP 2 (8 devices): with recorded
+  experts for every (token, layer), random sets with a few tokens left
+  unrecorded (-1: their own top k), the logits and the router's and
+  experts' gradients equal transformers' with its routers forced to those
+  experts (torch autograd: gradients reach the router through the
+  replayed experts' weights); the router statistics count the replayed
+  tokens and those whose own top k differs (numpy on transformers' router
+  logits); replaying a forward's own choices changes no logit."""
+  model, path = checkpoint
+  tokens, positions, mask = _batch(seed=5)
+  B, T = tokens.shape
+  L = model.config.num_hidden_layers
+  rng = np.random.default_rng(6)
+  replay = np.stack([rng.permutation(E)[:K] for _ in range(B * T * L)]
+                    ).reshape(B, T, L, K).astype(np.int32)
+  replay[0, :3] = -1
+  replay[1, 2, 1] = -1
+  weights = rng.normal(size=tokens.shape + (V,)).astype(np.float32)
+  _, _, own_logits, _ = _torch_reference(model, tokens, mask, weights)
+  own = np.stack([np.argsort(-r, -1)[:, :K] for r in own_logits], 1
+                 ).reshape(B, T, L, K).astype(np.int32)
+  for i, layer in enumerate(model.model.layers):
+    layer.mlp.gate.forward = _forced_router(layer.mlp.gate,
+                                            replay[:, :, i].reshape(-1, K))
+  try:
+    ref, _, router_logits, ref_grads = _torch_reference(model, tokens, mask,
+                                                        weights)
+  finally:
+    for layer in model.model.layers:
+      del layer.mlp.gate.forward  # The class's forward again.
+
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
+  _, graphdef, params = hf.load(path, layout=layout)
+
+  def loss(p, replay):
+    logits, stats = model_lib.forward(graphdef, p, tokens, positions, mask,
+                                      router_stats=True,
+                                      replay_BxTxLxK=replay)
+    return (logits * weights * mask[..., None]).sum(), (logits, stats)
+
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  with use_layout(layout):
+    (_, (logits, stats)), grads = step(params, replay)
+    (_, (own_replayed, _)), _ = step(params, own)
+    (_, (plain, _)), _ = step(params, np.full_like(own, -1))
+  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
+                             rtol=0)
+  flat = dict(nnx.to_flat_state(grads))
+  for name, want in ref_grads.items():
+    got = np.asarray(flat[("blocks", "mlp", name)].get_value())
+    assert np.abs(want).max() > 1e-2, name
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(),
+                               err_msg=name)
+  np.testing.assert_allclose(np.asarray(own_replayed)[mask],
+                             np.asarray(plain)[mask], atol=1e-6, rtol=0)
+  assert np.abs(np.asarray(plain) - np.asarray(logits))[mask].max() > 1e-2
+  real = mask.reshape(-1)
+  for i, r in enumerate(router_logits):
+    recorded = (replay[:, :, i] >= 0).all(-1).reshape(-1) & real
+    mine = np.sort(np.argsort(-r, -1)[:, :K], -1)
+    differ = (mine != np.sort(replay[:, :, i].reshape(-1, K), -1)).any(-1)
+    assert float(stats["replayed"][i]) == recorded.sum(), i
+    assert float(stats["flipped"][i]) == (recorded & differ).sum() > 0, i
+
+
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_expert_parallel_matches_transformers(checkpoint, ep):
   """EP = ep on the 8-device training mesh (FSDP over the rest; the batch
