@@ -64,6 +64,11 @@ class Sample:
   # Async RL (`rollout/asynchronous.py`): the weight version of each token
   # (weight_version is then the oldest); None: all weight_version.
   token_versions: list[int] | None = None
+  # Rollout routing replay (MoE, `Engine(record_routes=True)`): the experts
+  # each prompt token [P, L, k] and each fed response token [len(tokens) -
+  # 1, L, k] went to (the last token is never fed); -1: not recorded.
+  prompt_routes: np.ndarray | None = None
+  routes: np.ndarray | None = None
 
   @property
   def key(self):

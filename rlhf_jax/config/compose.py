@@ -94,6 +94,8 @@ FEATURES: dict[str, Feature] = {
     # The rollout copy is not the training weights (cast or quantized; LoRA
     # has its own row) and, off the on-policy path, the old log-probs are
     # the trainer's forward on them.
+    "routing_replay": Feature("config.rl.routing_replay=True",
+                              lambda c, kind: c.rl.routing_replay),
     "cast_copy_old_logprobs": Feature(
         "old log-probs from a cast or quantized rollout copy",
         lambda c, kind: (not off_policy.on_policy(c.rl) and (
@@ -176,6 +178,13 @@ TABLE: tuple[Row, ...] = (
         "rl.dynamic_sampling scores per round"),
     Row("fusion", "lora", UNFUSED,
         "LoRA: the reference is the policy's base, not a copy of its own"),
+    # Routing replay: the experts are recorded by the trainer's own engine
+    # and carried in the repeated and grouped layouts (not yet through
+    # handed-over or carried-over samples, packed rows or appended turns).
+    *(Row("routing_replay", other, REFUSED, "not implemented yet")
+      for other in ("ppo", "async", "agent", "workers", "long_tail",
+                    "common_prefix", "packing", "stream",
+                    "dynamic_sampling")),
     Row("fusion", "cast_copy_old_logprobs", UNFUSED,
         "the rollout copy is not the training weights (cast or quantized) "
         "and the old log-probs need the trainer's"),

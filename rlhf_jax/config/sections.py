@@ -341,6 +341,11 @@ class RL:
   moe_balance_coef: float = 0.0
   moe_balance_per_layer: bool = True
   moe_z_coef: float = 0.0
+  # Rollout routing replay (MoE): the engine records the experts each token
+  # went to and the trainer's log-prob passes and update route every token
+  # to them (`moe.route`); `train/moe_flip_rate` is the share of (token,
+  # layer) choices the trainer's own router would have made differently.
+  routing_replay: bool = False
 
   def __post_init__(self):
     from rlhf_jax.rl import registry

@@ -350,7 +350,8 @@ class Driver:
         self.state, pre, [g.entry for g, _ in batch],
         [g.pages for g, _ in batch], [g.length for g, _ in batch],
         [r.prompt_id for r in reqs], [r.seed for r in reqs])
-    for x in (pre.first_tokens, pre.first_logp, pre.first_logp_raw):
+    for x in (pre.first_tokens, pre.first_logp, pre.first_logp_raw,
+              *(() if pre.routes is None else (pre.routes,))):
       x.copy_to_host_async()
     self._events.append(("insert", [g for g, _ in batch], pre))
     self.stats.prefills += 1
@@ -403,7 +404,7 @@ class Driver:
         self._order += 1
         item = Slot(group, w.member, w.sample_idx, w.budget, pages,
                      self.stats.steps, self._order, w.tokens, w.logp,
-                     w.logp_raw)
+                     w.logp_raw, w.routes)
         self.live[slot] = item
         group.live += 1
         started.append((slot, item))
@@ -494,7 +495,8 @@ class Driver:
     self._free_slots[it.group.replica].append(slot)
     it.group.live -= 1
     it.group.waiting.appendleft(Waiting(it.member, it.sample_idx, it.budget,
-                                         it.tokens, it.logp, it.logp_raw))
+                                         it.tokens, it.logp, it.logp_raw,
+                                         it.routes))
     self.paged.preemptions += 1
 
   def consolidate(self, engine: Engine, params,
@@ -550,7 +552,8 @@ class Driver:
       for _, it in sorted(lives[id(g)], key=lambda x: -x[1].order):
         g.live -= 1
         g.waiting.appendleft(Waiting(it.member, it.sample_idx, it.budget,
-                                      it.tokens, it.logp, it.logp_raw))
+                                      it.tokens, it.logp, it.logp_raw,
+                                      it.routes))
         redo += 1
       g.pages = []  # Their pages go with the dropped replicas' pool.
       self._readmit.append(g)
@@ -662,8 +665,11 @@ class Driver:
       _, groups, pre = event
       host = [np.asarray(x) for x in (pre.first_tokens, pre.first_logp,
                                       pre.first_logp_raw)]
+      routes = None if pre.routes is None else np.asarray(pre.routes)
       for b, group in enumerate(groups):
         group.first = tuple(x[b] for x in host)
+        if routes is not None:
+          group.prompt_routes = routes[b, :group.length]
       batch = {id(g) for g in groups}
       for slot, it in list(live.items()):
         if id(it.group) in batch and not it.tokens:
@@ -673,11 +679,28 @@ class Driver:
     self._unread -= steps
     for j in range(steps):
       res, step = window.window(j), base + j + 1
+      routes = res.routes
       for s in np.nonzero(res.valid)[0]:
         it = live.get(int(s))
         if it is not None and step > it.started:
           yield from self._append(int(s), live, int(res.tokens[s]),
-                                  float(res.logp[s]), float(res.logp_raw[s]))
+                                  float(res.logp[s]), float(res.logp_raw[s]),
+                                  routes[s] if routes.shape[1] else None)
+
+  def _routes_of(self, group: Group, it: Slot) -> dict:
+    """A finished sample's recorded experts (`Sample.routes`), if the
+    engine records them: its prompt's and its fed tokens', [n, L, k]
+    int16, -1 where none was recorded."""
+    eng = self.engine
+    if not eng.record_routes:
+      return {}
+    shape = (eng.cfg.num_layers, eng.cfg.experts_per_token)
+    own = np.full((len(it.tokens) - 1,) + shape, -1, np.int16)
+    for j, r in enumerate(it.routes[:len(own)]):
+      if r is not None:
+        own[j] = np.reshape(r, shape)
+    return dict(prompt_routes=np.asarray(group.prompt_routes, np.int16),
+                routes=own)
 
   def _take_first(self, slot, it: Slot):
     toks, logp, raw = it.group.first
@@ -685,9 +708,15 @@ class Driver:
     return list(self._append(slot, self.live, int(toks[j]), float(logp[j]),
                              float(raw[j])))
 
-  def _append(self, slot, live, token, logp, raw, first=False):
-    del first
+  def _append(self, slot, live, token, logp, raw, routes=None):
+    """Token `token` of the sample in `slot`; `routes` (recorded): the
+    experts the token fed before it went to."""
     it = live[slot]
+    if routes is not None:
+      # Tokens carried over without their records (a continuation) get
+      # none (-1: the trainer routes them itself).
+      it.routes.extend([None] * (len(it.tokens) - 1 - len(it.routes)))
+      it.routes.append(routes)
     it.tokens.append(token)
     it.logp.append(logp)
     it.logp_raw.append(raw)
@@ -703,4 +732,5 @@ class Driver:
       yield Sample(group.request.prompt_id, it.sample_idx,
                    np.asarray(group.request.tokens, np.int32), it.tokens,
                    it.logp, it.logp_raw, "stop" if stop else "length",
-                   self.weight_version, seed=group.request.seed)
+                   self.weight_version, seed=group.request.seed,
+                   **self._routes_of(group, it))

@@ -77,7 +77,7 @@ class Engine:
                num_groups: int | None = None, prefill_batch: int = 4,
                max_prompt_length: int | None = None,
                attention_impl: str = "auto", max_common_length: int = 0,
-               decode_window: int = 8):
+               decode_window: int = 8, record_routes: bool = False):
     """Builds the jitted functions; nothing is compiled until first use.
 
     Args:
@@ -105,6 +105,10 @@ class Engine:
       decode_window: W, the most decode steps one `generate` call runs
         (the driver asks for several while no sample waits for a slot:
         one dispatch and one result copy for all of them).
+      record_routes: (MoE) also return the experts every prompt token and
+        every fed token went to in each layer (`Prefill.routes`,
+        `ResultTokens`' extra columns), for rollout routing replay. Not
+        yet with a common prefix or chunked prefill.
     """
     sampling.validate(cfg.vocab_size)
     if max_common_length < 0:
@@ -114,6 +118,19 @@ class Engine:
     if not buckets or buckets[0] < 1:
       raise ValueError(
           f"prefill_buckets must be positive, got {prefill_buckets}")
+    if record_routes and not cfg.is_moe:
+      raise ValueError("record_routes: the model has no routed experts")
+    if record_routes and max_common_length:
+      raise NotImplementedError(
+          "record_routes with a common prefix (max_common_length > 0)")
+    if record_routes and (max_prompt_length or 0) > max(prefill_buckets):
+      raise NotImplementedError(
+          "record_routes with chunked prefill (max_prompt_length above the "
+          "largest prefill bucket)")
+    self.record_routes = bool(record_routes)
+    # Result columns: token, valid, log-probs, then L x k expert ids.
+    self.result_columns = NUM_COLUMNS + (
+        cfg.num_layers * cfg.experts_per_token if record_routes else 0)
     self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
     self.buckets, self.sampling = buckets, sampling
     self.attention_impl = attention_impl
@@ -182,7 +199,9 @@ class Engine:
         name: layout.sharding(axes, shape)
         for name, (axes, shape, _) in self._fields().items()})
     rep = layout.replicated()
-    self._prefill_sh = Prefill(*(rep,) * 5)
+    self._prefill_sh = Prefill(*(rep,) * 5,
+                               routes=rep if record_routes else None)
+    self._insert_sh = Prefill(*(rep,) * 5)  # The routes stay behind.
     st, params, common = (self.state_shardings, self.param_shardings,
                           self._common_shardings)
     self._init_jit = jax.jit(self._zero_state, in_shardings=(common,),
@@ -191,7 +210,7 @@ class Engine:
         self._prefill_fn, in_shardings=(params,) + (rep,) * 5 + (common,),
         out_shardings=self._prefill_sh)
     self._insert_jit = jax.jit(
-        self._insert_fn, in_shardings=(st, self._prefill_sh) + (rep,) * 5,
+        self._insert_fn, in_shardings=(st, self._insert_sh) + (rep,) * 5,
         out_shardings=st, donate_argnums=0)
     self._start_jit = jax.jit(self._start_fn, out_shardings=st,
                               donate_argnums=0)
@@ -415,9 +434,10 @@ class Engine:
       B, P = tokens_BxP.shape
       index = jnp.arange(P, dtype=jnp.int32)[None]
       mask = index < lengths_B[:, None]
-      logits_BxV, (k, v) = model_lib.prefill(
+      logits_BxV, (k, v), *routes = model_lib.prefill(
           self.graphdef, params, tokens_BxP, index + common.length, mask,
-          lengths_B - 1, context=(common.k, common.v, common.length))
+          lengths_B - 1, context=(common.k, common.v, common.length),
+          return_routes=self.record_routes)
       G = sample_idx_BxG.shape[1]
       keys = token_keys(seeds_B[:, None], prompt_ids_B[:, None],
                         sample_idx_BxG, (common.length + lengths_B)[:, None])
@@ -429,7 +449,8 @@ class Engine:
       return Prefill(k=k.astype(cdt), v=v.astype(cdt),
                           first_tokens=tokens.reshape(B, G),
                           first_logp=logp.reshape(B, G),
-                          first_logp_raw=raw.reshape(B, G))
+                          first_logp_raw=raw.reshape(B, G),
+                          routes=routes[0] if routes else None)
 
   def _insert_fn(self, state: DecodeState, pre: Prefill, entries_B,
                  pages_BxA, lengths_B, prompt_ids_B, seeds_B) -> DecodeState:
@@ -504,7 +525,7 @@ class Engine:
     state = state.replace(own_pages=state.own_pages.at[
         growth_Sx3[:, 0], growth_Sx3[:, 1]].set(growth_Sx3[:, 2],
                                                  mode="drop"))
-    out = jnp.zeros((W, S, NUM_COLUMNS), jnp.int32)
+    out = jnp.zeros((W, S, self.result_columns), jnp.int32)
     listed = jnp.minimum(slots_X, S - 1)
 
     def more(carry):
@@ -560,11 +581,12 @@ class Engine:
           own_len_S=jnp.where(live, own_len + 1, 0),
           groups_read=bounds[0], prompt_pages_read=bounds[1],
           own_pages_read=bounds[2])
-      logits, k_pages, v_pages = model_lib.paged_decode(
+      logits, k_pages, v_pages, *routes = model_lib.paged_decode(
           self.graphdef, params, state.tokens[sl], state.positions[sl],
           state.k_pages, state.v_pages, write_page, own_len % T, index,
           attention_impl=self.attention_impl, common_k=state.common_k,
-          common_v=state.common_v, common_len=state.common_len)
+          common_v=state.common_v, common_len=state.common_len,
+          return_routes=self.record_routes)
       g = state.slot_group[sl]
       keys = token_keys(state.group_seed[g], state.group_prompt_id[g],
                         state.sample_idx[sl], state.positions[sl] + 1)
@@ -581,10 +603,11 @@ class Engine:
           generated=put(state.generated, generated),
           active=put(state.active, live & ~done))
       # Results in slot order ([S, 4]); unlisted slots are not valid.
-      per_slot = lambda x: jnp.zeros((S,), x.dtype).at[slots_X].set(
-          x, mode="drop")
+      per_slot = lambda x: jnp.zeros((S,) + x.shape[1:], x.dtype).at[
+          slots_X].set(x, mode="drop")
       return new_state, ResultTokens.pack(
-          per_slot(tokens), per_slot(live), per_slot(logp), per_slot(raw))
+          per_slot(tokens), per_slot(live), per_slot(logp), per_slot(raw),
+          per_slot(routes[0].reshape(X, -1)) if routes else None)
 
   # ------------------------------------------------------------ host API
   def prefill(self, params, prompts: Sequence[tuple[np.ndarray, int]],
@@ -626,6 +649,7 @@ class Engine:
       raise ValueError(
           "the decode state holds an older common prefix than the engine's; "
           "call init_decode_state() once its samples finish")
+    pre = pre.replace(routes=None)  # Read by the driver, not the state.
     Bp = pre.k.shape[1]
     A = math.ceil(pre.k.shape[2] / self.page_size)
     ent = np.full(Bp, self.num_groups, np.int32)

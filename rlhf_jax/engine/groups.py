@@ -39,6 +39,7 @@ class Waiting:
   tokens: list = dataclasses.field(default_factory=list)
   logp: list = dataclasses.field(default_factory=list)
   logp_raw: list = dataclasses.field(default_factory=list)
+  routes: list = dataclasses.field(default_factory=list)  # See Slot.
 
 
 @dataclasses.dataclass
@@ -52,6 +53,8 @@ class Group:
   order: int = 0                   # admission order
   live: int = 0
   first: tuple | None = None       # host copies of (tokens, logp, raw) [G]
+  # Engine(record_routes=True): the experts of each prompt token [P, L, k].
+  prompt_routes: object = None
 
 
 @dataclasses.dataclass
@@ -66,6 +69,9 @@ class Slot:
   tokens: list = dataclasses.field(default_factory=list)
   logp: list = dataclasses.field(default_factory=list)
   logp_raw: list = dataclasses.field(default_factory=list)
+  # Engine(record_routes=True): route j [L, k] is token j's, recorded when
+  # it was fed (the last token is never fed).
+  routes: list = dataclasses.field(default_factory=list)
 
   @property
   def request(self) -> Request:

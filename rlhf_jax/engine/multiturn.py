@@ -45,6 +45,8 @@ class MultiTurnDriver(Driver):
 
   def __init__(self, engine: Engine, params, *, reply: Reply,
                weight_version: int = 0):
+    if engine.record_routes:  # `moves.extend_fn` does not return them.
+      raise NotImplementedError("record_routes in a multi-turn rollout")
     super().__init__(engine, params, weight_version=weight_version)
     self.reply = reply
     self._appended: dict[tuple[int, int], list[int]] = {}  # token indices
@@ -52,7 +54,7 @@ class MultiTurnDriver(Driver):
     self.appended_tokens = 0   # Their tokens (none prefilled again).
     self.reply_preemptions = 0  # Replies that found no free page.
 
-  def _append(self, slot, live, token, logp, raw, first=False):
+  def _append(self, slot, live, token, logp, raw, routes=None):
     it = live[slot]
     key = it.request.prompt_id, it.sample_idx
     extra, length = None, False
@@ -76,7 +78,7 @@ class MultiTurnDriver(Driver):
       self.appended_tokens += len(extra)
       self._extend(slot, it, extra)
       return
-    for sample in super()._append(slot, live, token, logp, raw, first):
+    for sample in super()._append(slot, live, token, logp, raw, routes):
       env = set(self._appended.pop(sample.key, ()))
       sample.env_mask = [i in env for i in range(len(sample.tokens))]
       if length:

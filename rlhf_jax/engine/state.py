@@ -60,6 +60,9 @@ class Prefill:
   first_tokens: jax.Array  # [B, G]
   first_logp: jax.Array    # [B, G]
   first_logp_raw: jax.Array  # [B, G]
+  # With `Engine(record_routes=True)` (MoE): the experts each prompt token
+  # went to in each layer, [B, Pb, L, k]; else None.
+  routes: jax.Array | None = None
 
 
 def pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
@@ -175,13 +178,17 @@ class ResultTokens:
   data: jax.Array
 
   @staticmethod
-  def pack(tokens, valid, logp, logp_raw) -> "ResultTokens":
+  def pack(tokens, valid, logp, logp_raw, routes_SxC=None) -> "ResultTokens":
+    """`routes_SxC` (`Engine(record_routes=True)`): the experts each slot's
+    fed token went to, L x k columns after the four."""
     cols = [tokens, valid.astype(jnp.int32),
             jax.lax.bitcast_convert_type(logp.astype(jnp.float32), jnp.int32),
             jax.lax.bitcast_convert_type(logp_raw.astype(jnp.float32),
                                          jnp.int32)]
-    return ResultTokens(jnp.stack([c.reshape(-1).astype(jnp.int32)
-                                   for c in cols], axis=-1))
+    data = jnp.stack([c.reshape(-1).astype(jnp.int32) for c in cols], -1)
+    if routes_SxC is not None:
+      data = jnp.concatenate([data, routes_SxC.astype(jnp.int32)], -1)
+    return ResultTokens(data)
 
   def copy_to_host_async(self) -> None:
     self.data.copy_to_host_async()
@@ -214,3 +221,8 @@ class HostResult:
   @property
   def logp_raw(self):
     return self.data[:, LOGP_RAW].view(np.float32)
+
+  @property
+  def routes(self):
+    """[S, L x k] the recorded experts (no columns: not recorded)."""
+    return self.data[:, NUM_COLUMNS:]

@@ -81,10 +81,12 @@ def forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, *,
 
 
 def prefill(graphdef, params, tokens_BxT, positions_BxT, mask_BxT, last_B,
-            *, context=None):
-  """Logits at `last_B` only, and every layer's KV; see `Decoder.prefill`."""
+            *, context=None, return_routes: bool = False):
+  """Logits at `last_B` only, and every layer's KV (and an MoE's routes);
+  see `Decoder.prefill`."""
   return nnx.merge(graphdef, params).prefill(
-      tokens_BxT, positions_BxT, mask_BxT, last_B, context=context)
+      tokens_BxT, positions_BxT, mask_BxT, last_B, context=context,
+      return_routes=return_routes)
 
 
 def decode(graphdef, params, *args, **kwargs):

@@ -257,13 +257,17 @@ class Decoder(nnx.Module):
     return out if len(out) > 1 else out[0]
 
   def prefill(self, tokens_BxT, positions_BxT, mask_BxT, last_B, *,
-              context=None):
+              context=None, return_routes: bool = False):
     """(logits [B,V] fp32 at positions `last_B` only, (k, v) [L,B,T,N,K]):
-    the engine's prefill, without the [B,T,V] logits of every position."""
-    x, ks, vs, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
-                               context=context)
+    the engine's prefill, without the [B,T,V] logits of every position.
+    With `return_routes` (MoE), also the experts each token went to in
+    each layer, [B,T,L,k]."""
+    x, ks, vs, routes = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
+                                    context=context,
+                                    return_routes=return_routes)
     x_last = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
-    return self.project(self.final_norm(x_last)), (ks, vs)
+    out = self.project(self.final_norm(x_last)), (ks, vs)
+    return (*out, jnp.moveaxis(routes, 0, 2)) if return_routes else out
 
   def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT, *,
                     segments=None, subs=None, router_weights_BxT=None,
@@ -284,10 +288,12 @@ class Decoder(nnx.Module):
 
   def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None,
              segments=None, subs=None, router_stats: bool = False,
-             router_weights_BxT=None, replay_BxTxLxK=None):
+             router_weights_BxT=None, replay_BxTxLxK=None,
+             return_routes: bool = False):
     """Embedding + blocks: residual stream [B,T,D], k, v [L,B,T,N,K] and
     (with `router_stats`, MoE) each layer's router statistics over the
-    real tokens (or each token counted `router_weights_BxT` times), else
+    real tokens (or each token counted `router_weights_BxT` times), or
+    (with `return_routes`) the experts each token went to [L,B,T,k], else
     None. `replay_BxTxLxK`: see `__call__`."""
     cfg = self.cfg
     padded_rows = segments is None
@@ -307,12 +313,12 @@ class Decoder(nnx.Module):
       else:
         o = context_attention(q, k, v, positions_BxT, seg_BxT, ctx[0],
                               ctx[1], ctx_len, window, cfg)
-      if not (router_stats or replay_BxTxK is not None):
+      if not (router_stats or return_routes or replay_BxTxK is not None):
         return block._residual_mlp(x, block.attn.out(o)), (k, v, None)
       x, logits, ids = block._residual_mlp(x, block.attn.out(o), routing=True,
                                            replay=replay_BxTxK)
       if not router_stats:
-        return x, (k, v, None)
+        return x, (k, v, ids if return_routes else None)
       K = cfg.experts_per_token
       stats = moe.router_stats(
           logits.reshape(-1, cfg.num_experts), weights_N, real_N, K,
@@ -320,9 +326,12 @@ class Decoder(nnx.Module):
           if replay_BxTxK is None else replay_BxTxK.reshape(-1, K))
       return x, (k, v, stats)
 
-    if (router_stats or replay_BxTxLxK is not None) and not cfg.is_moe:
+    if ((router_stats or return_routes or replay_BxTxLxK is not None)
+        and not cfg.is_moe):
       raise ValueError("router_stats / routing replay: the model has no "
                        "routed experts")
+    if router_stats and return_routes:
+      raise ValueError("router_stats or return_routes, not both")
     real_N = (seg_BxT >= 0).reshape(-1)
     weights_N = (real_N if router_weights_BxT is None
                  else router_weights_BxT.reshape(-1))
@@ -389,7 +398,7 @@ class Decoder(nnx.Module):
   def paged_decode(self, tokens_S, positions_S, k_pages, v_pages,
                    write_page_S, write_offset_S, index, *,
                    attention_impl="auto", common_k=None, common_v=None,
-                   common_len=None):
+                   common_len=None, return_routes: bool = False):
     """One decode step for S slots against paged, prefix-shared KV.
 
     Args:
@@ -405,8 +414,11 @@ class Decoder(nnx.Module):
       attention_impl: "auto" | "xla" | "pallas" (the GPU kernel).
       common_k, common_v, common_len: optional common prefix [L, C, N, K].
 
+      return_routes: (MoE) also return the experts each slot's token went
+        to in each layer, [S, L, k].
+
     Returns:
-      logits [S, V] fp32, updated k_pages, v_pages.
+      logits [S, V] fp32, updated k_pages, v_pages (and the routes).
     """
     common = common_k is not None and common_k.shape[1] > 0
 
@@ -428,10 +440,16 @@ class Decoder(nnx.Module):
           logit_softcap=self.cfg.attn_logit_softcap, **windowed,
           **(dict(common_k_CxNxK=common_k[i], common_v_CxNxK=common_v[i],
                   common_len=common_len) if common else {}))
-      x = block._residual_mlp(x, block.attn.out(o[:, None]))
-      return (x, k_pages, v_pages), None
+      if not return_routes:
+        x = block._residual_mlp(x, block.attn.out(o[:, None]))
+        return (x, k_pages, v_pages), None
+      x, _, ids = block._residual_mlp(x, block.attn.out(o[:, None]),
+                                      routing=True)
+      return (x, k_pages, v_pages), ids[:, 0]
 
     x = self._embed(tokens_S[:, None])  # [S, 1, D]
-    (x, k_pages, v_pages), _ = scan_layers(
+    (x, k_pages, v_pages), routes_LxSxK = scan_layers(
         self.blocks, self.cfg, layer, (x, k_pages, v_pages))
-    return self._logits(x)[:, 0], k_pages, v_pages
+    out = self._logits(x)[:, 0], k_pages, v_pages
+    return ((*out, jnp.moveaxis(routes_LxSxK, 0, 1)) if return_routes
+            else out)

@@ -56,7 +56,8 @@ def slots(rl, learner, minibatches: int) -> packing.Slots | None:
 
 def pack(samples: Sequence, prompt_len: int, max_new: int, *,
          group_size: int = 0, keep=None,
-         slots: packing.Slots | None = None) -> PackedBatch:
+         slots: packing.Slots | None = None,
+         routes: bool = False) -> PackedBatch:
   """Host arrays of the batch in one of the layouts of `rl/grouped.py`.
 
   group_size=0: the repeated layout, prompt + response per row, right-padded
@@ -68,9 +69,15 @@ def pack(samples: Sequence, prompt_len: int, max_new: int, *,
   the packed layout instead (`rl/packing.py`: rows of `slots.length`
   tokens dealt to the step's mini-batch x micro-batch x shard cells; with
   group_size each group's prompt is shared inside its row), where
-  samples not kept take no room at all.
+  samples not kept take no room at all. `routes` (MoE routing replay): the
+  experts the sampler routed each token to (`Sample.routes`), -1 where
+  none: "routes" [B, T, L, k] repeated, "prompt_routes" [N, P, L, k] and
+  "response_routes" [N, G, R, L, k] grouped.
   """
   response_len = np.array([len(s.tokens) for s in samples], np.float32)
+  if routes and slots is not None:
+    raise NotImplementedError("routing replay with packed rows "
+                              "(rl.pack_length > 0)")
   if slots is not None:
     arrays, sampler_logp = packing.pack(samples, slots, group_size=group_size,
                                         keep=keep)
@@ -80,7 +87,41 @@ def pack(samples: Sequence, prompt_len: int, max_new: int, *,
   if keep is not None:
     rows = packed.arrays["loss_mask"].reshape(len(samples), -1)
     rows[~np.asarray(keep, bool)] = 0.0
+  if routes:
+    packed.arrays.update(_routes(samples, group_size, prompt_len, max_new))
   return packed
+
+
+def _routes(samples, G, prompt_len, max_new) -> dict:
+  """The recorded experts in the repeated (G = 0) or grouped layout: a
+  token at position t of its sequence replays the experts it went to when
+  the sampler fed it; padding and tokens never fed (a response's last)
+  have none (-1)."""
+  first = next((s for s in samples if s.prompt_routes is not None), None)
+  if first is None:
+    raise ValueError("routing replay: the samples carry no routes (the "
+                     "engine must record them: Engine(record_routes=True))")
+  per_token = first.prompt_routes.shape[1:]  # (L, k)
+  B, R = len(samples), max_new
+  if not G:
+    routes = np.full((B, prompt_len + R) + per_token, -1, np.int16)
+    for b, s in enumerate(samples):
+      if s.prompt_routes is not None:
+        p = len(s.prompt_tokens)
+        routes[b, :p] = s.prompt_routes
+        routes[b, p:p + len(s.routes)] = s.routes
+    return {"routes": routes}
+  N = B // G
+  prompt = np.full((N, prompt_len) + per_token, -1, np.int16)
+  response = np.full((N, G, R) + per_token, -1, np.int16)
+  for b, s in enumerate(samples):
+    n, g = divmod(b, G)
+    if s.prompt_routes is None:
+      continue
+    if g == 0:
+      prompt[n, :len(s.prompt_tokens)] = s.prompt_routes
+    response[n, g, :len(s.routes)] = s.routes
+  return {"prompt_routes": prompt, "response_routes": response}
 
 
 def _pack_repeated(samples, prompt_len, max_new) -> PackedBatch:

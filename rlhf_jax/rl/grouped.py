@@ -11,6 +11,10 @@ grouped: prompt_tokens [N, P] (right-padded), prompt_len [N],
   ref_logp [N, G, R]; advantages [N, G]. The forward runs each prompt once
   (`models/grouped_forward.py`).
 
+MoE routing replay (`rl/batch.py`): "routes" [B, T, L, k] repeated,
+  "prompt_routes" [N, P, L, k] and "response_routes" [N, G, R, L, k]
+  grouped; the forward sends each token to those experts.
+
 packed (`rl/packing.py`): rows [W, L] of several sequences (tokens,
   positions, seg, optional sub, targets, loss_mask, seq, seq_len; old_logp,
   ref_logp and advantages per token [W, L]; row_seqs [W]), padding neither
@@ -36,7 +40,7 @@ from flax import nnx
 from rlhf_jax.models import grouped_forward as grouped_model
 from rlhf_jax.rl.logprobs import head_logprobs
 
-PROMPT_KEYS = ("prompt_tokens", "prompt_len")
+PROMPT_KEYS = ("prompt_tokens", "prompt_len", "prompt_routes")
 
 
 def is_grouped(batch) -> bool:
@@ -96,9 +100,11 @@ def target_logprobs(graphdef, params, mb: dict, *,
   model = nnx.merge(graphdef, params)
   weights = mb["loss_mask"] if router_stats and model.cfg.is_moe else None
   if is_grouped(mb):
+    replay = (None if "prompt_routes" not in mb
+              else (mb["prompt_routes"], mb["response_routes"]))
     hidden = grouped_model.grouped_hidden(
         model, mb["prompt_tokens"], mb["prompt_len"], mb["response_tokens"],
-        router_weights_NxGxR=weights)
+        router_weights_NxGxR=weights, replay=replay)
     targets = per_sequence(mb)["targets"]
   elif is_packed(mb):
     hidden = model.hidden_states(mb["tokens"], mb["positions"], None,
@@ -107,7 +113,8 @@ def target_logprobs(graphdef, params, mb: dict, *,
     targets = mb["targets"]
   else:
     hidden = model.hidden_states(mb["tokens"], mb["positions"],
-                                 mb["attn_mask"], router_weights_BxT=weights)
+                                 mb["attn_mask"], router_weights_BxT=weights,
+                                 replay_BxTxLxK=mb.get("routes"))
     targets = mb["targets"]
   hidden, stats = hidden if weights is not None else (hidden, None)
   head, axis = model.head()

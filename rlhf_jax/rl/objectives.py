@@ -41,16 +41,21 @@ class RouterLoss:
   balance_per_layer: bool = True
 
 
-def _router_terms(router, c: RouterLoss, weight):
+def _router_terms(router, c: RouterLoss, weight, replayed: bool = False):
   """(coef-weighted router losses x `weight`, their metrics) of an MoE
   micro-batch's router statistics (`models/moe.py`); weighting each
   micro-batch by its share of the batch's normaliser makes one
-  micro-batch's loss exactly coef x each term."""
+  micro-batch's loss exactly coef x each term. `replayed` (the batch
+  carries recorded routes): also the flip rate, the share of replayed
+  (token, layer) choices the trainer's router would have made otherwise."""
   balance = moe.balance_loss(router, per_layer=c.balance_per_layer)
   z = moe.z_loss(router)
-  return ((c.balance_coef * balance + c.z_coef * z) * weight,
-          {**moe.expert_load(router), "moe_balance_loss": balance,
-           "moe_z_loss": z})
+  aux = {**moe.expert_load(router), "moe_balance_loss": balance,
+         "moe_z_loss": z}
+  if replayed:
+    aux["moe_flip_rate"] = jnp.sum(router["flipped"]) / jnp.maximum(
+        jnp.sum(router["replayed"]), 1.0)
+  return (c.balance_coef * balance + c.z_coef * z) * weight, aux
 
 
 def sft_terms(router_loss: RouterLoss = RouterLoss()):
@@ -117,6 +122,7 @@ def policy_terms(c: PolicyLossConfig):
   def terms(graphdef, params, mb):
     logp, entropy, _, router = grouped.target_logprobs(
         graphdef, params, mb, router_stats=True)
+    replayed = "routes" in mb or "prompt_routes" in mb
     mb = grouped.per_sequence(mb)
     mask = mb["loss_mask"]
     aux = {}
@@ -146,7 +152,8 @@ def policy_terms(c: PolicyLossConfig):
            "entropy": _masked_mean(entropy, mask),
            "clip_frac": m["clip_frac"], "approx_kl": m["approx_kl"]}
     if router is not None:
-      extra, router_aux = _router_terms(router, c.router, weight(mb))
+      extra, router_aux = _router_terms(router, c.router, weight(mb),
+                                        replayed=replayed)
       num, aux = num + extra, {**aux, **router_aux}
     return num, aux
 

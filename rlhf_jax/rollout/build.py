@@ -46,7 +46,8 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
           stop_tokens, *, rollout_tensor: int = 1,
           timeline: Timeline | None = None,
           train_time: Callable[[int], float | None] | None = None,
-          lora_spec=None, episodes=None) -> Rollout:
+          lora_spec=None, episodes=None,
+          record_routes: bool = False) -> Rollout:
   """The job's rollout (see the module doc).
 
   Args:
@@ -59,8 +60,10 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
     train_time: step -> the trainer's train seconds (seed window cap).
     lora_spec: a LoRA policy's adapters: elastic workers pull only those.
     episodes: multi-turn rollouts' environments (`envs/episodes.py`).
+    record_routes: the engines record an MoE's experts (routing replay).
   """
-  local = LocalRollout(engines(ro, cfg, graphdef, layout, stop_tokens),
+  local = LocalRollout(engines(ro, cfg, graphdef, layout, stop_tokens,
+                               record_routes=record_routes),
                        tail=ro.long_tail, timeline=timeline,
                        episodes=episodes)
   if not ro.workers.num:
@@ -93,7 +96,7 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
                 rollout_tensor=c.mesh.rollout_tensor,
                 timeline=clock.timeline,
                 train_time=clock.phase_seconds, lora_spec=lora_spec,
-                episodes=episodes),
+                episodes=episodes, record_routes=c.rl.routing_replay),
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
                        stop_tokens, episodes=eval_episodes))
 

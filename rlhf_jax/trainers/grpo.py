@@ -68,7 +68,8 @@ class GRPO:
         samples, self.source.prompt_len, self.c.rollout.max_new_tokens,
         group_size=self.c.shared_prompt_group,
         keep=keep, slots=batch_lib.slots(rl, self.policy.learner,
-                                                   minibatches))
+                                                   minibatches),
+        routes=rl.routing_replay)
     batch = self.preparer.put(packed, rewards, current)
     if fused is None:
       batch, info = self.preparer(params, ref, batch)

@@ -24,6 +24,7 @@ from absl import logging
 from flax import nnx
 
 from rlhf_jax.config import compose
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.models import checkpoint_or_preset
 from rlhf_jax.models import hf_adapters, lora, rollout_copy
 from rlhf_jax.models import model as model_lib
@@ -86,6 +87,10 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
   # loaded: a config error, nothing compiled yet.
   c.rollout.check_sampling(checkpoint_or_preset.config_of(
       c.model, vocab_size=source.tokenizer.vocab_size).vocab_size)
+  if c.rl.routing_replay and not checkpoint_or_preset.config_of(
+      c.model, vocab_size=source.tokenizer.vocab_size).is_moe:
+    raise ConfigError("config.rl.routing_replay=True: the model has no "
+                      "routed experts (config.model is dense)")
   cfg, graphdef, params = checkpoint_or_preset.build(
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)

@@ -48,6 +48,7 @@ ON = {
     "batch_advantage": {"rl.advantage": "reinforce_pp"},
     "cast_copy_old_logprobs": {"model.compute_dtype": "bfloat16",
                                "rl.ppo_epochs": 2},
+    "routing_replay": {"rl.routing_replay": True},
 }
 
 
