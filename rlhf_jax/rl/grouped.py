@@ -40,7 +40,9 @@ from flax import nnx
 from rlhf_jax.models import grouped_forward as grouped_model
 from rlhf_jax.rl.logprobs import head_logprobs
 
-PROMPT_KEYS = ("prompt_tokens", "prompt_len", "prompt_routes")
+PROMPT_KEYS = ("prompt_tokens", "prompt_len")
+# Every per-prompt field of a grouped batch (routing replay's too).
+_PER_PROMPT = PROMPT_KEYS + ("prompt_routes",)
 
 
 def is_grouped(batch) -> bool:
@@ -79,7 +81,7 @@ def per_sequence(batch: dict) -> dict:
   if not is_grouped(batch):
     return batch
   out = {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()
-         if k not in PROMPT_KEYS}
+         if k not in _PER_PROMPT}
   out["targets"] = out.pop("response_tokens")
   return out
 

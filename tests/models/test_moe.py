@@ -23,153 +23,14 @@ from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.samples import Request
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-V, E, K, F = 64, 8, 2, 24
-
-
-def _checkpoint(path, num_experts=E, router_std=0.5):
-  """(transformers model, its directory): 2 layers of `num_experts`
-  experts, top 2; the router drawn at std 0.5 by default so its choices
-  are clear (no near-ties for rounding to flip) and spread over the
-  experts."""
-  config = transformers.Qwen3MoeConfig(
-      vocab_size=V, hidden_size=32, intermediate_size=48,
-      moe_intermediate_size=F, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, head_dim=16, num_experts=num_experts,
-      num_experts_per_tok=K, norm_topk_prob=True, tie_word_embeddings=False,
-      initializer_range=0.1)
-  torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(
-      config, attn_implementation="eager").eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if p.ndim == 1:  # Norms are born 1 and would hide bugs.
-        p.add_(0.1 * torch.randn_like(p))
-      if name.endswith("mlp.gate.weight"):
-        p.normal_(0.0, router_std)
-  model.save_pretrained(path)
-  return model, path
+from moe_cases import E, K, V, torch, torch_reference
+from moe_cases import batch as _batch
+from moe_cases import checkpoint as _checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   return _checkpoint(str(tmp_path_factory.mktemp("qwen3_moe")))
-
-
-def _batch(B=8, T=12, seed=0):
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, V, (B, T)).astype(np.int32)
-  mask = np.arange(T)[None] < rng.integers(T // 2, T + 1, B)[:, None]
-  positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
-  return tokens, positions, mask
-
-
-def _torch_reference(model, tokens, mask, weights):
-  """transformers' logits, aux loss, router logits per layer, and the
-  gradient of sum(logits * weights) over real tokens for the router and
-  the experts, in our layouts: router [L, D, E], gate / up [L, E, D, F],
-  down [L, E, F, D]."""
-  model.zero_grad()
-  out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
-              attention_mask=torch.tensor(mask, dtype=torch.long),
-              output_router_logits=True)
-  loss = (out.logits * torch.tensor(weights * mask[..., None])).sum()
-  loss.backward()
-  grads = {"router": [], "gate": [], "up": [], "down": []}
-  for layer in model.model.layers:
-    experts = layer.mlp.experts
-    grads["router"].append(layer.mlp.gate.weight.grad.T)
-    gate_up = experts.gate_up_proj.grad  # [E, 2F, D]: gate rows, then up.
-    grads["gate"].append(gate_up[:, :F].transpose(1, 2))
-    grads["up"].append(gate_up[:, F:].transpose(1, 2))
-    grads["down"].append(experts.down_proj.grad.transpose(1, 2))
-  grads = {k: torch.stack(v).numpy() for k, v in grads.items()}
-  return (out.logits.detach().numpy(), float(out.aux_loss.detach()),
-          [r.detach().numpy() for r in out.router_logits], grads)
-
-
-def _forced_router(router, replay_NxK):
-  """transformers' `Qwen3MoeTopKRouter.forward` with each token whose row
-  of `replay_NxK` has no -1 sent to those experts, weighted by its router
-  probabilities of them, renormalised: the oracle of routing replay."""
-  def forward(hidden_states):
-    h = hidden_states.reshape(-1, router.hidden_dim)
-    logits = torch.nn.functional.linear(h, router.weight)
-    probs = torch.softmax(logits.float(), dim=-1)
-    _, top = torch.topk(probs, router.top_k, dim=-1)
-    forced = torch.tensor(replay_NxK, dtype=torch.long)
-    ids = torch.where((forced >= 0).all(-1, keepdim=True), forced, top)
-    w = probs.gather(-1, ids)
-    return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), ids
-  return forward
-
-
-def test_routing_replay_routes_tokens_to_the_recorded_experts(checkpoint):
-  """Rollout routing replay ([r3]) on EP 2 (8 devices): with recorded
-  experts for every (token, layer), random sets with a few tokens left
-  unrecorded (-1: their own top k), the logits and the router's and
-  experts' gradients equal transformers' with its routers forced to those
-  experts (torch autograd: gradients reach the router through the
-  replayed experts' weights); the router statistics count the replayed
-  tokens and those whose own top k differs (numpy on transformers' router
-  logits); replaying a forward's own choices changes no logit."""
-  model, path = checkpoint
-  tokens, positions, mask = _batch(seed=5)
-  B, T = tokens.shape
-  L = model.config.num_hidden_layers
-  rng = np.random.default_rng(6)
-  replay = np.stack([rng.permutation(E)[:K] for _ in range(B * T * L)]
-                    ).reshape(B, T, L, K).astype(np.int32)
-  replay[0, :3] = -1
-  replay[1, 2, 1] = -1
-  weights = rng.normal(size=tokens.shape + (V,)).astype(np.float32)
-  _, _, own_logits, _ = _torch_reference(model, tokens, mask, weights)
-  own = np.stack([np.argsort(-r, -1)[:, :K] for r in own_logits], 1
-                 ).reshape(B, T, L, K).astype(np.int32)
-  for i, layer in enumerate(model.model.layers):
-    layer.mlp.gate.forward = _forced_router(layer.mlp.gate,
-                                            replay[:, :, i].reshape(-1, K))
-  try:
-    ref, _, router_logits, ref_grads = _torch_reference(model, tokens, mask,
-                                                        weights)
-  finally:
-    for layer in model.model.layers:
-      del layer.mlp.gate.forward  # The class's forward again.
-
-  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
-  _, graphdef, params = hf.load(path, layout=layout)
-
-  def loss(p, replay):
-    logits, stats = model_lib.forward(graphdef, p, tokens, positions, mask,
-                                      router_stats=True,
-                                      replay_BxTxLxK=replay)
-    return (logits * weights * mask[..., None]).sum(), (logits, stats)
-
-  step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-  with use_layout(layout):
-    (_, (logits, stats)), grads = step(params, replay)
-    (_, (own_replayed, _)), _ = step(params, own)
-    (_, (plain, _)), _ = step(params, np.full_like(own, -1))
-  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
-                             rtol=0)
-  flat = dict(nnx.to_flat_state(grads))
-  for name, want in ref_grads.items():
-    got = np.asarray(flat[("blocks", "mlp", name)].get_value())
-    assert np.abs(want).max() > 1e-2, name
-    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(),
-                               err_msg=name)
-  np.testing.assert_allclose(np.asarray(own_replayed)[mask],
-                             np.asarray(plain)[mask], atol=1e-6, rtol=0)
-  assert np.abs(np.asarray(plain) - np.asarray(logits))[mask].max() > 1e-2
-  real = mask.reshape(-1)
-  for i, r in enumerate(router_logits):
-    recorded = (replay[:, :, i] >= 0).all(-1).reshape(-1) & real
-    mine = np.sort(np.argsort(-r, -1)[:, :K], -1)
-    differ = (mine != np.sort(replay[:, :, i].reshape(-1, K), -1)).any(-1)
-    assert float(stats["replayed"][i]) == recorded.sum(), i
-    assert float(stats["flipped"][i]) == (recorded & differ).sum() > 0, i
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
@@ -184,7 +45,7 @@ def test_expert_parallel_matches_transformers(checkpoint, ep):
   tokens, positions, mask = _batch()
   weights = np.random.default_rng(1).normal(
       size=tokens.shape + (V,)).astype(np.float32)
-  ref, _, _, ref_grads = _torch_reference(model, tokens, mask, weights)
+  ref, _, _, ref_grads = torch_reference(model, tokens, mask, weights)
   layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=ep))
   if ep > 1:
     assert "expert" in layout.spec(("batch",), (8,))[0]
@@ -226,7 +87,7 @@ def test_experts_the_expert_axis_does_not_divide_stay_whole(tmp_path):
   transformers'."""
   model, path = _checkpoint(str(tmp_path), num_experts=6)
   tokens, positions, mask = _batch()
-  ref, _, _, _ = _torch_reference(model, tokens, mask, np.zeros(
+  ref, _, _, _ = torch_reference(model, tokens, mask, np.zeros(
       tokens.shape + (V,), np.float32))
   layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=4))
   assert layout.spec(("experts",), (6,))[0] is None
@@ -247,7 +108,7 @@ def test_router_losses_and_load_match_transformers_and_numpy(checkpoint):
   on transformers' router logits; every expert receives tokens."""
   model, path = checkpoint
   tokens, positions, mask = _batch(seed=2)
-  _, aux, router_logits, _ = _torch_reference(
+  _, aux, router_logits, _ = torch_reference(
       model, tokens, mask, np.zeros(tokens.shape + (V,), np.float32))
   layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
   _, graphdef, params = hf.load(path, layout=layout)
@@ -302,159 +163,6 @@ def test_paged_engine_decodes_with_experts_split_over_each_replica(
       out = model.generate(ids, attention_mask=torch.ones_like(ids),
                            do_sample=False, max_new_tokens=16, pad_token_id=0)
     assert ours[i] == out[0, len(prompt):].tolist(), i
-
-
-@pytest.fixture(scope="module")
-def recorded(checkpoint, mesh8):
-  """Samples of `Engine(record_routes=True)` on 4 replicas x EP 2: 3
-  prompts, 2 sampled responses each."""
-  model, path = checkpoint
-  layout = mesh_lib.rollout_layout(mesh8, expert=2)
-  cfg, graphdef, params = hf.load(path, layout=layout)
-  rng = np.random.default_rng(7)
-  prompts = [rng.integers(0, V, n).astype(np.int32) for n in (6, 3, 8)]
-  engine = Engine(cfg, graphdef, layout, num_slots=4, samples_per_group=2,
-                  prefill_buckets=(8,), sampling=SamplingParams(
-                      temperature=1.0, max_new_tokens=10),
-                  page_size=4, num_pages=64, record_routes=True)
-  samples = list(Driver(engine, params).run(
-      [Request(i, p, num_samples=2) for i, p in enumerate(prompts)]))
-  return cfg, sorted(samples, key=lambda s: s.key)
-
-
-def test_paged_engine_records_the_experts_of_every_routed_token(
-    checkpoint, recorded):
-  """`Engine(record_routes=True)` (routing replay's source; 4 replicas x
-  EP 2, 2 sampled responses a prompt): each sample's prompt routes and the
-  routes of every response token it fed are transformers' top k of those
-  tokens in each layer (the whole sequence in one forward); the last token,
-  never fed, has none."""
-  model, _ = checkpoint
-  cfg, samples = recorded
-  assert len(samples) == 6
-  L = cfg.num_layers
-  for s in samples:
-    seq = np.concatenate([s.prompt_tokens, s.tokens]).astype(np.int64)
-    with torch.no_grad():
-      out = model(input_ids=torch.tensor(seq[None]),
-                  output_router_logits=True)
-    want = np.stack([np.sort(np.argsort(-r.numpy(), -1)[:, :K], -1)
-                     for r in out.router_logits], 1)  # [T, L, K]
-    P = len(s.prompt_tokens)
-    assert s.prompt_routes.shape == (P, L, K)
-    assert s.routes.shape == (len(s.tokens) - 1, L, K)
-    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
-    np.testing.assert_array_equal(np.sort(s.routes, -1),
-                                  want[P:P + len(s.tokens) - 1])
-
-
-def test_replayed_logprobs_equal_the_samplers(checkpoint, recorded):
-  """The recorded routes in the repeated and grouped batches (`rl/batch`),
-  replayed by the trainer's log-prob pass on the training mesh (FSDP x EP
-  2, fp32 on both sides): each trained token's log-prob equals the
-  sampler's to 1e-6."""
-  from rlhf_jax.rl import batch as batch_lib
-  from rlhf_jax.rl import grouped as grouped_lib
-
-  _, path = checkpoint
-  cfg, samples = recorded
-  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
-  _, graphdef, params = hf.load(path, layout=layout)
-  logprobs = jax.jit(lambda p, b: grouped_lib.token_logprobs_in_layout(
-      graphdef, p, b))
-  for G in (0, 2):
-    packed = batch_lib.pack(samples, 8, 10, group_size=G, routes=True)
-    assert ("routes" in packed.arrays) == (G == 0)
-    with use_layout(layout):
-      got = np.asarray(logprobs(params, packed.arrays))
-    mask = packed.arrays["loss_mask"] > 0
-    assert mask.sum() == sum(len(s.tokens) for s in samples)
-    np.testing.assert_allclose(got[mask], packed.sampler_logp[mask],
-                               atol=1e-6, rtol=0, err_msg=f"G={G}")
-
-
-# Fixed before measuring: replay must cut the bf16 rollout's mismatch KL
-# per token at least this many times.
-REPLAY_KL_CUT = 2.0
-
-
-def test_replay_cuts_the_mismatch_of_a_bf16_rollout_copy(tmp_path, mesh8):
-  """[r3]'s measurement: a bf16 rollout copy samples (its recorded
-  experts), the fp32 trainer scores the samples with and without replay
-  (16 experts, top 2, the router at transformers' default init std 0.02:
-  close choices, as in a freshly initialised or well-balanced router).
-  Without replay >= 1% of the (token, layer) top-k choices differ (the
-  router statistics count them; numpy on transformers' fp32 router logits
-  agrees), and replay cuts the mismatch KL per token (k3 of
-  KL(sampler || trainer), `off_policy.mismatch`) by REPLAY_KL_CUT."""
-  from rlhf_jax.rl import batch as batch_lib
-  from rlhf_jax.rl import grouped as grouped_lib
-  from rlhf_jax.rl import off_policy
-
-  model, path = _checkpoint(str(tmp_path), num_experts=16, router_std=0.02)
-  rollout = mesh_lib.rollout_layout(mesh8, expert=2)
-  cfg16, graphdef16, params16 = hf.load(path, layout=rollout,
-                                        dtype="bfloat16")
-  rng = np.random.default_rng(8)
-  prompts = [rng.integers(0, V, n).astype(np.int32) for n in (8, 5, 7, 6)]
-  engine = Engine(cfg16, graphdef16, rollout, num_slots=8,
-                  samples_per_group=4, prefill_buckets=(8,),
-                  sampling=SamplingParams(temperature=1.0, max_new_tokens=16),
-                  page_size=4, num_pages=128, record_routes=True)
-  samples = sorted(Driver(engine, params16).run(
-      [Request(i, p, num_samples=4) for i, p in enumerate(prompts)]),
-                   key=lambda s: s.key)
-  train = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
-  _, graphdef, params = hf.load(path, layout=train, dtype="float32")
-  packed = batch_lib.pack(samples, 8, 16, group_size=4, routes=True)
-  plain = {k: v for k, v in packed.arrays.items() if "routes" not in k}
-  score = jax.jit(lambda p, b: grouped_lib.target_logprobs(
-      graphdef, p, b, router_stats=True))
-  mask = packed.arrays["loss_mask"]
-  kl, logp = {}, {}
-  with use_layout(train):
-    for name, batch in (("replay", packed.arrays), ("own", plain)):
-      lp, _, _, stats = score(params, batch)
-      logp[name] = np.asarray(lp).reshape(mask.shape)
-      kl[name] = float(off_policy.mismatch(
-          logp[name], packed.sampler_logp, mask)["mismatch_kl"])
-      if name == "replay":
-        replayed = float(np.sum(stats["replayed"]))
-        flipped = float(np.sum(stats["flipped"]))
-  # The flips, independently: transformers' fp32 top k of every fed token
-  # against the recorded experts.
-  flips = choices = 0
-  for s in samples:
-    seq = np.concatenate([s.prompt_tokens, s.tokens[:-1]]).astype(np.int64)
-    with torch.no_grad():
-      out = model(input_ids=torch.tensor(seq[None]),
-                  output_router_logits=True)
-    own = np.stack([np.sort(np.argsort(-r.numpy(), -1)[:, :K], -1)
-                    for r in out.router_logits], 1)
-    recorded = np.sort(np.concatenate([s.prompt_routes, s.routes]), -1)
-    flips += int(np.sum(np.any(own != recorded, -1)))
-    choices += own.shape[0] * own.shape[1]
-  print(f"flips {flips} of {choices} (token, layer) choices; mismatch KL "
-        f"per token {kl['own']:.3g} without replay, {kl['replay']:.3g} "
-        "with")
-  assert flips >= 0.01 * choices, (flips, choices)
-  assert kl["replay"] * REPLAY_KL_CUT < kl["own"], kl
-  # The router statistics count the same choices (the grouped layout
-  # routes each prompt once: the samples' prompts counted once here too).
-  assert replayed > 0 and flipped / replayed >= 0.01, (flipped, replayed)
-
-
-def test_routing_replay_of_a_dense_policy_is_refused_in_one_line():
-  import resume
-  from configs import tiny_grpo
-  from rlhf_jax.errors import ConfigError
-  from rlhf_jax.trainers import rl_job
-  c = resume.override(tiny_grpo.get_config("runlocal"),
-                      **{"rl.routing_replay": True})
-  with pytest.raises(ConfigError, match=r"^config\.rl\.routing_replay=True: "
-                     r"the model has no routed experts \(config\.model is "
-                     r"dense\)$"):
-    rl_job.build(c)
 
 
 def test_moe_config_errors_name_the_problem():
@@ -540,7 +248,7 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
 
   model, path = checkpoint
   grouped, repeated = _layouts_of_groups()
-  _, _, router_logits, _ = _torch_reference(
+  _, _, router_logits, _ = torch_reference(
       model, repeated["tokens"], repeated["attn_mask"],
       np.zeros(repeated["tokens"].shape + (V,), np.float32))
   trained = repeated["loss_mask"].reshape(-1) > 0

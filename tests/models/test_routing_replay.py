@@ -1,0 +1,263 @@
+"""Rollout routing replay ([r3]) on a tiny Qwen3-MoE: the forward routes
+tokens to recorded experts (against transformers with forced routers), the
+paged engine records what it routed, the trainer's log-probs replay it, and
+replay cuts a bf16 rollout copy's mismatch; the dense policy is refused.
+(The runlocal job with replay: tests/models/test_moe.py.)"""
+
+import numpy as np
+import pytest
+
+import jax
+from flax import nnx
+
+from moe_cases import E, K, V, torch, torch_reference
+from moe_cases import batch as _batch
+from moe_cases import checkpoint as _checkpoint
+from rlhf_jax.engine.driver import Driver
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.models import hf
+from rlhf_jax.models import model as model_lib
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.parallel.layout import use_layout
+from rlhf_jax.samples import Request
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return _checkpoint(str(tmp_path_factory.mktemp("qwen3_moe")))
+
+
+def _forced_router(router, replay_NxK):
+  """transformers' `Qwen3MoeTopKRouter.forward` with each token whose row
+  of `replay_NxK` has no -1 sent to those experts, weighted by its router
+  probabilities of them, renormalised: the oracle of routing replay."""
+  def forward(hidden_states):
+    h = hidden_states.reshape(-1, router.hidden_dim)
+    logits = torch.nn.functional.linear(h, router.weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    _, top = torch.topk(probs, router.top_k, dim=-1)
+    forced = torch.tensor(replay_NxK, dtype=torch.long)
+    ids = torch.where((forced >= 0).all(-1, keepdim=True), forced, top)
+    w = probs.gather(-1, ids)
+    return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), ids
+  return forward
+
+
+def test_routing_replay_routes_tokens_to_the_recorded_experts(checkpoint):
+  """Rollout routing replay ([r3]) on EP 2 (8 devices): with recorded
+  experts for every (token, layer), random sets with a few tokens left
+  unrecorded (-1: their own top k), the logits and the router's and
+  experts' gradients equal transformers' with its routers forced to those
+  experts (torch autograd: gradients reach the router through the
+  replayed experts' weights); the router statistics count the replayed
+  tokens and those whose own top k differs (numpy on transformers' router
+  logits); replaying a forward's own choices changes no logit."""
+  model, path = checkpoint
+  tokens, positions, mask = _batch(seed=5)
+  B, T = tokens.shape
+  L = model.config.num_hidden_layers
+  rng = np.random.default_rng(6)
+  replay = np.stack([rng.permutation(E)[:K] for _ in range(B * T * L)]
+                    ).reshape(B, T, L, K).astype(np.int32)
+  replay[0, :3] = -1
+  replay[1, 2, 1] = -1
+  weights = rng.normal(size=tokens.shape + (V,)).astype(np.float32)
+  _, _, own_logits, _ = torch_reference(model, tokens, mask, weights)
+  own = np.stack([np.argsort(-r, -1)[:, :K] for r in own_logits], 1
+                 ).reshape(B, T, L, K).astype(np.int32)
+  for i, layer in enumerate(model.model.layers):
+    layer.mlp.gate.forward = _forced_router(layer.mlp.gate,
+                                            replay[:, :, i].reshape(-1, K))
+  try:
+    ref, _, router_logits, ref_grads = torch_reference(model, tokens, mask,
+                                                        weights)
+  finally:
+    for layer in model.model.layers:
+      del layer.mlp.gate.forward  # The class's forward again.
+
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
+  _, graphdef, params = hf.load(path, layout=layout)
+
+  def loss(p, replay):
+    logits, stats = model_lib.forward(graphdef, p, tokens, positions, mask,
+                                      router_stats=True,
+                                      replay_BxTxLxK=replay)
+    return (logits * weights * mask[..., None]).sum(), (logits, stats)
+
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  with use_layout(layout):
+    (_, (logits, stats)), grads = step(params, replay)
+    (_, (own_replayed, _)), _ = step(params, own)
+    (_, (plain, _)), _ = step(params, np.full_like(own, -1))
+  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-5,
+                             rtol=0)
+  flat = dict(nnx.to_flat_state(grads))
+  for name, want in ref_grads.items():
+    got = np.asarray(flat[("blocks", "mlp", name)].get_value())
+    assert np.abs(want).max() > 1e-2, name
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(),
+                               err_msg=name)
+  np.testing.assert_allclose(np.asarray(own_replayed)[mask],
+                             np.asarray(plain)[mask], atol=1e-6, rtol=0)
+  assert np.abs(np.asarray(plain) - np.asarray(logits))[mask].max() > 1e-2
+  real = mask.reshape(-1)
+  for i, r in enumerate(router_logits):
+    recorded = (replay[:, :, i] >= 0).all(-1).reshape(-1) & real
+    mine = np.sort(np.argsort(-r, -1)[:, :K], -1)
+    differ = (mine != np.sort(replay[:, :, i].reshape(-1, K), -1)).any(-1)
+    assert float(stats["replayed"][i]) == recorded.sum(), i
+    assert float(stats["flipped"][i]) == (recorded & differ).sum() > 0, i
+
+
+@pytest.fixture(scope="module")
+def recorded(checkpoint, mesh8):
+  """Samples of `Engine(record_routes=True)` on 4 replicas x EP 2: 3
+  prompts, 2 sampled responses each."""
+  model, path = checkpoint
+  layout = mesh_lib.rollout_layout(mesh8, expert=2)
+  cfg, graphdef, params = hf.load(path, layout=layout)
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, V, n).astype(np.int32) for n in (6, 3, 8)]
+  engine = Engine(cfg, graphdef, layout, num_slots=4, samples_per_group=2,
+                  prefill_buckets=(8,), sampling=SamplingParams(
+                      temperature=1.0, max_new_tokens=10),
+                  page_size=4, num_pages=64, record_routes=True)
+  samples = list(Driver(engine, params).run(
+      [Request(i, p, num_samples=2) for i, p in enumerate(prompts)]))
+  return cfg, sorted(samples, key=lambda s: s.key)
+
+
+def test_paged_engine_records_the_experts_of_every_routed_token(
+    checkpoint, recorded):
+  """`Engine(record_routes=True)` (routing replay's source; 4 replicas x
+  EP 2, 2 sampled responses a prompt): each sample's prompt routes and the
+  routes of every response token it fed are transformers' top k of those
+  tokens in each layer (the whole sequence in one forward); the last token,
+  never fed, has none."""
+  model, _ = checkpoint
+  cfg, samples = recorded
+  assert len(samples) == 6
+  L = cfg.num_layers
+  for s in samples:
+    seq = np.concatenate([s.prompt_tokens, s.tokens]).astype(np.int64)
+    with torch.no_grad():
+      out = model(input_ids=torch.tensor(seq[None]),
+                  output_router_logits=True)
+    want = np.stack([np.sort(np.argsort(-r.numpy(), -1)[:, :K], -1)
+                     for r in out.router_logits], 1)  # [T, L, K]
+    P = len(s.prompt_tokens)
+    assert s.prompt_routes.shape == (P, L, K)
+    assert s.routes.shape == (len(s.tokens) - 1, L, K)
+    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
+    np.testing.assert_array_equal(np.sort(s.routes, -1),
+                                  want[P:P + len(s.tokens) - 1])
+
+
+def test_replayed_logprobs_equal_the_samplers(checkpoint, recorded):
+  """The recorded routes in the repeated and grouped batches (`rl/batch`),
+  replayed by the trainer's log-prob pass on the training mesh (FSDP x EP
+  2, fp32 on both sides): each trained token's log-prob equals the
+  sampler's to 1e-6."""
+  from rlhf_jax.rl import batch as batch_lib
+  from rlhf_jax.rl import grouped as grouped_lib
+
+  _, path = checkpoint
+  cfg, samples = recorded
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
+  _, graphdef, params = hf.load(path, layout=layout)
+  logprobs = jax.jit(lambda p, b: grouped_lib.token_logprobs_in_layout(
+      graphdef, p, b))
+  for G in (0, 2):
+    packed = batch_lib.pack(samples, 8, 10, group_size=G, routes=True)
+    assert ("routes" in packed.arrays) == (G == 0)
+    with use_layout(layout):
+      got = np.asarray(logprobs(params, packed.arrays))
+    mask = packed.arrays["loss_mask"] > 0
+    assert mask.sum() == sum(len(s.tokens) for s in samples)
+    np.testing.assert_allclose(got[mask], packed.sampler_logp[mask],
+                               atol=1e-6, rtol=0, err_msg=f"G={G}")
+
+
+# Fixed before measuring: replay must cut the bf16 rollout's mismatch KL
+# per token at least this many times.
+REPLAY_KL_CUT = 2.0
+
+
+def test_replay_cuts_the_mismatch_of_a_bf16_rollout_copy(tmp_path, mesh8):
+  """[r3]'s measurement: a bf16 rollout copy samples (its recorded
+  experts), the fp32 trainer scores the samples with and without replay
+  (16 experts, top 2, the router at transformers' default init std 0.02:
+  close choices, as in a freshly initialised or well-balanced router).
+  Without replay >= 1% of the (token, layer) top-k choices differ (the
+  router statistics count them; numpy on transformers' fp32 router logits
+  agrees), and replay cuts the mismatch KL per token (k3 of
+  KL(sampler || trainer), `off_policy.mismatch`) by REPLAY_KL_CUT."""
+  from rlhf_jax.rl import batch as batch_lib
+  from rlhf_jax.rl import grouped as grouped_lib
+  from rlhf_jax.rl import off_policy
+
+  model, path = _checkpoint(str(tmp_path), num_experts=16, router_std=0.02)
+  rollout = mesh_lib.rollout_layout(mesh8, expert=2)
+  cfg16, graphdef16, params16 = hf.load(path, layout=rollout,
+                                        dtype="bfloat16")
+  rng = np.random.default_rng(8)
+  prompts = [rng.integers(0, V, n).astype(np.int32) for n in (8, 5, 7, 6)]
+  engine = Engine(cfg16, graphdef16, rollout, num_slots=8,
+                  samples_per_group=4, prefill_buckets=(8,),
+                  sampling=SamplingParams(temperature=1.0, max_new_tokens=16),
+                  page_size=4, num_pages=128, record_routes=True)
+  samples = sorted(Driver(engine, params16).run(
+      [Request(i, p, num_samples=4) for i, p in enumerate(prompts)]),
+                   key=lambda s: s.key)
+  train = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
+  _, graphdef, params = hf.load(path, layout=train, dtype="float32")
+  packed = batch_lib.pack(samples, 8, 16, group_size=4, routes=True)
+  plain = {k: v for k, v in packed.arrays.items() if "routes" not in k}
+  score = jax.jit(lambda p, b: grouped_lib.target_logprobs(
+      graphdef, p, b, router_stats=True))
+  mask = packed.arrays["loss_mask"]
+  kl, logp = {}, {}
+  with use_layout(train):
+    for name, batch in (("replay", packed.arrays), ("own", plain)):
+      lp, _, _, stats = score(params, batch)
+      logp[name] = np.asarray(lp).reshape(mask.shape)
+      kl[name] = float(off_policy.mismatch(
+          logp[name], packed.sampler_logp, mask)["mismatch_kl"])
+      if name == "replay":
+        replayed = float(np.sum(stats["replayed"]))
+        flipped = float(np.sum(stats["flipped"]))
+  # The flips, independently: transformers' fp32 top k of every fed token
+  # against the recorded experts.
+  flips = choices = 0
+  for s in samples:
+    seq = np.concatenate([s.prompt_tokens, s.tokens[:-1]]).astype(np.int64)
+    with torch.no_grad():
+      out = model(input_ids=torch.tensor(seq[None]),
+                  output_router_logits=True)
+    own = np.stack([np.sort(np.argsort(-r.numpy(), -1)[:, :K], -1)
+                    for r in out.router_logits], 1)
+    recorded = np.sort(np.concatenate([s.prompt_routes, s.routes]), -1)
+    flips += int(np.sum(np.any(own != recorded, -1)))
+    choices += own.shape[0] * own.shape[1]
+  print(f"flips {flips} of {choices} (token, layer) choices; mismatch KL "
+        f"per token {kl['own']:.3g} without replay, {kl['replay']:.3g} "
+        "with")
+  assert flips >= 0.01 * choices, (flips, choices)
+  assert kl["replay"] * REPLAY_KL_CUT < kl["own"], kl
+  # The router statistics count the same choices (the grouped layout
+  # routes each prompt once: the samples' prompts counted once here too).
+  assert replayed > 0 and flipped / replayed >= 0.01, (flipped, replayed)
+
+
+def test_routing_replay_of_a_dense_policy_is_refused_in_one_line():
+  import resume
+  from configs import tiny_grpo
+  from rlhf_jax.errors import ConfigError
+  from rlhf_jax.trainers import rl_job
+  c = resume.override(tiny_grpo.get_config("runlocal"),
+                      **{"rl.routing_replay": True})
+  with pytest.raises(ConfigError, match=r"^config\.rl\.routing_replay=True: "
+                     r"the model has no routed experts \(config\.model is "
+                     r"dense\)$"):
+    rl_job.build(c)
