@@ -112,7 +112,8 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
       penalty), "kl" [B] (sequence KL to the reference), "response_len"
       [B], "positions" / "real_positions" (what the train step computes
       on, and how much of it is not padding), "gap_max" / "gap_mean" /
-      "mismatch_kl" (trainer vs sampler log-probs,
+      "mismatch_kl" (trainer vs sampler log-probs; with routing replay
+      also "mismatch_kl_without_replay", the trainer's own routing,
       `rl/off_policy.mismatch`); on the on-policy path the policy's
       updates measured them instead (`off_policy.on_policy`).
     trained: prefix -> metrics of every update ("train": the policy,
@@ -141,6 +142,9 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
          "train/positions": float(info["positions"]),
          "train/padding_fraction":
              1.0 - info["real_positions"] / max(info["positions"], 1)}
+  if "mismatch_kl_without_replay" in info:  # MoE routing replay.
+    out["rollout/mismatch_kl_without_replay"] = float(
+        info["mismatch_kl_without_replay"])
   for metrics in extra:
     out.update({k: float(v) for k, v in metrics.items()})
   for prefix, updates in trained.items():

@@ -228,6 +228,10 @@ PINS: list[Pin] = [
       "result/expert_tokens_max_over_steps"),
     P(D, "ends at 2.13, where 2 is balanced", MOE_JOB,
       "result/moe_balance_loss_last", None),
+    P(D, "gains +0.125 (0.26 -> 0.385, after 0.43 at step 450) in 417.5 s",
+      "job_tiny_grpo_moe_replay_cpu.json", "result/gain",
+      "result/eval_accuracy_first", "result/eval_accuracy_last",
+      "result/eval_accuracy/9", None, "result/wall_s"),
     P(D, "0.450 -> 0.680 (+0.230) in 176 s", DJ,
       "runs/0/eval_accuracy_every_50_steps/0",
       "runs/0/eval_accuracy_every_50_steps/6", "runs/0/gain",
@@ -481,6 +485,8 @@ NOT_FIGURES = [
     (r"load-balancing loss at\s0\.01 in the warm-start and 0\.001 in RL",
      "config values (configs/tiny_grpo_moe.py: sft.moe_balance_coef, "
      "rl.moe_balance_coef)"),
+    (r"the gain without replay less 0\.03", "[r3]'s target, not a "
+     "measurement"),
     (r"each under 3 minutes", "[honest]'s target for the default job; "
      "every run's wall_s in default_job_quiet_cpu.json is under 180"),
 ]

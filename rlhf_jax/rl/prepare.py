@@ -119,9 +119,18 @@ class Preparer:
         ref_params = lora.without_adapters(params)
       ref_logp = batch_logprobs(lr.graphdef, ref_params, model_batch,
                                 lr.micro_batches)
-    return self._advantages(batch, old_logp, ref_logp, values)
+      own_routing = None
+      if any(k.endswith("routes") for k in model_batch):  # Routing replay.
+        # The mismatch replay removes: the trainer's log-probs with its
+        # own routing (one more forward a step).
+        own_routing = batch_logprobs(
+            lr.graphdef, params, {k: v for k, v in model_batch.items()
+                                  if not k.endswith("routes")},
+            lr.micro_batches)
+    return self._advantages(batch, old_logp, ref_logp, values, own_routing)
 
-  def _advantages(self, batch, old_logp, ref_logp, values):
+  def _advantages(self, batch, old_logp, ref_logp, values,
+                  own_routing_logp=None):
     self.trace_count += 1
     c, lr = self.c, self.learner
     with use_layout(lr.layout):
@@ -168,6 +177,9 @@ class Preparer:
         measured = mask * current.reshape(current.shape + (1,) * (
             mask.ndim - current.ndim))
       info = {"rewards": scores, "kl": kl, **extra}
+      if own_routing_logp is not None:
+        info["mismatch_kl_without_replay"] = off_policy.mismatch(
+            own_routing_logp, batch["sampler_logp"], measured)["mismatch_kl"]
       if old_logp is None:  # The loss measures it on these tokens.
         out["mismatch_mask"] = measured
       else:

@@ -325,7 +325,7 @@ def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay):
   and with routing replay: the sampler's log-probs equal the trainer's
   (the rollout's psum path and the training's gather path compute one
   model), and the router terms and expert loads are logged; with replay
-  the flip rate too. (Whether
+  the flip rate and the mismatch without replay too. (Whether
   every expert receives tokens at every step is the full job's figure:
   `benchmarks.job`'s steps_with_an_idle_expert, docs/results.md.)"""
   import resume
@@ -340,9 +340,11 @@ def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay):
   for step in steps:
     r = records[step]
     assert ("train/moe_flip_rate" in r) == replay
+    assert ("rollout/mismatch_kl_without_replay" in r) == replay
     if replay:  # Near-ties of the trained router flip on paged decode's
       # rounding (0.35% in a step seen); replay keeps the mismatch at 0.
       assert 0.0 <= r["train/moe_flip_rate"] < 0.05, (step, r)
+      assert 0.0 <= r["rollout/mismatch_kl_without_replay"] < 1e-3, step
     assert (r["train/expert_tokens_max"] > r["train/expert_tokens_mean"]
             > 0), (step, r)
     assert r["rollout/mismatch_kl"] < 1e-6, (step, r["rollout/mismatch_kl"])
