@@ -85,3 +85,7 @@ class Partial:
   logp_raw: list[float]
   budget: int
   weight_version: int = 0
+  # Routing replay (`Engine(record_routes=True)`): its group's prompt
+  # routes and one record per token fed so far (`engine/groups.Slot`).
+  prompt_routes: np.ndarray | None = None
+  routes: list | None = None

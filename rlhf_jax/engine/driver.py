@@ -623,7 +623,7 @@ class Driver:
         self.pool.release(it.pages)
         self._free_slots[it.group.replica].append(slot)
         it.group.live -= 1
-        out.append(self._partial(it.request, it))
+        out.append(self._partial(it.group, it))
     for g in list(self.groups.values()):
       cut = [w for w in g.waiting
              if (g.request.prompt_id, w.sample_idx) in keys]
@@ -631,7 +631,7 @@ class Driver:
         gone = {id(w) for w in cut}
         g.waiting = collections.deque(w for w in g.waiting
                                       if id(w) not in gone)
-      out += [self._partial(g.request, w) for w in cut]
+      out += [self._partial(g, w) for w in cut]
       self._free_if_empty(g)
     if slots:
       self.state = self.engine.stop(self.state, slots)
@@ -649,15 +649,18 @@ class Driver:
     so far, and those waiting for a slot (new: no tokens; preempted). With
     `pending`, what a preempted worker hands back
     (`workers/continuation.py`)."""
-    out = [self._partial(it.request, it) for it in self.live.values()]
+    out = [self._partial(it.group, it) for it in self.live.values()]
     for group in self.groups.values():
-      out += [self._partial(group.request, w) for w in group.waiting]
+      out += [self._partial(group, w) for w in group.waiting]
     return sorted(out, key=lambda p: (p.request.prompt_id, p.sample_idx))
 
-  def _partial(self, request: Request, it: Slot | Waiting) -> Partial:
-    """A live or waiting sample with the tokens read so far."""
-    return Partial(request, it.sample_idx, list(it.tokens), list(it.logp),
-                   list(it.logp_raw), it.budget, self.weight_version)
+  def _partial(self, group: Group, it: Slot | Waiting) -> Partial:
+    """A live or waiting sample with the tokens read so far (and, if the
+    engine records them, its experts so far)."""
+    return Partial(group.request, it.sample_idx, list(it.tokens),
+                   list(it.logp), list(it.logp_raw), it.budget,
+                   self.weight_version, prompt_routes=group.prompt_routes,
+                   routes=list(it.routes))
 
   # ------------------------------------------------------------ results
   def _consume(self, event, live):
@@ -668,7 +671,9 @@ class Driver:
       routes = None if pre.routes is None else np.asarray(pre.routes)
       for b, group in enumerate(groups):
         group.first = tuple(x[b] for x in host)
-        if routes is not None:
+        if routes is not None and group.prompt_routes is None:
+          # A readmitted group keeps its first record: its tokens so far
+          # were sampled against that prefill.
           group.prompt_routes = routes[b, :group.length]
       batch = {id(g) for g in groups}
       for slot, it in list(live.items()):

@@ -43,7 +43,9 @@ def unfinished(driver: Driver) -> tuple[list[Partial], list[Request]]:
   for g in driver._readmit:  # pylint: disable=protected-access
     partials += [Partial(g.request, w.sample_idx, list(w.tokens),
                          list(w.logp), list(w.logp_raw), w.budget,
-                         driver.weight_version) for w in g.waiting]
+                         driver.weight_version,
+                         prompt_routes=g.prompt_routes,
+                         routes=list(w.routes)) for w in g.waiting]
   partials.sort(key=lambda p: (p.request.prompt_id, p.request.seed,
                                p.sample_idx))
   return partials, list(driver.pending)
@@ -65,11 +67,15 @@ def readmit(driver: Driver, partials: list[Partial]) -> None:
         req, -1, own, [], collections.deque(
             Waiting(p.sample_idx - req.first_sample_index, p.sample_idx,
                      p.budget, *_kept(p)) for p in ps),
-        order=driver._order))  # pylint: disable=protected-access
+        order=driver._order,  # pylint: disable=protected-access
+        prompt_routes=next((p.prompt_routes for p in ps
+                            if p.prompt_routes is not None and p.tokens[1:]),
+                           None)))
 
 
-def _kept(p: Partial) -> tuple[list, list, list]:
-  """The partial's (tokens, logp, logp_raw) to continue from."""
+def _kept(p: Partial) -> tuple[list, list, list, list]:
+  """The partial's (tokens, logp, logp_raw, routes) to continue from."""
   if len(p.tokens) == 1:
-    return [], [], []
-  return list(p.tokens), list(p.logp), list(p.logp_raw)
+    return [], [], [], []
+  return (list(p.tokens), list(p.logp), list(p.logp_raw),
+          list(p.routes or []))

@@ -123,9 +123,39 @@ def recorded(checkpoint, mesh8):
                   prefill_buckets=(8,), sampling=SamplingParams(
                       temperature=1.0, max_new_tokens=10),
                   page_size=4, num_pages=64, record_routes=True)
-  samples = list(Driver(engine, params).run(
-      [Request(i, p, num_samples=2) for i, p in enumerate(prompts)]))
-  return cfg, sorted(samples, key=lambda s: s.key)
+  requests = [Request(i, p, num_samples=2) for i, p in enumerate(prompts)]
+  samples = list(Driver(engine, params).run(requests))
+  # The engine, weights and requests too: a test cuts the run midway.
+  return cfg, sorted(samples, key=lambda s: s.key), (engine, params,
+                                                     requests)
+
+
+def test_recorded_routes_survive_a_continuation_on_a_new_driver(recorded):
+  """A run cut after 3 steps and continued on a new driver (the host state
+  `engine/restart.py` hands over: what async RL and a worker's
+  continuation do, the KV recomputed) ends with the tokens and the
+  recorded experts of the uninterrupted run."""
+  from rlhf_jax.engine import restart
+
+  _, whole, (engine, params, requests) = recorded
+  first = Driver(engine, params)
+  first.start(requests)
+  out = []
+  for _ in range(3):
+    out += first.step()
+  out += restart.drain(first)
+  partials, pending = restart.unfinished(first)
+  assert any(len(p.tokens) > 1 for p in partials)  # Cut mid-response.
+  second = Driver(engine, params)
+  second.start(pending)
+  restart.readmit(second, partials)
+  while second.busy:
+    out += second.step()
+  assert sorted(s.key for s in out) == [s.key for s in whole]
+  for s, want in zip(sorted(out, key=lambda s: s.key), whole):
+    assert s.tokens == want.tokens, s.key
+    np.testing.assert_array_equal(s.prompt_routes, want.prompt_routes)
+    np.testing.assert_array_equal(s.routes, want.routes, err_msg=str(s.key))
 
 
 def test_paged_engine_records_the_experts_of_every_routed_token(
@@ -136,7 +166,7 @@ def test_paged_engine_records_the_experts_of_every_routed_token(
   tokens in each layer (the whole sequence in one forward); the last token,
   never fed, has none."""
   model, _ = checkpoint
-  cfg, samples = recorded
+  cfg, samples, _ = recorded
   assert len(samples) == 6
   L = cfg.num_layers
   for s in samples:
@@ -163,7 +193,7 @@ def test_replayed_logprobs_equal_the_samplers(checkpoint, recorded):
   from rlhf_jax.rl import grouped as grouped_lib
 
   _, path = checkpoint
-  cfg, samples = recorded
+  cfg, samples, _ = recorded
   layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
   _, graphdef, params = hf.load(path, layout=layout)
   logprobs = jax.jit(lambda p, b: grouped_lib.token_logprobs_in_layout(
