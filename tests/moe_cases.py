@@ -11,18 +11,18 @@ transformers = pytest.importorskip("transformers")
 V, E, K, F = 64, 8, 2, 24
 
 
-def checkpoint(path, num_experts=E, router_std=0.5):
+def checkpoint(path, num_experts=E, router_std=0.5, seed=0):
   """(transformers model, its directory): 2 layers of `num_experts`
   experts, top 2; the router drawn at std 0.5 by default so its choices
   are clear (no near-ties for rounding to flip) and spread over the
-  experts."""
+  experts; `seed`: torch's, for the weights."""
   config = transformers.Qwen3MoeConfig(
       vocab_size=V, hidden_size=32, intermediate_size=48,
       moe_intermediate_size=F, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, head_dim=16, num_experts=num_experts,
       num_experts_per_tok=K, norm_topk_prob=True, tie_word_embeddings=False,
       initializer_range=0.1)
-  torch.manual_seed(0)
+  torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(
       config, attn_implementation="eager").eval()
   with torch.no_grad():

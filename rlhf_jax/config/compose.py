@@ -178,11 +178,12 @@ TABLE: tuple[Row, ...] = (
         "rl.dynamic_sampling scores per round"),
     Row("fusion", "lora", UNFUSED,
         "LoRA: the reference is the policy's base, not a copy of its own"),
-    # Routing replay: the experts are recorded by the trainer's own engine
-    # and carried in the repeated and grouped layouts (not yet through
-    # handed-over or carried-over samples, packed rows or appended turns).
+    # Routing replay: the experts are recorded by the paged engines and
+    # carried in the repeated and grouped layouts and over async RL's
+    # switches and resumes (not yet through handed-over samples, packed
+    # rows or appended turns).
     *(Row("routing_replay", other, REFUSED, "not implemented yet")
-      for other in ("ppo", "async", "agent", "workers", "long_tail",
+      for other in ("ppo", "agent", "workers", "long_tail",
                     "common_prefix", "packing", "stream",
                     "dynamic_sampling")),
     Row("fusion", "cast_copy_old_logprobs", UNFUSED,

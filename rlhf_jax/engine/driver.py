@@ -671,9 +671,9 @@ class Driver:
       routes = None if pre.routes is None else np.asarray(pre.routes)
       for b, group in enumerate(groups):
         group.first = tuple(x[b] for x in host)
-        if routes is not None and group.prompt_routes is None:
-          # A readmitted group keeps its first record: its tokens so far
-          # were sampled against that prefill.
+        if routes is not None:
+          # A readmitted group's new prefill replaces its record: every
+          # token its members draw from now on attends to this KV.
           group.prompt_routes = routes[b, :group.length]
       batch = {id(g) for g in groups}
       for slot, it in list(live.items()):

@@ -67,10 +67,7 @@ def readmit(driver: Driver, partials: list[Partial]) -> None:
         req, -1, own, [], collections.deque(
             Waiting(p.sample_idx - req.first_sample_index, p.sample_idx,
                      p.budget, *_kept(p)) for p in ps),
-        order=driver._order,  # pylint: disable=protected-access
-        prompt_routes=next((p.prompt_routes for p in ps
-                            if p.prompt_routes is not None and p.tokens[1:]),
-                           None)))
+        order=driver._order))  # pylint: disable=protected-access
 
 
 def _kept(p: Partial) -> tuple[list, list, list, list]:

@@ -114,14 +114,21 @@ def _routes(samples, G, prompt_len, max_new) -> dict:
   N = B // G
   prompt = np.full((N, prompt_len) + per_token, -1, np.int16)
   response = np.full((N, G, R) + per_token, -1, np.int16)
-  for b, s in enumerate(samples):
-    n, g = divmod(b, G)
-    if s.prompt_routes is None:
-      continue
-    if g == 0:
-      prompt[n, :len(s.prompt_tokens)] = s.prompt_routes
-    response[n, g, :len(s.routes)] = s.routes
+  for n in range(N):
+    group = [s for s in samples[n * G:(n + 1) * G]
+             if s.prompt_routes is not None]
+    if group:  # One prompt a group: the newest prefill's record (async
+      # RL prefills a carried-over group again with new weights).
+      newest = max(group, key=_newest_version)
+      prompt[n, :len(newest.prompt_tokens)] = newest.prompt_routes
+    for g, s in enumerate(samples[n * G:(n + 1) * G]):
+      if s.routes is not None:
+        response[n, g, :len(s.routes)] = s.routes
   return {"prompt_routes": prompt, "response_routes": response}
+
+
+def _newest_version(s) -> int:
+  return max(s.token_versions) if s.token_versions else s.weight_version
 
 
 def _pack_repeated(samples, prompt_len, max_new) -> PackedBatch:

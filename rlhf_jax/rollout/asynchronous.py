@@ -33,6 +33,7 @@ deterministic because they count finished groups, never seconds:
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import threading
 import time
@@ -253,7 +254,8 @@ class AsyncRollout:
       self.marks[key] = ([m for m in self.marks[key] if m[0] < n]
                          + [(n, v)])
       kept.append(p if n else dataclasses.replace(
-          p, tokens=[], logp=[], logp_raw=[]))
+          p, tokens=[], logp=[], logp_raw=[],
+          routes=None if p.routes is None else []))
     for r in pending:
       for i in range(r.num_samples):
         self.marks[_key(r, r.first_sample_index + i)] = [(0, v)]
@@ -291,7 +293,9 @@ class AsyncRollout:
         "partials": [dict(prompt_id=p.request.prompt_id,
                           seed=p.request.seed, sample_idx=p.sample_idx,
                           tokens=p.tokens, logp=p.logp,
-                          logp_raw=p.logp_raw) for p in partials],
+                          logp_raw=p.logp_raw,
+                          **_routes_dict(p.prompt_routes, p.routes))
+                     for p in partials],
         "pending": [[r.prompt_id, r.seed] for r in pending],
         "marks": [[list(k), [list(m) for m in v]]
                   for k, v in self.marks.items()]}
@@ -321,7 +325,7 @@ class AsyncRollout:
       i = p["sample_idx"] - r.first_sample_index
       partials.append(Partial(r, p["sample_idx"], p["tokens"], p["logp"],
                               p["logp_raw"], r.budget(i, engine_max),
-                              self.version))
+                              self.version, **_routes_from(p, rows=True)))
     return partials, [requests[pid, seed] for pid, seed in snap["pending"]]
 
 
@@ -367,12 +371,12 @@ _SAMPLE_FIELDS = ("prompt_id", "sample_idx", "tokens", "logp", "logp_raw",
 def _sample_dict(s: Sample) -> dict:
   out = {k: getattr(s, k) for k in _SAMPLE_FIELDS}
   out["prompt_tokens"] = np.asarray(s.prompt_tokens).tolist()
-  return out
+  return {**out, **_routes_dict(s.prompt_routes, s.routes)}
 
 
 def _sample_from(d: dict) -> Sample:
   return Sample(prompt_tokens=np.asarray(d["prompt_tokens"], np.int32),
-                **{k: d[k] for k in _SAMPLE_FIELDS})
+                **{k: d[k] for k in _SAMPLE_FIELDS}, **_routes_from(d))
 
 
 def _prompts_dict(p: PromptBatch) -> dict:
@@ -386,3 +390,44 @@ def _prompts_from(d: dict) -> PromptBatch:
                      np.asarray(d["tokens"], np.int32),
                      np.asarray(d["lengths"], np.int32), d["prompts"],
                      d["metadata"])
+
+
+# Routing replay's records in a snapshot: little-endian int16 bytes in
+# base64 (an MoE's L x k ids a token: JSON lists would be twice the size).
+# A partial's unrecorded tokens (None) are rows of -1, as in a Sample.
+
+
+def _routes_dict(prompt_routes, routes) -> dict:
+  """{} when nothing was recorded (a dense policy's, or no replay)."""
+  rows = [r for r in (() if routes is None else routes) if r is not None]
+  if prompt_routes is None and not rows:
+    return {}
+  out = {}
+  if prompt_routes is not None:
+    out["prompt_routes"] = _b64(prompt_routes)
+  if routes is not None:
+    if isinstance(routes, list):  # A partial's: rows, or None (unrecorded).
+      width = np.shape(rows[0]) if rows else (0,)
+      routes = np.stack([np.full(width, -1) if r is None else r
+                         for r in routes]) if routes else np.zeros((0,) + width)
+    out["routes"] = _b64(routes)
+  return out
+
+
+def _b64(a) -> dict:
+  a = np.asarray(a, "<i2")
+  return dict(shape=list(a.shape),
+              b64=base64.b64encode(a.tobytes()).decode("ascii"))
+
+
+def _routes_from(d: dict, rows: bool = False) -> dict:
+  """`rows`: a partial's routes, a list with None for unrecorded tokens."""
+  out = {}
+  for name in ("prompt_routes", "routes"):
+    r = d.get(name)
+    out[name] = None if r is None else np.frombuffer(
+        base64.b64decode(r["b64"]), "<i2").reshape(r["shape"]).astype(
+            np.int16)
+  if rows and out["routes"] is not None:
+    out["routes"] = [None if (r < 0).all() else r for r in out["routes"]]
+  return out

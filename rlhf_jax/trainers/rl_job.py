@@ -118,7 +118,7 @@ def _rollout(c, p: policy_lib.Policy, source, async_layout, policy_key):
     else:
       backend = PagedBackend(rollout_build.engines(
           c.rollout, p.rollout_cfg, p.rollout_graphdef, async_layout,
-          source.stop_ids))
+          source.stop_ids, record_routes=c.rl.routing_replay))
     batch_groups = c.train.prompts_per_step
     return step_rollouts.Asynchronous(
         AsyncRollout(

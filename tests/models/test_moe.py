@@ -318,22 +318,33 @@ def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):
 
 
 @pytest.mark.slow  # A whole job (the tier's rule), 22 s alone.
-@pytest.mark.parametrize("replay", [False, True])
-def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay):
+@pytest.mark.parametrize("replay,asynchronous",
+                         [(False, False), (True, False), (True, True)])
+def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay,
+                                                       asynchronous):
   """configs/tiny_grpo_moe.py:runlocal end to end on the real engine, the
   experts split 2 ways in training and in each rollout replica, without
-  and with routing replay: the sampler's log-probs equal the trainer's
-  (the rollout's psum path and the training's gather path compute one
-  model), and the router terms and expert loads are logged; with replay
-  the flip rate and the mismatch without replay too. (Whether
-  every expert receives tokens at every step is the full job's figure:
-  `benchmarks.job`'s steps_with_an_idle_expert, docs/results.md.)"""
+  and with routing replay, and with replay in async RL (the rollout on 4
+  devices, samples up to a version old): the sampler's log-probs equal
+  the trainer's on policy (the rollout's psum path and the training's
+  gather path compute one model), and the router terms and expert loads
+  are logged; with replay the flip rate and the mismatch without replay
+  too. (Whether every expert receives tokens at every step is the full
+  job's figure: `benchmarks.job`'s steps_with_an_idle_expert,
+  docs/results.md.)"""
   import resume
   from configs import tiny_grpo_moe
   from rlhf_jax.trainers import rl_job
 
-  rl_job.run(resume.override(tiny_grpo_moe.get_config("runlocal"),
-                             **{"rl.routing_replay": replay}), str(tmp_path))
+  from rlhf_jax import typed_config
+  from rlhf_jax.config import sections
+
+  c = resume.override(tiny_grpo_moe.get_config("runlocal"),
+                      **{"rl.routing_replay": replay})
+  if asynchronous:  # configs/tiny_grpo_async.py's settings.
+    c.asynchronous = typed_config.config_dict(
+        sections.Async, enabled=True, max_staleness=1, switch_after_groups=0)
+  rl_job.run(c, str(tmp_path))
   records = resume.rl_records(str(tmp_path))
   steps = [s for s in sorted(records) if s > 0]
   assert steps
@@ -341,6 +352,14 @@ def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay):
     r = records[step]
     assert ("train/moe_flip_rate" in r) == replay
     assert ("rollout/mismatch_kl_without_replay" in r) == replay
+    if asynchronous and step > 1:
+      # Off policy: a one-version-old sample's routes and log-probs are
+      # not the trainer's; replay must still leave the mismatch below the
+      # own-routing mismatch.
+      assert r["async/off_policy_samples"] > 0 or step == 2, (step, r)
+      assert (r["rollout/mismatch_kl"]
+              <= r["rollout/mismatch_kl_without_replay"] + 1e-9), (step, r)
+      continue
     if replay:  # Near-ties of the trained router flip on paged decode's
       # rounding (0.35% in a step seen); replay keeps the mismatch at 0.
       assert 0.0 <= r["train/moe_flip_rate"] < 0.05, (step, r)

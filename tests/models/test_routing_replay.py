@@ -15,6 +15,7 @@ from moe_cases import batch as _batch
 from moe_cases import checkpoint as _checkpoint
 from rlhf_jax.engine.driver import Driver
 from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.engine_set import EngineSet
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.models import hf
 from rlhf_jax.models import model as model_lib
@@ -119,15 +120,21 @@ def recorded(checkpoint, mesh8):
   cfg, graphdef, params = hf.load(path, layout=layout)
   rng = np.random.default_rng(7)
   prompts = [rng.integers(0, V, n).astype(np.int32) for n in (6, 3, 8)]
-  engine = Engine(cfg, graphdef, layout, num_slots=4, samples_per_group=2,
-                  prefill_buckets=(8,), sampling=SamplingParams(
-                      temperature=1.0, max_new_tokens=10),
-                  page_size=4, num_pages=64, record_routes=True)
+  engines = EngineSet(cfg, graphdef, layout, rows_per_replica=1,
+                      samples_per_row=2, prefill_buckets=(8,),
+                      # Four stop tokens: lengths vary (async RL's
+                      # switches then cut samples mid-response).
+                      sampling=SamplingParams(temperature=1.0,
+                                              max_new_tokens=10,
+                                              stop_tokens=(0, 1, 2, 3)),
+                      record_routes=True,
+                      paged=dict(num_slots=4, page_size=4, num_pages=64))
+  engine = engines.engine()
   requests = [Request(i, p, num_samples=2) for i, p in enumerate(prompts)]
   samples = list(Driver(engine, params).run(requests))
-  # The engine, weights and requests too: a test cuts the run midway.
+  # The engines, weights and requests too: tests cut the run midway.
   return cfg, sorted(samples, key=lambda s: s.key), (engine, params,
-                                                     requests)
+                                                     requests, engines)
 
 
 def test_recorded_routes_survive_a_continuation_on_a_new_driver(recorded):
@@ -137,7 +144,7 @@ def test_recorded_routes_survive_a_continuation_on_a_new_driver(recorded):
   recorded experts of the uninterrupted run."""
   from rlhf_jax.engine import restart
 
-  _, whole, (engine, params, requests) = recorded
+  _, whole, (engine, params, requests, _) = recorded
   first = Driver(engine, params)
   first.start(requests)
   out = []
@@ -156,6 +163,110 @@ def test_recorded_routes_survive_a_continuation_on_a_new_driver(recorded):
     assert s.tokens == want.tokens, s.key
     np.testing.assert_array_equal(s.prompt_routes, want.prompt_routes)
     np.testing.assert_array_equal(s.routes, want.routes, err_msg=str(s.key))
+
+
+def _top_k_routes(model, seq):
+  """transformers' top-k experts of every token of `seq` in each layer,
+  sorted: [T, L, K] (one forward, causal: row t sees tokens <= t)."""
+  with torch.no_grad():
+    out = model(input_ids=torch.tensor(np.asarray(seq, np.int64)[None]),
+                output_router_logits=True)
+  return np.stack([np.sort(np.argsort(-r.numpy(), -1)[:, :K], -1)
+                   for r in out.router_logits], 1)
+
+
+ASYNC_STEPS = 4
+
+
+def _async_prompts(first: int):
+  """Batch b's prompts for b = first, first + 1, ...: 2 of 3-8 tokens."""
+  from rlhf_jax.samples import PromptBatch
+  b = first
+  while True:
+    rng = np.random.default_rng(100 + b)
+    lengths = rng.integers(3, 9, 2).astype(np.int32)
+    tokens = np.zeros((2, 8), np.int32)
+    for i, n in enumerate(lengths):
+      tokens[i, :n] = rng.integers(0, V, n)
+    yield PromptBatch(np.array([2 * b, 2 * b + 1], np.int32), tokens,
+                      lengths, ["", ""], [{}, {}])
+    b += 1
+
+
+def _async_batches(engines, weights, *, resume=None, snapshot_at=None):
+  """{step: batch} of async RL's rollout (eta 1, KV recomputed at each
+  switch) driven as `step_rollouts.Asynchronous` drives it: version v's
+  weights are `weights[v]`; `snapshot_at`: also the snapshot taken at the
+  switch to that version, through JSON as a checkpoint holds it;
+  `resume`: (version, snapshot) to start from."""
+  import json
+  from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
+  version, snap = resume or (0, None)
+  first = snap["next_batch"] if snap else 1
+  ar = AsyncRollout(PagedBackend(engines), _async_prompts(first),
+                    num_samples=2, seed=3, eta=1, switch_after_groups=1,
+                    in_flight="continue", last_step=ASYNC_STEPS)
+  ar.start(weights[version], version, first_step=version + 1, snapshot=snap)
+  batches, taken = {}, None
+  try:
+    for step in range(version + 1, ASYNC_STEPS + 1):
+      if step - 1 > version:
+        ar.publish(weights[step - 1], step - 1)
+        version = step - 1
+      batches[step] = ar.take(step)
+      if step == snapshot_at:
+        taken = json.loads(json.dumps(ar.publish(weights[step], step,
+                                                 snapshot=True)))
+        ar.release()
+        version = step
+  finally:
+    ar.close()
+  return batches, taken
+
+
+def test_recorded_routes_survive_async_carry_over_and_resume(tmp_path,
+                                                             recorded):
+  """Async RL's rollout (`rollout/asynchronous.py`) with recorded experts,
+  each weight version a different tiny MoE: at every switch the unfinished
+  samples carry their records to the new driver, so each fed token's
+  experts are transformers' top k under the weights that fed it (the
+  version of the token it drew: its KV all of that version, recomputed at
+  the switch) and each sample's prompt experts are those of its group's
+  last prefill before it finished (under its newest token's version); a
+  run resumed from the snapshot at version 2 (through JSON) delivers the
+  uninterrupted run's tokens and records."""
+  cfg, _, (_, _, _, engines) = recorded
+  models, weights = [], []
+  for v in range(ASYNC_STEPS):
+    model, path = _checkpoint(str(tmp_path / f"v{v}"), seed=v)
+    models.append(model)
+    weights.append(hf.load(path, layout=engines.layout)[2])
+  whole, snap = _async_batches(engines, weights, snapshot_at=2)
+  carried = 0
+  for step, batch in whole.items():
+    assert len(batch.samples) == 4, step
+    for s in batch.samples:
+      versions = s.token_versions
+      carried += len(set(versions[:-1])) > 1
+      P = len(s.prompt_tokens)
+      np.testing.assert_array_equal(
+          np.sort(s.prompt_routes, -1),
+          _top_k_routes(models[max(versions)], s.prompt_tokens)[:P])
+      assert s.routes.shape == (len(s.tokens) - 1, cfg.num_layers, K)
+      seq = np.concatenate([s.prompt_tokens, s.tokens[:-1]])
+      for j, v in enumerate(versions[1:]):
+        np.testing.assert_array_equal(
+            np.sort(s.routes[j], -1), _top_k_routes(models[v], seq)[P + j],
+            err_msg=f"step {step} sample {s.key} token {j} version {v}")
+  assert carried >= 2  # Records carried over a switch, not re-recorded.
+  resumed, _ = _async_batches(engines, weights, resume=(2, snap))
+  assert sorted(resumed) == [3, 4]
+  for step, batch in resumed.items():
+    for s, want in zip(batch.samples, whole[step].samples):
+      assert (s.key, s.tokens, s.token_versions) == (
+          want.key, want.tokens, want.token_versions)
+      np.testing.assert_array_equal(s.prompt_routes, want.prompt_routes)
+      np.testing.assert_array_equal(s.routes, want.routes)
 
 
 def test_paged_engine_records_the_experts_of_every_routed_token(
