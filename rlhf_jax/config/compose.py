@@ -179,13 +179,15 @@ TABLE: tuple[Row, ...] = (
     Row("fusion", "lora", UNFUSED,
         "LoRA: the reference is the policy's base, not a copy of its own"),
     # Routing replay: the experts are recorded by the paged engines and
-    # carried in the repeated and grouped layouts and over async RL's
-    # switches and resumes (not yet through handed-over samples, packed
-    # rows or appended turns).
+    # carried in the repeated and grouped layouts, over async RL's
+    # switches and resumes and the long tail's moves (not yet through
+    # handed-over samples, packed rows or appended turns).
     *(Row("routing_replay", other, REFUSED, "not implemented yet")
-      for other in ("ppo", "agent", "workers", "long_tail",
+      for other in ("ppo", "agent", "workers",
                     "common_prefix", "packing", "stream",
                     "dynamic_sampling")),
+    Row("fusion", "routing_replay", UNFUSED,
+        "the fused passes do not replay the recorded experts"),
     Row("fusion", "cast_copy_old_logprobs", UNFUSED,
         "the rollout copy is not the training weights (cast or quantized) "
         "and the old log-probs need the trainer's"),

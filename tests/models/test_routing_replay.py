@@ -269,6 +269,55 @@ def test_recorded_routes_survive_async_carry_over_and_resume(tmp_path,
       np.testing.assert_array_equal(s.routes, want.routes)
 
 
+@pytest.mark.parametrize("migration", ["kv", "reprefill"])
+def test_recorded_routes_survive_a_long_tail_migration(checkpoint, recorded,
+                                                       migration):
+  """The long tail (`rollout.long_tail`, 4 replicas x EP 2) consolidates
+  the unfinished groups onto fewer replicas, their pages moved ("kv") or
+  their prompts prefilled again and tokens recomputed ("reprefill"): every
+  sample's recorded experts are still transformers' top k of its tokens
+  (as without a move), none lost or doubled."""
+  from rlhf_jax.config.sections import LongTail
+  from rlhf_jax.rollout.local import LocalRollout
+
+  model, _ = checkpoint
+  cfg, _, (_, params, _, _) = recorded
+  M = 10
+  engines = EngineSet(cfg, recorded[2][3].graphdef, recorded[2][3].layout,
+                      rows_per_replica=1, samples_per_row=2,
+                      prefill_buckets=(8, 8 + M),  # Room to re-prefill.
+                      sampling=SamplingParams(temperature=1.0,
+                                              max_new_tokens=M),
+                      record_routes=True,
+                      paged=dict(num_slots=8, page_size=4, num_pages=64))
+  rng = np.random.default_rng(9)
+  requests = []
+  for i in range(8):  # Long-tailed budgets: every 4th prompt runs to M.
+    budgets = (M if i % 4 == 3 else int(rng.integers(1, 4)),
+               int(rng.integers(1, 4)))
+    requests.append(Request(i, rng.integers(0, V, int(rng.integers(3, 9))),
+                            num_samples=2, seed=4,
+                            max_new_tokens_per_sample=budgets))
+  lt = LocalRollout(engines, tail=LongTail(
+      enabled=True, consolidate_below=0.5, migration=migration,
+      fusion=False))
+  lt.set_weights(params, 0)
+  samples = list(lt.run(requests))
+  moved = lt.metrics()
+  assert moved["rollout/tail_moves"] > 0, moved
+  assert (moved["rollout/reprefilled"] > 0) == (migration == "reprefill")
+  assert sorted(s.key for s in samples) == [(r.prompt_id, j)
+                                            for r in requests
+                                            for j in range(2)]
+  for s in samples:
+    P = len(s.prompt_tokens)
+    want = _top_k_routes(model, np.concatenate([s.prompt_tokens,
+                                                s.tokens[:-1]]))
+    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
+    np.testing.assert_array_equal(np.sort(s.routes, -1), want[P:],
+                                  err_msg=str(s.key))
+
+
 def test_paged_engine_records_the_experts_of_every_routed_token(
     checkpoint, recorded):
   """`Engine(record_routes=True)` (routing replay's source; 4 replicas x
