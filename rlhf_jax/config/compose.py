@@ -179,11 +179,11 @@ TABLE: tuple[Row, ...] = (
     Row("fusion", "lora", UNFUSED,
         "LoRA: the reference is the policy's base, not a copy of its own"),
     # Routing replay: the experts are recorded by the paged engines and
-    # carried in the repeated and grouped layouts, over async RL's
-    # switches and resumes and the long tail's moves (not yet through
-    # handed-over samples, packed rows or appended turns).
+    # the workers' and carried in the repeated and grouped layouts, over
+    # async RL's switches and resumes, the long tail's moves and workers'
+    # continuations (not yet through packed rows or appended turns).
     *(Row("routing_replay", other, REFUSED, "not implemented yet")
-      for other in ("ppo", "agent", "workers",
+      for other in ("ppo", "agent",
                     "common_prefix", "packing", "stream",
                     "dynamic_sampling")),
     Row("fusion", "routing_replay", UNFUSED,

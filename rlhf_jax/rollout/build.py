@@ -72,7 +72,7 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
       ro, cfg, stop_tokens, rollout_tensor=rollout_tensor,
       local=local if ro.workers.seed else None, train_time=train_time,
       common_prefix=local.common_prefix if ro.max_common_length else None,
-      lora_spec=lora_spec)
+      lora_spec=lora_spec, record_routes=record_routes)
 
 
 def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,

@@ -180,7 +180,7 @@ def _rounds(mgr) -> Iterator[list]:
 
 def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
           local=None, train_time=None, common_prefix=None,
-          lora_spec=None) -> ElasticRollout:
+          lora_spec=None, record_routes: bool = False) -> ElasticRollout:
   """The elastic rollout of `rollout.workers` (num > 0).
 
   Args:
@@ -192,11 +192,13 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
     train_time: step -> train seconds (the seed window's worker cap).
     common_prefix: requests -> the batch's shared prefix, or None.
     lora_spec: a LoRA policy's adapters (workers pull those and merge).
+    record_routes: the workers record an MoE's experts (routing replay).
   """
   w = ro.workers
   mgr, pool, spec = build_manager(ro, cfg, stop_tokens,
                                   rollout_tensor=rollout_tensor,
-                                  lora_spec=lora_spec)
+                                  lora_spec=lora_spec,
+                                  record_routes=record_routes)
   scaler = DemandScaler(
       pool, scale=w.scale, lam=w.cost_lambda,
       slots=spec.slots,
@@ -210,7 +212,8 @@ def build(ro: RolloutSection, cfg, stop_tokens, *, rollout_tensor: int,
 
 
 def build_manager(ro: RolloutSection, cfg, stop_tokens, *,
-                  rollout_tensor: int, lora_spec=None):
+                  rollout_tensor: int, lora_spec=None,
+                  record_routes: bool = False):
   """(`RolloutManager`, its `WorkerPool` holding all `rollout.workers.num`
   workers, their `EngineSpec`) of the rollout section `ro`."""
   w = ro.workers
@@ -224,7 +227,8 @@ def build_manager(ro: RolloutSection, cfg, stop_tokens, *,
                         max(ro.prefill_buckets) + ro.max_new_tokens})),
                     sampling=sampling_params(ro, stop_tokens),
                     max_common_length=ro.max_common_length, lora=lora_spec,
-                    paged=_worker_pages(ro, replicas, w.devices_per_worker))
+                    paged=_worker_pages(ro, replicas, w.devices_per_worker),
+                    record_routes=record_routes)
   store, spawn = (_ray_workers(w, spec) if w.kind == "ray"
                   else _local_workers(w, spec))
   mgr = manager_lib.RolloutManager(store, max_new_tokens=ro.max_new_tokens,

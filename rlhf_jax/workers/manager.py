@@ -112,12 +112,19 @@ class _SampleState:
   head_logp: list = dataclasses.field(default_factory=list)  # the last cut
   head_raw: list = dataclasses.field(default_factory=list)
   head_version: int | None = None
+  # Routing replay (workers that record experts): the prompt's and each
+  # head token's records (`continuation.absorb_routes`).
+  prompt_routes: Any = None
+  head_routes: list = dataclasses.field(default_factory=list)
   live: Any = None          # newest streamed Partial on the current worker
   worker: str | None = None
 
   def absorb_live(self) -> None:
     """The streamed tokens join the head (the sample is cut there)."""
     if self.live is not None:
+      self.prompt_routes, self.head_routes = continuation.absorb_routes(
+          len(self.request.tokens), self.prompt_routes, self.head_routes,
+          len(self.head), self.live)
       self.head += self.live.tokens
       self.head_logp += self.live.logp
       self.head_raw += self.live.logp_raw
@@ -307,6 +314,9 @@ class RolloutManager:
       st.head, st.head_logp, st.head_raw = (list(p.tokens), list(p.logp),
                                             list(p.logp_raw))
       st.head_version = p.weight_version if p.tokens else None
+      if p.tokens:
+        st.prompt_routes, st.head_routes = p.prompt_routes, list(
+            p.routes or [])
       self._queue.append(continuation.remaining_request(
           p.request, p.sample_idx, p.budget, st.head))
     for req in requests:
@@ -332,7 +342,8 @@ class RolloutManager:
       st.absorb_live()
       by_request[key[:2]].append(Partial(
           st.request, key[2], st.head, st.head_logp, st.head_raw, st.budget,
-          -1 if st.head_version is None else st.head_version))
+          -1 if st.head_version is None else st.head_version,
+          prompt_routes=st.prompt_routes, routes=list(st.head_routes)))
     partials, pending = [], []
     for parts in by_request.values():
       live = [p for p in parts if p is not None]
@@ -499,12 +510,14 @@ class RolloutManager:
     if version != latest and self.resample_stale:  # Sample it again.
       self.stats.stale_resampled += 1
       st.head, st.head_logp, st.head_raw, st.head_version = [], [], [], None
+      st.prompt_routes, st.head_routes = None, []
       queue.append(continuation.remaining_request(
           st.request, s.sample_idx, st.budget, []))
       return False
     head = None
     if st.head:
-      head = _Head(st.head, st.head_logp, st.head_raw)
+      head = _Head(st.head, st.head_logp, st.head_raw, st.prompt_routes,
+                   st.head_routes)
     done[key] = continuation.merge(st.request.tokens, head, s, version)
     st.live = None
     return True
@@ -551,3 +564,5 @@ class _Head:
   tokens: list
   logp: list
   logp_raw: list
+  prompt_routes: Any = None
+  routes: list = dataclasses.field(default_factory=list)

@@ -47,6 +47,8 @@ class EngineSpec:
   # The engine's own arguments (page_size, num_pages, num_slots,
   # decode_window; 0 or missing: automatic, as `EngineSet.engine`).
   paged: dict | None = None
+  # Routing replay: the engine records an MoE's experts (`Sample.routes`).
+  record_routes: bool = False
 
   @property
   def slots(self) -> int:
@@ -87,6 +89,7 @@ class RolloutWorker:
                           prefill_buckets=spec.prefill_buckets,
                           sampling=spec.sampling,
                           max_common_length=spec.max_common_length,
+                          record_routes=spec.record_routes,
                           paged=spec.paged)
       engine = engines.engine()
       if spec.lora is not None:

@@ -193,17 +193,17 @@ def _async_prompts(first: int):
     b += 1
 
 
-def _async_batches(engines, weights, *, resume=None, snapshot_at=None):
-  """{step: batch} of async RL's rollout (eta 1, KV recomputed at each
-  switch) driven as `step_rollouts.Asynchronous` drives it: version v's
-  weights are `weights[v]`; `snapshot_at`: also the snapshot taken at the
-  switch to that version, through JSON as a checkpoint holds it;
-  `resume`: (version, snapshot) to start from."""
+def _async_batches(backend, weights, *, resume=None, snapshot_at=None):
+  """{step: batch} of async RL's rollout on `backend` (eta 1, KV
+  recomputed at each switch) driven as `step_rollouts.Asynchronous` drives
+  it: version v's weights are `weights[v]`; `snapshot_at`: also the
+  snapshot taken at the switch to that version, through JSON as a
+  checkpoint holds it; `resume`: (version, snapshot) to start from."""
   import json
-  from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
+  from rlhf_jax.rollout.asynchronous import AsyncRollout
   version, snap = resume or (0, None)
   first = snap["next_batch"] if snap else 1
-  ar = AsyncRollout(PagedBackend(engines), _async_prompts(first),
+  ar = AsyncRollout(backend, _async_prompts(first),
                     num_samples=2, seed=3, eta=1, switch_after_groups=1,
                     in_flight="continue", last_step=ASYNC_STEPS)
   ar.start(weights[version], version, first_step=version + 1, snapshot=snap)
@@ -224,24 +224,95 @@ def _async_batches(engines, weights, *, resume=None, snapshot_at=None):
   return batches, taken
 
 
-def test_recorded_routes_survive_async_carry_over_and_resume(tmp_path,
-                                                             recorded):
+class _Dying:
+  """A worker handle that stops answering after `polls` polls: a spot
+  preemption (`workers/manager.LocalHandle`'s interface)."""
+
+  def __init__(self, worker, polls):
+    from rlhf_jax.workers import manager as manager_lib
+    self.handle = manager_lib.LocalHandle(worker)
+    self.worker_id, self.polls = worker.worker_id, polls
+
+  alive = property(lambda self: self.handle.alive,
+                   lambda self, v: setattr(self.handle, "alive", v))
+  timeout_s = float("inf")
+
+  def call_async(self, name, *args):
+    if name == "poll":
+      self.polls -= 1
+      self.handle.alive = self.handle.alive and self.polls >= 0
+    return self.handle.call_async(name, *args)
+
+  def done(self, future):
+    return self.handle.done(future)
+
+  def result(self, future):
+    return self.handle.result(future)
+
+  def kill(self):
+    self.handle.kill()
+
+
+@pytest.fixture(scope="module")
+def moe_workers(recorded):
+  """Two elastic workers (`workers/worker.py`, one device each) of the
+  tiny MoE that record the experts."""
+  from rlhf_jax.workers.worker import EngineSpec, RolloutWorker
+  cfg = recorded[0]
+  spec = EngineSpec(cfg, num_rows=2, samples_per_row=2,
+                    prefill_buckets=(8, 18),  # Continuations: + 10 tokens.
+                    sampling=recorded[2][3].sampling,
+                    paged=dict(page_size=4, decode_window=1),
+                    record_routes=True)
+  return [RolloutWorker(f"moe{i}", spec, devices=[d])
+          for i, d in enumerate(jax.devices()[6:8])]
+
+
+def _backend(kind, recorded, moe_workers, *, preempt: bool):
+  """Async RL's decoding on the paged engines or on the two workers (the
+  first dies mid-response with `preempt`: its samples continue on the
+  other as prompt + tokens so far)."""
+  from rlhf_jax.rollout.async_workers import WorkerBackend
+  from rlhf_jax.rollout.asynchronous import PagedBackend
+  from rlhf_jax.workers import manager as manager_lib
+  from rlhf_jax.workers.weights import LocalWeightStore
+  if kind == "paged":
+    return PagedBackend(recorded[2][3])
+  mgr = manager_lib.RolloutManager(LocalWeightStore(), max_new_tokens=10,
+                                   theta=1, poll_steps=2)
+  for w in moe_workers:
+    w.unload()
+  mgr.add(_Dying(moe_workers[0], polls=3) if preempt
+          else manager_lib.LocalHandle(moe_workers[0]))
+  mgr.add(manager_lib.LocalHandle(moe_workers[1]))
+  return WorkerBackend(mgr)
+
+
+@pytest.mark.parametrize("kind", ["paged", "workers"])
+def test_recorded_routes_survive_async_carry_over_and_resume(
+    tmp_path, recorded, request, kind):
   """Async RL's rollout (`rollout/asynchronous.py`) with recorded experts,
-  each weight version a different tiny MoE: at every switch the unfinished
-  samples carry their records to the new driver, so each fed token's
-  experts are transformers' top k under the weights that fed it (the
-  version of the token it drew: its KV all of that version, recomputed at
-  the switch) and each sample's prompt experts are those of its group's
-  last prefill before it finished (under its newest token's version); a
+  each weight version a different tiny MoE, on the paged engines or on
+  two elastic workers (one preempted mid-response): at every switch, and
+  at the preemption, the unfinished samples carry their records to where
+  they continue, so each fed token's experts are transformers' top k under
+  the weights that fed it (the version of the token it drew: its KV all of
+  that version, recomputed at the switch) and each sample's prompt experts
+  are those of its newest prefill (under its newest token's version); a
   run resumed from the snapshot at version 2 (through JSON) delivers the
   uninterrupted run's tokens and records."""
   cfg, _, (_, _, _, engines) = recorded
+  workers = request.getfixturevalue("moe_workers") if kind == "workers" else None
   models, weights = [], []
   for v in range(ASYNC_STEPS):
     model, path = _checkpoint(str(tmp_path / f"v{v}"), seed=v)
     models.append(model)
     weights.append(hf.load(path, layout=engines.layout)[2])
-  whole, snap = _async_batches(engines, weights, snapshot_at=2)
+  first = _backend(kind, recorded, workers, preempt=True)
+  whole, snap = _async_batches(first, weights, snapshot_at=2)
+  if kind == "workers":
+    st = first.manager.stats
+    assert st.preemptions == 1 and st.kept_tokens > 0, st
   carried = 0
   for step, batch in whole.items():
     assert len(batch.samples) == 4, step
@@ -259,7 +330,9 @@ def test_recorded_routes_survive_async_carry_over_and_resume(tmp_path,
             np.sort(s.routes[j], -1), _top_k_routes(models[v], seq)[P + j],
             err_msg=f"step {step} sample {s.key} token {j} version {v}")
   assert carried >= 2  # Records carried over a switch, not re-recorded.
-  resumed, _ = _async_batches(engines, weights, resume=(2, snap))
+  resumed, _ = _async_batches(
+      _backend(kind, recorded, workers, preempt=False), weights,
+      resume=(2, snap))
   assert sorted(resumed) == [3, 4]
   for step, batch in resumed.items():
     for s, want in zip(batch.samples, whole[step].samples):
