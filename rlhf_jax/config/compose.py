@@ -179,11 +179,11 @@ TABLE: tuple[Row, ...] = (
     Row("fusion", "lora", UNFUSED,
         "LoRA: the reference is the policy's base, not a copy of its own"),
     # Routing replay: the experts are recorded by the paged engines and
-    # the workers' and carried in the repeated and grouped layouts, over
-    # async RL's switches and resumes, the long tail's moves and workers'
-    # continuations (not yet through packed rows or appended turns).
+    # the workers' (appended turns too) and carried in the repeated and
+    # grouped layouts, over async RL's switches and resumes, the long
+    # tail's moves and workers' continuations (not yet in packed rows).
     *(Row("routing_replay", other, REFUSED, "not implemented yet")
-      for other in ("ppo", "agent",
+      for other in ("ppo",
                     "common_prefix", "packing", "stream",
                     "dynamic_sampling")),
     Row("fusion", "routing_replay", UNFUSED,

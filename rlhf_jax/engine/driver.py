@@ -713,15 +713,20 @@ class Driver:
     return list(self._append(slot, self.live, int(toks[j]), float(logp[j]),
                              float(raw[j])))
 
+  @staticmethod
+  def _record(it: Slot, routes) -> None:
+    """`routes`: the experts of the sample's last token (just fed). Tokens
+    carried over without their records (a continuation) get none (-1: the
+    trainer routes them itself)."""
+    it.routes.extend([None] * (len(it.tokens) - 1 - len(it.routes)))
+    it.routes.append(routes)
+
   def _append(self, slot, live, token, logp, raw, routes=None):
     """Token `token` of the sample in `slot`; `routes` (recorded): the
     experts the token fed before it went to."""
     it = live[slot]
     if routes is not None:
-      # Tokens carried over without their records (a continuation) get
-      # none (-1: the trainer routes them itself).
-      it.routes.extend([None] * (len(it.tokens) - 1 - len(it.routes)))
-      it.routes.append(routes)
+      self._record(it, routes)
     it.tokens.append(token)
     it.logp.append(logp)
     it.logp_raw.append(raw)

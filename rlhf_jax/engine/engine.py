@@ -218,7 +218,9 @@ class Engine:
                              donate_argnums=0)
     # The KV appends and moves (`moves.py`), bound to this engine.
     bound = lambda fn: functools.partial(fn, self)
-    self._extend_jit = jax.jit(bound(moves.extend_fn), out_shardings=st,
+    self._extend_jit = jax.jit(bound(moves.extend_fn),
+                               out_shardings=(st, rep if self.record_routes
+                                              else None),
                                donate_argnums=1)
     self._recompute_jit = jax.jit(bound(moves.recompute_fn),
                                   out_shardings=st, donate_argnums=1)

@@ -45,32 +45,36 @@ def adopt_state(engine, src, state: DecodeState) -> DecodeState:
 
 
 def _attend_after(engine, params, state: DecodeState, feed_E, pos0, count,
-                  pieces):
+                  pieces, return_routes: bool = False):
   """Runs feed_E[:count] at positions pos0.. after a context (the common
   prefix, then each (page ids, length) piece: `dense_context`). Returns
   the logits of the last fed token [V] and the fed tokens' KV
-  [L, E, N, K]."""
+  [L, E, N, K] (and with `return_routes` their experts [E, L, k])."""
   ck, cv, total = dense_context(state, pieces)
   index = jnp.arange(feed_E.shape[0], dtype=jnp.int32)
-  logits, (k, v) = model_lib.prefill(
+  logits, (k, v), *routes = model_lib.prefill(
       engine.graphdef, params, feed_E[None], (pos0 + index)[None],
-      (index < count)[None], (count - 1)[None], context=(ck, cv, total))
-  return logits[0], k[:, 0], v[:, 0]
+      (index < count)[None], (count - 1)[None], context=(ck, cv, total),
+      return_routes=return_routes)
+  return (logits[0], k[:, 0], v[:, 0], *(r[0] for r in routes))
 
 
 def extend_fn(engine, params, state: DecodeState, slot, own_row_B,
-              tokens_E, count, active) -> DecodeState:
+              tokens_E, count, active):
   """Appends `count` tokens to a sample: the token it feeds now and
   tokens_E[:count-1] get KV in its pages (attending to the common prefix,
-  its prompt and its own tokens); tokens_E[count-1] is fed next."""
+  its prompt and its own tokens); tokens_E[count-1] is fed next. Returns
+  the state and, if the engine records them, the fed tokens' experts
+  [E, L, k] (else None)."""
   engine.trace_counts["extend"] += 1
   with use_layout(engine.layout):
     g = state.slot_group[slot]
     o_len = state.own_len[slot]
     feed = jnp.concatenate([state.tokens[slot][None], tokens_E[:-1]])
-    _, k, v = _attend_after(
+    _, k, v, *routes = _attend_after(
         engine, params, state, feed, state.positions[slot], count,
-        [(state.group_pages[g], state.group_len[g]), (own_row_B, o_len)])
+        [(state.group_pages[g], state.group_len[g]), (own_row_B, o_len)],
+        return_routes=engine.record_routes)
     state = write_tokens(state, own_row_B, o_len, count, k, v)
     return state.replace(
         own_pages=state.own_pages.at[slot].set(own_row_B),
@@ -78,7 +82,8 @@ def extend_fn(engine, params, state: DecodeState, slot, own_row_B,
         tokens=state.tokens.at[slot].set(tokens_E[count - 1]),
         positions=state.positions.at[slot].add(count),
         generated=state.generated.at[slot].add(count),
-        active=state.active.at[slot].set(active))
+        active=state.active.at[slot].set(active)), (
+            routes[0] if routes else None)
 
 
 def recompute_fn(engine, params, state: DecodeState, entry, slots_X,
@@ -169,10 +174,12 @@ def prompt_chunk_fn(engine, params, state: DecodeState, entry, prompt_row_A,
 
 
 def extend(engine, params, state: DecodeState, slot: int, own_row,
-           tokens, *, active: bool = True) -> DecodeState:
+           tokens, *, active: bool = True):
   """Appends `tokens` to the live sample in `slot`: the token it feeds
   now and tokens[:-1] get KV (own pages `own_row`, covering the new
-  length); tokens[-1] is fed by the next step."""
+  length); tokens[-1] is fed by the next step. Returns (the state, the
+  fed tokens' experts [n, L, k] on the device if the engine records them,
+  padded to a power of two: the first len(tokens) rows; else None)."""
   tokens = np.asarray(tokens, np.int32).reshape(-1)
   if not tokens.size:
     raise ValueError("extend needs at least one token")

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from rlhf_jax.samples import Request
 from rlhf_jax.engine.page_pool import PoolExhausted
@@ -45,8 +46,6 @@ class MultiTurnDriver(Driver):
 
   def __init__(self, engine: Engine, params, *, reply: Reply,
                weight_version: int = 0):
-    if engine.record_routes:  # `moves.extend_fn` does not return them.
-      raise NotImplementedError("record_routes in a multi-turn rollout")
     super().__init__(engine, params, weight_version=weight_version)
     self.reply = reply
     self._appended: dict[tuple[int, int], list[int]] = {}  # token indices
@@ -64,6 +63,8 @@ class MultiTurnDriver(Driver):
       # The reply and one more sampled token must fit the budget.
       length = bool(extra) and len(it.tokens) + 2 + len(extra) > it.budget
     if extra and not length:
+      if routes is not None:
+        self._record(it, routes)
       it.tokens.append(token)
       it.logp.append(logp)
       it.logp_raw.append(raw)
@@ -98,8 +99,13 @@ class MultiTurnDriver(Driver):
         self._preempt(slot)  # Recomputed with its reply when restarted.
         self.reply_preemptions += 1
         return
-    self.state = moves.extend(eng, self.params, self.state, slot, it.pages,
-                              extra)
+    self.state, routes = moves.extend(eng, self.params, self.state, slot,
+                                      it.pages, extra)
+    if routes is not None:  # The fed tokens': the stop token, the reply's.
+      stop = len(it.tokens) - len(extra) - 1
+      it.routes.extend([None] * (stop - len(it.routes)))
+      it.routes.extend(np.asarray(routes[:len(extra)]).reshape(
+          len(extra), -1))
     if jax.default_backend() == "cpu":
       # XLA:CPU with several (fake) devices deadlocked in an all-gather
       # (one device never arrived) with extends queued behind a decode

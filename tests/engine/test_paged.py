@@ -267,7 +267,7 @@ def test_extend_appends_tokens_to_a_live_sample(model, layouts):
   host = res.convert_to_numpy()
   response += [int(host.window(j).tokens[3]) for j in range(4)]
   user = [30, 31, 32, 33, 34, 35]
-  state = moves.extend(eng, p, state, 3, [3, 4, 5, 6, 7, 8], user)
+  state, _ = moves.extend(eng, p, state, 3, [3, 4, 5, 6, 7, 8], user)
   after = []
   for _ in range(5):
     state, res = eng.generate(p, state, slots=[3], groups=1,

@@ -391,6 +391,38 @@ def test_recorded_routes_survive_a_long_tail_migration(checkpoint, recorded,
                                   err_msg=str(s.key))
 
 
+def test_multi_turn_appends_record_the_experts_of_their_tokens(
+    checkpoint, recorded):
+  """`MultiTurnDriver` (`engine/multiturn.py`) with recorded experts: at a
+  sample's first stop token the environment appends 2 tokens (their KV by
+  `moves.extend`, nothing prefilled again); every fed token, the stop
+  token and the appended ones included, records transformers' top k of
+  the whole conversation."""
+  from rlhf_jax.engine.multiturn import MultiTurnDriver
+
+  model, _ = checkpoint
+  _, _, (engine, params, _, _) = recorded
+  rng = np.random.default_rng(11)
+  requests = [Request(i, rng.integers(4, V, int(rng.integers(3, 9))),
+                      num_samples=2) for i in range(8)]
+  reply = [40, 41]
+
+  def env(request, sample_idx, tokens):
+    del request, sample_idx
+    return None if 40 in tokens else reply
+
+  driver = MultiTurnDriver(engine, params, reply=env)
+  samples = sorted(driver.run(requests), key=lambda s: s.key)
+  assert driver.turns >= 2, driver.turns  # Replies appended, not vacuous.
+  for s in samples:
+    P = len(s.prompt_tokens)
+    want = _top_k_routes(model, np.concatenate([s.prompt_tokens,
+                                                s.tokens[:-1]]))
+    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
+    np.testing.assert_array_equal(np.sort(s.routes, -1), want[P:],
+                                  err_msg=str((s.key, s.tokens)))
+
+
 def test_paged_engine_records_the_experts_of_every_routed_token(
     checkpoint, recorded):
   """`Engine(record_routes=True)` (routing replay's source; 4 replicas x
