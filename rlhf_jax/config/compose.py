@@ -179,13 +179,11 @@ TABLE: tuple[Row, ...] = (
     Row("fusion", "lora", UNFUSED,
         "LoRA: the reference is the policy's base, not a copy of its own"),
     # Routing replay: the experts are recorded by the paged engines and
-    # the workers' (appended turns too) and carried in the repeated and
-    # grouped layouts, over async RL's switches and resumes, the long
-    # tail's moves and workers' continuations (not yet in packed rows).
+    # the workers' (appended turns too) and carried in the repeated,
+    # grouped and packed layouts, over async RL's switches and resumes,
+    # the long tail's moves and workers' continuations.
     *(Row("routing_replay", other, REFUSED, "not implemented yet")
-      for other in ("ppo",
-                    "common_prefix", "packing", "stream",
-                    "dynamic_sampling")),
+      for other in ("ppo", "common_prefix")),
     Row("fusion", "routing_replay", UNFUSED,
         "the fused passes do not replay the recorded experts"),
     Row("fusion", "cast_copy_old_logprobs", UNFUSED,

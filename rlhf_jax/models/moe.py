@@ -242,16 +242,20 @@ def balance_loss(stats: dict, per_layer: bool = True) -> jax.Array:
 
 def z_loss(stats: dict) -> jax.Array:
   """Router z-loss (ST-MoE): the mean over (layer, token) of the squared
-  log-sum-exp of the router logits."""
-  return jnp.sum(stats["lse_sq"]) / jnp.sum(stats["tokens"])
+  log-sum-exp of the router logits; 0 over no token (an all-padding
+  micro-batch of packed rows)."""
+  return jnp.sum(stats["lse_sq"]) / jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
 
 
 def expert_load(stats: dict) -> dict:
   """Top-k assignments per expert and layer over the real tokens the pass
   routed (a prompt the grouped or packed layout shares once): the largest
   and the mean (their ratio is 1 when balanced), and the fewest (0: an
-  expert of some layer received no token)."""
+  expert of some layer received no token; +inf over no token at all, an
+  all-padding micro-batch of packed rows, so the least over micro-batches
+  skips it)."""
   per_layer_LxE = stats["routed_E"]
   return {"expert_tokens_max": jnp.max(per_layer_LxE),
           "expert_tokens_mean": jnp.mean(per_layer_LxE),
-          "expert_tokens_min": jnp.min(per_layer_LxE)}
+          "expert_tokens_min": jnp.where(jnp.sum(per_layer_LxE) > 0,
+                                         jnp.min(per_layer_LxE), jnp.inf)}

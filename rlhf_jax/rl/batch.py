@@ -75,12 +75,10 @@ def pack(samples: Sequence, prompt_len: int, max_new: int, *,
   "response_routes" [N, G, R, L, k] grouped.
   """
   response_len = np.array([len(s.tokens) for s in samples], np.float32)
-  if routes and slots is not None:
-    raise NotImplementedError("routing replay with packed rows "
-                              "(rl.pack_length > 0)")
   if slots is not None:
-    arrays, sampler_logp = packing.pack(samples, slots, group_size=group_size,
-                                        keep=keep)
+    arrays, sampler_logp = packing.pack(
+        samples, slots, group_size=group_size, keep=keep,
+        routes_shape=_routes_shape(samples) if routes else None)
     return PackedBatch(arrays, sampler_logp, response_len)
   packed = (_pack_grouped(samples, group_size, prompt_len, max_new)
             if group_size else _pack_repeated(samples, prompt_len, max_new))
@@ -92,16 +90,21 @@ def pack(samples: Sequence, prompt_len: int, max_new: int, *,
   return packed
 
 
+def _routes_shape(samples) -> tuple:
+  """(L, k) of the samples' recorded experts."""
+  first = next((s for s in samples if s.prompt_routes is not None), None)
+  if first is None:
+    raise ValueError("routing replay: the samples carry no routes (the "
+                     "engine must record them: Engine(record_routes=True))")
+  return first.prompt_routes.shape[1:]
+
+
 def _routes(samples, G, prompt_len, max_new) -> dict:
   """The recorded experts in the repeated (G = 0) or grouped layout: a
   token at position t of its sequence replays the experts it went to when
   the sampler fed it; padding and tokens never fed (a response's last)
   have none (-1)."""
-  first = next((s for s in samples if s.prompt_routes is not None), None)
-  if first is None:
-    raise ValueError("routing replay: the samples carry no routes (the "
-                     "engine must record them: Engine(record_routes=True))")
-  per_token = first.prompt_routes.shape[1:]  # (L, k)
+  per_token = _routes_shape(samples)  # (L, k)
   B, R = len(samples), max_new
   if not G:
     routes = np.full((B, prompt_len + R) + per_token, -1, np.int16)
@@ -115,20 +118,15 @@ def _routes(samples, G, prompt_len, max_new) -> dict:
   prompt = np.full((N, prompt_len) + per_token, -1, np.int16)
   response = np.full((N, G, R) + per_token, -1, np.int16)
   for n in range(N):
-    group = [s for s in samples[n * G:(n + 1) * G]
-             if s.prompt_routes is not None]
-    if group:  # One prompt a group: the newest prefill's record (async
-      # RL prefills a carried-over group again with new weights).
-      newest = max(group, key=_newest_version)
-      prompt[n, :len(newest.prompt_tokens)] = newest.prompt_routes
-    for g, s in enumerate(samples[n * G:(n + 1) * G]):
+    group = samples[n * G:(n + 1) * G]
+    record = packing.prompt_record(group)  # One prompt a group.
+    if record is not None:
+      prompt[n, :len(record)] = record
+    for g, s in enumerate(group):
       if s.routes is not None:
         response[n, g, :len(s.routes)] = s.routes
   return {"prompt_routes": prompt, "response_routes": response}
 
-
-def _newest_version(s) -> int:
-  return max(s.token_versions) if s.token_versions else s.weight_version
 
 
 def _pack_repeated(samples, prompt_len, max_new) -> PackedBatch:

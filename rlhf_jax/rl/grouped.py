@@ -11,9 +11,10 @@ grouped: prompt_tokens [N, P] (right-padded), prompt_len [N],
   ref_logp [N, G, R]; advantages [N, G]. The forward runs each prompt once
   (`models/grouped_forward.py`).
 
-MoE routing replay (`rl/batch.py`): "routes" [B, T, L, k] repeated,
-  "prompt_routes" [N, P, L, k] and "response_routes" [N, G, R, L, k]
-  grouped; the forward sends each token to those experts.
+MoE routing replay (`rl/batch.py`): "routes" [B, T, L, k] repeated and
+  [W, L_row, L, k] packed, "prompt_routes" [N, P, L, k] and
+  "response_routes" [N, G, R, L, k] grouped; the forward sends each token
+  to those experts.
 
 packed (`rl/packing.py`): rows [W, L] of several sequences (tokens,
   positions, seg, optional sub, targets, loss_mask, seq, seq_len; old_logp,
@@ -111,7 +112,8 @@ def target_logprobs(graphdef, params, mb: dict, *,
   elif is_packed(mb):
     hidden = model.hidden_states(mb["tokens"], mb["positions"], None,
                                  segments=mb["seg"], subs=mb.get("sub"),
-                                 router_weights_BxT=weights)
+                                 router_weights_BxT=weights,
+                                 replay_BxTxLxK=mb.get("routes"))
     targets = mb["targets"]
   else:
     hidden = model.hidden_states(mb["tokens"], mb["positions"],

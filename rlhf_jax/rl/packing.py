@@ -106,11 +106,14 @@ def slot_order(slots: Slots, per_slot: int) -> np.ndarray:
 
 
 def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
-         keep=None):
+         keep=None, routes_shape: tuple | None = None):
   """(arrays of the packed layout, sampler_logp [W, L]): module doc.
 
   group_size=G shares each group's prompt (samples come G per prompt, as
-  `generate` returns them); 0 packs every sequence whole.
+  `generate` returns them); 0 packs every sequence whole. `routes_shape`
+  (layers, k) (MoE routing replay): also "routes" [W, L, layers, k], the
+  experts the sampler routed each token to, -1 where none; a shared
+  prompt's are its group's newest record (`prompt_record`).
   """
   B, L = len(samples), slots.length
   keep = np.ones(B, bool) if keep is None else np.asarray(keep, bool)
@@ -134,6 +137,8 @@ def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
            row_seqs=np.zeros(W, np.float32))
   if group_size:
     a["sub"] = np.zeros((W, L), np.int32)
+  if routes_shape is not None:
+    a["routes"] = np.full((W, L) + tuple(routes_shape), -1, np.int16)
   sampler_logp = np.zeros((W, L), np.float32)
   for slot, rows_of_slot in enumerate(dealt):
     for j, r in enumerate(rows_of_slot):
@@ -186,12 +191,35 @@ def trained_tokens(sample) -> np.ndarray:
   return 1.0 - np.asarray(sample.env_mask, np.float32)
 
 
+def prompt_record(group: Sequence):
+  """The prompt routes a group's samples share in a batch (MoE routing
+  replay): the newest prefill's (async RL prefills a carried-over group
+  again with new weights, and the tokens drawn since attend to it); None
+  if none was recorded."""
+  recorded = [s for s in group if s.prompt_routes is not None]
+  if not recorded:
+    return None
+  newest = max(recorded, key=lambda s: max(s.token_versions)
+               if s.token_versions else s.weight_version)
+  return newest.prompt_routes
+
+
+def _routes_of(sample, prompt_routes, first: int):
+  """The records of the tokens a packed sequence feeds: its prompt's from
+  `first` on, then its response's but the last (never fed)."""
+  if prompt_routes is None or sample.routes is None:
+    return None
+  return np.concatenate([prompt_routes[first:], sample.routes])
+
+
 def _write_unit(a, sampler_logp, w, at, seg, unit: _Unit, samples) -> int:
   """Writes `unit` into row w from column `at`; returns the next column."""
-  def put(tokens, first_pos, sub, b, targets, logp):
+  def put(tokens, first_pos, sub, b, targets, logp, routes=None):
     nonlocal at
     n = len(tokens)
     cols = slice(at, at + n)
+    if routes is not None:
+      a["routes"][w, cols] = routes
     a["tokens"][w, cols] = tokens
     a["positions"][w, cols] = first_pos + np.arange(n)
     a["seg"][w, cols] = seg
@@ -210,15 +238,20 @@ def _write_unit(a, sampler_logp, w, at, seg, unit: _Unit, samples) -> int:
     at += n
 
   p = len(unit.prompt)
+  recorded = "routes" in a
   if not unit.shared:
     s = samples[unit.samples[0]]
     seq = np.concatenate([unit.prompt, np.asarray(s.tokens)])
-    put(seq[:-1], 0, 0, unit.samples[0], seq[p:], s.logp_raw)
+    put(seq[:-1], 0, 0, unit.samples[0], seq[p:], s.logp_raw,
+        _routes_of(s, s.prompt_routes, 0) if recorded else None)
     return at
-  put(unit.prompt[:p - 1], 0, 0, None, None, None)
+  prompt_routes = (prompt_record([samples[b] for b in unit.samples])
+                   if recorded else None)
+  put(unit.prompt[:p - 1], 0, 0, None, None, None,
+      None if prompt_routes is None else prompt_routes[:p - 1])
   for i, b in enumerate(unit.samples):
     s = samples[b]
     r = np.asarray(s.tokens)
     put(np.concatenate([unit.prompt[p - 1:], r[:-1]]), p - 1, i + 1, b, r,
-        s.logp_raw)
+        s.logp_raw, _routes_of(s, prompt_routes, p - 1))
   return at

@@ -23,7 +23,7 @@ from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.parallel.layout import use_layout
 from rlhf_jax.samples import Request
 
-from moe_cases import E, K, V, torch, torch_reference
+from moe_cases import E, F, K, V, torch, torch_reference
 from moe_cases import batch as _batch
 from moe_cases import checkpoint as _checkpoint
 
@@ -233,6 +233,50 @@ def _layouts_of_groups(seed=4, N=2, G=2, P=6, R=5):
                              1),
       loss_mask=loss_mask)
   return grouped, repeated
+
+
+def test_an_all_padding_micro_batch_of_packed_rows_adds_nothing(mesh8):
+  """Packed rows (`rl.pack_length`) deal a small batch over many cells, so
+  a micro-batch can hold padding only: its router terms are 0, not 0/0
+  (a NaN that made every MoE job with packed rows fail at its first
+  update), and its fewest-tokens figure is +inf, so the least over
+  micro-batches skips it, while a real micro-batch's is finite."""
+  import types
+  from rlhf_jax.rl import batch as batch_lib
+  from rlhf_jax.rl import objectives
+  from rlhf_jax.rl import packing
+
+  cfg = ModelConfig.tiny(vocab_size=V, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, embed_dim=32,
+                         mlp_dim=64, num_experts=E, experts_per_token=K,
+                         expert_mlp_dim=F)
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, expert=2))
+  graphdef, params = model_lib.init_params(cfg, 0, layout)
+  rng = np.random.default_rng(3)
+  samples = [types.SimpleNamespace(
+      prompt_id=i, prompt_tokens=rng.integers(1, V, 5).tolist(),
+      tokens=rng.integers(1, V, 6).tolist(),
+      logp_raw=-rng.random(6).astype(np.float32)) for i in range(2)]
+  packed = batch_lib.pack(samples, 8, 8, slots=packing.Slots(
+      16, micro_batches=4, shards=layout.shards("batch")))
+  rows = packed.arrays["seg"].max(-1) >= 0
+  assert rows.any() and not rows.all()
+  terms, _ = objectives.policy_terms(objectives.PolicyLossConfig(
+      router=objectives.RouterLoss(balance_coef=0.01, z_coef=0.001)))
+  step = jax.jit(lambda p, b: terms(graphdef, p, b))
+  for real in (False, True):
+    batch = {k: v[rows == real][:8] for k, v in packed.arrays.items()}
+    shape = batch["loss_mask"].shape
+    batch.update(old_logp=np.zeros(shape, np.float32),
+                 ref_logp=np.zeros(shape, np.float32),
+                 advantages=np.ones(shape, np.float32))
+    with use_layout(layout):
+      num, aux = step(params, batch)
+    assert np.isfinite(float(num)), real
+    assert np.isfinite(float(aux["moe_z_loss"])), real
+    assert np.isfinite(float(aux["expert_tokens_min"])) == real
+    if not real:
+      assert float(num) == 0.0 and float(aux["moe_z_loss"]) == 0.0
 
 
 def test_router_terms_count_the_trained_tokens_in_every_layout(checkpoint):

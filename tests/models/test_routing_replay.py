@@ -449,13 +449,16 @@ def test_paged_engine_records_the_experts_of_every_routed_token(
                                   want[P:P + len(s.tokens) - 1])
 
 
-def test_replayed_logprobs_equal_the_samplers(checkpoint, recorded):
-  """The recorded routes in the repeated and grouped batches (`rl/batch`),
-  replayed by the trainer's log-prob pass on the training mesh (FSDP x EP
-  2, fp32 on both sides): each trained token's log-prob equals the
-  sampler's to 1e-6."""
+@pytest.mark.parametrize("rows", ["padded", "packed"])
+def test_replayed_logprobs_equal_the_samplers(checkpoint, recorded, rows):
+  """The recorded routes in the repeated, grouped and packed batches
+  (`rl/batch`, `rl/packing`: whole sequences, or each group's prompt
+  shared in its row), replayed by the trainer's log-prob pass on the
+  training mesh (FSDP x EP 2, fp32 on both sides): each trained token's
+  log-prob equals the sampler's to 1e-6."""
   from rlhf_jax.rl import batch as batch_lib
   from rlhf_jax.rl import grouped as grouped_lib
+  from rlhf_jax.rl import packing
 
   _, path = checkpoint
   cfg, samples, _ = recorded
@@ -463,15 +466,25 @@ def test_replayed_logprobs_equal_the_samplers(checkpoint, recorded):
   _, graphdef, params = hf.load(path, layout=layout)
   logprobs = jax.jit(lambda p, b: grouped_lib.token_logprobs_in_layout(
       graphdef, p, b))
+  slots = packing.Slots(24, shards=layout.shards("batch")) if (
+      rows == "packed") else None
   for G in (0, 2):
-    packed = batch_lib.pack(samples, 8, 10, group_size=G, routes=True)
-    assert ("routes" in packed.arrays) == (G == 0)
+    packed = batch_lib.pack(samples, 8, 10, group_size=G, routes=True,
+                            slots=slots)
+    assert ("routes" in packed.arrays) == (G == 0 or slots is not None)
     with use_layout(layout):
       got = np.asarray(logprobs(params, packed.arrays))
     mask = packed.arrays["loss_mask"] > 0
     assert mask.sum() == sum(len(s.tokens) for s in samples)
     np.testing.assert_allclose(got[mask], packed.sampler_logp[mask],
                                atol=1e-6, rtol=0, err_msg=f"G={G}")
+    # Not vacuous (the sampler's experts are also the trainer's own here):
+    # other experts in the records move the log-probs.
+    other = {k: (np.where(v >= 0, (v + 1) % E, v) if k.endswith("routes")
+                 else v) for k, v in packed.arrays.items()}
+    with use_layout(layout):
+      moved = np.asarray(logprobs(params, other))
+    assert np.abs(moved - got)[mask].max() > 1e-2, G
 
 
 # Fixed before measuring: replay must cut the bf16 rollout's mismatch KL
