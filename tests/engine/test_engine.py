@@ -154,6 +154,33 @@ def test_generate_compiles_once_over_50_steps(model, mesh8):
              for s in out.values())
 
 
+def test_an_equal_engine_reuses_the_programs_of_a_live_one(model, mesh8):
+  """An engine built with the same arguments as a live one (a job's or a
+  test's engines rebuilt) runs that one's jitted programs: the same
+  tokens, and nothing traced again; one with other arguments traces its
+  own."""
+  graphdef, params = model
+  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
+  requests = _grouped(_prompts(3, seed=6), 2)
+  first = _engine(CFG, graphdef, layout, rows=2, per_row=2)
+  params = mesh_lib.to_layout(params, layout)
+  want = {s.key: s for s in Driver(first, params).run(requests)}
+  traced = dict(first.trace_counts)
+  assert traced["generate"] >= 1 and traced["prefill"] >= 1
+  again = _engine(CFG, graphdef, layout, rows=2, per_row=2)
+  assert dict(again.trace_counts) == traced  # first's counts, ...
+  _assert_same({s.key: s for s in Driver(again, params).run(requests)},
+               want, logp_atol=0)
+  assert dict(again.trace_counts) == traced  # ... and nothing traced again.
+  other = _engine(CFG, graphdef, layout, rows=4, per_row=2)
+  assert not other.trace_counts
+  _assert_same({s.key: s for s in Driver(other, params).run(requests)},
+               want)
+  assert other.trace_counts["generate"] >= 1
+  assert dict(first.trace_counts) == traced
+  del first  # Kept alive by `again` (it runs first's programs).
+
+
 def test_stop_tokens_and_sample_fields(model, mesh8):
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
   requests = _grouped(_prompts(4), 4)
