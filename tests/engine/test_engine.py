@@ -172,7 +172,9 @@ def test_an_equal_engine_reuses_the_programs_of_a_live_one(model, mesh8):
   _assert_same({s.key: s for s in Driver(again, params).run(requests)},
                want, logp_atol=0)
   assert dict(again.trace_counts) == traced  # ... and nothing traced again.
-  other = _engine(CFG, graphdef, layout, rows=4, per_row=2)
+  other = Engine(CFG, graphdef, layout, num_slots=8, samples_per_group=2,
+                 prefill_buckets=(8, 16), sampling=SAMPLED, page_size=4,
+                 decode_window=3)  # Arguments no other test's engine has.
   assert not other.trace_counts
   _assert_same({s.key: s for s in Driver(other, params).run(requests)},
                want)
