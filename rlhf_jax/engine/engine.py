@@ -47,7 +47,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import weakref
 from typing import Sequence
 
 import jax
@@ -63,12 +62,15 @@ from rlhf_jax.engine.state import (
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel.layout import Layout, use_layout
+from rlhf_jax.shared_programs import SharedPrograms
 
 # The common prefix's KV [L, C, N, K]: one copy, heads split as the model's.
 _COMMON_AXES = ("layers", "cache_length", "kv_heads", "head_dim")
 
-# Live engines by their arguments (`Engine._share_programs`).
-_PROGRAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_PROGRAMS = SharedPrograms((
+    "_common_prefill_jit", "_init_jit", "_prefill_jit", "_insert_jit",
+    "_start_jit", "_stop_jit", "_extend_jit", "_recompute_jit", "_place_jit",
+    "_gather_jit", "_prompt_chunk_jit", "_generate_jits", "trace_counts"))
 
 
 class Engine:
@@ -253,25 +255,13 @@ class Engine:
                              donate_argnums=1)
     # The kernel walks the page tables (no page-list bounds needed).
     self._walks_tables = pda.resolve_impl(self.attention_impl) == "pallas"
-    self._share_programs((cfg, graphdef, layout, self.num_slots, G,
-                          buckets, sampling, self.page_size, self.num_pages,
-                          self.num_groups, self.prefill_batch,
-                          self.max_prompt_length, attention_impl,
-                          self.max_common_length, self.decode_window,
-                          self.record_routes))
-
-  def _share_programs(self, key) -> None:
-    """An engine equal to a live one (the same arguments, so every program
-    it traces is the same: a job's engines rebuilt, a test's) takes that
-    one's jitted functions and trace counts: it traces and lowers nothing
-    again. Only live engines are remembered (nothing is kept alive)."""
-    first = _PROGRAMS.get(key)
-    if first is None:
-      _PROGRAMS[key] = self
-      return
-    for name, value in vars(first).items():
-      if name.endswith("_jit") or name in ("_generate_jits", "trace_counts"):
-        setattr(self, name, value)
+    # An engine equal to a live one runs its programs (`shared_programs`).
+    _PROGRAMS.adopt(self, (cfg, graphdef, layout, self.num_slots, G,
+                           buckets, sampling, self.page_size, self.num_pages,
+                           self.num_groups, self.prefill_batch,
+                           self.max_prompt_length, attention_impl,
+                           self.max_common_length, self.decode_window,
+                           self.record_routes))
 
   # --------------------------------------------------------- common prefix
   def _common_kv_shape(self):

@@ -11,6 +11,7 @@ Dimension letters: B sequences, T length, U micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -23,6 +24,7 @@ from rlhf_jax import distributed
 from rlhf_jax.parallel import pacing
 from rlhf_jax.parallel.layout import Layout, constrain, use_layout
 from rlhf_jax.rl import grouped
+from rlhf_jax.shared_programs import SharedPrograms
 
 Batch = dict[str, jax.Array]
 # terms_fn(graphdef, params, micro_batch) -> (numerator, aux metrics dict)
@@ -78,6 +80,9 @@ class OptimConfig:
   grad_clip: float = 1.0
 
 
+# Cached: equal configs give one (stateless) transformation, so learners
+# built from equal configs share their programs (`shared_programs.py`).
+@functools.cache
 def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
   """AdamW + global-norm clipping + warmup/cosine schedule."""
   if c.decay_steps:
@@ -114,6 +119,11 @@ def split_micro(batch: Batch, num_micro: int) -> Batch:
   return jax.tree.map(one, batch)
 
 
+_PROGRAMS = SharedPrograms(("_step_jit", "_grad_sums_jit", "_apply_jit",
+                             "_logprobs_jit", "_minibatch_jit",
+                             "trace_counts"))
+
+
 class Learner:
   """Owns the jitted train step and forward-only log-prob pass for one model.
 
@@ -139,6 +149,10 @@ class Learner:
     self._pacer = pacing.Pacer(MAX_AHEAD)
     self._minibatch_jit = jax.jit(
         lambda batch, idx: jax.tree.map(lambda x: x[idx], batch))
+    # A learner equal to a live one runs its programs (`shared_programs`;
+    # equal configs give the same optimizer and terms functions).
+    _PROGRAMS.adopt(self, (graphdef, layout, optimizer, terms_fn, weight_fn,
+                           micro_batches, trainable))
 
   def batch_shardings(self, batch: Batch):
     return {k: self.layout.sharding(batch_axes(v), v.shape)

@@ -10,6 +10,7 @@ for RL, old_logp, ref_logp and advantages [B].
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,12 @@ def _router_terms(router, c: RouterLoss, weight, replayed: bool = False):
   return (c.balance_coef * balance + c.z_coef * z) * weight, aux
 
 
+# The terms functions are cached by their (frozen) configs: learners built
+# from equal configs get the same functions, so they share their programs
+# (`rl/learner.py`, `shared_programs.py`).
+
+
+@functools.cache
 def sft_terms(router_loss: RouterLoss = RouterLoss()):
   """Token-mean cross-entropy on the loss_mask targets (+ an MoE's router
   losses, `_router_terms`)."""
@@ -98,6 +105,7 @@ class PolicyLossConfig:
   router: RouterLoss = RouterLoss()  # An MoE policy's router terms.
 
 
+@functools.cache
 def policy_terms(c: PolicyLossConfig):
   """Clipped surrogate (+ beta * KL to the reference) with `c.aggregation`.
 
@@ -167,6 +175,7 @@ def policy_terms(c: PolicyLossConfig):
   return terms, weight
 
 
+@functools.cache
 def reward_model_terms():
   """Bradley-Terry loss (+ margin) summed over pairs; weight = #pairs.
 
@@ -189,6 +198,7 @@ def reward_model_terms():
                                           jnp.float32)
 
 
+@functools.cache
 def value_terms(clip_range: float | None):
   """PPO's clipped value loss, token-mean over loss_mask (the critic).
 
