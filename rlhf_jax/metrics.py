@@ -114,7 +114,8 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
       on, and how much of it is not padding), "gap_max" / "gap_mean" /
       "mismatch_kl" (trainer vs sampler log-probs; with routing replay
       also "mismatch_kl_without_replay", the trainer's own routing,
-      `rl/off_policy.mismatch`); on the on-policy path the policy's
+      `rl/off_policy.mismatch`, and "moe_flip_rate", the share of the
+      sampler's (token, layer) choices that routing makes differently); on the on-policy path the policy's
       updates measured them instead (`off_policy.on_policy`).
     trained: prefix -> metrics of every update ("train": the policy,
       "critic": PPO's value function); means are logged, but of "*_max"
@@ -145,6 +146,7 @@ def rl_step_metrics(info: dict, trained: dict[str, list[dict]], perf: dict,
   if "mismatch_kl_without_replay" in info:  # MoE routing replay.
     out["rollout/mismatch_kl_without_replay"] = float(
         info["mismatch_kl_without_replay"])
+    out["rollout/moe_flip_rate"] = float(info["moe_flip_rate"])
   for metrics in extra:
     out.update({k: float(v) for k, v in metrics.items()})
   for prefix, updates in trained.items():

@@ -343,8 +343,9 @@ class RL:
   moe_z_coef: float = 0.0
   # Rollout routing replay (MoE): the engine records the experts each token
   # went to and the trainer's log-prob passes and update route every token
-  # to them (`moe.route`); `train/moe_flip_rate` is the share of (token,
-  # layer) choices the trainer's own router would have made differently.
+  # to them (`moe.route`); `rollout/moe_flip_rate` is the share of (token,
+  # layer) choices the trainer's own routing makes differently at the
+  # step's starting weights (`train/moe_flip_rate`: in the updates).
   routing_replay: bool = False
 
   def __post_init__(self):

@@ -93,7 +93,7 @@ def prefix_suffix_attention(q_BxRxHxK, k_BxRxJxK, v_BxRxJxK, pos_BxR,
 
 def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
                    response_tokens_NxGxR, router_weights_NxGxR=None,
-                   replay=None):
+                   replay=None, route_by_replay: bool = True):
   """Final-norm hidden states [B, R, D] that predict each response token
   (the model's `project` turns them into logits); `model` is a merged
   Decoder.
@@ -105,7 +105,9 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
   repeated layout; the load over the real tokens routed (a prompt once).
 
   `replay` (MoE, rollout routing replay): (prompt [N, P, L, k], responses
-  [N, G, R, L, k]) expert ids to route each token to (`moe.route`)."""
+  [N, G, R, L, k]) expert ids to route each token to (`moe.route`), or
+  with `route_by_replay` False only to count the router's flips against
+  (`Decoder.hidden_states`)."""
   cfg = model.cfg
   N, P = prompt_tokens_NxP.shape
   G, R = response_tokens_NxGxR.shape[1:]
@@ -140,10 +142,11 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
       return (block._residual_mlp(x_p, block.attn.out(o_p)),
               block._residual_mlp(x_r, block.attn.out(o_r))), None
     rep_p, rep_r = (None, None) if replay_i is None else replay_i
+    route_p, route_r = (rep_p, rep_r) if route_by_replay else (None, None)
     x_p, logits_p, ids_p = block._residual_mlp(
-        x_p, block.attn.out(o_p), routing=True, replay=rep_p)
+        x_p, block.attn.out(o_p), routing=True, replay=route_p)
     x_r, logits_r, ids_r = block._residual_mlp(
-        x_r, block.attn.out(o_r), routing=True, replay=rep_r)
+        x_r, block.attn.out(o_r), routing=True, replay=route_r)
     if not stats:
       return (x_p, x_r), None
     E, K = cfg.num_experts, cfg.experts_per_token

@@ -271,30 +271,35 @@ class Decoder(nnx.Module):
 
   def hidden_states(self, tokens_BxT, positions_BxT, mask_BxT, *,
                     segments=None, subs=None, router_weights_BxT=None,
-                    replay_BxTxLxK=None):
+                    replay_BxTxLxK=None, route_by_replay: bool = True):
     """Final-norm hidden states [B,T,D] (compute dtype): of right-padded
     rows (`mask_BxT`), or of packed rows (`segments` [B,T]: tokens attend
     within their segment; negative: padding; `subs` [B,T]: packed groups,
     `rl/packing.py`). With `router_weights_BxT` (MoE): also each layer's
     router statistics, each token counted with its weight (the load over
-    the real tokens). `replay_BxTxLxK`: see `__call__`."""
+    the real tokens). `replay_BxTxLxK`: see `__call__`; with
+    `route_by_replay` False the tokens take their own top k and the
+    recorded experts only count the router's flips (the statistics'
+    "flipped": the trainer's own routing against the sampler's)."""
     x, _, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
                                  segments=segments, subs=subs,
                                  router_stats=router_weights_BxT is not None,
                                  router_weights_BxT=router_weights_BxT,
-                                 replay_BxTxLxK=replay_BxTxLxK)
+                                 replay_BxTxLxK=replay_BxTxLxK,
+                                 route_by_replay=route_by_replay)
     h = self.final_norm(x)
     return h if router_weights_BxT is None else (h, stats)
 
   def _trunk(self, tokens_BxT, positions_BxT, mask_BxT, context=None,
              segments=None, subs=None, router_stats: bool = False,
              router_weights_BxT=None, replay_BxTxLxK=None,
-             return_routes: bool = False):
+             return_routes: bool = False, route_by_replay: bool = True):
     """Embedding + blocks: residual stream [B,T,D], k, v [L,B,T,N,K] and
     (with `router_stats`, MoE) each layer's router statistics over the
     real tokens (or each token counted `router_weights_BxT` times), or
     (with `return_routes`) the experts each token went to [L,B,T,k], else
-    None. `replay_BxTxLxK`: see `__call__`."""
+    None. `replay_BxTxLxK`: see `__call__` (`route_by_replay`:
+    `hidden_states`)."""
     cfg = self.cfg
     padded_rows = segments is None
     seg_BxT = (jnp.where(mask_BxT, 0, -1) if padded_rows  # Padding: its own.
@@ -315,8 +320,9 @@ class Decoder(nnx.Module):
                               ctx[1], ctx_len, window, cfg)
       if not (router_stats or return_routes or replay_BxTxK is not None):
         return block._residual_mlp(x, block.attn.out(o)), (k, v, None)
-      x, logits, ids = block._residual_mlp(x, block.attn.out(o), routing=True,
-                                           replay=replay_BxTxK)
+      x, logits, ids = block._residual_mlp(
+          x, block.attn.out(o), routing=True,
+          replay=replay_BxTxK if route_by_replay else None)
       if not router_stats:
         return x, (k, v, ids if return_routes else None)
       K = cfg.experts_per_token

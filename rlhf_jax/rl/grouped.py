@@ -88,7 +88,8 @@ def per_sequence(batch: dict) -> dict:
 
 
 def target_logprobs(graphdef, params, mb: dict, *,
-                    temperature: float = 1.0, router_stats: bool = False):
+                    temperature: float = 1.0, router_stats: bool = False,
+                    route_by_replay: bool = True):
   """(log p(targets), entropy, argmax) [B, T] of a micro-batch, either layout.
 
   From the final hidden states and the vocabulary projection in chunks
@@ -98,7 +99,8 @@ def target_logprobs(graphdef, params, mb: dict, *,
   With `router_stats`, a fourth output: an MoE's router statistics per
   layer (`models/moe.py`) over the tokens that predict trained targets
   (the loss mask), the same tokens in every layout; None for a dense
-  model.
+  model. `route_by_replay` False: the batch's recorded experts (routing
+  replay) only count the router's flips; each token takes its own top k.
   """
   model = nnx.merge(graphdef, params)
   weights = mb["loss_mask"] if router_stats and model.cfg.is_moe else None
@@ -107,18 +109,21 @@ def target_logprobs(graphdef, params, mb: dict, *,
               else (mb["prompt_routes"], mb["response_routes"]))
     hidden = grouped_model.grouped_hidden(
         model, mb["prompt_tokens"], mb["prompt_len"], mb["response_tokens"],
-        router_weights_NxGxR=weights, replay=replay)
+        router_weights_NxGxR=weights, replay=replay,
+        route_by_replay=route_by_replay)
     targets = per_sequence(mb)["targets"]
   elif is_packed(mb):
     hidden = model.hidden_states(mb["tokens"], mb["positions"], None,
                                  segments=mb["seg"], subs=mb.get("sub"),
                                  router_weights_BxT=weights,
-                                 replay_BxTxLxK=mb.get("routes"))
+                                 replay_BxTxLxK=mb.get("routes"),
+                                 route_by_replay=route_by_replay)
     targets = mb["targets"]
   else:
     hidden = model.hidden_states(mb["tokens"], mb["positions"],
                                  mb["attn_mask"], router_weights_BxT=weights,
-                                 replay_BxTxLxK=mb.get("routes"))
+                                 replay_BxTxLxK=mb.get("routes"),
+                                 route_by_replay=route_by_replay)
     targets = mb["targets"]
   hidden, stats = hidden if weights is not None else (hidden, None)
   head, axis = model.head()

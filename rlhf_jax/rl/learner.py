@@ -327,15 +327,37 @@ def batch_logprobs(graphdef, params, batch: Batch, micro_batches: int):
   """Per-token log-probs of the targets, micro-batch by micro-batch (the
   activations of one micro-batch at a time, as in training): [B, T]
   repeated, [N, G, R] grouped. Call under the batch's layout."""
-  micro = split_micro(batch, micro_batches)
-
   def one(mb):
-    return grouped.token_logprobs_in_layout(graphdef, params, mb)
+    return grouped.token_logprobs_in_layout(graphdef, params, mb), ()
 
-  logp = jax.lax.map(one, micro)  # [U, B/U, ...]
+  return _micro_batched(one, batch, micro_batches)[0]
+
+
+def own_routing_logprobs(graphdef, params, batch: Batch, micro_batches: int):
+  """(log-probs as `batch_logprobs`, flipped, recorded) of a batch that
+  carries the sampler's experts (MoE routing replay) with the model's own
+  routing instead: the log-probs the trainer would compute without
+  replay, and of the (token, layer) choices the sampler recorded, how many
+  its own router makes differently (the flip rate at these weights)."""
+  def one(mb):
+    logp, _, _, stats = grouped.target_logprobs(
+        graphdef, params, mb, router_stats=True, route_by_replay=False)
+    if grouped.is_grouped(mb):
+      logp = logp.reshape(mb["response_tokens"].shape)
+    return logp, (jnp.sum(stats["flipped"]), jnp.sum(stats["replayed"]))
+
+  logp, (flipped, recorded) = _micro_batched(one, batch, micro_batches)
+  return logp, jnp.sum(flipped), jnp.sum(recorded)
+
+
+def _micro_batched(one, batch: Batch, micro_batches: int):
+  """(per-token values [B, ...] in batch order, the per-micro-batch
+  extras [U, ...]) of `one(micro-batch) -> (values, extras)`."""
+  micro = split_micro(batch, micro_batches)
+  logp, extras = jax.lax.map(one, micro)  # [U, B/U, ...]
   B = jax.tree.leaves(batch)[0].shape[0]  # Axis 0 is rows in any layout.
   logp = jnp.swapaxes(logp, 0, 1).reshape((B,) + logp.shape[2:])
-  return constrain(logp, batch_axes(logp))
+  return constrain(logp, batch_axes(logp)), extras
 
 
 def train_epochs(learners, states, batch: Batch, *, epochs: int,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax.models import lora
@@ -36,7 +37,8 @@ from rlhf_jax.parallel.layout import constrain, use_layout
 from rlhf_jax.rl import critic, grouped, losses, off_policy, registry
 from rlhf_jax.rl.aggregation import masked_mean
 from rlhf_jax.rl.batch import PackedBatch
-from rlhf_jax.rl.learner import Learner, batch_axes, batch_logprobs
+from rlhf_jax.rl.learner import (
+    Learner, batch_axes, batch_logprobs, own_routing_logprobs)
 
 # Inputs of the stage that the model's forward does not read.
 _INPUTS = ("rewards", "sampler_logp", "current")
@@ -121,16 +123,14 @@ class Preparer:
                                 lr.micro_batches)
       own_routing = None
       if any(k.endswith("routes") for k in model_batch):  # Routing replay.
-        # The mismatch replay removes: the trainer's log-probs with its
-        # own routing (one more forward a step).
-        own_routing = batch_logprobs(
-            lr.graphdef, params, {k: v for k, v in model_batch.items()
-                                  if not k.endswith("routes")},
-            lr.micro_batches)
+        # The mismatch replay removes, and the router's flips: the
+        # trainer's own routing (one more forward a step).
+        own_routing = own_routing_logprobs(lr.graphdef, params, model_batch,
+                                           lr.micro_batches)
     return self._advantages(batch, old_logp, ref_logp, values, own_routing)
 
   def _advantages(self, batch, old_logp, ref_logp, values,
-                  own_routing_logp=None):
+                  own_routing=None):
     self.trace_count += 1
     c, lr = self.c, self.learner
     with use_layout(lr.layout):
@@ -177,9 +177,11 @@ class Preparer:
         measured = mask * current.reshape(current.shape + (1,) * (
             mask.ndim - current.ndim))
       info = {"rewards": scores, "kl": kl, **extra}
-      if own_routing_logp is not None:
+      if own_routing is not None:
+        own_logp, flipped, recorded = own_routing
         info["mismatch_kl_without_replay"] = off_policy.mismatch(
-            own_routing_logp, batch["sampler_logp"], measured)["mismatch_kl"]
+            own_logp, batch["sampler_logp"], measured)["mismatch_kl"]
+        info["moe_flip_rate"] = flipped / jnp.maximum(recorded, 1.0)
       if old_logp is None:  # The loss measures it on these tokens.
         out["mismatch_mask"] = measured
       else:

@@ -396,6 +396,7 @@ def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay,
     r = records[step]
     assert ("train/moe_flip_rate" in r) == replay
     assert ("rollout/mismatch_kl_without_replay" in r) == replay
+    assert ("rollout/moe_flip_rate" in r) == replay
     if asynchronous and step > 1:
       # Off policy: a one-version-old sample's routes and log-probs are
       # not the trainer's; replay must still leave the mismatch below the
@@ -407,6 +408,7 @@ def test_tiny_grpo_moe_runlocal_samples_what_it_trains(tmp_path, replay,
     if replay:  # Near-ties of the trained router flip on paged decode's
       # rounding (0.35% in a step seen); replay keeps the mismatch at 0.
       assert 0.0 <= r["train/moe_flip_rate"] < 0.05, (step, r)
+      assert 0.0 <= r["rollout/moe_flip_rate"] < 0.05, (step, r)
       assert 0.0 <= r["rollout/mismatch_kl_without_replay"] < 1e-3, step
     assert (r["train/expert_tokens_max"] > r["train/expert_tokens_mean"]
             > 0), (step, r)

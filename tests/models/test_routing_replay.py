@@ -556,6 +556,22 @@ def test_replay_cuts_the_mismatch_of_a_bf16_rollout_copy(tmp_path, mesh8):
   # The router statistics count the same choices (the grouped layout
   # routes each prompt once: the samples' prompts counted once here too).
   assert replayed > 0 and flipped / replayed >= 0.01, (flipped, replayed)
+  # The trainer's own routing (`learner.own_routing_logprobs`: the
+  # ADVANTAGES stage's `rollout/moe_flip_rate`), each sample's prompt its
+  # own (the repeated layout), against the recorded choices: every fed
+  # token's counted, and its flips are numpy's (transformers' fp32 router,
+  # up to a near-tie or two of our fp32 forward).
+  from rlhf_jax.rl import learner as learner_lib
+  repeated = batch_lib.pack(samples, 8, 16, routes=True).arrays
+  own_flips = jax.jit(lambda p, b: learner_lib.own_routing_logprobs(
+      graphdef, p, b, 2))
+  with use_layout(train):
+    _, own_flipped, own_recorded = own_flips(params, repeated)
+  print(f"own routing: {float(own_flipped):.0f} flips of "
+        f"{float(own_recorded):.0f}")
+  assert float(own_recorded) == choices, (own_recorded, choices)
+  assert abs(float(own_flipped) - flips) <= max(2, 0.1 * flips), (
+      own_flipped, flips)
 
 
 def test_routing_replay_of_a_dense_policy_is_refused_in_one_line():
