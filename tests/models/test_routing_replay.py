@@ -175,6 +175,18 @@ def _top_k_routes(model, seq):
                    for r in out.router_logits], 1)
 
 
+def _assert_records_are_top_k(model, samples):
+  """Each sample's prompt and fed tokens recorded transformers' top k of
+  its whole sequence (one set of weights)."""
+  for s in samples:
+    P = len(s.prompt_tokens)
+    want = _top_k_routes(model, np.concatenate([s.prompt_tokens,
+                                                s.tokens[:-1]]))
+    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
+    np.testing.assert_array_equal(np.sort(s.routes, -1), want[P:],
+                                  err_msg=str((s.key, s.tokens)))
+
+
 ASYNC_STEPS = 4
 
 
@@ -382,13 +394,7 @@ def test_recorded_routes_survive_a_long_tail_migration(checkpoint, recorded,
   assert sorted(s.key for s in samples) == [(r.prompt_id, j)
                                             for r in requests
                                             for j in range(2)]
-  for s in samples:
-    P = len(s.prompt_tokens)
-    want = _top_k_routes(model, np.concatenate([s.prompt_tokens,
-                                                s.tokens[:-1]]))
-    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
-    np.testing.assert_array_equal(np.sort(s.routes, -1), want[P:],
-                                  err_msg=str(s.key))
+  _assert_records_are_top_k(model, samples)
 
 
 def test_multi_turn_appends_record_the_experts_of_their_tokens(
@@ -414,13 +420,7 @@ def test_multi_turn_appends_record_the_experts_of_their_tokens(
   driver = MultiTurnDriver(engine, params, reply=env)
   samples = sorted(driver.run(requests), key=lambda s: s.key)
   assert driver.turns >= 2, driver.turns  # Replies appended, not vacuous.
-  for s in samples:
-    P = len(s.prompt_tokens)
-    want = _top_k_routes(model, np.concatenate([s.prompt_tokens,
-                                                s.tokens[:-1]]))
-    np.testing.assert_array_equal(np.sort(s.prompt_routes, -1), want[:P])
-    np.testing.assert_array_equal(np.sort(s.routes, -1), want[P:],
-                                  err_msg=str((s.key, s.tokens)))
+  _assert_records_are_top_k(model, samples)
 
 
 def test_paged_engine_records_the_experts_of_every_routed_token(
