@@ -128,7 +128,6 @@ def _routes(samples, G, prompt_len, max_new) -> dict:
   return {"prompt_routes": prompt, "response_routes": response}
 
 
-
 def _pack_repeated(samples, prompt_len, max_new) -> PackedBatch:
   """The repeated layout; see `pack`."""
   B, T = len(samples), prompt_len + max_new

@@ -395,8 +395,6 @@ def _prompts_from(d: dict) -> PromptBatch:
 # Routing replay's records in a snapshot: little-endian int16 bytes in
 # base64 (an MoE's L x k ids a token: JSON lists would be twice the size).
 # A partial's unrecorded tokens (None) are rows of -1, as in a Sample.
-
-
 def _routes_dict(prompt_routes, routes) -> dict:
   """{} when nothing was recorded (a dense policy's, or no replay)."""
   rows = [r for r in (() if routes is None else routes) if r is not None]
