@@ -328,9 +328,15 @@ class RL:
   tracked_rewards: tuple = ()    # Logged only, never trained on (PPO).
   # The sampler's log-probs vs the trainer's (rl/off_policy.py): weight
   # each token by pi_trainer / pi_sampler: "none" | "is" (decoupled PPO) |
-  # "tis" (truncated at importance_cap) | "mis" (masked past it).
+  # "tis" (truncated at importance_cap) | "mis" (masked past it) |
+  # "icepop" (masked outside [importance_floor, importance_cap]).
   importance_weight: str = "none"
   importance_cap: float = 2.0
+  importance_floor: float = 0.5
+  # Drop whole sequences whose geometric-mean weight leaves sequence_band
+  # (both ends kept): "none" | "geometric"; composes with the above.
+  sequence_mask: str = "none"
+  sequence_band: tuple = (0.99, 1.01)
   # Warn and set rollout/mismatch_alarm when KL(sampler || trainer) per
   # token passes this (0 = off).
   mismatch_alarm_kl: float = 0.01
@@ -372,6 +378,14 @@ class RL:
     one_of(self, "importance_weight", off_policy.WEIGHTINGS)
     if not self.importance_cap > 0:
       fail(self, "importance_cap", "must be > 0")
+    if not 0 <= self.importance_floor < self.importance_cap:
+      fail(self, "importance_floor",
+           f"must be >= 0 and below importance_cap ({self.importance_cap})")
+    one_of(self, "sequence_mask", off_policy.SEQUENCE_MASKS)
+    band = self.sequence_band
+    if not (len(band) == 2 and 0 < band[0] <= 1 <= band[1]):
+      fail(self, "sequence_band",
+           "must be (lo, hi) with 0 < lo <= 1 <= hi")
     if self.mismatch_alarm_kl < 0:
       fail(self, "mismatch_alarm_kl", "must be >= 0 (0 = off)")
     for key in ("moe_balance_coef", "moe_z_coef"):
@@ -413,6 +427,9 @@ class RL:
         kl=self.kl_config(), aggregation=self.aggregation,
         max_len=max_len, importance_weight=self.importance_weight,
         importance_cap=self.importance_cap,
+        importance_floor=self.importance_floor,
+        sequence_mask=self.sequence_mask,
+        sequence_band=tuple(float(x) for x in self.sequence_band),
         on_policy=off_policy.on_policy(self),
         router=router_loss(self))
 

@@ -9,7 +9,8 @@ gradient.
 
 Registered names:
   "policy_loss": "ppo" (clipped ratio, DAPO clip-higher, optional dual-clip);
-    "gspo" (the same clip on the sequence-level ratio).
+    "gspo" (the same clip on the sequence-level ratio); "cispo" (REINFORCE
+    weighted by the clipped ratio, without gradient: no token is dropped).
   "kl_estimator": "k1", "k2", "k3" (Schulman's estimators of KL(pi || ref)
     from samples of pi; k3 is the low-variance, always >= 0 one).
 """
@@ -168,6 +169,74 @@ def gspo_policy_loss(
   metrics["seq_log_ratio"] = masked_mean(
       jnp.broadcast_to(jax.lax.stop_gradient(seq_log_ratio_B)[:, None],
                        mask_f_BxT.shape), mask_f_BxT)
+  return loss_BxT, metrics
+
+
+@registry.register("policy_loss", "cispo")
+def cispo_policy_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio.
+
+  The objective's gradient is sg(clip(r, 1 - clip_low, 1 + clip_high)) *
+  A * grad log pi per token, r = pi / pi_old. PPO's clip zeroes the
+  gradient of a token whose ratio left the band (often the rare tokens
+  that open a reasoning step); CISPO keeps every token's gradient and
+  bounds only its weight. Written as loss = -A * sg(clip(r) / r) * r, whose
+  value is -A * clip(r) (PPO's clipped term) and whose gradient is the one
+  above. MiniMax-M1 clips only from above: clip_low >= 1 turns the lower
+  bound off.
+
+  Args:
+    logp_BxT: [B, T] log-probs under the policy being trained.
+    old_logp_BxT: [B, T] log-probs under the anchor policy (no grad).
+    adv: [B, T] per-token advantages, or [B] per-sequence advantages.
+    mask_BxT: [B, T] 1 on response tokens.
+    clip_low: lower clip range of the weight (weight >= 1 - clip_low).
+    clip_high: upper clip range of the weight (weight <= 1 + clip_high).
+    clip_c: must be None (CISPO has no dual clip).
+
+  Returns:
+    (loss_BxT, metrics) as "ppo": "clip_frac" (and _low, _high) counts the
+    tokens whose weight was clipped; "dual_clip_frac" is 0.
+  """
+  if clip_c is not None:
+    raise ValueError("policy_loss 'cispo' has no dual clip: set rl.clip_c "
+                     "= 0")
+  adv_BxT = jnp.asarray(adv, jnp.float32)
+  if adv_BxT.ndim == 1:
+    adv_BxT = adv_BxT[:, None]
+  logp_BxT = logp_BxT.astype(jnp.float32)
+  old_logp_BxT = jax.lax.stop_gradient(old_logp_BxT.astype(jnp.float32))
+  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
+  weight_BxT = jax.lax.stop_gradient(
+      jnp.clip(ratio_BxT, max(0.0, 1.0 - clip_low), 1.0 + clip_high))
+  # ratio / sg(ratio) is 1 in value and d log pi in gradient.
+  loss_BxT = -adv_BxT * weight_BxT * (ratio_BxT
+                                      / jax.lax.stop_gradient(ratio_BxT))
+  mask_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
+  loss_BxT = jnp.where(mask_BxT > 0, loss_BxT, 0.0)
+  low = ratio_BxT < 1.0 - clip_low
+  high = ratio_BxT > 1.0 + clip_high
+
+  def mean(x):
+    return masked_mean(jax.lax.stop_gradient(x).astype(jnp.float32), mask_BxT)
+
+  metrics = {
+      "clip_frac": mean(low | high),
+      "clip_frac_low": mean(low),
+      "clip_frac_high": mean(high),
+      "dual_clip_frac": jnp.zeros((), jnp.float32),
+      "approx_kl": mean(kl_k3(logp_BxT, old_logp_BxT)),
+      "ratio_mean": mean(ratio_BxT),
+  }
   return loss_BxT, metrics
 
 

@@ -94,9 +94,13 @@ class PolicyLossConfig:
   aggregation: str = "token-mean"
   max_len: int | None = None       # For seq-mean-token-sum-norm.
   # Sampler -> trainer correction (`rl/off_policy.py`): "none" | "is"
-  # (decoupled PPO) | "tis" | "mis", with cap C.
+  # (decoupled PPO) | "tis" | "mis" | "icepop", with cap C (and floor F);
+  # a sequence mask on the geometric-mean weight: "none" | "geometric".
   importance_weight: str = "none"
   importance_cap: float = 2.0
+  importance_floor: float = 0.5
+  sequence_mask: str = "none"
+  sequence_band: tuple[float, float] = (0.99, 1.01)
   # One update per batch (`off_policy.on_policy`): the anchor is the
   # weights being trained, stop_gradient(logp); batches carry no old_logp
   # and the loss measures the sampler mismatch (`off_policy.mismatch_sums`
@@ -112,9 +116,9 @@ def policy_terms(c: PolicyLossConfig):
   Takes batches in any layout of `rl/grouped.py` (repeated prompts,
   grouped: each prompt run once for its G responses, or packed rows); same
   loss in each. GSPO's sequence ratio needs one sequence per row: not
-  packed rows. With `c.importance_weight` each token's term is weighted by
-  `off_policy.behaviour_weights` of old_logp (the anchor) against the
-  batch's "sampler_logp".
+  packed rows. With `c.importance_weight` or `c.sequence_mask` each token's
+  term is weighted by `off_policy.behaviour_weights` of old_logp (the
+  anchor) against the batch's "sampler_logp".
   """
   loss_fn = registry.get("policy_loss", c.policy_loss)
   registry.get("kl_estimator", c.kl.estimator)  # Fail early on a bad name.
@@ -143,10 +147,12 @@ def policy_terms(c: PolicyLossConfig):
     loss, m = loss_fn(logp, old_logp, mb["advantages"], mask,
                       clip_low=c.clip_low, clip_high=c.clip_high,
                       clip_c=c.clip_c)
-    if c.importance_weight != "none":
+    if c.importance_weight != "none" or c.sequence_mask != "none":
       w, weights_aux = off_policy.behaviour_weights(
           old_logp, mb["sampler_logp"], mask,
-          weighting=c.importance_weight, cap=c.importance_cap)
+          weighting=c.importance_weight, cap=c.importance_cap,
+          floor=c.importance_floor, sequence_mask=c.sequence_mask,
+          sequence_band=c.sequence_band, seq_BxT=mb.get("seq"))
       loss = loss * w
       aux.update(weights_aux)
     kl = registry.get("kl_estimator", c.kl.estimator)(logp, mb["ref_logp"])

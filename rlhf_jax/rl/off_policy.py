@@ -19,7 +19,16 @@ with w_t, by `rl.importance_weight`:
   "is":   w (uncapped decoupled PPO),
   "tis":  min(w, C) (truncated importance sampling, Yao et al. 2025),
   "mis":  w where w <= C, else 0 (masked: such a token leaves the loss),
-C = `rl.importance_cap`. w carries no gradient.
+  "icepop": w where F <= w <= C, else 0 (IcePop, Ring-1T 2025: masked on
+          both sides of a band),
+C = `rl.importance_cap`, F = `rl.importance_floor`. w carries no gradient.
+
+Sequence masking (`rl.sequence_mask`), on top of any token weighting:
+"geometric" drops every token of a sequence whose geometric-mean weight
+exp(mean_t log w_t) leaves the band `rl.sequence_band` = (lo, hi), both
+ends kept (SkyRL's default correction; token-level truncation was found to
+diverge on long runs). A geometric mean, unlike a product, does not shrink
+with the length, so one band suits short and long responses.
 
 Monitoring. Over the tokens the trainer's current weights sampled (a stale
 token's gap is staleness, not a mismatch): max |log mu - log pi_prox| and
@@ -43,7 +52,8 @@ from absl import logging
 
 from rlhf_jax.rl.aggregation import masked_mean
 
-WEIGHTINGS = ("none", "is", "tis", "mis")
+WEIGHTINGS = ("none", "is", "tis", "mis", "icepop")
+SEQUENCE_MASKS = ("none", "geometric")
 # log w is clamped here before exp, so an extreme token (or an env token's
 # zero sampler log-prob) gives a large finite weight, never inf * 0 = nan.
 _MAX_LOG_WEIGHT = 20.0
@@ -60,8 +70,11 @@ def on_policy(rl) -> bool:
 
 
 def behaviour_weights(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array,
-                      mask_BxT: jax.Array, *, weighting: str,
-                      cap: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+                      mask_BxT: jax.Array, *, weighting: str, cap: float,
+                      floor: float = 0.0, sequence_mask: str = "none",
+                      sequence_band: tuple[float, float] = (0.99, 1.01),
+                      seq_BxT: jax.Array | None = None,
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(w [B, T], metrics): the per-token weights of the module doc.
 
   Args:
@@ -70,35 +83,85 @@ def behaviour_weights(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array,
     behav_logp_BxT: [B, T] log-probs the sampler recorded.
     mask_BxT: [B, T] 1 on trained tokens; w is 0 elsewhere.
     weighting: one of WEIGHTINGS (static).
-    cap: C of "tis" and "mis" (static, > 0).
+    cap: C of "tis", "mis" and "icepop" (static, > 0).
+    floor: F of "icepop" (static, < cap).
+    sequence_mask: one of SEQUENCE_MASKS (static).
+    sequence_band: (lo, hi) of the "geometric" sequence mask (static).
+    seq_BxT: packed rows only: the sequence each token belongs to (-1:
+      none, `rl/packing.py`); otherwise each row is one sequence.
 
   Returns:
     w without gradient, and fp32 scalar metrics over the trained tokens:
     "is_weight_mean" (before capping) and "is_capped_frac" (tokens
-    truncated, "tis", or masked, "mis").
+    truncated, "tis", or masked, "mis" and "icepop"); with a sequence mask
+    also "seq_ratio_mean" (the geometric-mean weight, averaged over the
+    sequences) and "seq_masked_frac" (the share of sequences masked).
   """
   if weighting not in WEIGHTINGS:
     raise ValueError(f"importance weighting {weighting!r}: one of "
                      f"{WEIGHTINGS}")
+  if sequence_mask not in SEQUENCE_MASKS:
+    raise ValueError(f"sequence mask {sequence_mask!r}: one of "
+                     f"{SEQUENCE_MASKS}")
   mask = jnp.asarray(mask_BxT).astype(jnp.float32)
   log_w = jax.lax.stop_gradient(prox_logp_BxT.astype(jnp.float32)
                                 - behav_logp_BxT.astype(jnp.float32))
+  log_w = jnp.where(mask > 0, log_w, 0.0)
   raw = jnp.exp(jnp.minimum(log_w, _MAX_LOG_WEIGHT))
-  over = raw > cap
+  outside = raw > cap
+  if weighting == "icepop":
+    outside = outside | (raw < floor)
   if weighting == "none":
     w = jnp.ones_like(raw)
   elif weighting == "is":
     w = raw
   elif weighting == "tis":
     w = jnp.minimum(raw, cap)
-  else:  # "mis"
-    w = jnp.where(over, 0.0, raw)
+  else:  # "mis", "icepop"
+    w = jnp.where(outside, 0.0, raw)
   w = jnp.where(mask > 0, w, 0.0)
   metrics = {"is_weight_mean": masked_mean(raw, mask),
              "is_capped_frac": masked_mean(
-                 over.astype(jnp.float32), mask) if weighting in (
-                     "tis", "mis") else jnp.zeros((), jnp.float32)}
+                 outside.astype(jnp.float32), mask) if weighting in (
+                     "tis", "mis", "icepop") else jnp.zeros((), jnp.float32)}
+  if sequence_mask == "geometric":
+    keep, seq_metrics = _geometric_sequence_mask(log_w, mask, sequence_band,
+                                                 seq_BxT)
+    w = w * keep
+    metrics.update(seq_metrics)
   return w, metrics
+
+
+def _geometric_sequence_mask(log_w_BxT, mask_BxT, band, seq_BxT):
+  """(keep [B, T] 0/1, metrics): 1 on the tokens of the sequences whose
+  geometric-mean weight lies in `band`, both ends included."""
+  if seq_BxT is None:  # One sequence a row.
+    sums_S = jnp.sum(log_w_BxT * mask_BxT, axis=1)
+    counts_S = jnp.sum(mask_BxT, axis=1)
+    token_seq = None
+  else:  # Packed rows: a segment per sequence; -1 (no sequence) dropped.
+    num = seq_BxT.size
+    token_seq = jnp.where(seq_BxT >= 0, seq_BxT, num)
+
+    def segment_sum(x):
+      return jax.ops.segment_sum(jnp.ravel(x), jnp.ravel(token_seq),
+                                 num_segments=num, mode="drop")
+
+    sums_S, counts_S = segment_sum(log_w_BxT * mask_BxT), segment_sum(mask_BxT)
+  ratio_S = jnp.exp(jnp.minimum(sums_S / jnp.maximum(counts_S, 1.0),
+                                _MAX_LOG_WEIGHT))
+  valid_S = counts_S > 0
+  kept_S = (ratio_S >= band[0]) & (ratio_S <= band[1])
+  if token_seq is None:
+    keep = jnp.broadcast_to(kept_S[:, None], mask_BxT.shape)
+  else:
+    keep = jnp.take(kept_S, token_seq, mode="fill", fill_value=False)
+  valid_f = valid_S.astype(jnp.float32)
+  metrics = {
+      "seq_ratio_mean": masked_mean(ratio_S, valid_f),
+      "seq_masked_frac": masked_mean((~kept_S).astype(jnp.float32), valid_f),
+  }
+  return keep.astype(jnp.float32), metrics
 
 
 def mismatch_sums(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,

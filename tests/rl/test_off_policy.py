@@ -1,6 +1,7 @@
-"""Sampler vs trainer (`rl/off_policy.py`): importance weights and the
-decoupled-PPO / TIS / MIS losses against numpy, the mismatch statistics,
-and the alarm through the GRPO job (exact path vs a perturbed sampler)."""
+"""Sampler vs trainer (`rl/off_policy.py`): importance weights, the
+geometric sequence mask and the decoupled-PPO / TIS / MIS / IcePop / CISPO
+losses against numpy, the mismatch statistics, and the alarm through the
+GRPO job (exact path vs a perturbed sampler)."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,10 @@ CFG = ModelConfig.tiny(vocab_size=61, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, embed_dim=32, mlp_dim=48)
 
 
-def np_weights(prox, behav, mask, mode, cap):
+FLOOR = 0.7  # IcePop's lower bound in these tests.
+
+
+def np_weights(prox, behav, mask, mode, cap, floor=FLOOR):
   w = np.exp(prox.astype(np.float64) - behav)
   if mode == "none":
     w = np.ones_like(w)
@@ -27,7 +31,26 @@ def np_weights(prox, behav, mask, mode, cap):
     w = np.minimum(w, cap)
   elif mode == "mis":
     w = np.where(w > cap, 0.0, w)
+  elif mode == "icepop":
+    w = np.where((w > cap) | (w < floor), 0.0, w)
   return np.where(mask > 0, w, 0.0)
+
+
+def np_sequence_keep(prox, behav, mask, band, seq=None):
+  """1 on the tokens of the sequences whose geometric-mean weight is in
+  `band`; each row one sequence, or the ids of `seq` (-1: none)."""
+  if seq is None:
+    seq = np.where(mask > 0, np.arange(mask.shape[0])[:, None], -1)
+  log_w = (prox.astype(np.float64) - behav) * (mask > 0)
+  keep = np.zeros(mask.shape)
+  ratios = {}
+  for s in np.unique(seq[seq >= 0]):
+    tokens = (seq == s) & (mask > 0)
+    if not tokens.any():
+      continue
+    ratios[s] = np.exp(log_w[tokens].mean())
+    keep[seq == s] = band[0] <= ratios[s] <= band[1]
+  return keep, ratios
 
 
 def np_decoupled_ppo(logp, prox, behav, adv, mask, mode, cap, eps=0.2):
@@ -50,15 +73,79 @@ def test_weights_and_metrics_equal_numpy(mode):
   prox, behav = _logs(rng, (6, 20), 1.0)
   mask = (rng.random((6, 20)) > 0.3).astype(np.float32)
   w, m = jax.jit(lambda *a: off_policy.behaviour_weights(
-      *a, weighting=mode, cap=1.5))(prox.astype(np.float32),
-                                    behav.astype(np.float32), mask)
+      *a, weighting=mode, cap=1.5, floor=FLOOR))(
+          prox.astype(np.float32), behav.astype(np.float32), mask)
   np.testing.assert_allclose(w, np_weights(prox, behav, mask, mode, 1.5),
                              rtol=1e-5)
   raw = np.exp(prox - behav)[mask > 0]
   np.testing.assert_allclose(m["is_weight_mean"], raw.mean(), rtol=1e-5)
-  capped = (raw > 1.5).mean() if mode in ("tis", "mis") else 0.0
+  outside = (raw > 1.5) | ((raw < FLOOR) if mode == "icepop" else False)
+  capped = outside.mean() if mode in ("tis", "mis", "icepop") else 0.0
   np.testing.assert_allclose(m["is_capped_frac"], capped, rtol=1e-6)
-  assert 0 < (raw > 1.5).mean() < 1  # The cap is exercised both ways.
+  assert 0 < (raw > 1.5).mean() < 1  # The cap is exercised both ways,
+  assert 0 < (raw < FLOOR).mean() < 1  # and the floor.
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("mode", ["none", "tis"])
+def test_geometric_sequence_mask_equals_numpy(mode, packed):
+  """The sequence mask keeps a sequence iff exp(mean of its log weights)
+  is in the band, on top of the token weights: one sequence a row, and
+  packed rows of several (`seq` ids, -1 between them)."""
+  rng = np.random.default_rng(7)
+  prox, behav = _logs(rng, (6, 24), 1.0)
+  mask = (rng.random((6, 24)) > 0.2).astype(np.float32)
+  seq = None
+  if packed:  # Three sequences a row, one padding column between them.
+    seq = np.full((6, 24), -1, np.int32)
+    for r in range(6):
+      for j, start in enumerate((0, 8, 16)):
+        seq[r, start:start + 7] = 3 * r + j
+    mask = mask * (seq >= 0)
+  band = (np.exp(-0.12), np.exp(0.15))
+  w, m = jax.jit(lambda *a: off_policy.behaviour_weights(
+      *a, weighting=mode, cap=1.5, sequence_mask="geometric",
+      sequence_band=band, seq_BxT=seq))(
+          prox.astype(np.float32), behav.astype(np.float32), mask)
+  keep, ratios = np_sequence_keep(prox, behav, mask, band, seq)
+  # No sequence sits within fp32 rounding of an end of the band, and the
+  # band keeps some and drops some.
+  logs = np.log(np.array(list(ratios.values())))
+  assert np.min(np.abs(logs[:, None] - np.log(band)[None])) > 1e-4
+  assert 0 < keep[mask > 0].mean() < 1
+  expected = np_weights(prox, behav, mask, mode, 1.5) * keep
+  np.testing.assert_allclose(w, expected, rtol=1e-5)
+  kept = np.array([band[0] <= r <= band[1] for r in ratios.values()])
+  np.testing.assert_allclose(m["seq_masked_frac"], 1 - kept.mean(),
+                             rtol=1e-6)
+  np.testing.assert_allclose(m["seq_ratio_mean"],
+                             np.mean(list(ratios.values())), rtol=1e-5)
+
+
+def test_band_edges_are_kept_and_a_mask_of_everything_is_zero():
+  """Ratios exactly at an end of a band stay in: a token at IcePop's floor
+  or cap, a sequence whose geometric mean is the band's end; a band no
+  sequence meets gives weight 0 everywhere (finite, no nan)."""
+  logp = -np.random.default_rng(2).random((3, 7)).astype(np.float32)
+  mask = np.ones((3, 7), np.float32)
+  for floor, cap in ((1.0, 2.0), (0.5, 1.0)):  # raw = 1 at each end.
+    w, m = off_policy.behaviour_weights(logp, logp, mask, weighting="icepop",
+                                        cap=cap, floor=floor)
+    np.testing.assert_array_equal(w, mask)
+    assert float(m["is_capped_frac"]) == 0.0
+  w, m = off_policy.behaviour_weights(
+      logp, logp, mask, weighting="none", cap=2.0,
+      sequence_mask="geometric", sequence_band=(1.0, 1.0))
+  np.testing.assert_array_equal(w, mask)
+  assert float(m["seq_masked_frac"]) == 0.0
+  behav = logp - 0.5  # Every ratio e^0.5, outside both bands.
+  for kw in (dict(weighting="icepop", cap=1.5, floor=0.5),
+             dict(weighting="tis", cap=1.5, sequence_mask="geometric",
+                  sequence_band=(0.9, 1.1))):
+    w, m = off_policy.behaviour_weights(logp, behav, mask, **kw)
+    np.testing.assert_array_equal(w, np.zeros_like(mask))
+    assert max(float(m.get("is_capped_frac", 0)),
+               float(m.get("seq_masked_frac", 0))) == 1.0
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +173,18 @@ def _batch(B=8, T=16, seed=3):
               advantages=rng.normal(size=B).astype(np.float32))
 
 
-@pytest.mark.parametrize("mode", ["is", "tis", "mis"])
+SEQ_BAND = (np.exp(-0.25), np.exp(0.25))
+
+
+@pytest.mark.parametrize("mode", ["is", "tis", "mis", "icepop", "geometric",
+                                  "cispo", "all-masked"])
 def test_decoupled_losses_and_gradients_equal_numpy(model, mode):
   """Through the learner's policy terms on 8 devices: the loss is the
   numpy decoupled-PPO sum, and the gradient is that of sum_t w_t *
-  ppo_t with the numpy weights as constants (no gradient through w)."""
+  ppo_t with the numpy weights as constants (no gradient through w).
+  "geometric": the sequence mask alone (weights 1 in kept sequences);
+  "cispo": CISPO's loss with TIS weights; "all-masked": a sequence band
+  no sequence meets, so the loss and every gradient are 0."""
   layout, graphdef, params = model
   batch = _batch()
   with use_layout(layout):
@@ -104,19 +198,33 @@ def test_decoupled_losses_and_gradients_equal_numpy(model, mode):
   behav = prox + rng.normal(size=logp.shape) * 0.8
   batch.update(old_logp=prox.astype(np.float32),
                sampler_logp=behav.astype(np.float32))
-  c = objectives.PolicyLossConfig(aggregation="token-mean",
-                                  importance_weight=mode, importance_cap=1.5)
+  weighting = {"geometric": "none", "all-masked": "none",
+               "cispo": "tis"}.get(mode, mode)
+  band = (1.0, 1.0) if mode == "all-masked" else SEQ_BAND
+  c = objectives.PolicyLossConfig(
+      aggregation="token-mean", importance_weight=weighting,
+      importance_cap=1.5, importance_floor=FLOOR,
+      policy_loss="cispo" if mode == "cispo" else "ppo",
+      sequence_mask=("geometric" if mode in ("geometric", "all-masked")
+                     else "none"), sequence_band=band)
   terms, weight = objectives.policy_terms(c)
 
   def loss(p):
     num, aux = terms(graphdef, p, batch)
     return num / weight(batch), aux
 
-  w_np = np_weights(prox, behav, batch["loss_mask"], mode, 1.5)
+  w_np = np_weights(prox, behav, batch["loss_mask"], weighting, 1.5)
+  if c.sequence_mask == "geometric":
+    keep, _ = np_sequence_keep(prox, behav, batch["loss_mask"], band)
+    assert (0 < keep[batch["loss_mask"] > 0].mean() < 1
+            if mode == "geometric" else not keep.any())
+    w_np = w_np * keep
+  per_token_loss = {"cispo": losses.cispo_policy_loss}.get(
+      mode, losses.ppo_policy_loss)
 
   def oracle_loss(p):  # The unweighted per-token terms, weighted outside.
     logp_p, _, _ = grouped.target_logprobs(graphdef, p, batch)
-    per_token, _ = losses.ppo_policy_loss(
+    per_token, _ = per_token_loss(
         logp_p, batch["old_logp"], batch["advantages"], batch["loss_mask"])
     return jnp.sum(per_token * w_np) / np.sum(batch["loss_mask"])
 
@@ -124,17 +232,46 @@ def test_decoupled_losses_and_gradients_equal_numpy(model, mode):
     (value, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
         params)
     oracle_grads = jax.jit(jax.grad(oracle_loss))(params)
-  expected = np_decoupled_ppo(logp, prox, behav, batch["advantages"],
-                              batch["loss_mask"], mode, 1.5).sum() / np.sum(
-                                  batch["loss_mask"])
+  if mode == "cispo":  # -w * A * clip(r, 1 - eps, 1 + eps), written out.
+    r = np.exp(logp - prox)
+    per_token = (-w_np * batch["advantages"][:, None]
+                 * np.clip(r, 0.8, 1.2) * batch["loss_mask"])
+  else:
+    per_token = np_decoupled_ppo(logp, prox, behav, batch["advantages"],
+                                 batch["loss_mask"], weighting, 1.5)
+    if c.sequence_mask == "geometric":
+      per_token = per_token * keep
+  expected = per_token.sum() / np.sum(batch["loss_mask"])
   np.testing.assert_allclose(float(value), expected, rtol=1e-4, atol=1e-6)
-  if mode != "is":
+  if weighting in ("tis", "mis", "icepop"):
     assert float(aux["is_capped_frac"]) > 0
+  if c.sequence_mask == "geometric":
+    assert 0 < float(aux["seq_masked_frac"]) <= 1.0
   flat = jax.tree.leaves(jax.device_get(grads))
   flat_oracle = jax.tree.leaves(jax.device_get(oracle_grads))
-  assert max(float(np.max(np.abs(g))) for g in flat) > 1e-4
+  largest = max(float(np.max(np.abs(g))) for g in flat)
+  if mode == "all-masked":
+    assert float(value) == 0.0 and largest == 0.0
+    return
+  assert largest > 1e-4
   for g, o in zip(flat, flat_oracle):
     np.testing.assert_allclose(g, o, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(importance_floor=3.0), "config.rl.importance_floor=3.0: must be "
+     ">= 0 and below importance_cap (2.0)"),
+    (dict(sequence_band=(1.1, 1.2)), "config.rl.sequence_band=(1.1, 1.2): "
+     "must be (lo, hi) with 0 < lo <= 1 <= hi"),
+    (dict(sequence_mask="arith"), "config.rl.sequence_mask='arith': must be "
+     "one of ['none', 'geometric']"),
+])
+def test_a_bad_band_is_one_line(override, message):
+  from rlhf_jax.config import sections
+  from rlhf_jax.errors import ConfigError
+  with pytest.raises(ConfigError) as error:
+    sections.RL(**override)
+  assert str(error.value) == message
 
 
 def test_weights_are_one_on_policy():
@@ -143,7 +280,7 @@ def test_weights_are_one_on_policy():
   mask = np.ones((3, 7), np.float32)
   for mode in off_policy.WEIGHTINGS:
     w, _ = off_policy.behaviour_weights(logp, logp, mask, weighting=mode,
-                                        cap=1.0)
+                                        cap=1.0, sequence_mask="geometric")
     np.testing.assert_array_equal(w, mask)
 
 

@@ -272,6 +272,67 @@ class PolicyLossTest(_Base):
       )
 
 
+class CISPOTest(_Base):
+  """CISPO: the gradient sg(clip(r)) * A * grad log pi per token, against
+  numpy and by hand; clipped tokens keep their gradient (unlike PPO's)."""
+
+  @parameterized.parameters((0.2, 0.28), (1.0, 0.28), (5.0, 0.1))
+  def test_vs_numpy_oracle(self, clip_low, clip_high):
+    b, t = 4, 6
+    old = np.log(self.rng.uniform(0.05, 1, size=(b, t))).astype(np.float32)
+    logp = (old + self.rng.normal(scale=0.6, size=(b, t))).astype(np.float32)
+    adv_B = self.rng.normal(size=(b,)).astype(np.float32)
+    mask = random_mask(self.rng, b, t)
+    fn = functools.partial(losses.cispo_policy_loss, clip_low=clip_low,
+                           clip_high=clip_high)
+    loss, metrics = jax.jit(fn)(logp, old, adv_B, mask)
+    ratio = np.exp(logp.astype(np.float64) - old)
+    weight = np.clip(ratio, max(0.0, 1 - clip_low), 1 + clip_high)
+    adv_BxT = np.broadcast_to(adv_B[:, None], (b, t))
+    np.testing.assert_allclose(loss, -adv_BxT * weight * mask, rtol=1e-5,
+                               atol=1e-6)
+    # d loss_t / d logp_t = -A * clip(r): the weight carries no gradient.
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(fn(x, old, adv_B, mask)[0])))(
+        logp)
+    np.testing.assert_allclose(grad, -adv_BxT * weight * mask, rtol=1e-5,
+                               atol=1e-6)
+    outside = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)) * mask
+    self.assertGreater(outside.sum(), 0)  # The clip is exercised.
+    self.assertAlmostEqual(float(metrics["clip_frac"]),
+                           outside.sum() / mask.sum(), places=6)
+    self.assertAlmostEqual(float(metrics["ratio_mean"]),
+                           (ratio * mask).sum() / mask.sum(), places=5)
+
+  def test_hand_checked_and_clipped_tokens_keep_their_gradient(self):
+    # ratios 1.5, 0.5, 1.0 with A = 1, -1, 2; clip 0.2 / 0.28: weights
+    # 1.28, 0.8, 1.0; loss -A * w = -1.28, 0.8, -2.0; the gradient is the
+    # same. PPO gives the clipped tokens (1.5 with A > 0, 0.5 with A < 0)
+    # no gradient; CISPO gives them -A * w.
+    logp = np.log(np.array([[1.5, 0.5, 1.0]], np.float32))
+    adv = np.array([[1.0, -1.0, 2.0]], np.float32)
+    old, mask = np.zeros((1, 3), np.float32), np.ones((1, 3), np.float32)
+
+    def total(name, x):
+      loss, _ = registry.get("policy_loss", name)(
+          x, old, adv, mask, clip_low=0.2, clip_high=0.28)
+      return loss.sum()
+
+    loss, metrics = jit(losses.cispo_policy_loss, clip_low=0.2,
+                        clip_high=0.28)(logp, old, adv, mask)
+    np.testing.assert_allclose(loss, [[-1.28, 0.8, -2.0]], rtol=1e-6)
+    self.assertAlmostEqual(float(metrics["clip_frac_high"]), 1 / 3, places=6)
+    self.assertAlmostEqual(float(metrics["clip_frac_low"]), 1 / 3, places=6)
+    cispo = jax.grad(functools.partial(total, "cispo"))(logp)
+    ppo = jax.grad(functools.partial(total, "ppo"))(logp)
+    np.testing.assert_allclose(cispo, [[-1.28, 0.8, -2.0]], rtol=1e-6)
+    np.testing.assert_allclose(ppo, [[0.0, 0.0, -2.0]], atol=1e-6)
+
+  def test_dual_clip_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "no dual clip"):
+      losses.cispo_policy_loss(np.zeros((1, 1)), np.zeros((1, 1)),
+                               np.ones((1,)), np.ones((1, 1)), clip_c=3.0)
+
+
 class KLTest(_Base):
 
   @parameterized.parameters("k1", "k2", "k3")
@@ -394,7 +455,7 @@ class RegistryTest(_Base):
                       "reinforce_pp_baseline", "rloo"])
     self.assertEqual(registry.names("aggregation"), sorted(_AGG_MODES))
     self.assertEqual(registry.names("kl_estimator"), ["k1", "k2", "k3"])
-    self.assertEqual(registry.names("policy_loss"), ["gspo", "ppo"])
+    self.assertEqual(registry.names("policy_loss"), ["cispo", "gspo", "ppo"])
 
   def test_unknown_name_lists_known(self):
     with self.assertRaisesRegex(
