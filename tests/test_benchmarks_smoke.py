@@ -16,7 +16,8 @@ covered by the runs that import it:
   cpu_allocator  repartition re-executes itself through it
                  (`retained_allocator` must come back true);
   long_tail_ppo  long_tail's PPO step (`--ppo`, on by default: the
-                 `ppo_*` keys).
+                 `ppo_*` keys);
+  job_run        job and objectives (a job run start to finish).
 The modules in `EXTERNAL` drive another framework that is not a dependency
 (the GPU runs carry its wheels): they import without it, and their smoke
 run is skipped where it is not installed.
@@ -40,8 +41,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HELPERS = ("cpu_allocator", "long_tail_ppo", "long_tail_workload", "report",
-           "static_rows", "timing")
+HELPERS = ("cpu_allocator", "job_run", "long_tail_ppo", "long_tail_workload",
+           "report", "static_rows", "timing")
 # name -> the package it drives (importable name).
 EXTERNAL = {"tunix_grpo": "tunix"}
 
@@ -104,6 +105,11 @@ BENCHMARKS = {
                       "tiny.decode_gib_per_device", "tiny.compile_s",
                       "tiny.move_gib_per_device", "small.train_temp_ratio"),
         180, slow=True),
+    "objectives": _case(
+        # Two of the variants (each run is a whole job: ~35 s).
+        ["--smoke", "--only=cispo"], ("sync_gain_median", "cispo.gain_median",
+                                      "cispo.vs_sync", "runs"), 300,
+        slow=True),
     "paged_kernel": _case(
         ["--smoke"], tuple(f"{part}.{k}" for part in (
             "shared_prompt", "repeated_prompt", "own")

@@ -1,0 +1,85 @@
+"""What the off-policy objectives reach under async RL, each run start to end.
+
+  python -m benchmarks.objectives [--seeds=0,1,2]
+      [--out=benchmarks/results/objectives_cpu.json]
+
+The baseline, measured in the same run: the synchronous default job
+(`configs/tiny_grpo.py`) at each seed. Against it, the async job
+(`configs/tiny_grpo_async.py`) at eta = 2 with a bf16 rollout copy
+(`model.compute_dtype=bfloat16`; the master weights stay fp32) under each
+objective of `rl/off_policy.py` and `rl/losses.py`:
+
+  tis        the async config's own: TIS at C = 2
+  icepop     IcePop: tokens outside [0.5, 2] masked
+  seq-mask   the geometric sequence mask alone (band 0.99 - 1.01)
+  cispo      CISPO's loss (clip_low 1: from above only) with TIS weights
+
+Each run is `benchmarks.job_run.run_job` (a child process, a fresh workdir);
+`gain` is its last held-out greedy accuracy minus its first (after the SFT
+warm-start). The result: each objective's median gain over the seeds and
+its difference to the synchronous job's median ([algos] asks >= -0.05),
+and every run's gain.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from absl import app
+from absl import flags
+
+from benchmarks import job_run
+from benchmarks import report
+
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "config seeds to run.")
+_ONLY = flags.DEFINE_list("only", [], "run only these variants (and sync).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "the configs' :runlocal variants "
+                           "at the first seed (tests/test_benchmarks_smoke.py)")
+
+_ASYNC = ["asynchronous.max_staleness=2", "model.compute_dtype=bfloat16"]
+VARIANTS = {
+    "sync": ("configs/tiny_grpo.py", []),
+    "tis": ("configs/tiny_grpo_async.py", _ASYNC),
+    "icepop": ("configs/tiny_grpo_async.py", _ASYNC + [
+        "rl.importance_weight=icepop", "rl.importance_floor=0.5"]),
+    "seq-mask": ("configs/tiny_grpo_async.py", _ASYNC + [
+        "rl.importance_weight=none", "rl.sequence_mask=geometric"]),
+    "cispo": ("configs/tiny_grpo_async.py", _ASYNC + [
+        "rl.policy_loss=cispo", "rl.clip_low=1.0"]),
+}
+
+
+def main(argv):
+  del argv
+  seeds = [int(s) for s in _SEEDS.value][:1 if _SMOKE.value else None]
+  names = [n for n in VARIANTS
+           if n == "sync" or not _ONLY.value or n in _ONLY.value]
+  runs: dict[str, dict[int, dict]] = {n: {} for n in names}
+  for name in names:
+    config, overrides = VARIANTS[name]
+    config = report.repo_path(config) + (":runlocal" if _SMOKE.value else "")
+    for seed in seeds:
+      result, _ = job_run.run_job(config, overrides + [f"seed={seed}"])
+      runs[name][seed] = {k: result[k] for k in (
+          "gain", "eval_accuracy_first", "eval_accuracy_last", "wall_s",
+          "rl_step_median_s") if k in result}
+  print(f"{'variant':10s} " + " ".join(f"seed {s:<6d}" for s in seeds)
+        + " median   vs sync")
+  medians = {n: statistics.median(r["gain"] for r in runs[n].values())
+             for n in names}
+  summary: dict = {"sync_gain_median": round(medians["sync"], 4)}
+  for name in names:
+    gains = " ".join(f"{runs[name][s]['gain']:+11.3f}" for s in seeds)
+    diff = medians[name] - medians["sync"]
+    print(f"{name:10s} {gains} {medians[name]:+7.3f} {diff:+8.3f}")
+    if name != "sync":
+      summary[f"{name}.gain_median"] = round(medians[name], 4)
+      summary[f"{name}.vs_sync"] = round(diff, 4)
+  summary["seeds"] = seeds
+  summary["runs"] = {n: {str(s): r for s, r in v.items()}
+                     for n, v in runs.items()}
+  report.emit(summary)
+
+
+if __name__ == "__main__":
+  app.run(main)
