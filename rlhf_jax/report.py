@@ -13,6 +13,19 @@ EVAL_KEYS = (("eval/accuracy", "eval accuracy (greedy, held-out)"),
              ("eval/reward_mean", "eval reward-model score (greedy)"))
 
 
+def sampled_eval_keys(records: list[dict]) -> list[tuple[str, str]]:
+  """(key, label) of pass@1, pass@n and maj@n where the job sampled n
+  responses a held-out prompt (`eval.num_samples`)."""
+  ks = sorted({int(k.rsplit("_", 1)[1]) for r in records for k in r
+               if k.startswith("eval/pass_at_")})
+  if not ks:
+    return []
+  n = ks[-1]
+  return [(f"eval/pass_at_{k}", f"pass@{k} (T > 0, held-out)")
+          for k in dict.fromkeys((1, n))] + [
+              (f"eval/maj_at_{n}", f"maj@{n} (T > 0, held-out)")]
+
+
 def log_line(record: dict) -> str:
   return " ".join(f"{short} {record[k]:.4g}" for k, short in LOG_KEYS
                   if k in record)
@@ -25,7 +38,7 @@ def summary_table(records: list[dict]) -> str:
   if sft:
     rows.append(("sft steps", f"{sft[-1]['step']}"))
     rows.append(("sft final loss", f"{sft[-1]['sft/loss']:.4f}"))
-  for key, _ in EVAL_KEYS:
+  for key, _ in EVAL_KEYS + tuple(sampled_eval_keys(rl)):
     seen = [r[key] for r in rl if key in r]
     if seen:
       rows.append((f"{key} first (after SFT) -> last",
@@ -55,7 +68,7 @@ def plot_curve(records: list[dict], path: str) -> None:
   ax.plot([r["step"] for r in steps], [r["rollout/reward_mean"] for r in steps],
           label="rollout reward (sampled)")
   values = [r["rollout/reward_mean"] for r in steps]
-  for key, label in EVAL_KEYS:
+  for key, label in EVAL_KEYS + tuple(sampled_eval_keys(rl)):
     evals = [r for r in rl if key in r]
     if evals:
       ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-",

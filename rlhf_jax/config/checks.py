@@ -145,6 +145,10 @@ def _check_ppo(c: RLJob) -> None:
   if rl.rewards:
     raise ConfigError("config.rl.rewards: PPO trains on its reward model's "
                       "score; use config.rl.tracked_rewards to log others")
+  if c.eval.num_samples:
+    raise ConfigError(f"config.eval.num_samples={c.eval.num_samples}: "
+                      "pass@k and maj@k score GRPO jobs (a verifiable "
+                      "accuracy reward); PPO evaluates greedy")
 
 
 def _check_packing(c: RLJob, prompt_len: int) -> None:

@@ -454,9 +454,20 @@ class Eval:
   num_rows: int = 40         # Rows of the greedy eval engine.
   batch_size: int = 200      # Held-out prompts per eval batch.
   num_prompts: int = 0       # jsonl data: held-out records (0 = all).
+  # Beside the greedy accuracy: num_samples responses a held-out prompt at
+  # `temperature` (the rollout's top_p / top_k), scored by pass@k and
+  # maj@k for k = 1, 2, 4, ... and num_samples (scoring/pass_at_k.py);
+  # 0 = greedy only. GRPO jobs.
+  num_samples: int = 0
+  temperature: float = 1.0
 
   def __post_init__(self):
     positive_ints(self, "every", "num_rows", "batch_size")
+    if not isinstance(self.num_samples, int) or self.num_samples < 0:
+      fail(self, "num_samples", "must be an int >= 0 (0: greedy only)")
+    if self.num_samples and not self.temperature > 0:
+      fail(self, "temperature", "must be > 0 with num_samples (greedy "
+           "samples would all be equal)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,7 +90,7 @@ def same_number(a: float, b: float) -> bool:
   return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
 
 
-@registry.register("reward", "gsm8k")
+@registry.register("reward", "gsm8k", answer=extract_answer)
 def gsm8k_correct(
     prompts: Sequence[str],
     completions: Sequence[str],

@@ -10,6 +10,10 @@ dict (for the addition task: "prompt_id", "answer", "a", "b",
 "reverse_answer", "split"). Functions are plain Python on the host; missing
 metadata keys raise (`scoring.score` turns that into an error naming the
 prompt id and the function, or a counted 0).
+
+A correctness reward may name its answer extraction, `answer=fn` (text ->
+a hashable answer or None), which maj@k votes with
+(`scoring/pass_at_k.py`); without one the whole completion is the answer.
 """
 
 import re
@@ -139,7 +143,12 @@ def digit_accuracy(
 _ARITHMETIC_PROMPT = re.compile(r"(\d+)([+*])(\d+)=")
 
 
-@registry.register("reward", "arithmetic")
+def _final_answer(completion: str) -> str | None:
+  """The answer after the last tool call (the tagged format)."""
+  return TaggedFormat().final(completion) or None
+
+
+@registry.register("reward", "arithmetic", answer=_final_answer)
 def arithmetic_correct(
     prompts: Sequence[str],
     completions: Sequence[str],

@@ -124,6 +124,13 @@ def has(category: str, name: str, prop: str) -> bool:
   return bool(_PROPERTIES[category][name].get(prop))
 
 
+def property_of(category: str, name: str, prop: str, default=None):
+  """The value `category/name` was registered with for `prop` (`default`
+  when not given), e.g. a reward's answer extraction."""
+  get(category, name)  # Loads built-ins; an unknown name fails here.
+  return _PROPERTIES[category][name].get(prop, default)
+
+
 def names_with(category: str, prop: str) -> list[str]:
   """The sorted names of `category` registered with `prop` true (for
   messages that list the choices)."""

@@ -28,16 +28,24 @@ from rlhf_jax.timeline import Timeline
 
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
                  graphdef, layout: Layout, stop_tokens=(),
-                 episodes=None) -> LocalRollout:
-  """Greedy, one sample per row, on the paged engine: held-out evaluation
-  (multi-turn with `episodes`)."""
-  greedy = SamplingParams(temperature=0.0, max_new_tokens=ro.max_new_tokens,
-                          stop_tokens=tuple(stop_tokens))
+                 episodes=None, *, num_samples: int = 1,
+                 temperature: float = 0.0) -> LocalRollout:
+  """Held-out evaluation on the paged engine (multi-turn with `episodes`):
+  greedy, one sample a row, or `num_samples` a row at `temperature` (the
+  rollout's top_p and top_k)."""
+  if temperature:
+    sampling = SamplingParams(temperature=temperature, top_p=ro.top_p,
+                              top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
+                              stop_tokens=tuple(stop_tokens))
+  else:
+    sampling = SamplingParams(temperature=0.0,
+                              max_new_tokens=ro.max_new_tokens,
+                              stop_tokens=tuple(stop_tokens))
   return LocalRollout(EngineSet(
       cfg, graphdef, layout,
       rows_per_replica=num_rows // layout.mesh.shape["data"],
-      samples_per_row=1, prefill_buckets=tuple(ro.prefill_buckets),
-      sampling=greedy,
+      samples_per_row=num_samples, prefill_buckets=tuple(ro.prefill_buckets),
+      sampling=sampling,
       paged=dict(page_size=ro.page_size, num_pages=0, num_slots=0,
                  decode_window=ro.decode_window)), episodes=episodes)
 
@@ -82,21 +90,30 @@ def engine(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
 
 
 def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
-            stop_tokens, clock,
-            lora_spec=None) -> tuple[Rollout, LocalRollout]:
-  """(the job's rollout, its greedy eval rollout) from the sections `c`
+            stop_tokens, clock, lora_spec=None
+            ) -> tuple[Rollout, LocalRollout, LocalRollout | None]:
+  """(the job's rollout, its greedy eval rollout, its sampled eval rollout
+  or None without `eval.num_samples`) from the sections `c`
   (`config.sections.RLJob`); per-replica spans and the seed window's
-  train time come from the job's `clock` (`step_clock.StepClock`). With `c.agent.enabled`
-  both are multi-turn, their turns also ending at the format's stops."""
+  train time come from the job's `clock` (`step_clock.StepClock`). With
+  `c.agent.enabled` all are multi-turn, their turns also ending at the
+  format's stops."""
   episodes = episodes_lib.from_config(c.agent, tokenizer)
-  eval_episodes = episodes_lib.from_config(c.agent, tokenizer)
   if episodes is not None:
     stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
+  sampled = None
+  if c.eval.num_samples:
+    sampled = eval_rollout(
+        c.rollout, c.eval.num_rows, cfg, graphdef, layout, stop_tokens,
+        episodes=episodes_lib.from_config(c.agent, tokenizer),
+        num_samples=c.eval.num_samples, temperature=c.eval.temperature)
   return (build(c.rollout, cfg, graphdef, layout, stop_tokens,
                 rollout_tensor=c.mesh.rollout_tensor,
                 timeline=clock.timeline,
                 train_time=clock.phase_seconds, lora_spec=lora_spec,
                 episodes=episodes, record_routes=c.rl.routing_replay),
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
-                       stop_tokens, episodes=eval_episodes))
+                       stop_tokens,
+                       episodes=episodes_lib.from_config(c.agent, tokenizer)),
+          sampled)
 

@@ -83,7 +83,7 @@ class GRPO:
     return self.policy.learner.state_bytes(states[self.policy_key])
 
   def eval_values(self, sampled, states) -> dict:
-    """Per-sample values of held-out greedy samples (`rl_job.evaluate`
+    """Per-sample values of held-out greedy samples (`evaluation.evaluate`
     means them): eval/accuracy is the first reward function's, and
     eval/rewards/<name> each reward's (a format reward beside a
     correctness one says whether a gain is format alone)."""

@@ -49,6 +49,7 @@ class Policy:
   clock: StepClock          # The job's phases on its timeline.
   rollout: Any
   eval_rollout: Any
+  sampled_eval_rollout: Any  # `eval.num_samples` a prompt, or None.
   lora_spec: Any            # LoraSpec or None.
   lora_init_from: str
   seed: int
@@ -113,7 +114,7 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
       c.mesh, train_layout, rollout_layout, train_like,
       rollout_dtype=cfg.compute_jnp_dtype, rollout_weights=rollout_weights)
   clock = StepClock(timeline, train_layout.mesh.devices.flat)
-  rollout, eval_rollout = rollout_build.for_job(
+  rollout, eval_rollout, sampled_eval_rollout = rollout_build.for_job(
       c, rollout_cfg, rollout_graphdef, rollout_layout, source.tokenizer,
       source.stop_ids, clock, lora_spec=spec)
   return Policy(cfg=cfg, graphdef=graphdef, rollout_cfg=rollout_cfg,
@@ -121,6 +122,7 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
                 learner=learner,
                 colocation=co, clock=clock, rollout=rollout,
                 eval_rollout=eval_rollout,
+                sampled_eval_rollout=sampled_eval_rollout,
                 lora_spec=spec, lora_init_from=c.lora.init_from,
                 seed=c.seed, train_layout=train_layout)
 

@@ -151,7 +151,7 @@ class PPO:
                for k, v in self.critic.state_bytes(states["critic"]).items()}}
 
   def eval_values(self, sampled, states) -> dict:
-    """Per-sample values of held-out greedy samples (`rl_job.evaluate`
+    """Per-sample values of held-out greedy samples (`evaluation.evaluate`
     means them): eval/reward_mean (reward-model score) and eval/accuracy
     (the first tracked reward, e.g. exact match)."""
     del states

@@ -16,13 +16,11 @@ checkpoints: `loop.py`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from rlhf_jax.config import checks
 from rlhf_jax.config.sections import RLJob
@@ -35,9 +33,10 @@ from rlhf_jax.rollout import build as rollout_build
 from rlhf_jax.rollout import step_rollouts
 from rlhf_jax.rollout.async_workers import WorkerBackend
 from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
-from rlhf_jax.rollout.base import generate, step_seed
+from rlhf_jax.rollout.base import step_seed
 from rlhf_jax.timeline import Timeline
 from rlhf_jax.trainers import algorithms, async_split, loop
+from rlhf_jax.trainers.evaluation import evaluate
 from rlhf_jax.trainers import policy as policy_lib
 from rlhf_jax.trainers.rl_step import rl_step
 from rlhf_jax.trainers.sft import run_sft
@@ -153,22 +152,6 @@ def _train_stage(c, algo, co, clock) -> Callable:
   return lambda trainable_of, step: train_stage.WholeBatch(
       algo, co, clock, trainable_of, step=step, epochs=rl.ppo_epochs,
       num_minibatches=rl.num_minibatches, seed=step_seed(c.seed, step))
-
-
-def evaluate(job: Job, states: dict) -> dict:
-  """Greedy responses to held-out prompts; the algorithm's per-sample
-  values (`eval_values`), each averaged over every prompt."""
-  algo = job.algorithm
-  params = states[algo.policy_key].params
-  job.eval_rollout.set_weights(job.colocation.rollout_copy(params), 0)
-  values = collections.defaultdict(list)
-  for prompts in job.source.eval_batches:
-    sampled = generate(job.eval_rollout, prompts, 1, seed=0,
-                       scorer=algo.eval_scorer)
-    for name, v in algo.eval_values(sampled, states).items():
-      values[name].append(np.asarray(v, np.float64))
-  return {name: float(np.mean(np.concatenate(v)))
-          for name, v in values.items()}
 
 
 def run(config, workdir: str):
