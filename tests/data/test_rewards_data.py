@@ -284,8 +284,8 @@ class RewardFunctionsTest(parameterized.TestCase):
   def test_registered_names(self):
     self.assertEqual(
         registry.names("reward"),
-        ["addition", "answer_line", "arithmetic", "digit_accuracy",
-         "digits_format", "env", "even_tokens", "exact_match", "gsm8k", "gsm8k_format",
+        ["addition", "answer_line", "arithmetic", "code", "code_partial",
+         "digit_accuracy", "digits_format", "env", "even_tokens", "exact_match", "gsm8k", "gsm8k_format",
          "last_number", "number_only"],
     )
     with self.assertRaisesRegex(ValueError, "known reward names: .*'exact_m"):
