@@ -66,6 +66,7 @@ def rl_sections(c: ml_collections.ConfigDict, *, rollout: dict, rl: dict,
                 optim: dict, train: dict, eval: dict,  # noqa: A002
                 sft: dict) -> None:
   """Sets the typed sections every RL job (GRPO, PPO) has."""
+  c.logging = typed_config.config_dict(sections.Logging)
   c.rollout = typed_config.config_dict(sections.Rollout, **rollout)
   c.rl = typed_config.config_dict(sections.RL, **rl)
   c.optim = optim_config(**optim)

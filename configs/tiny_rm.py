@@ -16,6 +16,7 @@ import ml_collections
 
 from configs import common
 from rlhf_jax import typed_config
+from rlhf_jax.config import sections
 from rlhf_jax.data import preferences
 from rlhf_jax.data.tasks import AdditionTask
 
@@ -29,6 +30,7 @@ def get_config(arg=None):
 
   c.model = common.tiny_model_config()
   c.mesh = common.mesh_config()
+  c.logging = typed_config.config_dict(sections.Logging)
 
   # The addition task behind the pairs (rlhf_jax/data/tasks.py).
   c.task = typed_config.config_dict(

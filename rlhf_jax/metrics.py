@@ -1,4 +1,5 @@
-"""One metric writer (process 0): metrics.jsonl, TensorBoard events, log lines.
+"""One metric writer (process 0): metrics.jsonl, TensorBoard events, log
+lines, and with `logging.wandb="offline"` a Weights & Biases run.
 
 Keys are namespaced (`train/`, `rollout/`, `eval/`, `perf/`, `sft/`). Values
 arrive as device arrays or floats; they are fetched only at write time.
@@ -23,17 +24,63 @@ def _to_float(v):
   return float(np.asarray(jax.device_get(v)))
 
 
-class MetricWriter:
-  """Appends {"step": s, key: value, ...} records; TensorBoard via tensorboardX."""
+class WandbRun:
+  """An offline W&B run under <workdir>/wandb: every record as one `log`
+  call (its values, and "<phase>/step": the job's step, since W&B's own
+  step counts calls and the SFT and RL phases both count from 0), the
+  config as the run's config, once. W&B's files all stay in the workdir
+  (WANDB_DIR, its cache, config and data directories) and it talks to no
+  server: offline mode, no error reporting, no git or code capture; its
+  local service (wandb-core) talks to this process over a unix socket
+  (tests/test_loopback_only.py traces it)."""
 
-  def __init__(self, workdir: str, *, enabled: bool = True):
+  def __init__(self, workdir: str, config: dict, project: str, name: str):
+    root = os.path.join(os.path.abspath(workdir), "wandb")
+    os.makedirs(root, exist_ok=True)
+    for key, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", "cache"),
+                     ("WANDB_CONFIG_DIR", "config"),
+                     ("WANDB_DATA_DIR", "data")):
+      os.environ[key] = os.path.join(root, sub)
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ["WANDB_ERROR_REPORTING"] = "false"
+    os.environ["WANDB_SILENT"] = "true"
+    try:
+      import wandb  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      from rlhf_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+      raise ConfigError("config.logging.wandb='offline' needs the wandb "
+                        "package: pip install -e '.[wandb]'") from e
+    self._wandb = wandb
+    self.run = wandb.init(
+        dir=root, project=project, name=name, config=config, mode="offline",
+        settings=wandb.Settings(disable_git=True, save_code=False,
+                                x_disable_stats=True, x_disable_meta=True,
+                                console="off"))
+    self.dir = self.run.dir
+
+  def log(self, phase: str, step: int, record: dict) -> None:
+    self.run.log({**record, f"{phase}/step": step})
+
+  def close(self) -> None:
+    self.run.finish()
+
+
+class MetricWriter:
+  """Appends {"step": s, key: value, ...} records; TensorBoard via
+  tensorboardX; with `wandb` (`WandbRun`'s (config, project, name)) also
+  a W&B run."""
+
+  def __init__(self, workdir: str, *, enabled: bool = True,
+               wandb: tuple[dict, str, str] | None = None):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = None
+    self._tb = self.wandb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
       from tensorboardX import SummaryWriter  # No TensorFlow needed.
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      if wandb is not None:
+        self.wandb = WandbRun(workdir, *wandb)
 
   def truncate_after(self, phase: str, step: int) -> None:
     """Drops records of `phase` past `step` (written before a crash/resume)."""
@@ -58,11 +105,16 @@ class MetricWriter:
       for k, v in record.items():
         self._tb.add_scalar(k, v, step if phase != "sft" else step)
       self._tb.flush()
+      if self.wandb is not None:
+        self.wandb.log(phase, step, record)
     return record
 
   def close(self):
     if self._tb is not None:
       self._tb.close()
+    if self.wandb is not None:
+      self.wandb.close()
+      self.wandb = None
 
 
 class Progress:

@@ -1,4 +1,5 @@
-"""Traffic stays on loopback: a local Ray cluster and the sandbox test.
+"""Traffic stays on loopback: a local Ray cluster, the sandbox test and an
+offline W&B run.
 
 Project rule: code, tests, CI and benchmarks send traffic only to loopback
 (127.0.0.0/8, ::1) or into network namespaces a test made itself. Each test
@@ -227,4 +228,33 @@ def test_the_sandbox_network_test_talks_over_loopback_only(tmp_path):
   assert rc == 0 and "1 passed" in out, out
   # strace followed into the sandbox: its attempts found no route.
   assert "ENETUNREACH" in trace and loopback_calls(trace) > 0, trace[-2000:]
+  assert not violations(trace), "\n".join(violations(trace)[:20])
+
+
+_WANDB_OFFLINE = """
+import sys
+from rlhf_jax.metrics import MetricWriter
+
+writer = MetricWriter(sys.argv[1], wandb=({"lr": 0.1}, "loopback", "probe"))
+for step in range(3):
+  writer.write("rl", step, {"train/loss": 1.0 / (step + 1)})
+writer.close()
+print("logged", writer.path)
+"""
+
+
+def test_an_offline_wandb_run_talks_over_loopback_only(tmp_path):
+  """`logging.wandb="offline"` (`metrics.WandbRun`): W&B's service
+  (wandb-core, a unix socket) starts, three records are logged and the run
+  finishes without a packet leaving loopback (no error reporting, no
+  update check)."""
+  pytest.importorskip("wandb")
+  _strace_or_skip()
+  rc, out, trace = _traced([sys.executable, "-c", _WANDB_OFFLINE,
+                            str(tmp_path / "run")],
+                           str(tmp_path / "strace.txt"), 300,
+                           str(tmp_path / "run"))
+  assert rc == 0 and "logged" in out, out
+  assert os.listdir(tmp_path / "run" / "wandb" / "wandb"), out
+  assert "wandb-core" in trace  # Its service ran, traced.
   assert not violations(trace), "\n".join(violations(trace)[:20])

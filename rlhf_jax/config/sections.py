@@ -71,6 +71,21 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
+class Logging:
+  """Where metrics go beside metrics.jsonl and TensorBoard
+  (`metrics.MetricWriter`): `wandb="offline"` also writes a Weights &
+  Biases run under <workdir>/wandb (the optional extra `.[wandb]`; sync it
+  with `wandb sync` from a machine that may reach W&B: the job itself
+  talks to no server). "off": no W&B."""
+  PATH: ClassVar[str] = "logging"
+  wandb: str = "off"
+  wandb_project: str = "rlhf_jax"
+
+  def __post_init__(self):
+    one_of(self, "wandb", ("off", "offline"))
+
+
+@dataclasses.dataclass(frozen=True)
 class Lora:
   """LoRA policy training (`models/lora.py`): only adapters on the named
   projections train; the reference is the frozen base; rollout merges.
@@ -576,6 +591,7 @@ class RLJob:
   lora: Lora = Lora()                      # Off where the config has none.
   agent: Agent = Agent()                   # Off where the config has none.
   asynchronous: Async = Async()            # Off where the config has none.
+  logging: Logging = Logging()             # Off where the config has none.
   # The prompts: a section of `data.kind` (`data/sources.KINDS`) and the
   # kind's task (AdditionTask, Sums) or None.
   data: Any = None
@@ -610,4 +626,4 @@ class RLJob:
 _SECTIONS = {"model": Model, "mesh": Mesh, "rollout": Rollout, "rl": RL,
              "optim": OptimConfig, "train": Train, "eval": Eval, "sft": SFT,
              "critic": Critic, "reward_model": RewardModel, "lora": Lora,
-             "agent": Agent, "asynchronous": Async}
+             "agent": Agent, "asynchronous": Async, "logging": Logging}

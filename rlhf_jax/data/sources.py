@@ -12,6 +12,9 @@ keys it knows but the config leaves out take their defaults.
 - "addition": the synthetic addition task (`config.task`) with the character
   tokenizer; prompts are padded to `task.max_prompt_len`; SFT warm-start
   batches come from the task's solutions.
+- "code": the tiny code task (`data/code_task.py`, `config.task`), the
+  same way: a spec in, a Python expression out, scored by the `code`
+  reward in the sandbox (configs/tiny_code.py).
 - "jsonl": prompts from a local JSONL / Parquet file (`config.data.path`,
   field mapping `config.data.fields`) tokenized with the checkpoint's own
   tokenizer (`HFTokenizer.from_dir(config.model.path)`), padded to
@@ -47,6 +50,7 @@ from rlhf_jax.data import jsonl
 from rlhf_jax.data import random_tokens
 from rlhf_jax.data.data_source import DataSource
 from rlhf_jax.data.batching import PromptIterator, eval_batches, sft_arrays
+from rlhf_jax.data.code_task import CodeTask
 from rlhf_jax.samples import PromptBatch
 from rlhf_jax.data.sums import Sums, build_tiny_model
 from rlhf_jax.data.tasks import AdditionTask
@@ -61,6 +65,13 @@ class AdditionData:
   """Kind "addition": the task (`config.task`, AdditionTask) is all."""
   PATH: ClassVar[str] = "data"
   kind: str = "addition"
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeData:
+  """Kind "code": the code task (`config.task`, CodeTask) is all."""
+  PATH: ClassVar[str] = "data"
+  kind: str = "code"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +171,8 @@ def build(c) -> DataSource:
 
 
 def addition(c) -> DataSource:
-  """The addition task with the character tokenizer (configs/tiny_grpo.py)."""
+  """A task of the character tokenizer (`config.task`): the addition task
+  (configs/tiny_grpo.py) or the code task (configs/tiny_code.py)."""
   tokenizer = CharTokenizer()
   task = c.task
   return DataSource(
@@ -292,6 +304,7 @@ def from_jsonl(c) -> DataSource:
 
 KINDS: dict[str, Kind] = {
     "addition": Kind(AdditionData, AdditionTask, addition),
+    "code": Kind(CodeData, CodeTask, addition),
     "jsonl": Kind(JsonlData, None, from_jsonl, _gsm8k_assets),
     "sums": Kind(SumsData, Sums, sums, _sums_assets),
     "random_tokens": Kind(random_tokens.RandomTokensData, None,

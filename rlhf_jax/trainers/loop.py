@@ -24,10 +24,12 @@ import numpy as np
 from absl import logging
 
 from rlhf_jax import distributed, report
+from rlhf_jax.config.sections import Logging
 from rlhf_jax.errors import NonFiniteError
 from rlhf_jax.metrics import MetricWriter, Progress
 from rlhf_jax.parallel.colocate import Colocation
 from rlhf_jax.step_clock import StepClock
+from rlhf_jax.typed_config import from_partial
 from rlhf_jax.trainers.sft import Stopped
 
 States = dict[str, Any]
@@ -58,7 +60,12 @@ def workdir_outputs(config, workdir: str, keep: int):
 
   main_process = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
-  writer = MetricWriter(workdir, enabled=main_process)
+  logs = from_partial(Logging, config.get("logging") or {}, "logging")
+  wandb = None
+  if logs.wandb == "offline":
+    wandb = (config.to_dict(), logs.wandb_project,
+             config.get("name") or os.path.basename(os.path.abspath(workdir)))
+  writer = MetricWriter(workdir, enabled=main_process, wandb=wandb)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
   return writer, ckpt, main_process
 

@@ -180,7 +180,7 @@ def test_data_and_task_sections_are_typed_by_kind():
   c = tiny_grpo.get_config("runlocal")
   c.data.kind = "csv"
   with pytest.raises(ConfigError, match=r"^config\.data\.kind='csv' is "
-                     r"unknown; known: \['addition', 'jsonl', "
+                     r"unknown; known: \['addition', 'code', 'jsonl', "
                      r"'random_tokens', 'sums'\]$"):
     RLJob.from_config(c)
   # A hand-written section of a few keys: the rest at their defaults.
