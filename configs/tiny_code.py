@@ -6,8 +6,10 @@ python -m rlhf_jax.main --config=configs/tiny_code.py:runlocal   # tests
 
 The task (`rlhf_jax/data/code_task.py`): "sum v*3 pos:" asks for
 "sum(v*3 for v in x if v>0)"; held-out prompts are combinations of a
-reduction, a map and a filter never trained on. A short warm-start
-teaches the form; the reward is "code" (every test passes) plus half of
+reduction, a map and a filter never trained on. A deliberately short
+warm-start (30 steps) teaches part of the form: at 40 steps held-out
+greedy accuracy was 0.70 and at 60 it was 1.0 before any RL, leaving RL
+nothing to show; at 30 it is ~0.16 (seed 0). the reward is "code" (every test passes) plus half of
 "code_partial" (the share of tests passed), each program run once in the
 sandbox (`rlhf_jax/rewards/code.py`); eval/accuracy is the held-out pass
 rate at greedy, with pass@k and maj@k of 8 samples at temperature 1.
@@ -47,7 +49,7 @@ def get_config(arg=None):
       optim=dict(learning_rate=3e-4, warmup_steps=5, decay_steps=0,
                  end_lr_ratio=0.1, b1=0.9, b2=0.99, weight_decay=0.0,
                  grad_clip=1.0),
-      train=dict(steps=100, prompts_per_step=32, checkpoint_every=50,
+      train=dict(steps=50, prompts_per_step=32, checkpoint_every=25,
                  keep_checkpoints=2),
       eval=dict(every=25, num_rows=43, batch_size=43, num_samples=8,
                 temperature=1.0),

@@ -243,6 +243,7 @@ print("logged", writer.path)
 """
 
 
+@pytest.mark.slow   # A service launch, traced: ~11 s.
 def test_an_offline_wandb_run_talks_over_loopback_only(tmp_path):
   """`logging.wandb="offline"` (`metrics.WandbRun`): W&B's service
   (wandb-core, a unix socket) starts, three records are logged and the run

@@ -37,6 +37,8 @@ def logged_run(tmp_path_factory):
   return workdir
 
 
+# A whole job (the slow tier's kind, tests/conftest.py), ~20 s alone.
+@pytest.mark.slow
 def test_the_default_job_logs_pass_and_maj_at_k(logged_run):
   """Every eval step logs pass@k and maj@k for k = 1, 2, 4, 8 beside the
   greedy accuracy; pass@k grows with k, and at step 0 (after the
@@ -86,6 +88,7 @@ def wandb_records(path: str):
   return out
 
 
+@pytest.mark.slow
 def test_an_offline_wandb_run_holds_the_metrics_jsonl_values(logged_run):
   """`--config.logging.wandb=offline`: a W&B run under <workdir>/wandb
   whose history is metrics.jsonl, record for record and value for value
