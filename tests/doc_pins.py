@@ -50,6 +50,8 @@ PPO = "job_tiny_ppo_cpu.json"
 SG = "smollm2_grpo_cpu.json"
 HF, RM = "smollm2_hf_check_cpu.json", "real_model_cpu.json"
 
+OBJ = "objectives_cpu.json"
+
 PINS: list[Pin] = [
     # ---- README.md
     P(R, "1.63x the repeated prompt at G=16 / P=2048, at\n>   13 %", H200,
@@ -501,6 +503,16 @@ PINS: list[Pin] = [
     P(D, "took 17.96 s", "grpo_step_cpu.json", "result/first_step_s"),
     P(D, "(0.12x:", "repartition_cpu.json", "result/speedup_vs_device_put"),
     P(D, "moves\n0 bytes", "repartition_cpu.json", "result/bytes_moved_back"),
+    # ---- docs/results.md: off-policy objectives ([algos])
+    P(D, "synchronous default job gains +0.265", OBJ, "result/sync_gain_median"),
+    P(D, "+0.225 with TIS (-0.040)", OBJ, "result/tis.gain_median",
+      "result/tis.vs_sync"),
+    P(D, "+0.200 with IcePop (-0.065)", OBJ, "result/icepop.gain_median",
+      "result/icepop.vs_sync"),
+    P(D, "+0.175 with CISPO (-0.090)", OBJ, "result/cispo.gain_median",
+      "result/cispo.vs_sync"),
+    P(D, "+0.095 with the geometric sequence mask\nalone (-0.170)", OBJ,
+      "result/seq-mask.gain_median", "result/seq-mask.vs_sync"),
 ]
 
 # Figure-like text that is not a measured figure: (regex, why).
@@ -518,6 +530,7 @@ NOT_FIGURES = [
      "rl.moe_balance_coef)"),
     (r"the gain without replay less 0\.03", "[r3]'s target, not a "
      "measurement"),
+    (r"synchronous gain - 0\.05", "[algos]'s target, not a measurement"),
     (r"each under 3 minutes", "[honest]'s target for the default job; "
      "every run's wall_s in default_job_quiet_cpu.json is under 180"),
 ]
