@@ -66,7 +66,7 @@ def get_config(arg=None):
                  keep_checkpoints=2),
       # Beside greedy accuracy: pass@1 / pass@8 / maj@8 of 8 responses a
       # held-out prompt at temperature 1 (scoring/pass_at_k.py).
-      eval=dict(every=50, num_rows=40, batch_size=200, num_samples=8,
+      eval=dict(every=50, num_rows=200, batch_size=200, num_samples=8,
                 temperature=1.0),
       sft=dict(steps=400, batch_size=64, learning_rate=1e-3, warmup_steps=20,
                grad_clip=1.0, log_every=25))
