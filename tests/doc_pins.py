@@ -225,6 +225,9 @@ PINS: list[Pin] = [
       "result/rm_pair_accuracy_last", "result/wall_s"),
     P(R, "held-out +0.20 in 409 s on 8 fake CPU devices", MOE_JOB,
       "result/gain", "result/wall_s", None),
+    P(R, "held-out pass rate 0.163 -> 1.000 in\n50 RL steps, 428 s on 8 fake "
+      "CPU devices", "job_tiny_code_cpu.json", "result/eval_accuracy_first",
+      "result/eval_accuracy_last", "result/rl_steps", "result/wall_s", None),
     # ---- docs/results.md, the heads
     P(D, "gains **+0.20** held-out\n(0.26 -> 0.46) in 500 RL steps and "
       "409.3 s, the median RL step 0.65 s", MOE_JOB, "result/gain",
@@ -503,6 +506,14 @@ PINS: list[Pin] = [
     P(D, "took 17.96 s", "grpo_step_cpu.json", "result/first_step_s"),
     P(D, "(0.12x:", "repartition_cpu.json", "result/speedup_vs_device_put"),
     P(D, "moves\n0 bytes", "repartition_cpu.json", "result/bytes_moved_back"),
+    # ---- docs/results.md: the code task ([algos])
+    P(D, "held-out greedy pass rate 0.163 -> 1.000 in 50 RL steps",
+      "job_tiny_code_cpu.json", "result/eval_accuracy_first",
+      "result/eval_accuracy_last", "result/rl_steps"),
+    P(D, "0.047 -> 0.863", "job_tiny_code_cpu.json",
+      ("text", "detail/summary_txt")),
+    P(D, "427.5 s in all, the median RL\nstep 6.58 s", "job_tiny_code_cpu.json",
+      "result/wall_s", "result/rl_step_median_s"),
     # ---- docs/results.md: off-policy objectives ([algos])
     P(D, "synchronous default job gains +0.265", OBJ, "result/sync_gain_median"),
     P(D, "+0.225 with TIS (-0.040)", OBJ, "result/tis.gain_median",
