@@ -106,9 +106,12 @@ PINS: list[Pin] = [
     P(R, "at 0.331 of this machine's float32 matmul rate (151.1 GFLOP/s), "
       "0.231", RM, "result/train_vs_matmul_peak",
       "result/matmul_gflop_per_s", "result/useful_train_vs_matmul_peak"),
-    P(R, "**176 s**", DJ, "runs/0/wall_s"),
+    P(R, "**114.0 s**", "job_tiny_grpo_cpu.json", "result/wall_s"),
+    P(R, "`eval.num_samples=0` took 104.3 s",
+      "job_tiny_grpo_greedy_eval_cpu.json", None, "result/wall_s"),
     # The job's printed summary, as the README shows it.
-    P(R, _summary(DJ), DJ, ("text", "summary_txt")),
+    P(R, _summary("job_tiny_grpo_cpu.json", "detail"),
+      "job_tiny_grpo_cpu.json", ("text", "detail/summary_txt")),
     P(R, "seed 0\n**+0.230**", DJ, None, "runs/0/gain"),
     P(R, "seed 1 **+0.265**", DJ, None, "runs/1/gain"),
     P(R, "seed 2 **+0.200** (0.570 -> 0.770", DJ, None, "runs/2/gain",
