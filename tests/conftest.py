@@ -32,10 +32,9 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # One LLVM module per program instead of XLA:CPU's split into parts compiled
 # in parallel: on 2 cores, for the tests' small programs, the split costs
-# more than it saves (tests/engine/test_paged.py: 45 and 54 s with it off,
-# 60 and 61 s with it on, alternated on a loaded machine; the packing test:
-# 34 and 24 s against 41 and 35 s; 2026-11-30). How a program is compiled,
-# not what it computes.
+# more than it saves (tests/engine/test_paged.py alone on a quiet machine:
+# 37.9 and 38.8 s with one module, 40.7 and 41.0 s split, alternated;
+# 2026-11-30). How a program is compiled, not what it computes.
 if os.environ["JAX_PLATFORMS"] == "cpu":
   os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 # On CPU the tests compile with XLA's backend optimizations off (LLVM -O0, no
