@@ -1,7 +1,7 @@
 """GRPO on a tiny code task: a spec in, a Python expression out, run in the
 sandbox against tests (the `code` reward), tiny model, CPU.
 
-python -m rlhf_jax.main --config=configs/tiny_code.py --workdir=workdirs/tiny_code
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m rlhf_jax.main --config=configs/tiny_code.py --workdir=workdirs/tiny_code
 python -m rlhf_jax.main --config=configs/tiny_code.py:runlocal   # tests
 
 The task (`rlhf_jax/data/code_task.py`): "sum v*3 pos:" asks for
@@ -10,8 +10,9 @@ reduction, a map and a filter never trained on. A deliberately short
 warm-start (30 steps) teaches part of the form: at 40 steps held-out
 greedy accuracy was 0.70 and at 60 it was 1.0 before any RL, leaving RL
 nothing to show; at 30 it is 0.16 (seed 0;
-benchmarks/results/tiny_code_warmstart_trials_cpu.json). the reward is "code" (every test passes) plus half of
-"code_partial" (the share of tests passed), each program run once in the
+benchmarks/results/tiny_code_warmstart_trials_cpu.json). The reward is
+"code" (every test passes) plus half of "code_partial" (the share of
+tests passed), each program run once in the
 sandbox (`rlhf_jax/rewards/code.py`); eval/accuracy is the held-out pass
 rate at greedy, with pass@k and maj@k of 8 samples at temperature 1.
 """
