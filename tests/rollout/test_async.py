@@ -13,6 +13,7 @@ import types
 
 import pytest
 
+import fakes
 import resume
 from configs import tiny_grpo, tiny_grpo_async
 from rlhf_jax.config import checks
@@ -195,3 +196,99 @@ def test_workers_as_the_rollout_keep_the_whole_mesh_for_training():
                      r"implemented \(the trainer's devices only train\)"):
     checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=8,
                         num_devices=8)
+
+
+# ---- [algos]: staleness does not bias training toward short responses.
+# Discard-and-requeue of stale samples trains short responses more often:
+# the long samples span more weight switches, so they are the stale ones.
+# Here a batch is drawn only within eta and its unfinished samples go on at
+# a switch ("continue": tokens kept, KV recomputed; "restart": their tokens
+# dropped and sampled again), so the drop rule (`keep_mask`, through
+# `Asynchronous.trainable`) has nothing to drop.
+LENGTH_STEPS = 6
+
+
+def _lengths_run(eta: int, in_flight: str = "continue"):
+  """({(step, prompt, sample): (response length, versions its tokens
+  span, kept)}, the async metrics summed over steps) of the async step
+  rollout over LENGTH_STEPS steps, driven as the RL step drives it
+  (to_rollout, groups, trainable, end_step) with the initial weights
+  published as every version: the sampled tokens then depend on neither
+  eta nor the switches (placement-independent sampling); the versions
+  do."""
+  from rlhf_jax.trainers.rl_job import build
+  c = _async_config(**{
+      "asynchronous.max_staleness": eta, "asynchronous.in_flight": in_flight,
+      "asynchronous.switch_after_groups": 1, "sft.steps": 0,
+      "train.steps": LENGTH_STEPS, "train.prompts_per_step": 4,
+      "rollout.samples_per_row": 4,
+      # Long enough that a random model's lengths spread: <eos> ends some
+      # samples after a few tokens, others reach the cap.
+      "rollout.max_new_tokens": 24, "rollout.max_seq_len": 40})
+  job = build(c)
+  ro = job.rollout
+  states = fakes.first_states(job)
+  ro.start(0, states, {})
+  rows, totals = {}, {}
+  try:
+    for step in range(1, LENGTH_STEPS + 1):
+      weights = ro.to_rollout(states, step)
+      samples = [s for g in ro.groups(step, None) for s in g.samples]
+      keep, _ = ro.trainable(samples, weights.version)
+      for k, v in ro.end_step().items():
+        totals[k] = totals.get(k, 0.0) + v
+      for s, kept in zip(samples, keep):
+        rows[step, s.prompt_id, s.sample_idx] = (
+            len(s.tokens), max(s.token_versions) - min(s.token_versions),
+            bool(kept))
+  finally:
+    ro.close()
+  return rows, totals
+
+
+def _mean(values) -> float:
+  values = list(values)
+  return sum(values) / len(values)
+
+
+@pytest.fixture(scope="module")
+def synchronous_lengths():
+  return _lengths_run(eta=0)[0]
+
+
+def test_staleness_does_not_shorten_the_trained_responses(
+    synchronous_lengths):
+  """eta = 2 with the drop rule: on a workload where the long samples are
+  the stale ones (shown first: the samples whose tokens span a weight
+  switch are longer than those that do not), the mean trained response
+  length is within 5 % of eta = 0's; training only the samples that span
+  no switch (what discarding stale samples does) shortens it by more."""
+  rows, totals = _lengths_run(eta=2)
+  assert sorted(rows) == sorted(synchronous_lengths)
+  assert totals["async/staleness_max"] > 0  # Samples of older weights.
+  spanning = [n for n, span, _ in rows.values() if span > 0]
+  within = [n for n, span, _ in rows.values() if span == 0]
+  assert len(spanning) >= 8 and len(within) >= 8, (len(spanning),
+                                                   len(within))
+  assert _mean(spanning) > 1.2 * _mean(within), (_mean(spanning),
+                                                 _mean(within))
+  sync_mean = _mean(n for n, _, kept in synchronous_lengths.values()
+                    if kept)
+  ours = _mean(n for n, _, kept in rows.values() if kept)
+  assert abs(ours - sync_mean) <= 0.05 * sync_mean, (ours, sync_mean)
+  assert all(kept for _, _, kept in rows.values())  # Nothing dropped.
+  # The check can fail: a discard of the stale samples trains shorter ones.
+  assert _mean(within) < 0.95 * sync_mean, (_mean(within), sync_mean)
+
+
+def test_restarted_samples_do_not_shorten_the_trained_responses(
+    synchronous_lengths):
+  """eta = 2 with `in_flight="restart"` (a cut sample's tokens are dropped
+  and it is sampled again, a requeue): the mean trained response length is
+  within 5 % of eta = 0's, restarts included."""
+  rows, totals = _lengths_run(eta=2, in_flight="restart")
+  assert totals["async/restarted_tokens"] > 0
+  sync_mean = _mean(n for n, _, kept in synchronous_lengths.values()
+                    if kept)
+  ours = _mean(n for n, _, kept in rows.values() if kept)
+  assert abs(ours - sync_mean) <= 0.05 * sync_mean, (ours, sync_mean)
