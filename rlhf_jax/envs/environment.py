@@ -29,6 +29,10 @@ class Step:
   done: bool = False
   tool_call: bool = False  # The turn called a tool (metrics).
   tool_error: bool = False  # ... and it failed (metrics).
+  # The observation is already in the conversation's format (an agent's
+  # messages rendered by the chat template, `envs/agent_env.py`), so the
+  # tool format does not wrap it again.
+  rendered: bool = False
 
 
 class Env(Protocol):

@@ -77,14 +77,14 @@ class ReplayLog:
           except ValueError:  # The line a crash cut short.
             continue
           self.recorded[r["p"], r["s"], r["t"]] = Step(
-              r["o"], r["r"], r["d"], r["c"], r["e"])
+              r["o"], r["r"], r["d"], r["c"], r["e"], r.get("g", False))
     self._file = open(path, "a")
 
   def put(self, key: tuple[int, int, int], step: Step) -> None:
     p, s, t = key
     self._file.write(json.dumps(dict(
         p=p, s=s, t=t, o=step.observation, r=step.reward, d=step.done,
-        c=step.tool_call, e=step.tool_error)) + "\n")
+        c=step.tool_call, e=step.tool_error, g=step.rendered)) + "\n")
     self._file.flush()  # A kill keeps every answer written so far.
 
   def close(self) -> None:
@@ -144,7 +144,8 @@ class Episodes:
     if ep.turns >= self.max_turns:
       ep.cut = True
       return None
-    extra = self._encode(self.fmt.render(result.observation))
+    extra = self._encode(result.observation if result.rendered
+                         else self.fmt.render(result.observation))
     ep.start = len(tokens) + len(extra)
     return extra
 

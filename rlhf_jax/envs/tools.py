@@ -95,6 +95,10 @@ class TaggedFormat:
     name, _, args = action[action.rindex("[") + 1:-1].partition(" ")
     return name, args
 
+  def before_call(self, action: str) -> str:
+    """The text of a turn ending in a call before the call."""
+    return action[:action.rindex("[")]
+
   def render(self, observation: str) -> str:
     # Parentheses would end the reply early; the tiny vocabulary has no
     # other brackets to swap in, so they go.
@@ -138,6 +142,9 @@ class QwenFormat:
     arg = args.get(tool.arg, "") if tool is not None and isinstance(
         args, dict) else ""
     return str(name), str(arg)
+
+  def before_call(self, action: str) -> str:
+    return action.rsplit(self.OPEN, 1)[0] if self.OPEN in action else ""
 
   def render(self, observation: str) -> str:
     return ("<|im_end|>\n<|im_start|>user\n<tool_response>\n" + observation

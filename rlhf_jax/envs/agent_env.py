@@ -1,0 +1,192 @@
+"""An agent the user wrote against the OpenAI API as a multi-turn
+environment: its requests to the job's endpoint (`serving/openai_server.py`)
+are the episode's turns.
+
+  server = AgentServer(renderer, fmt, tools, sampling)   # 127.0.0.1
+  episodes = Episodes(lambda: AgentEnv(server, agent), tokenizer, fmt, ...)
+  driver = MultiTurnDriver(engine, params, reply=episodes)   # as for tools
+
+`agent(client, prompt, metadata) -> reward` runs in a thread of its own per
+episode with an `openai.OpenAI` client whose key names the episode. The
+driver samples the model's first turn at once; when a turn ends (a stop
+token) `AgentEnv.step` hands its text to the agent's waiting request and
+waits for the agent's next move:
+
+- another request, whose rendered messages extend the conversation: the
+  new text (a tool's reply, the next user message) is appended, already in
+  the chat format (`Step.rendered`), and decoding goes on;
+- the agent returns: the episode ends with its reward (`env_reward`, the
+  "env" reward function);
+- the agent raises, or makes no move within `timeout_s`: the episode ends
+  as failed, reward 0 (`tool_error` counts it).
+
+So the tokens, masks and log-probs are those of the in-process path
+(`envs/tools.ToolEnv`) for the same conversation. A request whose history
+does not extend the episode's (an edited earlier turn) is refused; the
+agent sees an HTTP error. While the driver waits for one agent, the other
+samples wait too (a stall of one agent round trip at each turn end); samples
+that park while their agent thinks are not built yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable, Mapping
+
+from absl import logging
+
+from rlhf_jax.envs.environment import Step
+
+# (client, prompt text, metadata) -> reward.
+Agent = Callable[[Any, str, Mapping], float]
+
+
+class HistoryError(ValueError):
+  """A request whose messages do not extend the episode's conversation."""
+
+
+class SessionClosed(RuntimeError):
+  """A request for an episode that has ended."""
+
+
+class AgentSession:
+  """One episode's rendezvous between the driver's thread (model turns)
+  and the server's (the agent's requests). `text` is the conversation the
+  agent has seen: the prompt, the turns handed to it, the messages it
+  added; a request must extend it."""
+
+  def __init__(self, episode_id: str, prompt: str, *, timeout_s: float):
+    self.id, self.text, self.timeout_s = episode_id, prompt, timeout_s
+    self.requests = 0
+    self.closed = False
+    self._cv = threading.Condition()
+    self._turn: tuple[str, str] | None = None  # (text, finish reason)
+    self._new: str | None = None               # Rendered, not yet appended.
+    self._reward: float | None = None          # The agent returned.
+    self._failure: str | None = None           # The agent raised.
+
+  # ---------------------------------------------- the server's thread
+  def exchange(self, rendered: str) -> tuple[str, str]:
+    """The agent's whole conversation `rendered` by the chat template ->
+    the model's next turn (text, finish reason: "stop", or "length" when
+    the episode ended without one)."""
+    with self._cv:
+      if self.closed:
+        raise SessionClosed(f"episode {self.id} has ended")
+      if not rendered.startswith(self.text):
+        raise HistoryError(
+            f"episode {self.id}: the messages do not extend the "
+            "conversation so far (an earlier turn was changed); start a "
+            "new episode instead")
+      new = rendered[len(self.text):]
+      if self.requests == 0 and new:
+        raise HistoryError(f"episode {self.id}: the first request must be "
+                           "the prompt's messages alone")
+      if self.requests > 0 and not new:
+        raise HistoryError(f"episode {self.id}: the request adds no message "
+                           "after the model's turn")
+      self.requests += 1
+      if new:
+        self._new, self.text = new, rendered
+        self._cv.notify_all()
+      if not self._cv.wait_for(lambda: self._turn is not None or self.closed,
+                               timeout=self.timeout_s):
+        raise TimeoutError(f"episode {self.id}: no model turn within "
+                           f"{self.timeout_s:g} s")
+      if self._turn is None:  # Ended (the token budget) before a turn.
+        return "", "length"
+      turn, self._turn = self._turn, None
+      self.text += turn[0]  # What the agent has now seen.
+      return turn
+
+  # ---------------------------------------------- the agent's thread
+  def finish(self, reward: float | None = None,
+             failure: str | None = None) -> None:
+    with self._cv:
+      if failure is not None:
+        self._failure = failure
+      else:
+        self._reward = 0.0 if reward is None else float(reward)
+      self._cv.notify_all()
+
+  # ---------------------------------------------- the driver's thread
+  def turn(self, action: str) -> Step:
+    """Hands the model's turn to the agent; its next move as a Step."""
+    with self._cv:
+      self._turn = (action, "stop")  # `text` takes it when delivered.
+      self._cv.notify_all()
+      moved = self._cv.wait_for(
+          lambda: (self._new is not None or self._reward is not None
+                   or self._failure is not None), timeout=self.timeout_s)
+      if self._new is not None:
+        new, self._new = self._new, None
+        return Step(new, tool_call=True, rendered=True)
+      if self._reward is not None:
+        return Step(None, reward=self._reward, done=True)
+      why = self._failure if moved else f"no move in {self.timeout_s:g} s"
+      logging.warning("agent episode %s failed: %s", self.id, why)
+      return Step(None, reward=0.0, done=True, tool_error=True)
+
+  def close(self) -> None:
+    """Ends the episode: a waiting request gets finish reason "length",
+    later ones are refused."""
+    with self._cv:
+      self.closed = True
+      self._cv.notify_all()
+
+
+_EPISODE_IDS = itertools.count()
+
+
+class AgentEnv:
+  """The environment of one episode driven by `agent` through `server`
+  (module doc). `client_factory(base_url, api_key)` makes the agent's
+  client (default: `openai.OpenAI`, no retries)."""
+
+  def __init__(self, server, agent: Agent, *, timeout_s: float = 60.0,
+               client_factory: Callable[[str, str], Any] | None = None):
+    self.server, self.agent, self.timeout_s = server, agent, timeout_s
+    self.client_factory = client_factory or _openai_client
+    self.session: AgentSession | None = None
+    self.thread: threading.Thread | None = None
+
+  def reset(self, prompt: str, metadata: Mapping) -> None:
+    self.session = AgentSession(f"e{next(_EPISODE_IDS)}", prompt,
+                                timeout_s=self.timeout_s)
+    client = self.client_factory(self.server.url,
+                                 self.server.open(self.session))
+    self.thread = threading.Thread(
+        target=self._run, args=(client, prompt, dict(metadata)),
+        name=f"agent-{self.session.id}", daemon=True)
+    self.thread.start()
+
+  def _run(self, client, prompt, metadata) -> None:
+    try:
+      reward = self.agent(client, prompt, metadata)
+    except Exception as e:  # pylint: disable=broad-except
+      self.session.finish(failure=f"{type(e).__name__}: {e}")
+    else:
+      self.session.finish(reward)
+
+  def step(self, action: str) -> Step:
+    step = self.session.turn(action)
+    if step.done:
+      self.close()
+    return step
+
+  def close(self) -> None:
+    """Ends the episode and waits (up to its timeout) for the agent."""
+    if self.session is None:
+      return
+    self.server.close(self.session)
+    if self.thread is not None and self.thread is not threading.current_thread():
+      self.thread.join(self.timeout_s)
+
+
+def _openai_client(base_url: str, api_key: str):
+  import openai  # pylint: disable=g-import-not-at-top
+  # trust_env=False: no proxy from the environment between the agent and
+  # the endpoint on loopback.
+  return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                       http_client=openai.DefaultHttpxClient(trust_env=False))

@@ -1,0 +1,1 @@
+"""The rollout served over HTTP: an OpenAI-compatible endpoint for agents."""

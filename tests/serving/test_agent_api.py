@@ -1,0 +1,219 @@
+"""The OpenAI-compatible agent endpoint (rlhf_jax/serving/,
+envs/agent_env.py), with the real `openai` client on loopback: an agent's
+episodes give the tokens, masks and log-probs the in-process tool path
+gives for the same conversations and seeds; requests without the key, with
+an edited history or with the job's sampling overridden are refused; an
+agent that crashes ends its episode as failed and the rollout goes on."""
+
+import dataclasses
+import json
+import threading
+
+import openai
+import pytest
+
+from fakes import TINY_CFG as CFG
+from rlhf_jax.data.tokenizer import CharTokenizer
+from rlhf_jax.engine.engine import Engine
+from rlhf_jax.engine.multiturn import MultiTurnDriver
+from rlhf_jax.engine.sampling import SamplingParams
+from rlhf_jax.envs.agent_env import AgentEnv, AgentSession
+from rlhf_jax.envs.episodes import Episodes
+from rlhf_jax.envs.tools import Calculator, TaggedFormat, ToolEnv
+from rlhf_jax.parallel import mesh as mesh_lib
+from rlhf_jax.samples import Request
+from rlhf_jax.serving.chat import ChatRenderer, TAGGED_TEMPLATE
+from rlhf_jax.serving.openai_server import AgentServer
+
+TOK = CharTokenizer()
+FMT = TaggedFormat()
+TOOLS = {"calc": Calculator()}
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=64,
+                         stop_tokens=(TOK.eos_id, *FMT.stop_ids(TOK)))
+GREEDY = dataclasses.replace(SAMPLED, temperature=0.0)
+PROMPTS, G = 16, 4  # 64 episodes at once.
+
+
+def calc_agent(client, prompt, metadata):
+  """An agent as a user writes one: the calculator on each tool call; the
+  episode's reward is 0 (the task's rewards score the trajectory)."""
+  del metadata
+  messages = [{"role": "user", "content": prompt}]
+  while True:
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    message = reply.choices[0].message
+    if reply.choices[0].finish_reason != "tool_calls":
+      return 0.0
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+      name = call.function.name
+      args = json.loads(call.function.arguments)
+      arg = next(iter(args.values()), "")
+      if not name:  # The format's nameless call: its text is the reply.
+        out = arg
+      elif name in TOOLS:
+        out = TOOLS[name](arg)
+      else:
+        out = f"error: unknown tool {name!r}; tools: {sorted(TOOLS)}"
+      messages.append({"role": "tool", "tool_call_id": call.id,
+                       "content": out})
+
+
+def _requests():
+  return [Request(i, TOK.encode(f"{10 + 7 * i}*{3 + i}="), G, seed=5)
+          for i in range(PROMPTS)]
+
+
+def _client(server, key):
+  return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0,
+                       http_client=openai.DefaultHttpxClient(trust_env=False))
+
+
+def _server(sampling):
+  return AgentServer(ChatRenderer(TAGGED_TEMPLATE), FMT, TOOLS,
+                     sampling).start()
+
+
+def _rollout(model, mesh8, sampling, make_env):
+  graphdef, params = model
+  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
+  engine = Engine(CFG, graphdef, layout, num_slots=PROMPTS * G,
+                  samples_per_group=G, prefill_buckets=(16,),
+                  sampling=sampling, page_size=4, num_pages=1024,
+                  prefill_batch=4)
+  episodes = Episodes(make_env, TOK, FMT, max_turns=4)
+  episodes.begin(None)
+  driver = MultiTurnDriver(engine, mesh_lib.to_layout(params, layout),
+                           reply=episodes)
+  out = {}
+  for s in driver.run(_requests()):
+    episodes.finish(s)
+    out[s.key] = s
+  return out, episodes.metrics(), driver
+
+
+@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY],
+                         ids=["sampled", "greedy"])
+def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
+                                                       sampling):
+  want, want_metrics, _ = _rollout(tiny_model, mesh8, sampling,
+                                   lambda: ToolEnv(TOOLS, FMT))
+  server = _server(sampling)
+  envs = []
+
+  def make_env():
+    envs.append(AgentEnv(server, calc_agent, timeout_s=60))
+    return envs[-1]
+
+  try:
+    got, metrics, driver = _rollout(tiny_model, mesh8, sampling, make_env)
+  finally:
+    server.stop()  # Ends the episodes a token budget cut.
+  assert got.keys() == want.keys() and len(got) == PROMPTS * G
+  for k, s in got.items():
+    w = want[k]
+    assert (s.tokens, s.env_mask, s.finish_reason, s.env_reward) == (
+        w.tokens, w.env_mask, w.finish_reason, w.env_reward), k
+    assert s.logp_raw == w.logp_raw, k
+  # Turns, calls, rewards, budget cuts alike; `tool_errors` differs in
+  # meaning: a tool's error text is the agent's business here, and the
+  # count is of failed episodes (none).
+  errors = "rollout/tool_errors"
+  assert metrics.pop(errors) == 0 and want_metrics.pop(errors) >= 0
+  assert metrics == want_metrics
+  if sampling is SAMPLED:  # Not vacuous: the agents called the tool.
+    assert metrics["rollout/tool_call_rate"] > 0.05, metrics
+    assert driver.appended_tokens > 0
+  for env in envs:  # Every agent returned; none is left waiting.
+    env.thread.join(10)
+    assert not env.thread.is_alive()
+  assert server.refused == 0
+
+
+def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refused():
+  server = _server(SAMPLED)
+  try:
+    session = AgentSession("e-test", "12*3=", timeout_s=5)
+    key = server.open(session)
+    run_key = key.rpartition(".")[0]
+    for bad in ("", "sk-wrong.e-test", f"{run_key}x.e-test"):
+      client = _client(server, bad or "none")
+      with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    client = _client(server, key)
+    assert [m.id for m in client.models.list()] == ["policy"]
+    with pytest.raises(openai.BadRequestError, match="do not extend"):
+      client.chat.completions.create(
+          model="policy", messages=[{"role": "user", "content": "99="}])
+    with pytest.raises(openai.BadRequestError, match="temperature=1.0"):
+      client.chat.completions.create(
+          model="policy", temperature=0.5,
+          messages=[{"role": "user", "content": "12*3="}])
+    with pytest.raises(openai.NotFoundError):
+      _client(server, f"{run_key}.e-none").models.list()
+    assert server.refused == 6
+    # The prompt's own messages wait for the model's turn; the episode
+    # ends (no turn) and the request is answered, finish reason "length".
+    answer = {}
+    t = threading.Thread(target=lambda: answer.update(
+        r=client.chat.completions.create(
+            model="policy", messages=[{"role": "user",
+                                       "content": "12*3="}])))
+    t.start()
+    while session.requests == 0:
+      t.join(0.01)
+    server.close(session)
+    t.join(10)
+    assert answer["r"].choices[0].finish_reason == "length"
+    with pytest.raises(openai.NotFoundError):  # Closed: no longer open.
+      client.models.list()
+  finally:
+    server.stop()
+
+
+def test_a_crashing_agent_fails_its_episode_and_the_rollout_goes_on(
+    tiny_model, mesh8):
+  def crashing(client, prompt, metadata):
+    client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": prompt}])
+    raise RuntimeError("the agent's own bug")
+
+  server = _server(GREEDY)
+  try:
+    got, metrics, _ = _rollout(tiny_model, mesh8, GREEDY,
+                               lambda: AgentEnv(server, crashing,
+                                                timeout_s=30))
+  finally:
+    server.stop()
+  assert len(got) == PROMPTS * G
+  # Each episode whose first turn ended at a stop token failed there
+  # (reward 0, counted as a tool error); none appended anything.
+  stopped = [s for s in got.values() if s.finish_reason == "stop"]
+  assert stopped and metrics["rollout/tool_errors"] == len(stopped)
+  assert all(s.env_reward == 0.0 and not any(s.env_mask)
+             for s in got.values())
+
+
+def test_the_tagged_template_renders_a_call_and_its_reply_as_the_tool_path():
+  """An assistant turn ending in a call, as the endpoint returns it, and
+  the tool's reply render to the tagged transcript the in-process path
+  trains on (`37*48=[calc 37*48](1776)1776`)."""
+  from rlhf_jax.serving.chat import assistant_message
+  renderer = ChatRenderer(TAGGED_TEMPLATE)
+  turn = "=[calc 37*48]"
+  message = assistant_message(turn, FMT, TOOLS, "call_0")
+  assert message["content"] == "="
+  call = message["tool_calls"][0]["function"]
+  assert (call["name"], json.loads(call["arguments"])) == (
+      "calc", {"expression": "37*48"})
+  out = ToolEnv(TOOLS, FMT).step(turn).observation
+  text = renderer.render([
+      {"role": "user", "content": "37*48"}, message,
+      {"role": "tool", "tool_call_id": "call_0", "content": out},
+      {"role": "assistant", "content": "1776"}])
+  assert text == "37*48" + turn + FMT.render(out) + "1776"
+  assert text == "37*48=[calc 37*48](1776)1776"
+  # A turn without a call is content alone; a tool reply's parentheses go.
+  assert assistant_message("12", FMT, TOOLS, "c") == {"role": "assistant",
+                                                      "content": "12"}
+  assert renderer.render([{"role": "tool", "content": "f(x)"}]) == "(fx)"
