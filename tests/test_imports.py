@@ -120,7 +120,10 @@ def test_the_rooms_stand_in_floors():
     # The simulator is a consumer of the rules, never a library.
     *[(room, {"sim"}) for room in (
         "engine", "rl", "rollout", "trainers", "workers", "sched", "models",
-        "parallel", "config", "data", "rewards", "envs")],
+        "parallel", "config", "data", "rewards", "envs", "serving")],
+    # The endpoint speaks HTTP to sessions; it drives no engine or job.
+    ("serving", {"engine", "rollout", "trainers", "workers", "rl",
+                 "scoring"}),
     # Models know logical axis names, not jobs.
     ("models", {"config", "rl", "engine", "rollout", "trainers", "data"}),
     # The engine decodes; it neither reads job config nor scores.

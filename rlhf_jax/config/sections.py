@@ -541,10 +541,26 @@ class Agent:
   disable_tools: bool = False  # Ablation: every call answers an error.
   python_timeout_s: float = 5.0
   python_memory_mb: int = 256
+  # An agent written against the `openai` client instead of `tools`
+  # ("module:function", `envs/agent_env.py`): each episode's agent talks to
+  # the rollout's endpoint on 127.0.0.1 (`serving/`), its return value the
+  # episode's reward.
+  agent_fn: str = ""
+  chat_template: str = ""         # The endpoint's; "" = the format's own.
+  agent_timeout_s: float = 60.0   # An agent's longest wait between moves.
 
   def __post_init__(self):
     positive_ints(self, "max_turns", "python_memory_mb")
     one_of(self, "format", tools.FORMATS)
+    if self.agent_fn:
+      module, _, name = self.agent_fn.partition(":")
+      if not module or not name.isidentifier():
+        fail(self, "agent_fn", "must be 'module:function'")
+      if not self.chat_template and self.format != "tagged":
+        fail(self, "chat_template", f"format={self.format!r} has no "
+             "built-in endpoint template yet; give one (Jinja)")
+    if self.agent_timeout_s <= 0:
+      fail(self, "agent_timeout_s", "must be > 0")
     for name in self.tools:
       if name not in tools.TOOL_NAMES:
         fail(self, "tools", f"unknown tool {name!r}; known: "

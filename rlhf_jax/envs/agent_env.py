@@ -30,6 +30,7 @@ that park while their agent thinks are not built yet.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import threading
 from typing import Any, Callable, Mapping
@@ -37,6 +38,7 @@ from typing import Any, Callable, Mapping
 from absl import logging
 
 from rlhf_jax.envs.environment import Step
+from rlhf_jax.errors import ConfigError
 
 # (client, prompt text, metadata) -> reward.
 Agent = Callable[[Any, str, Mapping], float]
@@ -182,6 +184,19 @@ class AgentEnv:
     self.server.close(self.session)
     if self.thread is not None and self.thread is not threading.current_thread():
       self.thread.join(self.timeout_s)
+
+
+def load_agent(path: str) -> Agent:
+  """The agent function `path` names ("module:function")."""
+  module, _, name = path.partition(":")
+  try:
+    fn = getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError) as e:
+    raise ConfigError(f"config.agent.agent_fn={path!r}: cannot load it "
+                      f"({type(e).__name__}: {e})") from None
+  if not callable(fn):
+    raise ConfigError(f"config.agent.agent_fn={path!r} is not a function")
+  return fn
 
 
 def _openai_client(base_url: str, api_key: str):

@@ -43,3 +43,7 @@ class Env(Protocol):
 
   def step(self, action: str) -> Step:
     """The answer to one model turn (`action`: its text)."""
+
+  def close(self) -> None:
+    """The episode's sample is finished (after its last turn, or cut by
+    the token budget): release what the episode holds."""

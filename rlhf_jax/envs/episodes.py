@@ -152,6 +152,8 @@ class Episodes:
   def finish(self, sample) -> None:
     """Closes the sample's episode: its `env_reward`, the metrics."""
     ep = self._live.pop(sample.key, None) or _Episode(None)
+    if ep.env is not None:
+      ep.env.close()
     if sample.finish_reason == "length":
       ep.turns += 1  # The turn the token budget cut.
     sample.env_reward = ep.reward
@@ -185,12 +187,21 @@ class Episodes:
       return out
 
 
-def from_config(agent, tokenizer) -> Episodes | None:
+def from_config(agent, tokenizer, server=None) -> Episodes | None:
   """The `Episodes` of the `agent` section (None when off): a `ToolEnv`
-  per sample with the named tools, in the named format."""
+  per sample with the named tools, in the named format; with
+  `agent.agent_fn`, an `AgentEnv` per sample whose agent talks to `server`
+  (`serving/openai_server.AgentServer`, the job's)."""
   from rlhf_jax.envs import tools as tools_lib  # pylint: disable=g-import-not-at-top
   if not agent.enabled:
     return None
+  if agent.agent_fn:
+    from rlhf_jax.envs import agent_env  # pylint: disable=g-import-not-at-top
+    fn = agent_env.load_agent(agent.agent_fn)
+    return Episodes(
+        lambda: agent_env.AgentEnv(server, fn, timeout_s=agent.agent_timeout_s),
+        tokenizer, tools_lib.FORMATS[agent.format](),
+        max_turns=agent.max_turns)
   limits = None
   if "python" in agent.tools:
     from rlhf_jax.envs import sandbox  # pylint: disable=g-import-not-at-top

@@ -169,6 +169,9 @@ class ToolEnv:
   def reset(self, prompt: str, metadata: Mapping) -> None:
     del prompt, metadata  # Tools keep no state across turns.
 
+  def close(self) -> None:
+    pass
+
   def step(self, action: str) -> Step:
     call = self.fmt.parse(action, self.tools)
     if call is None:

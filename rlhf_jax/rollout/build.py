@@ -98,22 +98,44 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
   train time come from the job's `clock` (`step_clock.StepClock`). With
   `c.agent.enabled` all are multi-turn, their turns also ending at the
   format's stops."""
-  episodes = episodes_lib.from_config(c.agent, tokenizer)
+  server = _agent_server(c) if c.agent.enabled and c.agent.agent_fn else None
+  episodes = episodes_lib.from_config(c.agent, tokenizer, server)
   if episodes is not None:
     stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
   sampled = None
   if c.eval.num_samples:
     sampled = eval_rollout(
         c.rollout, c.eval.num_rows, cfg, graphdef, layout, stop_tokens,
-        episodes=episodes_lib.from_config(c.agent, tokenizer),
+        episodes=episodes_lib.from_config(c.agent, tokenizer, server),
         num_samples=c.eval.num_samples, temperature=c.eval.temperature)
-  return (build(c.rollout, cfg, graphdef, layout, stop_tokens,
-                rollout_tensor=c.mesh.rollout_tensor,
-                timeline=clock.timeline,
-                train_time=clock.phase_seconds, lora_spec=lora_spec,
-                episodes=episodes, record_routes=c.rl.routing_replay),
+  rollout = build(c.rollout, cfg, graphdef, layout, stop_tokens,
+                  rollout_tensor=c.mesh.rollout_tensor,
+                  timeline=clock.timeline,
+                  train_time=clock.phase_seconds, lora_spec=lora_spec,
+                  episodes=episodes, record_routes=c.rl.routing_replay)
+  if server is not None:  # It serves the eval rollouts' agents too.
+    rollout.agent_server = server
+  return (rollout,
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
-                       stop_tokens,
-                       episodes=episodes_lib.from_config(c.agent, tokenizer)),
+                       stop_tokens, episodes=episodes_lib.from_config(
+                           c.agent, tokenizer, server)),
           sampled)
+
+
+def _agent_server(c):
+  """The job's OpenAI-compatible endpoint (`serving/`), started, for the
+  agents of `c.agent.agent_fn`: its chat template (`agent.chat_template`,
+  else the tagged format's), the tool format, the tools' argument names
+  and the rollout's sampling. Requests asking other sampling are refused;
+  the eval rollouts sample with the eval's settings."""
+  from rlhf_jax.envs import tools as tools_lib  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.serving.chat import ChatRenderer, TAGGED_TEMPLATE  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.serving.openai_server import AgentServer  # pylint: disable=g-import-not-at-top
+  a, ro = c.agent, c.rollout
+  return AgentServer(
+      ChatRenderer(a.chat_template or TAGGED_TEMPLATE),
+      tools_lib.FORMATS[a.format](),
+      tools_lib.make_tools(a.tools),
+      SamplingParams(temperature=ro.temperature, top_k=ro.top_k,
+                     top_p=ro.top_p)).start()
 

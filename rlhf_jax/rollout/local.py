@@ -44,6 +44,10 @@ MIN_COMMON_LENGTH = 16  # "auto" shares a common prefix this long or more.
 class LocalRollout(Rollout):
   """Prompt batches on the `EngineSet` of the trainer's rollout layout."""
 
+  # The job's agent endpoint (`serving/`) where agents drive the episodes:
+  # stopped with this rollout.
+  agent_server = None
+
   def __init__(self, engines: EngineSet, *, tail: LongTail = LongTail(),
                history: LengthHistory | None = None,
                timeline: Timeline | None = None, episodes=None):
@@ -181,6 +185,10 @@ class LocalRollout(Rollout):
     driver.start(requests, admission=self.tail.admission, controller=ctl,
                  common_prefix=common_prefix)
     return driver
+
+  def close(self) -> None:
+    if self.agent_server is not None:
+      self.agent_server.stop()
 
   # ------------------------------------------------------------ helpers
   def _finished(self, samples: Iterator[Sample]) -> Iterator[Sample]:

@@ -77,6 +77,9 @@ class LengthEnv:
   def reset(self, prompt, metadata):
     self.turns = 0
 
+  def close(self):
+    pass
+
   def step(self, action):
     LengthEnv.calls += 1
     self.turns += 1

@@ -12,6 +12,9 @@ import threading
 import openai
 import pytest
 
+import resume
+from configs import tiny_agent_api, tiny_tool
+from configs.tiny_agent_api import calc_agent
 from fakes import TINY_CFG as CFG
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.engine.engine import Engine
@@ -32,31 +35,6 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=64,
                          stop_tokens=(TOK.eos_id, *FMT.stop_ids(TOK)))
 GREEDY = dataclasses.replace(SAMPLED, temperature=0.0)
 PROMPTS, G = 16, 4  # 64 episodes at once.
-
-
-def calc_agent(client, prompt, metadata):
-  """An agent as a user writes one: the calculator on each tool call; the
-  episode's reward is 0 (the task's rewards score the trajectory)."""
-  del metadata
-  messages = [{"role": "user", "content": prompt}]
-  while True:
-    reply = client.chat.completions.create(model="policy", messages=messages)
-    message = reply.choices[0].message
-    if reply.choices[0].finish_reason != "tool_calls":
-      return 0.0
-    messages.append(message.model_dump(exclude_none=True))
-    for call in message.tool_calls:
-      name = call.function.name
-      args = json.loads(call.function.arguments)
-      arg = next(iter(args.values()), "")
-      if not name:  # The format's nameless call: its text is the reply.
-        out = arg
-      elif name in TOOLS:
-        out = TOOLS[name](arg)
-      else:
-        out = f"error: unknown tool {name!r}; tools: {sorted(TOOLS)}"
-      messages.append({"role": "tool", "tool_call_id": call.id,
-                       "content": out})
 
 
 def _requests():
@@ -217,3 +195,31 @@ def test_the_tagged_template_renders_a_call_and_its_reply_as_the_tool_path():
   assert assistant_message("12", FMT, TOOLS, "c") == {"role": "assistant",
                                                       "content": "12"}
   assert renderer.render([{"role": "tool", "content": "f(x)"}]) == "(fx)"
+
+
+@pytest.mark.slow  # Two jobs: 43 s alone.
+def test_the_agent_job_equals_the_tool_job(tmp_path):
+  """configs/tiny_agent_api.py:runlocal (the calculator in an `openai`
+  agent, through the endpoint, eval included) writes tiny_tool's records:
+  the same rewards, turns, losses and held-out accuracy."""
+  from rlhf_jax.trainers import rl_job
+  # Every warm-start example calls the calculator, so the policy does.
+  steps = {"train.steps": 2, "eval.every": 2, "task.tool_demo_fraction": 1.0}
+  runs = {}
+  for name, module in (("tool", tiny_tool), ("agent", tiny_agent_api)):
+    rl_job.run(resume.override(module.get_config("runlocal"), **steps),
+               str(tmp_path / name))
+    runs[name] = {k: v for k, v in resume.records(
+        str(tmp_path / name)).items() if k[0] in ("rl", "eval")}
+  assert runs["agent"].keys() == runs["tool"].keys()
+  for key, want in runs["tool"].items():
+    got = dict(runs["agent"][key])
+    # A tool's error text is the agent's business: there it counts
+    # failed episodes (none).
+    assert got.pop("rollout/tool_errors", 0) == 0
+    want = {k: v for k, v in want.items() if k != "rollout/tool_errors"}
+    assert got == pytest.approx(want, rel=1e-6), key
+  # Not vacuous: the policy called the tool through the agent.
+  calls = [v for (phase, _), r in runs["agent"].items() if phase == "rl"
+           for k, v in r.items() if "tool_call" in k]
+  assert calls and max(calls) > 0, runs["agent"]
