@@ -4,17 +4,23 @@ endpoint on 127.0.0.1 (docs/agentic.md), one thread per episode.
 
 python -m rlhf_jax.main --config=configs/tiny_agent_api.py --workdir=workdirs/tiny_agent_api
 python -m rlhf_jax.main --config=configs/tiny_agent_api.py:runlocal   # tests
+python -m rlhf_jax.main --config=configs/tiny_agent_api.py:program     # the agent as a program
 
 Everything else is configs/tiny_tool.py. `calc_agent` answers each call
 exactly as the in-process `ToolEnv` does, so this job's samples, rewards
 and updates are tiny_tool's (tests/serving/test_agent_api.py); the eval's
 greedy accuracy is measured through the same agent. The episode's reward
 is the task's (`arithmetic` on the final answer); the agent returns 0.
+`:program` runs the same agent as a program per episode
+(`agent.agent_cmd`: `python -m configs.tiny_agent_api`, the endpoint in
+its environment, as `openai.OpenAI()` reads it).
 """
 
 import json
+import os
+import sys
 
-from configs import tiny_tool
+# Light imports only: the program (`:program`) starts once per episode.
 from rlhf_jax.envs.tools import Calculator
 
 TOOLS = {"calc": Calculator()}
@@ -45,7 +51,22 @@ def calc_agent(client, prompt, metadata):
 
 
 def get_config(arg=None):
-  c = tiny_tool.get_config(arg)
+  from configs import common, tiny_tool  # pylint: disable=g-import-not-at-top
+  parsed = common.parse_arg(arg, runlocal=False, program=False)
+  c = tiny_tool.get_config("runlocal" if parsed.runlocal else None)
   c.name = "tiny_agent_api"
-  c.agent.agent_fn = "configs.tiny_agent_api:calc_agent"
+  if parsed.program:
+    c.agent.agent_cmd = f"{sys.executable} -m configs.tiny_agent_api"
+  else:
+    c.agent.agent_fn = "configs.tiny_agent_api:calc_agent"
   return c
+
+
+if __name__ == "__main__":  # The agent as a program (`:program`).
+  import openai  # pylint: disable=g-import-not-at-top
+  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment; no proxy.
+  print(calc_agent(
+      openai.OpenAI(max_retries=0,
+                    http_client=openai.DefaultHttpxClient(trust_env=False)),
+      os.environ["RLHF_JAX_PROMPT"],
+      json.loads(os.environ["RLHF_JAX_METADATA"])))

@@ -12,6 +12,7 @@ these objects, never `config.get(key, default)`.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from typing import Any, ClassVar
 
 from rlhf_jax.data import sources as data_sources
@@ -546,21 +547,35 @@ class Agent:
   # the rollout's endpoint on 127.0.0.1 (`serving/`), its return value the
   # episode's reward.
   agent_fn: str = ""
+  # Or a program run per episode (a command line): the endpoint, its key
+  # and the prompt in its environment, its reward its last output line.
+  agent_cmd: str = ""
   chat_template: str = ""         # The endpoint's; "" = the format's own.
   agent_timeout_s: float = 60.0   # An agent's longest wait between moves.
 
   def __post_init__(self):
     positive_ints(self, "max_turns", "python_memory_mb")
     one_of(self, "format", tools.FORMATS)
+    if self.agent_fn and self.agent_cmd:
+      fail(self, "agent_cmd", "give agent_fn or agent_cmd, not both")
     if self.agent_fn:
       module, _, name = self.agent_fn.partition(":")
       if not module or not name.isidentifier():
         fail(self, "agent_fn", "must be 'module:function'")
+    if self.agent_cmd and not shlex.split(self.agent_cmd):
+      fail(self, "agent_cmd", "is an empty command line")
+    if self.through_endpoint:
       if not self.chat_template and self.format != "tagged":
         fail(self, "chat_template", f"format={self.format!r} has no "
              "built-in endpoint template yet; give one (Jinja)")
     if self.agent_timeout_s <= 0:
       fail(self, "agent_timeout_s", "must be > 0")
+
+  @property
+  def through_endpoint(self) -> bool:
+    """Whether an agent (a function or a program) drives the episodes
+    through the job's OpenAI-compatible endpoint."""
+    return bool(self.agent_fn or self.agent_cmd)
     for name in self.tools:
       if name not in tools.TOOL_NAMES:
         fail(self, "tools", f"unknown tool {name!r}; known: "

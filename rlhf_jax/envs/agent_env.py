@@ -30,10 +30,16 @@ that park while their agent thinks are not built yet.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from absl import logging
 
@@ -127,8 +133,8 @@ class AgentSession:
       if self._reward is not None:
         return Step(None, reward=self._reward, done=True)
       why = self._failure if moved else f"no move in {self.timeout_s:g} s"
-      logging.warning("agent episode %s failed: %s", self.id, why)
-      return Step(None, reward=0.0, done=True, tool_error=True)
+    logging.warning("agent episode %s failed: %s", self.id, why)
+    return Step(None, reward=0.0, done=True, tool_error=True)
 
   def close(self) -> None:
     """Ends the episode: a waiting request gets finish reason "length",
@@ -184,6 +190,68 @@ class AgentEnv:
     self.server.close(self.session)
     if self.thread is not None and self.thread is not threading.current_thread():
       self.thread.join(self.timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+  """What an executable agent gets instead of a client."""
+  base_url: str
+  api_key: str
+
+
+class ExecutableAgent:
+  """An agent that is a program: `command` (an argv list) runs once per
+  episode with the endpoint in its environment, the variables the
+  `openai` client reads (OPENAI_BASE_URL, OPENAI_API_KEY: the episode's
+  key) and RLHF_JAX_PROMPT, RLHF_JAX_METADATA (JSON), RLHF_JAX_EPISODE.
+  Its reward is the last line of its standard output, a number; a program
+  that exits non-zero, prints no number or outlives `timeout_s` fails its
+  episode. It dies with the job (Linux: the parent-death signal) and is
+  killed when its episode times out."""
+
+  def __init__(self, command: Sequence[str], *, timeout_s: float):
+    self.command, self.timeout_s = list(command), timeout_s
+
+  def __call__(self, endpoint: Endpoint, prompt: str,
+               metadata: Mapping) -> float:
+    env = dict(os.environ, OPENAI_BASE_URL=endpoint.base_url,
+               OPENAI_API_KEY=endpoint.api_key, RLHF_JAX_PROMPT=prompt,
+               RLHF_JAX_METADATA=json.dumps(dict(metadata), default=str),
+               RLHF_JAX_EPISODE=endpoint.api_key.rpartition(".")[2])
+    # A session of its own (its whole group is killed at the timeout),
+    # started through `_BOOT` (no preexec_fn: this process has threads).
+    proc = subprocess.Popen([sys.executable, "-c", _BOOT, *self.command],
+                            env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+      out, err = proc.communicate(timeout=self.timeout_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+      raise TimeoutError(f"{self.command[0]} ran past {self.timeout_s:g} s"
+                         ) from None
+    if proc.returncode:
+      tail = (err.strip().splitlines() or [""])[-1]
+      raise RuntimeError(f"{self.command[0]} exited {proc.returncode}: "
+                         f"{tail}")
+    lines = out.strip().splitlines()
+    try:
+      return float(lines[-1])
+    except (IndexError, ValueError):
+      raise RuntimeError(f"{self.command[0]} printed no reward (its last "
+                         "line must be a number)") from None
+
+
+# Sets the parent-death signal (Linux prctl PR_SET_PDEATHSIG = 1: SIGKILL
+# when the job's thread that started it ends, so with the job), then
+# becomes the agent program.
+_BOOT = ("import ctypes, os, signal, sys\n"
+         "try:\n"
+         "  ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)\n"
+         "except OSError:\n"
+         "  pass\n"
+         "os.execvp(sys.argv[1], sys.argv[1:])\n")
 
 
 def load_agent(path: str) -> Agent:

@@ -195,11 +195,19 @@ def from_config(agent, tokenizer, server=None) -> Episodes | None:
   from rlhf_jax.envs import tools as tools_lib  # pylint: disable=g-import-not-at-top
   if not agent.enabled:
     return None
-  if agent.agent_fn:
+  if agent.through_endpoint:
+    import shlex  # pylint: disable=g-import-not-at-top
     from rlhf_jax.envs import agent_env  # pylint: disable=g-import-not-at-top
-    fn = agent_env.load_agent(agent.agent_fn)
+    timeout = agent.agent_timeout_s
+    if agent.agent_fn:
+      fn, client = agent_env.load_agent(agent.agent_fn), None
+    else:
+      fn = agent_env.ExecutableAgent(shlex.split(agent.agent_cmd),
+                                     timeout_s=timeout)
+      client = agent_env.Endpoint
     return Episodes(
-        lambda: agent_env.AgentEnv(server, fn, timeout_s=agent.agent_timeout_s),
+        lambda: agent_env.AgentEnv(server, fn, timeout_s=timeout,
+                                   client_factory=client),
         tokenizer, tools_lib.FORMATS[agent.format](),
         max_turns=agent.max_turns)
   limits = None

@@ -98,7 +98,8 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
   train time come from the job's `clock` (`step_clock.StepClock`). With
   `c.agent.enabled` all are multi-turn, their turns also ending at the
   format's stops."""
-  server = _agent_server(c) if c.agent.enabled and c.agent.agent_fn else None
+  server = (_agent_server(c) if c.agent.enabled and c.agent.through_endpoint
+            else None)
   episodes = episodes_lib.from_config(c.agent, tokenizer, server)
   if episodes is not None:
     stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
@@ -124,7 +125,7 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
 
 def _agent_server(c):
   """The job's OpenAI-compatible endpoint (`serving/`), started, for the
-  agents of `c.agent.agent_fn`: its chat template (`agent.chat_template`,
+  agents of `c.agent.agent_fn` or `.agent_cmd`: its chat template (`agent.chat_template`,
   else the tagged format's), the tool format, the tools' argument names
   and the rollout's sampling. Requests asking other sampling are refused;
   the eval rollouts sample with the eval's settings."""

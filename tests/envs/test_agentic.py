@@ -271,6 +271,11 @@ def test_tool_task_demos_train_the_call_not_the_reply():
     ("rollout.workers.num", 2, "workers"),
     ("agent.format", "json", "agent.format"),
     ("agent.tools", ("calc", "abacus"), "unknown tool 'abacus'"),
+    ("agent.agent_fn", "configs.tiny_agent_api", "agent_fn.*module:function"),
+    ("agent.agent_fn", "configs.tiny_agent_api:nothing",
+     "agent_fn.*cannot load it"),
+    ("agent.agent_cmd", " ", "agent_cmd.*empty command line"),
+    ("agent.agent_timeout_s", 0.0, "agent_timeout_s.*> 0"),
 ])
 def test_agent_config_errors_name_the_key(key, value, match):
   c = resume.override(tiny_tool.get_config("runlocal"), **{key: value})

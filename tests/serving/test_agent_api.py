@@ -7,6 +7,8 @@ agent that crashes ends its episode as failed and the rollout goes on."""
 
 import dataclasses
 import json
+import os
+import sys
 import threading
 
 import openai
@@ -20,7 +22,8 @@ from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.sampling import SamplingParams
-from rlhf_jax.envs.agent_env import AgentEnv, AgentSession
+from rlhf_jax.envs.agent_env import (AgentEnv, AgentSession, Endpoint,
+                                     ExecutableAgent)
 from rlhf_jax.envs.episodes import Episodes
 from rlhf_jax.envs.tools import Calculator, TaggedFormat, ToolEnv
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -28,6 +31,8 @@ from rlhf_jax.samples import Request
 from rlhf_jax.serving.chat import ChatRenderer, TAGGED_TEMPLATE
 from rlhf_jax.serving.openai_server import AgentServer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 TOK = CharTokenizer()
 FMT = TaggedFormat()
 TOOLS = {"calc": Calculator()}
@@ -37,9 +42,9 @@ GREEDY = dataclasses.replace(SAMPLED, temperature=0.0)
 PROMPTS, G = 16, 4  # 64 episodes at once.
 
 
-def _requests():
-  return [Request(i, TOK.encode(f"{10 + 7 * i}*{3 + i}="), G, seed=5)
-          for i in range(PROMPTS)]
+def _requests(prompts=PROMPTS, g=G):
+  return [Request(i, TOK.encode(f"{10 + 7 * i}*{3 + i}="), g, seed=5)
+          for i in range(prompts)]
 
 
 def _client(server, key):
@@ -52,11 +57,11 @@ def _server(sampling):
                      sampling).start()
 
 
-def _rollout(model, mesh8, sampling, make_env):
+def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G):
   graphdef, params = model
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
-  engine = Engine(CFG, graphdef, layout, num_slots=PROMPTS * G,
-                  samples_per_group=G, prefill_buckets=(16,),
+  engine = Engine(CFG, graphdef, layout, num_slots=max(prompts * g, 8),
+                  samples_per_group=g, prefill_buckets=(16,),
                   sampling=sampling, page_size=4, num_pages=1024,
                   prefill_batch=4)
   episodes = Episodes(make_env, TOK, FMT, max_turns=4)
@@ -64,18 +69,21 @@ def _rollout(model, mesh8, sampling, make_env):
   driver = MultiTurnDriver(engine, mesh_lib.to_layout(params, layout),
                            reply=episodes)
   out = {}
-  for s in driver.run(_requests()):
+  for s in driver.run(_requests(prompts, g)):
     episodes.finish(s)
     out[s.key] = s
   return out, episodes.metrics(), driver
 
 
-@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY],
+# Sampled: 64 concurrent episodes, some calling the tool; greedy (the
+# random model calls none): 16.
+@pytest.mark.parametrize("sampling,prompts", [(SAMPLED, PROMPTS),
+                                              (GREEDY, 4)],
                          ids=["sampled", "greedy"])
 def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
-                                                       sampling):
+                                                       sampling, prompts):
   want, want_metrics, _ = _rollout(tiny_model, mesh8, sampling,
-                                   lambda: ToolEnv(TOOLS, FMT))
+                                   lambda: ToolEnv(TOOLS, FMT), prompts)
   server = _server(sampling)
   envs = []
 
@@ -84,10 +92,11 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
     return envs[-1]
 
   try:
-    got, metrics, driver = _rollout(tiny_model, mesh8, sampling, make_env)
+    got, metrics, driver = _rollout(tiny_model, mesh8, sampling, make_env,
+                                    prompts)
   finally:
     server.stop()  # Ends the episodes a token budget cut.
-  assert got.keys() == want.keys() and len(got) == PROMPTS * G
+  assert got.keys() == want.keys() and len(got) == prompts * G
   for k, s in got.items():
     w = want[k]
     assert (s.tokens, s.env_mask, s.finish_reason, s.env_reward) == (
@@ -99,9 +108,13 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
   errors = "rollout/tool_errors"
   assert metrics.pop(errors) == 0 and want_metrics.pop(errors) >= 0
   assert metrics == want_metrics
+  # The episodes share decode steps (36.8 live samples a step of 64,
+  # sampled, measured once).
+  live_per_step = driver.stats.generated_tokens / driver.stats.steps
+  assert live_per_step >= prompts * G / 2, live_per_step
   if sampling is SAMPLED:  # Not vacuous: the agents called the tool.
     assert metrics["rollout/tool_call_rate"] > 0.05, metrics
-    assert driver.appended_tokens > 0
+    assert driver.appended_tokens > 0 and driver.turns > 0
   for env in envs:  # Every agent returned; none is left waiting.
     env.thread.join(10)
     assert not env.thread.is_alive()
@@ -223,3 +236,52 @@ def test_the_agent_job_equals_the_tool_job(tmp_path):
   calls = [v for (phase, _), r in runs["agent"].items() if phase == "rl"
            for k, v in r.items() if "tool_call" in k]
   assert calls and max(calls) > 0, runs["agent"]
+
+
+def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
+                                                       monkeypatch):
+  """The calculator agent as a program per episode (what `agent.agent_cmd`
+  runs: `python -m configs.tiny_agent_api`, the endpoint and prompt in its
+  environment, its reward its last output line): the in-process path's
+  samples."""
+  monkeypatch.setenv("PYTHONPATH", ROOT)
+  want, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
+                        lambda: ToolEnv(TOOLS, FMT), prompts=2, g=2)
+  program = ExecutableAgent([sys.executable, "-m", "configs.tiny_agent_api"],
+                            timeout_s=60)
+  server = _server(SAMPLED)
+  try:
+    got, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
+                         lambda: AgentEnv(server, program, timeout_s=60,
+                                          client_factory=Endpoint),
+                         prompts=2, g=2)
+  finally:
+    server.stop()
+  assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
+      k: (s.tokens, s.env_mask) for k, s in want.items()}
+  assert all(s.logp_raw == want[k].logp_raw for k, s in got.items())
+  assert server.refused == 0
+
+
+def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
+                                                    tmp_path):
+  """A program that never answers is killed at its timeout; its episode
+  fails (reward 0, a tool error) and the rollout ends."""
+  pid_file = tmp_path / "pid"
+  program = ExecutableAgent([sys.executable, "-c", (
+      "import os, time; open(%r, 'a').write(f'{os.getpid()}\\n'); "
+      "time.sleep(600)") % str(pid_file)], timeout_s=1.5)
+  server = _server(SAMPLED)
+  try:
+    got, metrics, _ = _rollout(tiny_model, mesh8, SAMPLED,
+                               lambda: AgentEnv(server, program, timeout_s=30,
+                                                client_factory=Endpoint),
+                               prompts=1, g=2)
+  finally:
+    server.stop()
+  pids = [int(p) for p in pid_file.read_text().split()]
+  assert pids and metrics["rollout/tool_errors"] == len(pids)
+  assert all(s.env_reward == 0.0 for s in got.values())
+  for pid in pids:  # Killed and reaped.
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
