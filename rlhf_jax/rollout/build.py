@@ -133,10 +133,16 @@ def _agent_server(c):
   from rlhf_jax.serving.chat import ChatRenderer, TAGGED_TEMPLATE  # pylint: disable=g-import-not-at-top
   from rlhf_jax.serving.openai_server import AgentServer  # pylint: disable=g-import-not-at-top
   a, ro = c.agent, c.rollout
+  # A thread per open request: one for every episode that can be live at
+  # once (the train rollout's samples, and the eval's), so none waits for
+  # a thread while the driver waits for it.
+  episodes = (ro.num_rows * ro.samples_per_row
+              + c.eval.num_rows * max(1, c.eval.num_samples))
   return AgentServer(
       ChatRenderer(a.chat_template or TAGGED_TEMPLATE),
       tools_lib.FORMATS[a.format](),
       tools_lib.make_tools(a.tools),
       SamplingParams(temperature=ro.temperature, top_k=ro.top_k,
-                     top_p=ro.top_p)).start()
+                     top_p=ro.top_p),
+      max_open_requests=max(64, episodes)).start()
 

@@ -246,7 +246,7 @@ def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
   samples."""
   monkeypatch.setenv("PYTHONPATH", ROOT)
   want, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
-                        lambda: ToolEnv(TOOLS, FMT), prompts=2, g=2)
+                        lambda: ToolEnv(TOOLS, FMT), prompts=1, g=2)
   program = ExecutableAgent([sys.executable, "-m", "configs.tiny_agent_api"],
                             timeout_s=60)
   server = _server(SAMPLED)
@@ -254,7 +254,7 @@ def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
     got, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
                          lambda: AgentEnv(server, program, timeout_s=60,
                                           client_factory=Endpoint),
-                         prompts=2, g=2)
+                         prompts=1, g=2)
   finally:
     server.stop()
   assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
