@@ -75,6 +75,26 @@ def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G):
   return out, episodes.metrics(), driver
 
 
+def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
+                      client_factory=None, **sizes):
+  """The rollout with `agent` driving every episode through a fresh
+  endpoint, stopped after: (samples, metrics, driver, server, the envs)."""
+  server = _server(sampling)
+  envs = []
+
+  def make_env():
+    envs.append(AgentEnv(server, agent, timeout_s=timeout_s,
+                         client_factory=client_factory))
+    return envs[-1]
+
+  try:
+    got, metrics, driver = _rollout(model, mesh8, sampling, make_env,
+                                    **sizes)
+  finally:
+    server.stop()  # Also ends the episodes a token budget cut.
+  return got, metrics, driver, server, envs
+
+
 # Sampled: 64 concurrent episodes, some calling the tool; greedy (the
 # random model calls none): 16.
 @pytest.mark.parametrize("sampling,prompts", [(SAMPLED, PROMPTS),
@@ -84,18 +104,8 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
                                                        sampling, prompts):
   want, want_metrics, _ = _rollout(tiny_model, mesh8, sampling,
                                    lambda: ToolEnv(TOOLS, FMT), prompts)
-  server = _server(sampling)
-  envs = []
-
-  def make_env():
-    envs.append(AgentEnv(server, calc_agent, timeout_s=60))
-    return envs[-1]
-
-  try:
-    got, metrics, driver = _rollout(tiny_model, mesh8, sampling, make_env,
-                                    prompts)
-  finally:
-    server.stop()  # Ends the episodes a token budget cut.
+  got, metrics, driver, server, envs = _through_endpoint(
+      tiny_model, mesh8, sampling, calc_agent, prompts=prompts)
   assert got.keys() == want.keys() and len(got) == prompts * G
   for k, s in got.items():
     w = want[k]
@@ -169,13 +179,8 @@ def test_a_crashing_agent_fails_its_episode_and_the_rollout_goes_on(
         model="policy", messages=[{"role": "user", "content": prompt}])
     raise RuntimeError("the agent's own bug")
 
-  server = _server(GREEDY)
-  try:
-    got, metrics, _ = _rollout(tiny_model, mesh8, GREEDY,
-                               lambda: AgentEnv(server, crashing,
-                                                timeout_s=30))
-  finally:
-    server.stop()
+  got, metrics, _, _, _ = _through_endpoint(tiny_model, mesh8, GREEDY,
+                                            crashing, timeout_s=30)
   assert len(got) == PROMPTS * G
   # Each episode whose first turn ended at a stop token failed there
   # (reward 0, counted as a tool error); none appended anything.
@@ -249,14 +254,9 @@ def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
                         lambda: ToolEnv(TOOLS, FMT), prompts=1, g=2)
   program = ExecutableAgent([sys.executable, "-m", "configs.tiny_agent_api"],
                             timeout_s=60)
-  server = _server(SAMPLED)
-  try:
-    got, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
-                         lambda: AgentEnv(server, program, timeout_s=60,
-                                          client_factory=Endpoint),
-                         prompts=1, g=2)
-  finally:
-    server.stop()
+  got, _, _, server, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, program, client_factory=Endpoint,
+      prompts=1, g=2)
   assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
       k: (s.tokens, s.env_mask) for k, s in want.items()}
   assert all(s.logp_raw == want[k].logp_raw for k, s in got.items())
@@ -271,14 +271,9 @@ def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
   program = ExecutableAgent([sys.executable, "-c", (
       "import os, time; open(%r, 'a').write(f'{os.getpid()}\\n'); "
       "time.sleep(600)") % str(pid_file)], timeout_s=1.5)
-  server = _server(SAMPLED)
-  try:
-    got, metrics, _ = _rollout(tiny_model, mesh8, SAMPLED,
-                               lambda: AgentEnv(server, program, timeout_s=30,
-                                                client_factory=Endpoint),
-                               prompts=1, g=2)
-  finally:
-    server.stop()
+  got, metrics, _, _, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, program, timeout_s=30,
+      client_factory=Endpoint, prompts=1, g=2)
   pids = [int(p) for p in pid_file.read_text().split()]
   assert pids and metrics["rollout/tool_errors"] == len(pids)
   assert all(s.env_reward == 0.0 for s in got.values())
