@@ -570,18 +570,18 @@ class Agent:
              "built-in endpoint template yet; give one (Jinja)")
     if self.agent_timeout_s <= 0:
       fail(self, "agent_timeout_s", "must be > 0")
-
-  @property
-  def through_endpoint(self) -> bool:
-    """Whether an agent (a function or a program) drives the episodes
-    through the job's OpenAI-compatible endpoint."""
-    return bool(self.agent_fn or self.agent_cmd)
     for name in self.tools:
       if name not in tools.TOOL_NAMES:
         fail(self, "tools", f"unknown tool {name!r}; known: "
               f"{list(tools.TOOL_NAMES)}")
     if self.python_timeout_s <= 0:
       fail(self, "python_timeout_s", "must be > 0")
+
+  @property
+  def through_endpoint(self) -> bool:
+    """Whether an agent (a function or a program) drives the episodes
+    through the job's OpenAI-compatible endpoint."""
+    return bool(self.agent_fn or self.agent_cmd)
 
 
 @dataclasses.dataclass(frozen=True)

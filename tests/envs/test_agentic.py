@@ -276,6 +276,7 @@ def test_tool_task_demos_train_the_call_not_the_reply():
      "agent_fn.*cannot load it"),
     ("agent.agent_cmd", " ", "agent_cmd.*empty command line"),
     ("agent.agent_timeout_s", 0.0, "agent_timeout_s.*> 0"),
+    ("agent.python_timeout_s", 0.0, "python_timeout_s.*> 0"),
 ])
 def test_agent_config_errors_name_the_key(key, value, match):
   c = resume.override(tiny_tool.get_config("runlocal"), **{key: value})
@@ -284,6 +285,14 @@ def test_agent_config_errors_name_the_key(key, value, match):
     checks.check_rl_job(job, job="grpo", prompt_len=7, num_devices=8)
     from rlhf_jax.envs import episodes  # The tools are made at build.
     episodes.from_config(job.agent, TOK)
+
+
+def test_an_agent_is_a_function_or_a_program_not_both():
+  from configs import tiny_agent_api
+  c = resume.override(tiny_agent_api.get_config("runlocal"),
+                      **{"agent.agent_cmd": "python agent.py"})
+  with pytest.raises(ConfigError, match="agent_fn or agent_cmd, not both"):
+    RLJob.from_config(c)
 
 
 # ------------------------------------------------------ kill and resume
