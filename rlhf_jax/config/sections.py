@@ -126,6 +126,7 @@ class Mesh:
   fsdp: int = -1
   tensor: int = 1
   expert: int = 1             # An MoE's experts split over this many devices.
+  context: int = 1            # Each sequence's tokens over this many devices.
   rollout_tensor: int = 1     # Rollout = the same devices as replicas x
   rollout_expert: int = 1     # expert x tensor.
   offload: bool = True        # Optimizer state + reference in host memory.
@@ -134,8 +135,8 @@ class Mesh:
   stale_samples: str = "raise"  # Samples of older weights: raise | drop.
 
   def __post_init__(self):
-    positive_ints(self, "expert", "rollout_tensor", "rollout_expert",
-                  "layers_per_group")
+    positive_ints(self, "expert", "context", "rollout_tensor",
+                  "rollout_expert", "layers_per_group")
     one_of(self, "stale_samples", staleness.STALE_POLICIES)
     if sum(v == -1 for v in (self.data, self.fsdp, self.tensor)) > 1:
       fail(self, "data", "at most one of data, fsdp, tensor may be -1")

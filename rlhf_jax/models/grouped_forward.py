@@ -130,8 +130,12 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
                     jnp.sum(router_weights_NxGxR[..., 0], 1)[:, None], 0.0)
     w_r = jnp.concatenate([w_r[:, 1:], jnp.zeros((B, 1), w_r.dtype)], 1)
 
-  def layer(block, i, x, replay_i):
-    x_p, x_r = x
+  def layer(block, i, carry, replay_i):
+    # The positions and segments ride in the carry: as the scan's
+    # constants, the attention's block masks would be computed once for
+    # every layer and kept (`Decoder._trunk`).
+    x_p, x_r, pos_p, pos_r, seg_p = carry
+    ids = (pos_p, pos_r, seg_p)
     window = layer_window(cfg, i)
     q_p, k_p, v_p = block.attn.qkv(block.attn_norm(x_p), pos_p)
     q_r, k_r, v_r = block.attn.qkv(block.attn_norm(x_r), pos_r)
@@ -140,7 +144,7 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
                                   seg_p, window, cfg)
     if not stats and replay_i is None:
       return (block._residual_mlp(x_p, block.attn.out(o_p)),
-              block._residual_mlp(x_r, block.attn.out(o_r))), None
+              block._residual_mlp(x_r, block.attn.out(o_r)), *ids), None
     rep_p, rep_r = (None, None) if replay_i is None else replay_i
     route_p, route_r = (rep_p, rep_r) if route_by_replay else (None, None)
     x_p, logits_p, ids_p = block._residual_mlp(
@@ -148,13 +152,13 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
     x_r, logits_r, ids_r = block._residual_mlp(
         x_r, block.attn.out(o_r), routing=True, replay=route_r)
     if not stats:
-      return (x_p, x_r), None
+      return (x_p, x_r, *ids), None
     E, K = cfg.num_experts, cfg.experts_per_token
 
     def rows(a, b, width):
       return jnp.concatenate([a.reshape(-1, width), b.reshape(-1, width)])
 
-    return (x_p, x_r), moe.router_stats(
+    return (x_p, x_r, *ids), moe.router_stats(
         rows(logits_p, logits_r, E),
         jnp.concatenate([w_p.reshape(-1), w_r.reshape(-1)]),
         jnp.concatenate([routed_p.reshape(-1), routed_r.reshape(-1)]), K,
@@ -167,7 +171,8 @@ def grouped_hidden(model: Decoder, prompt_tokens_NxP, prompt_len_N,
     L, K = cfg.num_layers, cfg.experts_per_token
     replay = (jnp.moveaxis(replay[0], 2, 0),
               jnp.moveaxis(replay[1].reshape(B, R, L, K), 2, 0))
-  (x_p, x_r), layer_stats = scan_layers(model.blocks, cfg, layer, x, replay)
+  (x_p, x_r, *_), layer_stats = scan_layers(
+      model.blocks, cfg, layer, (*x, pos_p, pos_r, seg_p), replay)
   # Response token 0 is predicted by the prompt's last token (shared by the
   # group), token j > 0 by response token j - 1; the last response token
   # predicts nothing.

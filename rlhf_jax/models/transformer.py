@@ -31,6 +31,7 @@ from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models import moe
 from rlhf_jax.models.layers import (
     AttentionProjections, GatedMLP, RMSNorm, _param)
+from rlhf_jax.parallel import context as context_parallel
 from rlhf_jax.parallel.layout import constrain
 
 
@@ -50,7 +51,15 @@ def self_attention(q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT, seg_BxT,
                    return_lse: bool = False, padded_rows: bool = True):
   """Causal attention of a row's tokens to its own (same segment, earlier
   positions, within the window; with `sub_BxT`, packed groups' sub-segments
-  too); `kernels_pallas/flash_attention.py`."""
+  too); `kernels_pallas/flash_attention.py`. Under a layout that splits
+  sequences over `context`, each device's queries attend to the keys and
+  values gathered from the others (`parallel/context.py`)."""
+  if context_parallel.shards() > 1:
+    return context_parallel.attention(
+        q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT, seg_BxT, sub_BxT,
+        window, return_lse=return_lse, softcap=cfg.attn_logit_softcap,
+        scale=cfg.scores_scale, impl=parts_impl(cfg),
+        block_q=cfg.attention_block, block_k=cfg.attention_block)
   return fa.attention(
       q_BxTxHxK, k_BxTxNxK, v_BxTxNxK, positions_BxT, positions_BxT, seg_BxT,
       seg_BxT, window=window, softcap=cfg.attn_logit_softcap,
@@ -246,6 +255,9 @@ class Decoder(nnx.Module):
       logits [B,T,V] fp32, then with return_kv (k, v) each [L,B,T,N,K] (the
       tokens' own KV, not the context's), then with router_stats the stats.
     """
+    if return_kv and context_parallel.shards() > 1:
+      raise ValueError("return_kv: the rollout's prefill, not under a "
+                       "layout that splits sequences over `context`")
     x, ks, vs, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxT,
                                    context=context, router_stats=router_stats,
                                    replay_BxTxLxK=replay_BxTxLxK)
@@ -308,7 +320,15 @@ class Decoder(nnx.Module):
       context = None
     ctx_len = None if context is None else context[2]
 
-    def layer(block, i, x, xs):
+    def layer(block, i, carry, xs):
+      # The token ids ride in the carry, unchanged, rather than as constants
+      # of the scan: JAX computes what depends on a scan's constants alone
+      # once, before the loop, and keeps it for the backward pass, which
+      # for the attention's block masks is every (query block, key block)
+      # pair of every head: [T, T] bytes (0.9 GiB of Qwen2.5-0.5B's 4.7
+      # at 8K tokens, quadratic in T; `benchmarks/memory.py`'s long
+      # sequences).
+      x, positions_BxT, seg_BxT, subs = carry
       ctx, replay_BxTxK = xs
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_BxT)
       window = layer_window(cfg, i)
@@ -318,19 +338,21 @@ class Decoder(nnx.Module):
       else:
         o = context_attention(q, k, v, positions_BxT, seg_BxT, ctx[0],
                               ctx[1], ctx_len, window, cfg)
+      ids_carry = lambda x: (x, positions_BxT, seg_BxT, subs)  # noqa: E731
       if not (router_stats or return_routes or replay_BxTxK is not None):
-        return block._residual_mlp(x, block.attn.out(o)), (k, v, None)
+        return ids_carry(block._residual_mlp(x, block.attn.out(o))), (
+            k, v, None)
       x, logits, ids = block._residual_mlp(
           x, block.attn.out(o), routing=True,
           replay=replay_BxTxK if route_by_replay else None)
       if not router_stats:
-        return x, (k, v, ids if return_routes else None)
+        return ids_carry(x), (k, v, ids if return_routes else None)
       K = cfg.experts_per_token
       stats = moe.router_stats(
           logits.reshape(-1, cfg.num_experts), weights_N, real_N, K,
           ids_NxK=ids.reshape(-1, K), replay_NxK=None
           if replay_BxTxK is None else replay_BxTxK.reshape(-1, K))
-      return x, (k, v, stats)
+      return ids_carry(x), (k, v, stats)
 
     if ((router_stats or return_routes or replay_BxTxLxK is not None)
         and not cfg.is_moe):
@@ -338,16 +360,35 @@ class Decoder(nnx.Module):
                        "routed experts")
     if router_stats and return_routes:
       raise ValueError("router_stats or return_routes, not both")
+    C = context_parallel.shards()
+    T = tokens_BxT.shape[1]
+    if C > 1:
+      if (context is not None or router_stats or return_routes
+          or replay_BxTxLxK is not None):
+        raise ValueError("context parallelism: no shared context, routing "
+                         "replay or router statistics (an MoE) yet")
+      # Whole chunks, then each device's two chunks (`context.balance`):
+      # padding is a segment no real token has.
+      pad = context_parallel.padded_length(T, C) - T
+      lay_out = lambda x, fill: context_parallel.balance(  # noqa: E731
+          jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill))
+      tokens_BxT, positions_BxT = lay_out(tokens_BxT, 0), lay_out(
+          positions_BxT, 0)
+      seg_BxT = lay_out(seg_BxT, -1)
+      subs = None if subs is None else lay_out(subs, 0)
     real_N = (seg_BxT >= 0).reshape(-1)
     weights_N = (real_N if router_weights_BxT is None
                  else router_weights_BxT.reshape(-1))
     x = self._embed(tokens_BxT)
     replay_LxBxTxK = (None if replay_BxTxLxK is None
                       else jnp.moveaxis(replay_BxTxLxK, 2, 0))
-    x, (ks, vs, stats) = scan_layers(
-        self.blocks, cfg, layer, x,
+    (x, *_), (ks, vs, stats) = scan_layers(
+        self.blocks, cfg, layer, (x, positions_BxT, seg_BxT, subs),
         (None if context is None else (context[0], context[1]),
          replay_LxBxTxK))
+    if C > 1:  # Back to sequence order; no KV (that is the rollout's).
+      x = context_parallel.unbalance(x)[:, :T]
+      ks = vs = None
     return x, ks, vs, stats
 
   def decode(self, tokens_RxG, positions_RxG, prefix_k, prefix_v, prefix_len_R,

@@ -4,11 +4,12 @@ Mesh axes, major to minor: `AXES`. Each axis past ("data", "fsdp",
 "tensor") is size 1 unless a config asks for it, so a new kind of
 parallelism is one more entry here and in the rules.
 
-Training: params FSDP over `fsdp` (and over `expert` where an expert axis
-does not already split them) along their leading dimension, optionally TP
-over `tensor`; batch over `data` x `fsdp` x `expert`; an MoE layer's
-experts over `expert` (tokens go to their experts' devices and back,
-`models/moe.py`). Rollout: the same devices, in the same order, reshaped
+Training: params FSDP over `fsdp` (and over `context` and `expert` where
+they do not already split them) along their leading dimension, optionally
+TP over `tensor`; batch over `data` x `fsdp` x `expert`; each sequence's
+tokens over `context` (`parallel/context.py`: attention gathers the keys
+and values of the other shards); an MoE layer's experts over `expert`
+(tokens go to their experts' devices and back, `models/moe.py`). Rollout: the same devices, in the same order, reshaped
 into replicas x expert x tensor: params replicated across replicas, experts
 and TP inside a replica, decode rows split across replicas. The rollout
 mesh has fsdp = 1 and data = replicas.
@@ -23,12 +24,13 @@ from jax.sharding import AxisType, Mesh
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.parallel.layout import Layout
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "context", "expert", "tensor")
 _AUTO = (AxisType.Auto,) * len(AXES)
 
 # Logical axis -> mesh axes. Names not listed are replicated.
 TRAIN_RULES = (
     ("batch", ("data", "fsdp", "expert")),
+    ("length", "context"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -48,14 +50,15 @@ ROLLOUT_RULES = (
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *,
-              expert: int = 1, devices=None) -> Mesh:
+              expert: int = 1, context: int = 1, devices=None) -> Mesh:
   """A mesh with the axes `AXES`; one size may be -1 (fill the rest).
 
   Axis types are Auto on purpose: `jax.make_mesh` defaults to Explicit axes,
   under which sharding constraints become assertions.
   """
   devices = list(jax.devices() if devices is None else devices)
-  named = dict(data=data, fsdp=fsdp, expert=expert, tensor=tensor)
+  named = dict(data=data, fsdp=fsdp, context=context, expert=expert,
+               tensor=tensor)
   sizes = [named[a] for a in AXES]
   if sizes.count(-1) > 1:
     raise ConfigError(
@@ -74,14 +77,15 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *,
 
 def replica_mesh(devices, replicas: int, tensor: int = 1,
                  expert: int = 1) -> Mesh:
-  """`devices` in order as `replicas` x expert x tensor (fsdp = 1): the
-  rollout's mesh."""
-  grid = np.asarray(devices).reshape(replicas, 1, expert, tensor)
+  """`devices` in order as `replicas` x expert x tensor (fsdp = context =
+  1): the rollout's mesh."""
+  grid = np.asarray(devices).reshape(replicas, 1, 1, expert, tensor)
   return Mesh(grid, AXES, axis_types=_AUTO)
 
 
 def train_layout(mesh: Mesh) -> Layout:
-  return Layout("train", mesh, TRAIN_RULES, param_axes=("fsdp", "expert"))
+  return Layout("train", mesh, TRAIN_RULES,
+                param_axes=("fsdp", "context", "expert"))
 
 
 def rollout_layout(mesh: Mesh, tensor: int = 1, expert: int = 1) -> Layout:
@@ -110,7 +114,8 @@ def layouts(section) -> tuple[Layout, Layout]:
   """(train, rollout) layouts over one mesh from a `config.sections.Mesh`."""
   devices = jax.devices()[:section.num_devices or None]
   mesh = make_mesh(section.data, section.fsdp, section.tensor,
-                   expert=section.expert, devices=devices)
+                   expert=section.expert, context=section.context,
+                   devices=devices)
   return train_layout(mesh), rollout_layout(mesh, section.rollout_tensor,
                                             section.rollout_expert)
 
@@ -127,7 +132,8 @@ def async_layouts(section, rollout_devices: int
                       f"{len(devices)} devices: it needs at least one and "
                       "must leave one to train on")
   train = make_mesh(section.data, section.fsdp, section.tensor,
-                    expert=section.expert, devices=devices[:-rollout_devices])
+                    expert=section.expert, context=section.context,
+                    devices=devices[:-rollout_devices])
   decode = make_mesh(fsdp=-1, devices=devices[-rollout_devices:])
   return (train_layout(train),
           rollout_layout(decode, section.rollout_tensor,

@@ -88,10 +88,15 @@ def build(c, source, train_layout, rollout_layout, timeline=None) -> Policy:
   # loaded: a config error, nothing compiled yet.
   c.rollout.check_sampling(checkpoint_or_preset.config_of(
       c.model, vocab_size=source.tokenizer.vocab_size).vocab_size)
-  if c.rl.routing_replay and not checkpoint_or_preset.config_of(
-      c.model, vocab_size=source.tokenizer.vocab_size).is_moe:
+  is_moe = checkpoint_or_preset.config_of(
+      c.model, vocab_size=source.tokenizer.vocab_size).is_moe
+  if c.rl.routing_replay and not is_moe:
     raise ConfigError("config.rl.routing_replay=True: the model has no "
                       "routed experts (config.model is dense)")
+  if c.mesh.context > 1 and is_moe:
+    raise ConfigError("config.mesh.context > 1 with an MoE policy: not "
+                      "implemented yet (its layers route each device's "
+                      "whole sequences); set mesh.context=1")
   cfg, graphdef, params = checkpoint_or_preset.build(
       c.model, seed=c.seed, layout=train_layout,
       vocab_size=source.tokenizer.vocab_size)
