@@ -60,6 +60,15 @@ step with the code paths it replaces (`*_before`: layers in a Python loop,
 no remat, T x T attention, the whole [B*T, V] logits); in --quick on
 `qwen2.5-0.5b` only (`small.*`), the full run on every preset.
 
+`<preset>.train_gib_per_device_<len>_cp<N>` (first preset): the train step
+of the repeated layout with one sequence of <len> tokens (32k, 64k, 128k)
+for each data-parallel rank, on 8 devices with `context` = N (1: FSDP 8,
+one whole sequence a device; 8: one sequence split over the 8 devices,
+`parallel/context.py`), the same remat ("full") and micro-batch (1);
+`..._temp_gib_<len>_cp<N>` its temporaries (the activations; the
+arguments, params and AdamW state FSDP over all 8 devices in both, do not
+change) and `long_temp_ratio_<len>` = temporaries at N = 1 / at N = 8.
+
 `--smoke` (tests/test_benchmarks_smoke.py): --quick's programs on the
 `tiny` preset cut to one layer (also as `small`, its train step compiled
 once) with 64 + 192 tokens; numbers meaningless.
@@ -101,6 +110,8 @@ NUM_LAYERS = None  # None: each preset's own.
 # rollout: 2 replicas of 8 devices, a 64K-token KV pool per device.
 MOE_PRESET, MOE_DEVICES, MOE_EXPERT = "qwen3-30b-a3b", 16, 8
 MOE_SEQS, MOE_SEQ_LEN, MOE_KV_TOKENS = 2, 4096, 65536
+# Long sequences: tokens of one sequence, and the `context` sizes compared.
+LONG_LENGTHS, LONG_CONTEXT = (32768, 65536, 131072), (1, 8)
 
 
 def _use_smoke_shapes() -> None:
@@ -112,8 +123,9 @@ def _use_smoke_shapes() -> None:
   run; only `--smoke` rebinds them, before anything is measured.
   """
   global PROMPT, RESPONSE, SMALL, NUM_LAYERS, MOE_PRESET, MOE_SEQ_LEN
-  global MOE_KV_TOKENS
+  global MOE_KV_TOKENS, LONG_LENGTHS
   PROMPT, RESPONSE, SMALL, NUM_LAYERS = 64, 192, "tiny", 1
+  LONG_LENGTHS = (2048,)
   MOE_PRESET, MOE_SEQ_LEN, MOE_KV_TOKENS = "tiny-moe", 64, 1024
 
 
@@ -183,6 +195,36 @@ def _train(cfg, learner_of):
                 if k not in ("old_logp", "ref_logp", "advantages")}
   logp = learner._logprobs_jit.lower(params, logp_batch).compile()  # pylint: disable=protected-access
   return _memory(train), _memory(logp), compile_s
+
+
+def _long_train(cfg, length: int, context: int) -> tuple[dict, float]:
+  """(train memory, compile seconds) of one `length`-token sequence for
+  each data-parallel rank on `_DEVICES` devices with `context` of them
+  splitting each sequence (the repeated layout)."""
+  import jax
+  import jax.numpy as jnp
+  from rlhf_jax.models import model as model_lib
+  from rlhf_jax.parallel import mesh as mesh_lib
+
+  layout = mesh_lib.train_layout(mesh_lib.make_mesh(
+      fsdp=_DEVICES // context, context=context,
+      devices=jax.devices()[:_DEVICES]))
+  graphdef, params = model_lib.abstract_params(cfg)
+  learner = _learner_of(cfg, max_len=length)(graphdef, layout)
+  _, state = _train_state(learner, layout, params)
+  B = _DEVICES // context
+  shapes = {"tokens": jnp.int32, "positions": jnp.int32,
+            "attn_mask": jnp.bool_, "targets": jnp.int32,
+            "loss_mask": jnp.float32, "old_logp": jnp.float32,
+            "ref_logp": jnp.float32}
+  batch = {k: jax.ShapeDtypeStruct(
+      (B, length), d, sharding=layout.sharding(("batch", None), (B, length)))
+           for k, d in shapes.items()}
+  batch["advantages"] = jax.ShapeDtypeStruct(
+      (B,), jnp.float32, sharding=layout.sharding(("batch",), (B,)))
+  t0 = time.perf_counter()
+  compiled = learner._step_jit.lower(state, batch).compile()  # pylint: disable=protected-access
+  return _memory(compiled), time.perf_counter() - t0
 
 
 def _paged_engine(cfg, graphdef, layout, groups=DECODE_GROUPS, **pool):
@@ -410,7 +452,7 @@ def _moe_rollout(cfg, devices) -> dict:
           "expert_parallel": layout.mesh.shape["expert"]}
 
 
-def _learner_of(cfg):
+def _learner_of(cfg, max_len: int = 0):
   from rlhf_jax.models import lora
   from rlhf_jax.rl import objectives
   from rlhf_jax.rl.losses import KLConfig
@@ -419,7 +461,7 @@ def _learner_of(cfg):
   def build(graphdef, layout):
     return objectives.policy_learner(
         graphdef, layout, objectives.PolicyLossConfig(
-            kl=KLConfig(0.01), max_len=RESPONSE),
+            kl=KLConfig(0.01), max_len=max_len or RESPONSE),
         make_optimizer(OptimConfig()), micro_batches=1,
         trainable=None if cfg.lora is None else lora.ADAPTERS)
   return build
@@ -497,6 +539,23 @@ def main(argv):
           f"({time.perf_counter() - t_start:.0f}s)", flush=True)
     if not _QUICK.value:
       measure(preset, preset, before=True)
+  preset = presets[0]
+  for length in LONG_LENGTHS:
+    name = f"{length // 1024}k"
+    temps = {}
+    for context in LONG_CONTEXT:
+      train, compile_s = _long_train(_configs(preset)[0], length, context)
+      out[f"{preset}.train_gib_per_device_{name}_cp{context}"] = round(
+          train["gib"], 2)
+      out[f"{preset}.train_temp_gib_{name}_cp{context}"] = round(
+          train["temp_gib"], 2)
+      temps[context] = train["temp_gib"]
+      print(f"  {preset} {name} tokens a sequence, context {context}: "
+            f"train {train['gib']:.2f} GiB (temp {train['temp_gib']:.2f}), "
+            f"compile {compile_s:.1f}s ({time.perf_counter() - t_start:.0f}s)",
+            flush=True)
+    out[f"{preset}.long_temp_ratio_{name}"] = round(
+        temps[LONG_CONTEXT[0]] / temps[LONG_CONTEXT[-1]], 2)
   moe_cfg = _configs(MOE_PRESET)[0]
   devices = jax.devices()[:MOE_DEVICES]
   moe_train = _moe_train(moe_cfg, devices)
