@@ -81,6 +81,7 @@ Last stdout line: JSON with `<preset>.train_gib_per_device`,
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import time
 
@@ -420,6 +421,10 @@ def _moe_train(cfg, devices) -> dict:
       compiled = learner._step_jit.lower(state, batch).compile()  # pylint: disable=protected-access
     out[name] = {**_memory(compiled),
                  "compile_s": time.perf_counter() - t0}
+    # Gone before the next: an equal live learner would lend it its
+    # programs, traced with the other `ragged_dot` (`shared_programs`).
+    del learner, state, compiled
+    gc.collect()
   out["expert_parallel"] = layout.mesh.shape["expert"]
   out["fsdp"] = layout.mesh.shape["fsdp"]
   return out

@@ -80,6 +80,8 @@ FEATURES: dict[str, Feature] = {
     "grouped_layout": Feature(
         "config.rl.share_prompt=True without packed rows",
         lambda c, kind: c.grouped_layout),
+    "context": Feature("config.mesh.context > 1",
+                       lambda c, kind: c.mesh.context > 1),
     "packing": Feature("config.rl.pack_length",
                        lambda c, kind: c.rl.pack_length > 0),
     "gspo": Feature("policy_loss='gspo'",
@@ -153,6 +155,10 @@ TABLE: tuple[Row, ...] = (
     Row("stream", "batch_advantage", REFUSED,
         "streaming needs group-local advantages (a part of "
         "whole groups must get the advantages the whole batch would)"),
+    # Context parallelism: tested on packed rows and the repeated layout.
+    Row("context", "grouped_layout", REFUSED,
+        "not tested yet; set rl.pack_length > 0 (packed rows) or "
+        "share_prompt=False"),
     # Packed rows hold several sequences; the loss must tell them apart.
     Row("packing", "gspo", REFUSED,
         "GSPO takes the sequence ratio of a row; set "

@@ -43,6 +43,7 @@ ON = {
     "grouped_layout": {"rl.share_prompt": True, "rl.pack_length": 0,
                        "rollout.samples_per_row": 4},
     "packing": {"rl.pack_length": 64},
+    "context": {"mesh.context": 2, "rl.pack_length": 64},
     "gspo": {"rl.policy_loss": "gspo"},
     "several_epochs": {"rl.ppo_epochs": 2},
     "batch_advantage": {"rl.advantage": "reinforce_pp"},

@@ -93,11 +93,11 @@ def test_balance_gives_device_i_chunks_i_and_its_mirror(mesh8, C):
 
 
 def _grpo(layout, params, ref, samples, rewards):
-  """(per-token log-probs, loss, grads) of GRPO on packed rows with shared
-  prompts (sub-segments), through the Preparer (old and reference
-  log-probs, advantages) and the learner's gradient sums, as a step runs
-  them. The rows are dealt for 8 shards in every layout, so the arrays
-  line up."""
+  """(per-token log-probs, reference log-probs, loss, grads) of GRPO on
+  packed rows with shared prompts (sub-segments), through the Preparer
+  (the trainer's old log-probs, the reference's, advantages) and the
+  learner's gradient sums, as a step runs them. The rows are dealt for 8
+  shards in every layout, so the arrays line up."""
   graphdef, _ = model_lib.abstract_params(CFG)
   # A KL term large enough that the loss is not the near-cancelling sum of
   # group-normalised advantages (its rounding would be measured against
@@ -112,20 +112,16 @@ def _grpo(layout, params, ref, samples, rewards):
                           slots=packing.Slots(PACK, shards=8))
   batch, _ = preparer(params, ref, preparer.put(packed, rewards))
   grads, num, _, weight = learner.grad_sums(params, batch)
-
-  @jax.jit
-  def logp(params, batch):
-    with use_layout(layout):
-      return grouped.token_logprobs_in_layout(graphdef, params, batch)
-
-  return (np.asarray(logp(params, batch)) * np.asarray(batch["loss_mask"]),
-          np.asarray(batch["old_logp"]), float(num / weight),
+  mask = np.asarray(batch["loss_mask"])
+  return (np.asarray(batch["old_logp"]) * mask,
+          np.asarray(batch["ref_logp"]) * mask, float(num / weight),
           jax.tree.map(lambda g: np.asarray(g / weight), grads))
 
 
 def test_grpo_on_packed_rows_equals_the_unsplit_sequences(mesh8):
-  """context = 2, 4, 8: per-token log-probs, the old log-probs of the
-  ADVANTAGES stage, the loss and every gradient equal context = 1's."""
+  """context = 2, 4, 8: the per-token log-probs of the policy and of the
+  reference (the ADVANTAGES stage's passes), the loss and every gradient
+  equal context = 1's."""
   samples = _samples()
   rewards = np.random.default_rng(1).normal(size=N * G).astype(np.float32)
   runs = {}
@@ -134,14 +130,14 @@ def test_grpo_on_packed_rows_equals_the_unsplit_sequences(mesh8):
     _, params = model_lib.init_params(CFG, 0, layout)
     ref = jax.tree.map(lambda x: x * 1.5, params)
     runs[C] = _grpo(layout, params, ref, samples, rewards)
-  logp0, old0, loss0, grads0 = runs[1]
+  logp0, ref0, loss0, grads0 = runs[1]
   assert loss0 > 0.01
   assert np.count_nonzero(logp0) > 300  # Trained tokens compared.
   assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads0)) > 1e-4
   for C in SHARDS:
-    logp, old, loss, grads = runs[C]
+    logp, ref, loss, grads = runs[C]
     _close(logp, logp0, f"C={C} log-probs")
-    _close(old, old0, f"C={C} old log-probs")
+    _close(ref, ref0, f"C={C} reference log-probs")
     _close(loss, loss0, f"C={C} loss")
     for (path, g), g0 in zip(jax.tree_util.tree_leaves_with_path(grads),
                              jax.tree.leaves(grads0)):
@@ -244,3 +240,20 @@ def test_grpo_job_with_context_4_gives_the_unsplit_metrics(mesh8, tmp_path):
   assert all(records[1][s]["train/grad_norm"] > 1e-3 for s in (1, 2, 3))
   for key in ("eval/accuracy",):
     assert records[4][3][key] == records[1][3][key]
+
+
+def test_config_errors_name_the_key():
+  """`mesh.context` below 1, and an MoE policy split over `context`, are
+  refused in one line before anything compiles."""
+  import resume  # pylint: disable=g-import-not-at-top
+  from configs import tiny_grpo_moe  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.trainers import rl_job  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match="config.mesh.context=0"):
+    sections.Mesh(context=0)
+  c = resume.override(tiny_grpo_moe.get_config("runlocal"),
+                      **{"mesh.context": 2, "rl.pack_length": 64})
+  with pytest.raises(ConfigError, match=r"^config\.mesh\.context > 1 with an "
+                     r"MoE policy: not implemented yet [^\n]*$"):
+    rl_job.build(c)
