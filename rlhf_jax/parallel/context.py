@@ -21,11 +21,11 @@ with compute, which XLA does not schedule across our attention's loops.
 The gather also keeps the one attention kernel we have unchanged.
 `benchmarks/memory.py` measures what it costs (`..._cp<N>` keys).
 
-Load balance: with contiguous shards the causal mask leaves shard 0 one
-block pair per query block and the last shard C of them. The trunk
-therefore lays each sequence out in 2 C chunks, device i holding chunks i
-and 2 C - 1 - i ("zigzag"), so every device attends to 2 C + 1 chunk
-pairs' worth of keys. `balance` and `unbalance` move the chunks with two
+Load balance: cut a sequence into 2 C chunks. With contiguous shards
+device i holds chunks 2i and 2i + 1, which the causal mask lets attend to
+4i + 3 (query chunk, key chunk) pairs: 3 on the first device, 4 C - 1 on
+the last. The trunk therefore lays each sequence out so that device i
+holds chunks i and 2 C - 1 - i ("zigzag"): 2 C + 1 pairs on every device. `balance` and `unbalance` move the chunks with two
 `ppermute`s over `context` (a gather of the whole array would hold every
 shard's activations on every device); the trunk balances its inputs once
 and unbalances its output once.

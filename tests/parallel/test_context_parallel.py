@@ -80,6 +80,14 @@ def test_balance_gives_device_i_chunks_i_and_its_mirror(mesh8, C):
   np.testing.assert_array_equal(np.asarray(moved), np.asarray(x)[:, want])
   np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
   np.testing.assert_array_equal(context.balanced_order(T, C), want)
+  # The point of the layout: every device has 2C + 1 causal (query chunk,
+  # key chunk) pairs; contiguous shards give device i 4i + 3.
+  chunk_of = np.arange(T) // c
+  for order, pairs in ((want, [2 * C + 1] * C),
+                       (np.arange(T), [4 * i + 3 for i in range(C)])):
+    held = chunk_of[order].reshape(C, -1)  # Device i's tokens' chunks.
+    assert [len({(q, k) for q in set(h) for k in range(q + 1)})
+            for h in held] == pairs
   # Each device holds its two chunks: the split is along the tokens.
   device_index = {d: i for i, d in enumerate(
       layout.mesh.devices.reshape(-1))}
