@@ -140,6 +140,10 @@ class Mesh:
     one_of(self, "stale_samples", staleness.STALE_POLICIES)
     if sum(v == -1 for v in (self.data, self.fsdp, self.tensor)) > 1:
       fail(self, "data", "at most one of data, fsdp, tensor may be -1")
+    if self.context > 1 and self.tensor != 1:
+      fail(self, "context", "context > 1 with mesh.tensor != 1: not "
+           "implemented yet (the gathered attention splits heads over "
+           "tensor untested); set one of them to 1")
 
 
 @dataclasses.dataclass(frozen=True)

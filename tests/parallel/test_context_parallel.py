@@ -260,6 +260,9 @@ def test_config_errors_name_the_key():
   from rlhf_jax.trainers import rl_job  # pylint: disable=g-import-not-at-top
   with pytest.raises(ConfigError, match="config.mesh.context=0"):
     sections.Mesh(context=0)
+  with pytest.raises(ConfigError, match=r"^config\.mesh\.context=2: context "
+                     r"> 1 with mesh\.tensor != 1: not implemented yet"):
+    sections.Mesh(context=2, tensor=2)
   c = resume.override(tiny_grpo_moe.get_config("runlocal"),
                       **{"mesh.context": 2, "rl.pack_length": 64})
   with pytest.raises(ConfigError, match=r"^config\.mesh\.context > 1 with an "
