@@ -22,8 +22,9 @@ def reply_fn(turns=2):
   `turns` turns of a sample, then the sample ends."""
   seen = {}
 
-  def reply(request, sample_idx, tokens):
+  def reply(request, sample_idx, tokens, logp=None):
     assert tokens[-1] in STOPS
+    assert logp is None or len(logp) == len(tokens)
     k = seen[request.prompt_id, sample_idx] = seen.get(
         (request.prompt_id, sample_idx), 0) + 1
     return REPLY + [40 + k] if k <= turns else None

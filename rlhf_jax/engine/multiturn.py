@@ -2,7 +2,9 @@
 
 `MultiTurnDriver` is a `Driver` whose samples may take several turns.
 When a sample draws a stop token (the end of its turn, or the close of a
-tool call), `reply(request, sample_idx, tokens)` (the environment) returns
+tool call), `reply(request, sample_idx, tokens, logp)` (the environment;
+`logp`: each token's log-prob under the distribution sampled from, 0 at
+appended ones) returns
 the tokens to append (a tool's output, the next user message, the chat
 template's turn markers) or None to end the sample there. Appended tokens
 get their KV with `moves.extend`, after the sample's own pages:
@@ -37,8 +39,9 @@ from rlhf_jax.engine import moves
 from rlhf_jax.engine.driver import Driver
 
 # (request, sample index, tokens after the prompt so far, ending with the
-# stop token) -> tokens to append, or None: the sample ends.
-Reply = Callable[[Request, int, list], Sequence[int] | None]
+# stop token, their log-probs) -> tokens to append, or None: the sample
+# ends.
+Reply = Callable[[Request, int, list, list], Sequence[int] | None]
 
 
 class MultiTurnDriver(Driver):
@@ -58,7 +61,8 @@ class MultiTurnDriver(Driver):
     key = it.request.prompt_id, it.sample_idx
     extra, length = None, False
     if token in self.engine.sampling.stop_tokens:
-      extra = self.reply(it.request, it.sample_idx, it.tokens + [token])
+      extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
+                         it.logp + [logp])
       extra = None if extra is None else [int(t) for t in extra]
       # The reply and one more sampled token must fit the budget.
       length = bool(extra) and len(it.tokens) + 2 + len(extra) > it.budget

@@ -69,16 +69,18 @@ class AgentSession:
     self.requests = 0
     self.closed = False
     self._cv = threading.Condition()
-    self._turn: tuple[str, str] | None = None  # (text, finish reason)
+    # (text, finish reason, [(token text, log-prob)] or None)
+    self._turn: tuple[str, str, list | None] | None = None
     self._new: str | None = None               # Rendered, not yet appended.
     self._reward: float | None = None          # The agent returned.
     self._failure: str | None = None           # The agent raised.
 
   # ---------------------------------------------- the server's thread
-  def exchange(self, rendered: str) -> tuple[str, str]:
+  def exchange(self, rendered: str) -> tuple[str, str, list | None]:
     """The agent's whole conversation `rendered` by the chat template ->
     the model's next turn (text, finish reason: "stop", or "length" when
-    the episode ended without one)."""
+    the episode ended without one; its tokens as (text, log-prob), None
+    when there are none)."""
     with self._cv:
       if self.closed:
         raise SessionClosed(f"episode {self.id} has ended")
@@ -103,7 +105,7 @@ class AgentSession:
         raise TimeoutError(f"episode {self.id}: no model turn within "
                            f"{self.timeout_s:g} s")
       if self._turn is None:  # Ended (the token budget) before a turn.
-        return "", "length"
+        return "", "length", None
       turn, self._turn = self._turn, None
       self.text += turn[0]  # What the agent has now seen.
       return turn
@@ -119,10 +121,11 @@ class AgentSession:
       self._cv.notify_all()
 
   # ---------------------------------------------- the driver's thread
-  def turn(self, action: str) -> Step:
-    """Hands the model's turn to the agent; its next move as a Step."""
+  def turn(self, action: str, logprobs: list | None = None) -> Step:
+    """Hands the model's turn (and its tokens' (text, log-prob)) to the
+    agent; its next move as a Step."""
     with self._cv:
-      self._turn = (action, "stop")  # `text` takes it when delivered.
+      self._turn = (action, "stop", logprobs)  # `text` takes it when delivered.
       self._cv.notify_all()
       moved = self._cv.wait_for(
           lambda: (self._new is not None or self._reward is not None
@@ -177,8 +180,10 @@ class AgentEnv:
     else:
       self.session.finish(reward)
 
-  def step(self, action: str) -> Step:
-    step = self.session.turn(action)
+  takes_logprobs = True  # `Episodes` hands each turn's tokens' log-probs.
+
+  def step(self, action: str, logprobs: list | None = None) -> Step:
+    step = self.session.turn(action, logprobs)
     if step.done:
       self.close()
     return step

@@ -119,8 +119,11 @@ class Episodes:
     if self.log is not None and step is not None:
       self.log.begin(step)
 
-  def __call__(self, request, sample_idx: int, tokens: list):
-    """The driver's reply: tokens to append, or None (the sample ends)."""
+  def __call__(self, request, sample_idx: int, tokens: list,
+               logp: list | None = None):
+    """The driver's reply: tokens to append, or None (the sample ends).
+    An environment with `takes_logprobs` also gets the turn's tokens, each
+    as (its text, its log-prob)."""
     key = request.prompt_id, sample_idx
     ep = self._live.get(key)
     if ep is None:
@@ -130,7 +133,13 @@ class Episodes:
     log_key = (*key, ep.turns)
     result = self.log.recorded.get(log_key) if self.log else None
     if result is None:
-      result = ep.env.step(self._decode(tokens[ep.start:]))
+      turn = tokens[ep.start:]
+      if getattr(ep.env, "takes_logprobs", False) and logp is not None:
+        result = ep.env.step(self._decode(turn), logprobs=[
+            (self._decode([t]), float(lp))
+            for t, lp in zip(turn, logp[ep.start:])])
+      else:
+        result = ep.env.step(self._decode(turn))
       if self.log is not None:
         self.log.put(log_key, result)
     else:

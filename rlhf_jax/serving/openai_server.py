@@ -9,8 +9,12 @@ aiohttp serves it from a thread of its own, on 127.0.0.1 and a free port by
 default. Routes: `GET /v1/models`, `POST /v1/chat/completions` (messages
 rendered by the chat template; the model's turn comes back as content and
 `tool_calls`, parsed by the tool format), `POST /v1/completions` (the
-prompt is the conversation's text as is). Not streaming; no `logprobs` in
-the answers yet (the trainer has them: `Sample.logp_raw`).
+prompt is the conversation's text as is). Not streaming. `logprobs` when
+asked (chat: `logprobs: true`; completions: `logprobs: 0`): each token of
+the model's turn with its log-prob under the distribution the job sampled
+from (`Sample.logp`, the sampler's), the turn's stop token included;
+`top_logprobs` (chat > 0, completions' `logprobs` > 0) are refused: the
+engine records the drawn token's log-prob only.
 
 Security: every request carries `Authorization: Bearer <run key>.<episode>`,
 the run key fresh and random per server; anything else is refused with 401
@@ -139,6 +143,10 @@ class AgentServer:
                        f"{name}={ours} (the job's sampling settings govern)")
     if body.get("stream"):
       raise _Refused(400, "stream=true is not supported")
+    top = body.get("top_logprobs")
+    if top:
+      raise _Refused(400, f"top_logprobs={top}: not supported (the engine "
+                     "records the drawn token's log-prob only)")
 
   async def _models(self, request):
     from aiohttp import web  # pylint: disable=g-import-not-at-top
@@ -167,6 +175,7 @@ class AgentServer:
       if not isinstance(body, dict):
         raise _Refused(400, "the body must be a JSON object")
       self._check_sampling(body)
+      want_logprobs = _wants_logprobs(body, chat=chat)
       try:
         if chat:
           text = self.renderer.render(body.get("messages") or [])
@@ -177,8 +186,8 @@ class AgentServer:
       except MessageError as e:
         raise _Refused(400, str(e)) from None
       try:
-        turn, reason = await asyncio.get_running_loop().run_in_executor(
-            None, session.exchange, text)
+        turn, reason, tokens = await asyncio.get_running_loop(
+        ).run_in_executor(None, session.exchange, text)
       except HistoryError as e:
         raise _Refused(400, str(e)) from None
       except SessionClosed as e:
@@ -194,11 +203,13 @@ class AgentServer:
       if reason == "stop" and message.get("tool_calls"):
         reason = "tool_calls"
       choice = {"index": 0, "message": message, "finish_reason": reason,
-                "logprobs": None}
+                "logprobs": _chat_logprobs(tokens) if want_logprobs
+                else None}
       kind = "chat.completion"
     else:
       choice = {"index": 0, "text": turn, "finish_reason": reason,
-                "logprobs": None}
+                "logprobs": _completion_logprobs(tokens) if want_logprobs
+                else None}
       kind = "text_completion"
     return web.json_response({
         "id": f"{session.id}-{session.requests}", "object": kind,
@@ -212,6 +223,39 @@ class AgentServer:
     return web.json_response(
         {"error": {"message": e.message, "type": "invalid_request_error",
                    "code": e.status}}, status=e.status)
+
+
+def _wants_logprobs(body: Mapping, *, chat: bool) -> bool:
+  """Whether the request asks for log-probs: chat's `logprobs: true`,
+  completions' `logprobs: 0` (an int there: how many alternatives, which
+  are refused)."""
+  asked = body.get("logprobs")
+  if chat or asked is None or isinstance(asked, bool):
+    return bool(asked)
+  if not isinstance(asked, int) or asked < 0:
+    raise _Refused(400, f"logprobs={asked!r}: must be a count >= 0")
+  if asked > 0:
+    raise _Refused(400, f"logprobs={asked}: only 0 is supported (the "
+                   "engine records the drawn token's log-prob only)")
+  return True
+
+
+def _chat_logprobs(tokens) -> dict:
+  """Chat's `choice.logprobs`: each token of the turn."""
+  return {"content": [
+      {"token": text, "logprob": logp, "bytes": list(text.encode()),
+       "top_logprobs": []} for text, logp in tokens or ()]}
+
+
+def _completion_logprobs(tokens) -> dict:
+  """Completions' `choice.logprobs`: tokens, their log-probs, offsets."""
+  offsets, at = [], 0
+  for text, _ in tokens or ():
+    offsets.append(at)
+    at += len(text)
+  return {"tokens": [t for t, _ in tokens or ()],
+          "token_logprobs": [lp for _, lp in tokens or ()],
+          "top_logprobs": None, "text_offset": offsets}
 
 
 class _Refused(Exception):

@@ -92,7 +92,8 @@ def _oracle_reply():
   """The same environment written independently: replies by sample."""
   seen = {}
 
-  def reply(request, j, tokens):
+  def reply(request, j, tokens, logp=None):
+    del logp
     last = seen.get((request.prompt_id, j), (0, 0))
     turns, start = last[0] + 1, last[1]
     if turns > 2:

@@ -5,6 +5,7 @@ gives for the same conversations and seeds; requests without the key, with
 an edited history or with the job's sampling overridden are refused; an
 agent that crashes ends its episode as failed and the rollout goes on."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -131,6 +132,61 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
   assert server.refused == 0
 
 
+class _AskingLogprobs:
+  """An `openai` client whose chat calls ask for log-probs and keep what
+  comes back: `turns`, one [(token, log-prob)] list per answer."""
+
+  def __init__(self, client):
+    self.client, self.turns = client, []
+    self.chat = self.completions = self
+
+  def create(self, **kwargs):
+    reply = self.client.chat.completions.create(logprobs=True, **kwargs)
+    content = reply.choices[0].logprobs.content
+    self.turns.append([(c.token, c.logprob) for c in content])
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    return reply
+
+
+def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8):
+  """An agent asking for log-probs gets each token of each model turn
+  with the sampler's log-prob: the sample's `logp` at that turn's tokens
+  (the runs between appended replies that end at a stop token), the
+  tokens' texts making up the turn's text. (A turn the token budget cut
+  reaches the agent as finish reason "length" with no tokens; a sample
+  cut in its first turn never starts its agent.)"""
+  seen = collections.defaultdict(list)  # Prompt -> each episode's turns.
+
+  def agent(client, prompt, metadata):
+    asking = _AskingLogprobs(client)
+    seen[prompt].append(asking.turns)
+    return calc_agent(asking, prompt, metadata)
+
+  got, metrics, _, server, _ = _through_endpoint(tiny_model, mesh8, SAMPLED,
+                                                 agent)
+  assert server.refused == 0 and metrics["rollout/tool_errors"] == 0
+  by_prompt = collections.defaultdict(list)
+  for s in got.values():
+    turns, start = [], 0
+    for i in range(len(s.tokens) + 1):
+      if i == len(s.tokens) or s.env_mask[i]:
+        if start < i and s.tokens[i - 1] in SAMPLED.stop_tokens:
+          turns.append([(TOK.decode([t], stop_at_eos=False), lp) for t, lp
+                        in zip(s.tokens[start:i], s.logp[start:i])])
+        start = i + 1
+    if turns:
+      by_prompt[TOK.decode(_requests()[s.prompt_id].tokens)].append(turns)
+  answered = {p: [[t for t in turns if t] for turns in episodes]
+              for p, episodes in seen.items()}
+  assert sorted(answered) == sorted(by_prompt)
+  for prompt, episodes in answered.items():
+    assert sorted(episodes) == sorted(by_prompt[prompt]), prompt
+  # Not vacuous: many turns, tool calls among them (the random model's
+  # turns after a tool's reply run into the token budget here).
+  assert sum(len(t) for eps in answered.values() for t in eps) >= 32
+  assert metrics["rollout/tool_call_rate"] > 0.05
+
+
 def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refused():
   server = _server(SAMPLED)
   try:
@@ -152,7 +208,13 @@ def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refuse
           messages=[{"role": "user", "content": "12*3="}])
     with pytest.raises(openai.NotFoundError):
       _client(server, f"{run_key}.e-none").models.list()
-    assert server.refused == 6
+    with pytest.raises(openai.BadRequestError, match="top_logprobs=2"):
+      client.chat.completions.create(
+          model="policy", logprobs=True, top_logprobs=2,
+          messages=[{"role": "user", "content": "12*3="}])
+    with pytest.raises(openai.BadRequestError, match="logprobs=1: only 0"):
+      client.completions.create(model="policy", prompt="12*3=", logprobs=1)
+    assert server.refused == 8
     # The prompt's own messages wait for the model's turn; the episode
     # ends (no turn) and the request is answered, finish reason "length".
     answer = {}
