@@ -31,6 +31,8 @@ _AUTO = (AxisType.Auto,) * len(AXES)
 TRAIN_RULES = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", "context"),
+    # [batch x length] flattened: batch's axes, then length's.
+    ("rows", ("data", "fsdp", "expert", "context")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -40,6 +42,7 @@ TRAIN_RULES = (
 )
 ROLLOUT_RULES = (
     ("batch", "data"),
+    ("rows", "data"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

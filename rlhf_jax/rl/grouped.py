@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlhf_jax.models import grouped_forward as grouped_model
+from rlhf_jax.parallel.layout import active_layout
 from rlhf_jax.rl.logprobs import head_logprobs
 
 PROMPT_KEYS = ("prompt_tokens", "prompt_len")
@@ -128,11 +129,14 @@ def target_logprobs(graphdef, params, mb: dict, *,
   hidden, stats = hidden if weights is not None else (hidden, None)
   head, axis = model.head()
   rows, vocab = model.cfg.logprob_chunks
+  layout = active_layout()
   out = head_logprobs(hidden, head, targets, vocab_axis=axis,
                       softcap=model.cfg.final_logit_softcap,
                       temperature=temperature,
                       row_chunk=rows or targets.size,
-                      vocab_chunk=vocab or head.shape[axis])
+                      vocab_chunk=vocab or head.shape[axis],
+                      row_groups=1 if layout is None else layout.shards(
+                          "rows"))
   return (*out, stats) if router_stats else out
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_parts import cap_logits
+from rlhf_jax.parallel.layout import constrain
 
 
 
@@ -80,7 +81,8 @@ def token_entropy(
 def head_logprobs(hidden_BxTxD: jax.Array, head: jax.Array,
                   targets_BxT: jax.Array, *, vocab_axis: int,
                   softcap: float | None = None, temperature: float = 1.0,
-                  row_chunk: int = 1024, vocab_chunk: int = 8192):
+                  row_chunk: int = 1024, vocab_chunk: int = 8192,
+                  row_groups: int = 1):
   """(log p(targets), entropy, argmax) [B, T] from hidden states and the
   vocabulary projection, never holding more than a [row_chunk, vocab_chunk]
   block of logits (the full [B, T, V] is what OOMs at real vocabularies:
@@ -102,9 +104,25 @@ def head_logprobs(hidden_BxTxD: jax.Array, head: jax.Array,
     temperature: the sampler's temperature.
     row_chunk, vocab_chunk: block sizes (shrunk to the shapes); logits
       that fit one block are computed whole (the same memory, no loops).
+    row_groups: the devices the [B * T] rows are split over (the active
+      layout's "rows": batch shards x context shards). Each group's rows
+      are chunked on their own, under `vmap`, so every device computes its
+      own rows: a loop over chunks of rows split across devices would
+      have XLA gather every row onto every device and compute the whole
+      head there.
   """
   B, T, D = hidden_BxTxD.shape
   V = head.shape[vocab_axis]
+  if row_groups > 1 and (B * T) % row_groups == 0 and (
+      B * T > row_chunk or V > vocab_chunk):
+    h_SxMxD = constrain(hidden_BxTxD.reshape(row_groups, -1, D),
+                        ("rows", None, None))
+    t_SxM = constrain(targets_BxT.reshape(row_groups, -1), ("rows", None))
+    out = jax.vmap(lambda h, t: head_logprobs(
+        h[None], head, t[None], vocab_axis=vocab_axis, softcap=softcap,
+        temperature=temperature, row_chunk=row_chunk,
+        vocab_chunk=vocab_chunk))(h_SxMxD, t_SxM)
+    return tuple(o.reshape(B, T) for o in out)
   if B * T <= row_chunk and V <= vocab_chunk:  # One block: no loops needed.
     z = jnp.einsum("btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv",
                    hidden_BxTxD, head.astype(hidden_BxTxD.dtype),

@@ -307,6 +307,55 @@ def test_head_logprobs_equal_full_logits():
       np.testing.assert_allclose(y, x, rtol=1e-4, atol=2e-5)
 
 
+def test_head_logprobs_split_over_devices_compute_their_own_rows(mesh8):
+  """Under the 8-device train layout, with the rows in 8 groups, the
+  chunked log-probs and their gradients equal the whole logits'; and no
+  device gathers all the rows (as the one-group loop over row chunks has
+  XLA do: every device computing the whole batch's vocabulary head)."""
+  from rlhf_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.parallel.layout import use_layout  # pylint: disable=g-import-not-at-top
+  layout = mesh_lib.train_layout(mesh8)
+  rng = np.random.default_rng(1)
+  B, T, D, V = 8, 12, 16, 37
+  h = jax.device_put(jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32),
+                     layout.sharding(("batch", None, None)))
+  w = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
+  tg = jax.device_put(jnp.asarray(rng.integers(0, V, size=(B, T))),
+                      layout.sharding(("batch", None)))
+  weights = jnp.asarray(rng.random((B, T)), jnp.float32)
+  groups = layout.shards("rows")
+  assert groups == 8
+
+  def loss(h, w, groups):
+    with use_layout(layout):
+      logp, _, _ = logprobs.head_logprobs(
+          h, w, tg, vocab_axis=0, row_chunk=8, vocab_chunk=10,
+          row_groups=groups)
+    return (logp * weights).sum(), logp
+
+  def full(h, w):
+    z = jnp.einsum("btd,vd->btv", h, w)
+    logp = logprobs.token_logprobs(z, tg)
+    return (logp * weights).sum(), logp
+
+  def gathers_all_rows(fn):
+    text = jax.jit(fn).lower(h, w).compile().as_text()
+    sizes = [np.prod([int(d) for d in m.group(1).split(",") if d])
+             for line in text.splitlines() if "all-gather" in line
+             for m in _SHAPE.finditer(line.split("=", 1)[1][:80])]
+    return max(sizes, default=0) >= B * T * D
+
+  want = jax.value_and_grad(full, (0, 1), has_aux=True)(h, w)
+  split = lambda h, w: loss(h, w, groups)  # noqa: E731
+  got = jax.jit(jax.value_and_grad(split, (0, 1), has_aux=True))(h, w)
+  np.testing.assert_allclose(got[0][1], want[0][1], atol=1e-5)
+  for x, y in zip(want[1], got[1]):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=2e-5)
+  grad_of = lambda f: jax.grad(lambda h, w: f(h, w)[0], (0, 1))  # noqa: E731
+  assert not gathers_all_rows(grad_of(split))
+  assert gathers_all_rows(grad_of(lambda h, w: loss(h, w, 1)))
+
+
 # ------------------------------------------------------- compiled HLO shapes
 _SHAPE = re.compile(r"\b(?:f32|bf16|f16|pred|s32|u32)\[([0-9,]+)\]")
 
