@@ -154,17 +154,17 @@ PINS: list[Pin] = [
       "decode_old_launch/pallas.shared/median_step_ms",
       "decode_unrolled_old_launch/pallas.shared/prefill_s",
       "decode_old_launch/pallas.shared/prefill_s"),
-    P(R, "Qwen2.5-7B: 26.82 GiB per device", "memory_cpu.json",
+    P(R, "Qwen2.5-7B: 28.89 GiB per device", "memory_cpu.json",
       "result/qwen2.5-7b.train_gib_per_device"),
     P(R, "live pages (4.4x faster", "paged_long_tail_cpu.json",
       "result/long_tail_speedup_vs_static"),
-    P(R, "train 26.82 GiB with FSDP 8, bf16, remat; 63× less temporary",
+    P(R, "train 28.89 GiB with FSDP 8, bf16, remat; 64× less temporary",
       "memory_cpu.json", "result/qwen2.5-7b.train_gib_per_device", None,
       "result/small.train_temp_ratio"),
     P(R, "bf16 base 19.23 GiB", "memory_cpu.json",
       "result/qwen2.5-7b.train_gib_per_device_lora"),
     P(R, "one 128K-token sequence split over the 8 devices "
-      "(`mesh.context=8`) 27.70 GiB, against 118.29 GiB", "memory_cpu.json",
+      "(`mesh.context=8`) 27.34 GiB, against 116.41 GiB", "memory_cpu.json",
       None, None, None, "result/qwen2.5-7b.train_gib_per_device_128k_cp8",
       "result/qwen2.5-7b.train_gib_per_device_128k_cp1"),
     P(R, "rows engine, since deleted: 4.4x faster, pool / peak live KV 1.15 "
@@ -401,17 +401,17 @@ PINS: list[Pin] = [
       "result/runs/1/accuracy_by_carries/2/0"),
     P(D, "1.81x the tokens/s", RM, "result/rollout_vs_transformers"),
     P(D, "at 0.331 of this machine's", RM, "result/train_vs_matmul_peak"),
-    P(D, "needs 26.82 GiB per device\n(16.18 temporary)", MEM,
+    P(D, "needs 28.89 GiB per device\n(18.25 temporary)", MEM,
       "result/qwen2.5-7b.train_gib_per_device",
       "result/qwen2.5-7b.train_temp_gib"),
     P(D, "log-prob pass\n6.66 GiB", MEM,
       "result/qwen2.5-7b.logprob_gib_per_device"),
     P(D, "bf16 base 19.23 GiB", MEM,
       "result/qwen2.5-7b.train_gib_per_device_lora"),
-    P(D, "train step needs **59.75 GiB per device** (38.42 temporary)", MEM,
+    P(D, "train step needs **59.65 GiB per device** (38.32 temporary)", MEM,
       "result/qwen3-30b-a3b.train_gib_per_device",
       "result/qwen3-30b-a3b.train_temp_gib"),
-    P(D, "adds 150.71 GiB (210.46 in all)", MEM,
+    P(D, "adds 150.71 GiB (210.36 in all)", MEM,
       "result/qwen3-30b-a3b.ragged_dot_dense_cpu_gib",
       "result/qwen3-30b-a3b.train_gib_per_device_cpu_ragged_dot"),
     P(D, "take 9.62 GiB per\ndevice, and a KV pool of 65536 tokens 6.00 GiB",
@@ -421,11 +421,11 @@ PINS: list[Pin] = [
       "result/qwen2.5-7b.decode_gib_per_device",
       "result/qwen2.5-7b.decode_argument_gib",
       "result/qwen2.5-7b.decode_argument_gib_int8"),
-    P(D, "needs\n63.27x our temporary", MEM, "result/small.train_temp_ratio"),
-    P(D, "one sequence of 128K\ntokens a data-parallel rank needs 118.29 GiB per "
-      "device whole on each\ndevice and 27.70 GiB split over the 8 devices "
-      "with `mesh.context=8`; at\n32K, 40.26 and 17.83 GiB; at 64K, 66.27 and "
-      "21.08 GiB. The temporaries\nfall 4.12x, 5.33x and 6.31x from `context` "
+    P(D, "needs\n64.28x our temporary", MEM, "result/small.train_temp_ratio"),
+    P(D, "one sequence of 128K\ntokens a data-parallel rank needs 116.41 GiB per "
+      "device whole on each\ndevice and 27.34 GiB split over the 8 devices "
+      "with `mesh.context=8`; at\n32K, 39.69 and 17.61 GiB; at 64K, 65.26 and "
+      "20.84 GiB. The temporaries\nfall 4.17x, 5.36x and 6.33x from `context` "
       "1 to 8", MEM, None, "result/qwen2.5-7b.train_gib_per_device_128k_cp1",
       "result/qwen2.5-7b.train_gib_per_device_128k_cp8", None, None, None,
       "result/qwen2.5-7b.train_gib_per_device_32k_cp1",
