@@ -21,7 +21,9 @@ and `rl/losses.py`:
              docs/results.md, `seq_mask_trials_cpu.json`)
   cispo      CISPO's loss (clip_low 1: from above only) with TIS weights
 
-Each run is `benchmarks.job_run.run_job` (a child process, a fresh workdir);
+Each run is `benchmarks.job_run.run_job` (a child process, a fresh workdir)
+on 8 fake CPU devices (`XLA_FLAGS`'s device count, set to 8 when the
+environment gives none: the async job splits the devices);
 `gain` is its last held-out greedy accuracy minus its first (after the SFT
 warm-start). The result: each objective's median gain over the seeds and
 its difference to each baseline's median ([algos] asks >= -0.05), and
@@ -30,6 +32,7 @@ every run's gain.
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from absl import app
@@ -61,6 +64,10 @@ VARIANTS = {
 
 def main(argv):
   del argv
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{xla_flags} --xla_force_host_platform_device_count=8".strip())
   seeds = [int(s) for s in _SEEDS.value][:1 if _SMOKE.value else None]
   names = [n for n in VARIANTS
            if n == "sync" or not _ONLY.value or n in _ONLY.value]
