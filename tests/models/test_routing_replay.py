@@ -413,8 +413,8 @@ def test_multi_turn_appends_record_the_experts_of_their_tokens(
                       num_samples=2) for i in range(8)]
   reply = [40, 41]
 
-  def env(request, sample_idx, tokens):
-    del request, sample_idx
+  def env(request, sample_idx, tokens, logp=None):
+    del request, sample_idx, logp
     return None if 40 in tokens else reply
 
   driver = MultiTurnDriver(engine, params, reply=env)
