@@ -581,15 +581,27 @@ PINS: list[Pin] = [
     P(D, "427.5 s in all, the median RL\nstep 6.58 s", "job_tiny_code_cpu.json",
       "result/wall_s", "result/rl_step_median_s"),
     # ---- docs/results.md: off-policy objectives ([algos])
-    P(D, "synchronous default job gains +0.265", OBJ, "result/sync_gain_median"),
-    P(D, "+0.225 with TIS (-0.040)", OBJ, "result/tis.gain_median",
-      "result/tis.vs_sync"),
-    P(D, "+0.200 with IcePop (-0.065)", OBJ, "result/icepop.gain_median",
-      "result/icepop.vs_sync"),
-    P(D, "+0.175 with CISPO (-0.090)", OBJ, "result/cispo.gain_median",
-      "result/cispo.vs_sync"),
-    P(D, "+0.095 with the geometric sequence mask\nalone (-0.170)", OBJ,
-      "result/seq-mask.gain_median", "result/seq-mask.vs_sync"),
+    P(D, "synchronous default job gains +0.235, and the same job with bf16 "
+      "compute\n+0.220", OBJ, "result/sync_gain_median",
+      "result/sync_bf16_gain_median"),
+    P(D, "eta = 2 with a bf16 rollout copy gains +0.200\nwith TIS, +0.195 "
+      "with IcePop, +0.190 with the geometric sequence mask on\nTIS and "
+      "+0.205 with CISPO: -0.035, -0.040, -0.045 and -0.030 against the\n"
+      "synchronous job, -0.020, -0.025, -0.030 and -0.015 against its bf16 "
+      "twin.", OBJ, None, "result/tis.gain_median",
+      "result/icepop.gain_median", "result/seq-mask.gain_median",
+      "result/cispo.gain_median", "result/tis.vs_sync",
+      "result/icepop.vs_sync", "result/seq-mask.vs_sync",
+      "result/cispo.vs_sync", "result/tis.vs_sync_bf16",
+      "result/icepop.vs_sync_bf16", "result/seq-mask.vs_sync_bf16",
+      "result/cispo.vs_sync_bf16"),
+    P(D, "alone at SkyRL's band (0.99, 1.01)\nit masked 0.344 of the "
+      "sequences per step and gained -0.015; on TIS at\nthat band it masked "
+      "0.340 and gained -0.040; on TIS at (0.9, 1.1) it\nmasked 0.054 and "
+      "gained +0.170", "seq_mask_trials_cpu.json", None, None,
+      "runs/0/seq_masked_frac_mean", "runs/0/gain",
+      "runs/2/seq_masked_frac_mean", "runs/2/gain", None, None,
+      "runs/3/seq_masked_frac_mean", "runs/3/gain"),
 ]
 
 # Figure-like text that is not a measured figure: (regex, why).
