@@ -123,7 +123,8 @@ def pack(samples: Sequence, slots: Slots, *, group_size: int = 0,
   unit_rows = rules.fill_rows([u.tokens for u in units], L)
   row_tokens = [sum(units[u].tokens for u in r) for r in unit_rows]
   per_slot = rules.rows_per_slot(len(unit_rows), slots.count)
-  dealt = rules.deal_rows(row_tokens, slots.count, per_slot)
+  dealt = rules.deal_rows(row_tokens, slots.count, per_slot,
+                          minibatches=slots.minibatches)
   W = slots.count * per_slot
   order = slot_order(slots, per_slot).reshape(slots.count, per_slot)
 

@@ -10,7 +10,8 @@ RLHFuse balances data-parallel ranks by token count; these rules do the
 same at row granularity: rows are filled first-fit decreasing (few, full
 rows: padding is not trained), then dealt to slots longest-first onto the
 least-loaded slot, so every mini-batch, micro-batch and shard gets about
-the same number of real tokens.
+the same number of real tokens (and in a step with fewer rows than slots,
+every mini-batch gets some).
 """
 
 from __future__ import annotations
@@ -58,19 +59,30 @@ def rows_per_slot(num_rows: int, num_slots: int) -> int:
   return -(-need // 32) * 32
 
 
-def deal_rows(row_tokens: Sequence[int], num_slots: int,
-              per_slot: int) -> list[list[int]]:
+def deal_rows(row_tokens: Sequence[int], num_slots: int, per_slot: int, *,
+              minibatches: int = 1) -> list[list[int]]:
   """Row indices per slot: longest row first onto the slot with the fewest
-  tokens that still has room (ties: the lower slot), `per_slot` rows each
-  at most (callers pad the rest with empty rows)."""
+  tokens that still has room, `per_slot` rows each at most (callers pad the
+  rest with empty rows).
+
+  Slots are `minibatches` contiguous blocks (slot s is in mini-batch
+  s // (num_slots // minibatches)). Ties between equally loaded slots go
+  round the mini-batches first: with fewer rows than slots (a small step)
+  every mini-batch still gets rows, so no optimizer update is a step of
+  zero gradient; then the lower slot."""
   if len(row_tokens) > num_slots * per_slot:
     raise ValueError(f"{len(row_tokens)} rows do not fit {num_slots} slots "
                      f"of {per_slot}")
+  if num_slots % minibatches:
+    raise ValueError(f"{num_slots} slots are not {minibatches} mini-batches")
+  per_minibatch = num_slots // minibatches
+  # Tie order: (place in its mini-batch, mini-batch).
+  tie = [(s % per_minibatch, s // per_minibatch) for s in range(num_slots)]
   slots: list[list[int]] = [[] for _ in range(num_slots)]
   load = [0] * num_slots
   for r in longest_first(row_tokens, range(len(row_tokens))):
     s = min((s for s in range(num_slots) if len(slots[s]) < per_slot),
-            key=lambda s: (load[s], s))
+            key=lambda s: (load[s], tie[s]))
     slots[s].append(r)
     load[s] += row_tokens[r]
   return slots

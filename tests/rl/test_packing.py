@@ -66,6 +66,27 @@ def test_rules_fill_rows_and_deal_them_evenly():
   assert max(load) - min(load) <= max(tokens)
 
 
+def test_a_small_step_gives_every_minibatch_trained_tokens():
+  """Fewer rows than slots: ties go round the mini-batches first, so no
+  mini-batch is all padding (its update would be a zero-gradient AdamW
+  step that still moves the weights by momentum)."""
+  assert rules.deal_rows([50, 40, 30], 8, 1, minibatches=2) == [
+      [0], [2], [], [], [1], [], [], []]
+  with pytest.raises(ValueError, match="not 3 mini-batches"):
+    rules.deal_rows([5], 8, 1, minibatches=3)
+  samples = _samples()
+  keep = np.ones(N * G, bool)
+  for m, length, group_size in ((2, 64, G), (4, 32, 0)):
+    slots = packing.Slots(length, minibatches=m, micro_batches=2, shards=8)
+    arrays, _ = packing.pack(samples, slots, group_size=group_size,
+                             keep=keep)
+    per_minibatch = arrays["loss_mask"].reshape(m, -1).sum(axis=1)
+    rows = arrays["loss_mask"].any(axis=1).sum()
+    assert rows < slots.count  # The case: most slots stay empty.
+    assert (per_minibatch > 0).all(), per_minibatch
+    assert per_minibatch.sum() == sum(len(s.tokens) for s in samples)
+
+
 def test_slot_order_is_where_split_micro_and_the_mesh_put_each_slot(mesh8):
   """Row `slot_order(...)[cell]` lands in that cell: its mini-batch block,
   the micro-batch `split_micro` makes, the device the batch axis puts it
