@@ -20,7 +20,9 @@ A step run again after a crash (resume from the last checkpoint) reads
 the answers back instead of calling the environment: tool outputs with
 timeouts or outside state are not deterministic, the recorded ones are.
 Environments that keep state across turns get no `step` call for a
-replayed turn, so replay suits stateless tools (every `ToolEnv`).
+replayed turn, so replay suits stateless tools (every `ToolEnv`);
+`replayable=False` (an agent behind the endpoint, whose own program keeps
+the conversation) runs the environments again instead.
 """
 
 from __future__ import annotations
@@ -97,9 +99,10 @@ class Episodes:
   """The environments of one rollout's samples; see the module doc."""
 
   def __init__(self, make_env: Callable[[], Env], tokenizer, fmt, *,
-               max_turns: int, log: ReplayLog | None = None):
+               max_turns: int, log: ReplayLog | None = None,
+               replayable: bool = True):
     self.make_env, self.tokenizer, self.fmt = make_env, tokenizer, fmt
-    self.max_turns, self.log = max_turns, log
+    self.max_turns, self.log, self.replayable = max_turns, log, replayable
     self.metadata: dict[int, dict] = {}
     self.begin(None)
 
@@ -218,7 +221,11 @@ def from_config(agent, tokenizer, server=None) -> Episodes | None:
         lambda: agent_env.AgentEnv(server, fn, timeout_s=timeout,
                                    client_factory=client),
         tokenizer, tools_lib.FORMATS[agent.format](),
-        max_turns=agent.max_turns)
+        max_turns=agent.max_turns,
+        # The agent holds the conversation: a turn answered from the log
+        # would leave it waiting for that turn while the driver goes on.
+        # A resumed step runs its agents again.
+        replayable=False)
   limits = None
   if "python" in agent.tools:
     from rlhf_jax.envs import sandbox  # pylint: disable=g-import-not-at-top

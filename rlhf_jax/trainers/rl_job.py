@@ -160,7 +160,8 @@ def run(config, workdir: str):
   config = sources.prepare(config, workdir)
   job = build(config)
   episodes = job.policy.rollout.episodes
-  if episodes is not None:  # Tool outputs replayed by a resumed step.
+  if episodes is not None and episodes.replayable:
+    # Tool outputs replayed by a resumed step.
     episodes.log = ReplayLog(os.path.join(workdir, "episodes"),
                              keep_steps=job.c.train.checkpoint_every,
                              process=jax.process_index())

@@ -9,8 +9,11 @@ import collections
 import dataclasses
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -342,3 +345,128 @@ def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
   for pid in pids:  # Killed and reaped.
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)
+
+
+# ------------------------------------------------------ kill and resume
+def test_an_agent_program_dies_with_the_job(tmp_path):
+  """A job SIGKILLed while an agent program runs takes the program with it
+  (the parent-death signal `ExecutableAgent` sets), even one that would
+  sleep for 10 minutes; the job here is a process running one episode's
+  program from a thread, as the rollout does."""
+  pid_file = tmp_path / "pid"
+  sleeper = ("import os, time; open(%r, 'w').write(str(os.getpid())); "
+             "time.sleep(600)") % str(pid_file)
+  job = subprocess.Popen([sys.executable, "-c", (
+      "import sys, threading\n"
+      "from rlhf_jax.envs.agent_env import Endpoint, ExecutableAgent\n"
+      "agent = ExecutableAgent([sys.executable, '-c', %r], timeout_s=600)\n"
+      "threading.Thread(target=agent, args=(Endpoint('http://127.0.0.1:9/v1',"
+      " 'key.e0'), 'prompt', {})).start()\n") % sleeper], cwd=ROOT)
+  try:
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+      assert job.poll() is None and time.time() < deadline
+      time.sleep(0.01)
+    program = int(pid_file.read_text())
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    deadline = time.time() + 5
+    while _alive(program):
+      assert time.time() < deadline, "the agent program outlived the job"
+      time.sleep(0.01)
+  finally:
+    job.kill()
+    if pid_file.exists() and pid_file.read_text() and _alive(
+        int(pid_file.read_text())):
+      os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie waiting to be reaped does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _agent_programs(mark: str) -> list[int]:
+  """Pids of the live agent programs of the jobs whose environment holds
+  `mark` (they inherit it, and get RLHF_JAX_EPISODE besides)."""
+  pids = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    except OSError:  # Gone, or not ours to read.
+      continue
+    if (_alive(int(pid)) and mark.encode() in env
+        and any(v.startswith(b"RLHF_JAX_EPISODE=") for v in env)):
+      pids.append(int(pid))
+  return pids
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_then_rerun_equals_uninterrupted(tmp_path):
+  """`configs/tiny_agent_api.py:runlocal,program` (an agent program per
+  episode) SIGKILLed while step 2's agents run, after the step-1
+  checkpoint: no agent program outlives the job (the parent-death signal),
+  and the rerun runs step 2's agents again (agent episodes are not
+  replayed from a log: the agent holds the conversation) and writes the
+  uninterrupted run's records."""
+  mark = f"RLHF_JAX_TEST_RUN={tmp_path}"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             RLHF_JAX_TEST_RUN=str(tmp_path))
+
+  def cmd(workdir):
+    return [sys.executable, "-m", "rlhf_jax.main",
+            "--config=configs/tiny_agent_api.py:runlocal,program",
+            f"--workdir={workdir}", "--config.train.steps=2",
+            "--config.train.checkpoint_every=1",
+            # 8 episodes a step (an agent program each), one update.
+            "--config.train.prompts_per_step=4",
+            "--config.rollout.samples_per_row=2",
+            "--config.rl.num_minibatches=1",
+            # Held-out accuracy on 4 prompts, after the warm-start and at
+            # the end.
+            "--config.task.num_eval=4", "--config.eval.batch_size=4",
+            "--config.eval.num_rows=8", "--config.eval.every=100"]
+
+  reference = str(tmp_path / "reference")
+  out = subprocess.run(cmd(reference), cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  workdir = str(tmp_path / "run")
+  proc = subprocess.Popen(cmd(workdir), cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  # Killed once a third agent program of step 2 runs: the first ones have
+  # answered (a replayed answer would show in the records).
+  deadline, seen = time.time() + 300, set()
+  while proc.poll() is None and len(seen) < 3:
+    assert time.time() < deadline, "step 2's agents never started"
+    if (resume.has_record(workdir, "rl", 1)
+        and os.path.isdir(os.path.join(workdir, "checkpoints", "1"))):
+      seen.update(_agent_programs(mark))
+    time.sleep(0.01)
+  assert proc.poll() is None, "the job ended before it could be killed"
+  assert not resume.has_record(workdir, "rl", 2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  # Within a second: an orphaned program would live on until its request
+  # failed (importing `openai` alone takes about that long).
+  deadline = time.time() + 1
+  while _agent_programs(mark):
+    assert time.time() < deadline, (
+        f"agent programs outlived the job: {_agent_programs(mark)}")
+    time.sleep(0.05)
+  out = subprocess.run(cmd(workdir), cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from step 1" in out.stderr
+  assert not _agent_programs(mark)
+  want, got = resume.records(reference), resume.records(workdir)
+  assert sorted(got) == sorted(want)
+  assert "eval/accuracy" in want["rl", 2], want["rl", 2]
+  for key in want:
+    assert got[key] == pytest.approx(want[key], rel=1e-6), key
+  assert not os.path.exists(os.path.join(workdir, "episodes"))
