@@ -16,7 +16,8 @@ waits for the agent's next move:
   new text (a tool's reply, the next user message) is appended, already in
   the chat format (`Step.rendered`), and decoding goes on;
 - the agent returns: the episode ends with its reward (`env_reward`, the
-  "env" reward function);
+  "env" reward function): the one it posted to the endpoint's
+  `/v1/rlhf_jax/reward` if it did (the last), else its return value;
 - the agent raises, or makes no move within `timeout_s`: the episode ends
   as failed, reward 0 (`tool_error` counts it).
 
@@ -58,6 +59,10 @@ class SessionClosed(RuntimeError):
   """A request for an episode that has ended."""
 
 
+class NoReward(RuntimeError):
+  """An agent program that printed no reward (it may have posted one)."""
+
+
 class AgentSession:
   """One episode's rendezvous between the driver's thread (model turns)
   and the server's (the agent's requests). `text` is the conversation the
@@ -74,6 +79,7 @@ class AgentSession:
     self._new: str | None = None               # Rendered, not yet appended.
     self._reward: float | None = None          # The agent returned.
     self._failure: str | None = None           # The agent raised.
+    self.posted: float | None = None           # POST /v1/rlhf_jax/reward.
 
   # ---------------------------------------------- the server's thread
   def exchange(self, rendered: str) -> tuple[str, str, list | None]:
@@ -110,12 +116,24 @@ class AgentSession:
       self.text += turn[0]  # What the agent has now seen.
       return turn
 
+  def post_reward(self, reward: float) -> None:
+    """The agent's reward sent to the endpoint: it wins over the value the
+    agent returns (the last one posted counts)."""
+    with self._cv:
+      if self.closed:
+        raise SessionClosed(f"episode {self.id} has ended")
+      self.posted = float(reward)
+
   # ---------------------------------------------- the agent's thread
   def finish(self, reward: float | None = None,
              failure: str | None = None) -> None:
+    """The agent ended: with its return value (a posted reward wins; None
+    counts 0), or failed (`failure` says why)."""
     with self._cv:
       if failure is not None:
         self._failure = failure
+      elif self.posted is not None:
+        self._reward = self.posted
       else:
         self._reward = 0.0 if reward is None else float(reward)
       self._cv.notify_all()
@@ -175,6 +193,11 @@ class AgentEnv:
   def _run(self, client, prompt, metadata) -> None:
     try:
       reward = self.agent(client, prompt, metadata)
+    except NoReward as e:  # Fine if it posted one.
+      if self.session.posted is None:
+        self.session.finish(failure=f"{e} and posted none")
+      else:
+        self.session.finish()
     except Exception as e:  # pylint: disable=broad-except
       self.session.finish(failure=f"{type(e).__name__}: {e}")
     else:
@@ -209,9 +232,10 @@ class ExecutableAgent:
   episode with the endpoint in its environment, the variables the
   `openai` client reads (OPENAI_BASE_URL, OPENAI_API_KEY: the episode's
   key) and RLHF_JAX_PROMPT, RLHF_JAX_METADATA (JSON), RLHF_JAX_EPISODE.
-  Its reward is the last line of its standard output, a number; a program
-  that exits non-zero, prints no number or outlives `timeout_s` fails its
-  episode. It dies with the job (Linux: the parent-death signal) and is
+  Its reward is the last line of its standard output, a number, or the
+  one it posted to the endpoint (`POST /v1/rlhf_jax/reward`, which wins);
+  a program that exits non-zero, ends with neither or outlives
+  `timeout_s` fails its episode. It dies with the job (Linux: the parent-death signal) and is
   killed when its episode times out."""
 
   def __init__(self, command: Sequence[str], *, timeout_s: float):
@@ -244,8 +268,8 @@ class ExecutableAgent:
     try:
       return float(lines[-1])
     except (IndexError, ValueError):
-      raise RuntimeError(f"{self.command[0]} printed no reward (its last "
-                         "line must be a number)") from None
+      raise NoReward(f"{self.command[0]} printed no reward (its last line "
+                     "must be a number)") from None
 
 
 # Sets the parent-death signal (Linux prctl PR_SET_PDEATHSIG = 1: SIGKILL

@@ -9,7 +9,9 @@ aiohttp serves it from a thread of its own, on 127.0.0.1 and a free port by
 default. Routes: `GET /v1/models`, `POST /v1/chat/completions` (messages
 rendered by the chat template; the model's turn comes back as content and
 `tool_calls`, parsed by the tool format), `POST /v1/completions` (the
-prompt is the conversation's text as is). Not streaming. `logprobs` when
+prompt is the conversation's text as is), and `POST /v1/rlhf_jax/reward`
+(`{"reward": x}`: the episode's reward, winning over what the agent
+returns; for agents that cannot return one, or compute it elsewhere). Not streaming. `logprobs` when
 asked (chat: `logprobs: true`; completions: `logprobs: 0`): each token of
 the model's turn with its log-prob under the distribution the job sampled
 from (`Sample.logp`, the sampler's), the turn's stop token included;
@@ -29,6 +31,7 @@ import asyncio
 import concurrent.futures
 import hmac
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -91,6 +94,7 @@ class AgentServer:
     app.router.add_get("/v1/models", self._models)
     app.router.add_post("/v1/chat/completions", self._chat)
     app.router.add_post("/v1/completions", self._completions)
+    app.router.add_post("/v1/rlhf_jax/reward", self._reward)
     self._loop = asyncio.new_event_loop()
     # Each open request waits in a thread for its model turn: enough of
     # them that no episode's request waits for another's to end.
@@ -157,6 +161,29 @@ class AgentServer:
     return web.json_response({"object": "list", "data": [
         {"id": self.model_name, "object": "model", "created": 0,
          "owned_by": "rlhf_jax"}]})
+
+  async def _reward(self, request):
+    """`{"reward": <number>}`: the episode's reward, instead of what the
+    agent returns (`AgentSession.post_reward`)."""
+    from aiohttp import web  # pylint: disable=g-import-not-at-top
+    try:
+      session = self._session(request)
+      try:
+        body = await request.json()
+      except ValueError:
+        raise _Refused(400, "the body is not JSON") from None
+      reward = body.get("reward") if isinstance(body, dict) else None
+      if (isinstance(reward, bool) or not isinstance(reward, (int, float))
+          or not math.isfinite(reward)):
+        raise _Refused(400, f'the body must be {{"reward": <a finite '
+                       f'number>}}, not {body!r:.100}')
+      try:
+        session.post_reward(reward)
+      except SessionClosed as e:
+        raise _Refused(410, str(e)) from None
+    except _Refused as e:
+      return self._refusal(request, e)
+    return web.json_response({"episode": session.id, "reward": reward})
 
   async def _chat(self, request):
     return await self._serve(request, chat=True)

@@ -27,7 +27,7 @@ from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.envs.agent_env import (AgentEnv, AgentSession, Endpoint,
-                                     ExecutableAgent)
+                                     ExecutableAgent, SessionClosed)
 from rlhf_jax.envs.episodes import Episodes
 from rlhf_jax.envs.tools import Calculator, TaggedFormat, ToolEnv
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -253,6 +253,78 @@ def test_a_crashing_agent_fails_its_episode_and_the_rollout_goes_on(
   assert stopped and metrics["rollout/tool_errors"] == len(stopped)
   assert all(s.env_reward == 0.0 and not any(s.env_mask)
              for s in got.values())
+
+
+def _post_reward(base_url, api_key, body):
+  """POST /v1/rlhf_jax/reward as an agent would: (status, JSON answer)."""
+  import httpx  # pylint: disable=g-import-not-at-top
+  r = httpx.post(f"{base_url}/rlhf_jax/reward", json=body, trust_env=False,
+                 headers={"Authorization": f"Bearer {api_key}"})
+  return r.status_code, r.json()
+
+
+def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
+  """An agent that posts its reward to the endpoint gets it as the
+  episode's, whatever it returns; so does a program that prints none.
+  A body without a finite number, a missing key and an ended episode are
+  refused."""
+  answers = []
+
+  def posting(client, prompt, metadata):
+    client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": prompt}])
+    key, url = client.api_key, str(client.base_url).rstrip("/")
+    answers.append(_post_reward(url, key, {"reward": "high"}))
+    answers.append(_post_reward(url, "wrong." + key.rpartition(".")[2],
+                                {"reward": 1.0}))
+    answers.append(_post_reward(url, key, {"reward": 1.0}))
+    answers.append(_post_reward(url, key, {"reward": len(prompt) / 100}))
+    return 999.0  # The posted reward wins.
+
+  got, metrics, _, server, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, posting, timeout_s=30, prompts=4, g=2)
+  assert metrics["rollout/tool_errors"] == 0
+  # An agent starts at its episode's first stop token (a turn the token
+  # budget cut has no agent, and reward 0).
+  ran = [s for s in got.values() if s.finish_reason == "stop"]
+  assert ran and len(answers) == 4 * len(ran)
+  for s in ran:
+    prompt = TOK.decode(s.prompt_tokens, stop_at_eos=False)
+    assert s.env_reward == pytest.approx(len(prompt) / 100), s.key
+  statuses = collections.Counter(status for status, _ in answers)
+  assert statuses == {400: len(ran), 401: len(ran), 200: 2 * len(ran)}
+  assert server.refused == 2 * len(ran)
+  server = _server(SAMPLED)
+  try:
+    session = AgentSession("ended", "1+1=", timeout_s=5)
+    key = server.open(session)
+    assert _post_reward(server.url, key, {"reward": 0.5})[0] == 200
+    server.close(session)
+    assert _post_reward(server.url, key, {"reward": 1.0})[0] == 404
+    with pytest.raises(SessionClosed):
+      session.post_reward(1.0)
+  finally:
+    server.stop()
+
+  # A program that posts its reward and prints nothing.
+  monkeypatch.setenv("PYTHONPATH", ROOT)
+  program = ExecutableAgent([sys.executable, "-c", (
+      "import os, httpx, openai\n"
+      "c = openai.OpenAI(max_retries=0, http_client=openai.DefaultHttpxClient("
+      "trust_env=False))\n"
+      "p = os.environ['RLHF_JAX_PROMPT']\n"
+      "c.chat.completions.create(model='policy', messages=[{'role': 'user', "
+      "'content': p}])\n"
+      "httpx.post(os.environ['OPENAI_BASE_URL'] + '/rlhf_jax/reward', "
+      "json={'reward': 0.25}, trust_env=False, headers={'Authorization': "
+      "'Bearer ' + os.environ['OPENAI_API_KEY']}).raise_for_status()\n")],
+                            timeout_s=60)
+  got, metrics, _, _, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, program, client_factory=Endpoint,
+      prompts=1, g=2)
+  assert metrics["rollout/tool_errors"] == 0
+  ran = [s for s in got.values() if s.finish_reason == "stop"]
+  assert ran and all(s.env_reward == 0.25 for s in ran)
 
 
 def test_the_tagged_template_renders_a_call_and_its_reply_as_the_tool_path():
