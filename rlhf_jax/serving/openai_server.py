@@ -168,11 +168,8 @@ class AgentServer:
     from aiohttp import web  # pylint: disable=g-import-not-at-top
     try:
       session = self._session(request)
-      try:
-        body = await request.json()
-      except ValueError:
-        raise _Refused(400, "the body is not JSON") from None
-      reward = body.get("reward") if isinstance(body, dict) else None
+      body = await _json_object(request)
+      reward = body.get("reward")
       if (isinstance(reward, bool) or not isinstance(reward, (int, float))
           or not math.isfinite(reward)):
         raise _Refused(400, f'the body must be {{"reward": <a finite '
@@ -195,12 +192,7 @@ class AgentServer:
     from aiohttp import web  # pylint: disable=g-import-not-at-top
     try:
       session = self._session(request)
-      try:
-        body = await request.json()
-      except ValueError:
-        raise _Refused(400, "the body is not JSON") from None
-      if not isinstance(body, dict):
-        raise _Refused(400, "the body must be a JSON object")
+      body = await _json_object(request)
       self._check_sampling(body)
       want_logprobs = _wants_logprobs(body, chat=chat)
       try:
@@ -250,6 +242,17 @@ class AgentServer:
     return web.json_response(
         {"error": {"message": e.message, "type": "invalid_request_error",
                    "code": e.status}}, status=e.status)
+
+
+async def _json_object(request) -> dict:
+  """The request's body, which must be a JSON object."""
+  try:
+    body = await request.json()
+  except ValueError:
+    raise _Refused(400, "the body is not JSON") from None
+  if not isinstance(body, dict):
+    raise _Refused(400, "the body must be a JSON object")
+  return body
 
 
 def _wants_logprobs(body: Mapping, *, chat: bool) -> bool:
