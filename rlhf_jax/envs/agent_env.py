@@ -80,6 +80,7 @@ class AgentSession:
     self._reward: float | None = None          # The agent returned.
     self._failure: str | None = None           # The agent raised.
     self.posted: float | None = None           # POST /v1/rlhf_jax/reward.
+    self._delivered = False                    # The reward reached `turn`.
 
   # ---------------------------------------------- the server's thread
   def exchange(self, rendered: str) -> tuple[str, str, list | None]:
@@ -118,19 +119,24 @@ class AgentSession:
 
   def post_reward(self, reward: float) -> None:
     """The agent's reward sent to the endpoint: it wins over the value the
-    agent returns (the last one posted counts)."""
+    agent returns (the last one posted counts). Refused once the episode
+    or its agent has ended."""
     with self._cv:
-      if self.closed:
+      if (self.closed or self._reward is not None
+          or self._failure is not None):
         raise SessionClosed(f"episode {self.id} has ended")
       self.posted = float(reward)
 
   # ---------------------------------------------- the agent's thread
   def finish(self, reward: float | None = None,
-             failure: str | None = None) -> None:
+             failure: str | None = None, *,
+             unless_posted: bool = False) -> None:
     """The agent ended: with its return value (a posted reward wins; None
-    counts 0), or failed (`failure` says why)."""
+    counts 0), or failed (`failure` says why; with `unless_posted`, only
+    if it posted no reward)."""
     with self._cv:
-      if failure is not None:
+      if failure is not None and not (unless_posted
+                                      and self.posted is not None):
         self._failure = failure
       elif self.posted is not None:
         self._reward = self.posted
@@ -152,10 +158,19 @@ class AgentSession:
         new, self._new = self._new, None
         return Step(new, tool_call=True, rendered=True)
       if self._reward is not None:
+        self._delivered = True
         return Step(None, reward=self._reward, done=True)
+      self._delivered = True  # A failed episode's reward is 0.
       why = self._failure if moved else f"no move in {self.timeout_s:g} s"
     logging.warning("agent episode %s failed: %s", self.id, why)
     return Step(None, reward=0.0, done=True, tool_error=True)
+
+  def unclaimed(self) -> float:
+    """The posted reward if no move of the agent's ending the episode
+    carried it to the driver (`turn`), else 0."""
+    with self._cv:
+      return self.posted if (self.posted is not None
+                             and not self._delivered) else 0.0
 
   def close(self) -> None:
     """Ends the episode: a waiting request gets finish reason "length",
@@ -194,10 +209,7 @@ class AgentEnv:
     try:
       reward = self.agent(client, prompt, metadata)
     except NoReward as e:  # Fine if it posted one.
-      if self.session.posted is None:
-        self.session.finish(failure=f"{e} and posted none")
-      else:
-        self.session.finish()
+      self.session.finish(failure=f"{e} and posted none", unless_posted=True)
     except Exception as e:  # pylint: disable=broad-except
       self.session.finish(failure=f"{type(e).__name__}: {e}")
     else:
@@ -210,6 +222,11 @@ class AgentEnv:
     if step.done:
       self.close()
     return step
+
+  def unclaimed_reward(self) -> float:
+    """A reward the agent posted in an episode that ended without the
+    agent's last move (the token or turn budget cut it); else 0."""
+    return self.session.unclaimed() if self.session is not None else 0.0
 
   def close(self) -> None:
     """Ends the episode and waits (up to its timeout) for the agent."""
@@ -249,7 +266,8 @@ class ExecutableAgent:
                RLHF_JAX_EPISODE=endpoint.api_key.rpartition(".")[2])
     # A session of its own (its whole group is killed at the timeout),
     # started through `_BOOT` (no preexec_fn: this process has threads).
-    proc = subprocess.Popen([sys.executable, "-c", _BOOT, *self.command],
+    proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(os.getpid()),
+                             *self.command],
                             env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -274,13 +292,17 @@ class ExecutableAgent:
 
 # Sets the parent-death signal (Linux prctl PR_SET_PDEATHSIG = 1: SIGKILL
 # when the job's thread that started it ends, so with the job), then
-# becomes the agent program.
+# becomes the agent program. A job that died before the signal was set
+# (its pid is argv[1]; the orphan's parent is another process by then)
+# ends the program here.
 _BOOT = ("import ctypes, os, signal, sys\n"
          "try:\n"
          "  ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)\n"
          "except OSError:\n"
          "  pass\n"
-         "os.execvp(sys.argv[1], sys.argv[1:])\n")
+         "if os.getppid() != int(sys.argv[1]):\n"
+         "  os._exit(1)\n"
+         "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 def load_agent(path: str) -> Agent:

@@ -106,6 +106,12 @@ class Episodes:
     self.metadata: dict[int, dict] = {}
     self.begin(None)
 
+  @property
+  def _replay(self) -> ReplayLog | None:
+    """The log answers are written to and replayed from: none when the
+    environments are not `replayable`, whatever `log` is."""
+    return self.log if self.replayable else None
+
   def stop_ids(self) -> tuple[int, ...]:
     """The tokens that end a turn besides the tokenizer's own stops."""
     return self.fmt.stop_ids(self.tokenizer)
@@ -119,8 +125,8 @@ class Episodes:
     self.metadata = ({int(p): m for p, m in zip(prompts.prompt_ids,
                                                 prompts.metadata)}
                      if prompts is not None else {})
-    if self.log is not None and step is not None:
-      self.log.begin(step)
+    if self._replay is not None and step is not None:
+      self._replay.begin(step)
 
   def __call__(self, request, sample_idx: int, tokens: list,
                logp: list | None = None):
@@ -134,7 +140,7 @@ class Episodes:
       ep.env.reset(self._decode(request.tokens),
                    self.metadata.get(request.prompt_id, {}))
     log_key = (*key, ep.turns)
-    result = self.log.recorded.get(log_key) if self.log else None
+    result = self._replay.recorded.get(log_key) if self._replay else None
     if result is None:
       turn = tokens[ep.start:]
       if getattr(ep.env, "takes_logprobs", False) and logp is not None:
@@ -143,8 +149,8 @@ class Episodes:
             for t, lp in zip(turn, logp[ep.start:])])
       else:
         result = ep.env.step(self._decode(turn))
-      if self.log is not None:
-        self.log.put(log_key, result)
+      if self._replay is not None:
+        self._replay.put(log_key, result)
     else:
       self.replayed += 1
     ep.turns += 1
@@ -166,6 +172,8 @@ class Episodes:
     ep = self._live.pop(sample.key, None) or _Episode(None)
     if ep.env is not None:
       ep.env.close()
+      # An agent's reward posted before a budget cut ended its episode.
+      ep.reward += getattr(ep.env, "unclaimed_reward", lambda: 0.0)()
     if sample.finish_reason == "length":
       ep.turns += 1  # The turn the token budget cut.
     sample.env_reward = ep.reward

@@ -170,14 +170,19 @@ class AgentServer:
       session = self._session(request)
       body = await _json_object(request)
       reward = body.get("reward")
-      if (isinstance(reward, bool) or not isinstance(reward, (int, float))
-          or not math.isfinite(reward)):
+      try:  # A huge int overflows a float.
+        ok = (not isinstance(reward, bool)
+              and isinstance(reward, (int, float))
+              and math.isfinite(float(reward)))
+      except OverflowError:
+        ok = False
+      if not ok:
         raise _Refused(400, f'the body must be {{"reward": <a finite '
                        f'number>}}, not {body!r:.100}')
       try:
         session.post_reward(reward)
-      except SessionClosed as e:
-        raise _Refused(410, str(e)) from None
+      except SessionClosed as e:  # As for an episode no longer open.
+        raise _Refused(404, str(e)) from None
     except _Refused as e:
       return self._refusal(request, e)
     return web.json_response({"episode": session.id, "reward": reward})

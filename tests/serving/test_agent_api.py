@@ -294,11 +294,33 @@ def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
   statuses = collections.Counter(status for status, _ in answers)
   assert statuses == {400: len(ran), 401: len(ran), 200: 2 * len(ran)}
   assert server.refused == 2 * len(ran)
+
+  # Posted, then talking until the turn or token budget cuts the episode:
+  # the posted reward still counts (the agent's last move never came).
+  def posting_then_talking(client, prompt, metadata):
+    messages = [{"role": "user", "content": prompt}]
+    key, url = client.api_key, str(client.base_url).rstrip("/")
+    while True:
+      reply = client.chat.completions.create(model="policy",
+                                             messages=messages)
+      if reply.choices[0].finish_reason == "length":
+        return 999.0  # Too late: the episode has ended.
+      assert _post_reward(url, key, {"reward": 0.5})[0] == 200
+      messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "user", "content": "+1="}]
+
+  got, metrics, _, _, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, posting_then_talking, timeout_s=30,
+      prompts=4, g=2)
+  ran = [s for s in got.values() if any(s.env_mask)]
+  assert ran and metrics["rollout/tool_errors"] == 0
+  assert all(s.env_reward == 0.5 for s in ran)
   server = _server(SAMPLED)
   try:
     session = AgentSession("ended", "1+1=", timeout_s=5)
     key = server.open(session)
     assert _post_reward(server.url, key, {"reward": 0.5})[0] == 200
+    assert _post_reward(server.url, key, {"reward": 10 ** 400})[0] == 400
     server.close(session)
     assert _post_reward(server.url, key, {"reward": 1.0})[0] == 404
     with pytest.raises(SessionClosed):
@@ -325,6 +347,13 @@ def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
   assert metrics["rollout/tool_errors"] == 0
   ran = [s for s in got.values() if s.finish_reason == "stop"]
   assert ran and all(s.env_reward == 0.25 for s in ran)
+  # One that neither prints nor posts a reward fails its episode.
+  silent = ExecutableAgent([sys.executable, "-c", "pass"], timeout_s=60)
+  got, metrics, _, _, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, silent, client_factory=Endpoint,
+      timeout_s=30, prompts=1, g=2)
+  ran = [s for s in got.values() if s.finish_reason == "stop"]
+  assert ran and metrics["rollout/tool_errors"] == len(ran)
 
 
 def test_the_tagged_template_renders_a_call_and_its_reply_as_the_tool_path():
@@ -448,6 +477,7 @@ def test_an_agent_program_dies_with_the_job(tmp_path):
       time.sleep(0.01)
   finally:
     job.kill()
+    job.wait()
     if pid_file.exists() and pid_file.read_text() and _alive(
         int(pid_file.read_text())):
       os.kill(int(pid_file.read_text()), signal.SIGKILL)
@@ -511,19 +541,21 @@ def test_sigkill_mid_step_then_rerun_equals_uninterrupted(tmp_path):
   workdir = str(tmp_path / "run")
   proc = subprocess.Popen(cmd(workdir), cwd=ROOT, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  # Killed once a third agent program of step 2 runs: the first ones have
-  # answered (a replayed answer would show in the records).
-  deadline, seen = time.time() + 300, set()
-  while proc.poll() is None and len(seen) < 3:
-    assert time.time() < deadline, "step 2's agents never started"
-    if (resume.has_record(workdir, "rl", 1)
-        and os.path.isdir(os.path.join(workdir, "checkpoints", "1"))):
-      seen.update(_agent_programs(mark))
-    time.sleep(0.01)
-  assert proc.poll() is None, "the job ended before it could be killed"
-  assert not resume.has_record(workdir, "rl", 2)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  try:
+    # Killed once a third agent program of step 2 runs: the first ones
+    # have likely answered (a replayed answer would show in the records).
+    deadline, seen = time.time() + 300, set()
+    while proc.poll() is None and len(seen) < 3:
+      assert time.time() < deadline, "step 2's agents never started"
+      if (resume.has_record(workdir, "rl", 1)
+          and os.path.isdir(os.path.join(workdir, "checkpoints", "1"))):
+        seen.update(_agent_programs(mark))
+      time.sleep(0.01)
+    assert proc.poll() is None, "the job ended before it could be killed"
+    assert not resume.has_record(workdir, "rl", 2)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
   # Within a second: an orphaned program would live on until its request
   # failed (importing `openai` alone takes about that long).
   deadline = time.time() + 1
