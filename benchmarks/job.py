@@ -9,7 +9,9 @@ the arithmetic) and reads the workdir the job wrote. The baseline measured in
 the same run is the job's own first evaluation, after its SFT warm-start:
 `gain` is the last held-out accuracy minus the first, `eval_reward_gain` the
 same for a reward-model score. Reported with them: the wall time of the
-whole command (compiles included), every evaluation, the first and last
+whole command (compiles included), every evaluation and when it ended
+(`eval_done_s`, from the command's start; `gain_0_20_at_s`: the end of the
+first one 0.20 above the first evaluation), the first and last
 sampled reward and KL, the sampled reward's mean over each tenth of the
 RL steps (one step's batch is noisy), each reward's greedy mean at every
 evaluation (`eval_<reward>`), the median RL step and where its time goes,

@@ -91,6 +91,19 @@ def timeline_totals(path: str) -> dict[str, float]:
   return {k: round(v, 2) for k, v in sorted(totals.items())}
 
 
+def eval_ends(path: str, start_unix_s: float) -> list[float]:
+  """Seconds from `start_unix_s` (the command's start) to the end of each
+  evaluation, in order (the job's timeline.json)."""
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    timeline = json.load(f)
+  origin = timeline["otherData"]["origin_unix_s"]
+  ends = sorted(e["ts"] + e["dur"] for e in timeline["traceEvents"]
+                if e.get("ph") == "X" and e["name"] == "eval")
+  return [round(origin + t / 1e6 - start_unix_s, 1) for t in ends]
+
+
 def run_job(config: str, overrides: list[str],
             workdir: str | None = None) -> tuple[dict, list[str]]:
   """(the figures of `config` run start to finish with `--config.<k>=<v>`
@@ -101,7 +114,7 @@ def run_job(config: str, overrides: list[str],
   cmd = [sys.executable, "-m", "rlhf_jax.main", f"--config={config}",
          f"--workdir={workdir}", *(f"--config.{s}" for s in overrides)]
   print(" ".join(cmd[1:]), flush=True)
-  t0 = time.perf_counter()
+  t0, start_unix_s = time.perf_counter(), time.time()
   proc = subprocess.run(cmd, check=False)
   wall = time.perf_counter() - t0
   try:
@@ -110,6 +123,7 @@ def run_job(config: str, overrides: list[str],
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
       records = [json.loads(line) for line in f if line.strip()]
     spans = timeline_totals(os.path.join(workdir, "timeline.json"))
+    ends = eval_ends(os.path.join(workdir, "timeline.json"), start_unix_s)
     summary_path = os.path.join(workdir, "summary.txt")
     summary_txt = []
     if os.path.exists(summary_path):
@@ -124,4 +138,12 @@ def run_job(config: str, overrides: list[str],
   if spans:
     result.update(timeline_totals_s=spans,
                   eval_share=round(spans.get("eval", 0.0) / wall, 4))
+  accuracy = result.get("eval_accuracy", [])
+  if ends and len(ends) == len(accuracy):
+    result["eval_done_s"] = ends
+    # When the held-out accuracy first stood 0.20 above the first
+    # evaluation's: seconds from the command's start to that evaluation's
+    # end (None if never).
+    result["gain_0_20_at_s"] = next(
+        (t for t, a in zip(ends, accuracy) if a >= accuracy[0] + 0.20), None)
   return result, summary_txt

@@ -5,12 +5,15 @@ endpoint on 127.0.0.1 (docs/agentic.md), one thread per episode.
 python -m rlhf_jax.main --config=configs/tiny_agent_api.py --workdir=workdirs/tiny_agent_api
 python -m rlhf_jax.main --config=configs/tiny_agent_api.py:runlocal   # tests
 python -m rlhf_jax.main --config=configs/tiny_agent_api.py:program     # the agent as a program
+python -m rlhf_jax.main --config=configs/tiny_agent_api.py:threads     # in the job's threads
 
 Everything else is configs/tiny_tool.py. `calc_agent` answers each call
 exactly as the in-process `ToolEnv` does, so this job's samples, rewards
 and updates are tiny_tool's (tests/serving/test_agent_api.py); the eval's
 greedy accuracy is measured through the same agent. The episode's reward
 is the task's (`arithmetic` on the final answer); the agent returns 0.
+The agent runs in a worker process of the job (`agent.agent_workers=1`,
+one thread per episode there); `:threads` runs it in the job's process.
 `:program` runs the same agent as a program per episode
 (`agent.agent_cmd`: `python -m configs.tiny_agent_api`, the endpoint in
 its environment, as `openai.OpenAI()` reads it).
@@ -52,13 +55,16 @@ def calc_agent(client, prompt, metadata):
 
 def get_config(arg=None):
   from configs import common, tiny_tool  # pylint: disable=g-import-not-at-top
-  parsed = common.parse_arg(arg, runlocal=False, program=False)
+  parsed = common.parse_arg(arg, runlocal=False, program=False,
+                            threads=False)
   c = tiny_tool.get_config("runlocal" if parsed.runlocal else None)
   c.name = "tiny_agent_api"
   if parsed.program:
     c.agent.agent_cmd = f"{sys.executable} -m configs.tiny_agent_api"
   else:
     c.agent.agent_fn = "configs.tiny_agent_api:calc_agent"
+    # A worker process runs the agents (their threads), not the job's.
+    c.agent.agent_workers = 0 if parsed.threads else 1
   return c
 
 

@@ -555,6 +555,9 @@ class Agent:
   # Or a program run per episode (a command line): the endpoint, its key
   # and the prompt in its environment, its reward its last output line.
   agent_cmd: str = ""
+  # agent_fn in this many worker processes (`envs/agent_workers.py`): each
+  # imports it once and runs episodes in threads; 0 = the job's threads.
+  agent_workers: int = 0
   chat_template: str = ""         # The endpoint's; "" = the format's own.
   agent_timeout_s: float = 60.0   # An agent's longest wait between moves.
 
@@ -567,6 +570,10 @@ class Agent:
       module, _, name = self.agent_fn.partition(":")
       if not module or not name.isidentifier():
         fail(self, "agent_fn", "must be 'module:function'")
+    if self.agent_workers < 0:
+      fail(self, "agent_workers", "must be >= 0")
+    if self.agent_workers and not self.agent_fn:
+      fail(self, "agent_workers", "runs agent_fn; give agent_fn")
     if self.agent_cmd and not shlex.split(self.agent_cmd):
       fail(self, "agent_cmd", "is an empty command line")
     if self.through_endpoint:

@@ -129,6 +129,10 @@ class Driver:
     self._common, self._admission = common, admission
     self._controller = controller or Controller()
     self._readmit: collections.deque[Group] = collections.deque()
+    # Samples that keep their slot and pages out of decoding (the
+    # multi-turn driver's, while their environment answers): no switch
+    # moves the run while any is parked.
+    self.parked: dict[int, Slot] = {}
     self._events = collections.deque()
     self._unread = 0  # Decode steps dispatched whose results are unread.
     self._order = 0
@@ -254,7 +258,8 @@ class Driver:
     while events and (len(events) > 1 or not self.live or
                       events[0][0] == "insert"):
       out.extend(self._consume(events.popleft(), self.live))
-    if self.live and self._controller.wants_switch(self):
+    if (self.live and not self.parked
+        and self._controller.wants_switch(self)):
       while events:  # The switch needs every sample's host state current.
         out.extend(self._consume(events.popleft(), self.live))
       if self.live:
@@ -734,13 +739,17 @@ class Driver:
     stop = token in self.engine.sampling.stop_tokens
     if stop or len(it.tokens) >= it.budget:
       del live[slot]
-      self.pool.release(it.pages)
-      group = it.group
-      self._free_slots[group.replica].append(slot)
-      group.live -= 1
-      self._free_if_empty(group)
-      yield Sample(group.request.prompt_id, it.sample_idx,
-                   np.asarray(group.request.tokens, np.int32), it.tokens,
-                   it.logp, it.logp_raw, "stop" if stop else "length",
-                   self.weight_version, seed=group.request.seed,
-                   **self._routes_of(group, it))
+      yield self._finish(slot, it, "stop" if stop else "length")
+
+  def _finish(self, slot: int, it: Slot, reason: str) -> Sample:
+    """The sample of `it` (out of `live` already); frees its slot, pages
+    and, if it was the last, its group."""
+    self.pool.release(it.pages)
+    group = it.group
+    self._free_slots[group.replica].append(slot)
+    group.live -= 1
+    self._free_if_empty(group)
+    return Sample(group.request.prompt_id, it.sample_idx,
+                  np.asarray(group.request.tokens, np.int32), it.tokens,
+                  it.logp, it.logp_raw, reason, self.weight_version,
+                  seed=group.request.seed, **self._routes_of(group, it))

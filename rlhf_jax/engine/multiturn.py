@@ -6,10 +6,12 @@ tool call), `reply(request, sample_idx, tokens, logp)` (the environment;
 `logp`: each token's log-prob under the distribution sampled from, 0 at
 appended ones) returns
 the tokens to append (a tool's output, the next user message, the chat
-template's turn markers) or None to end the sample there. Appended tokens
-get their KV with `moves.extend`, after the sample's own pages:
-nothing before them is prefilled again, and the group's prompt pages stay
-shared. Decoding continues after them.
+template's turn markers) or None to end the sample there, or `PARK`: the
+answer comes later (an agent in a process of its own), and meanwhile the
+sample keeps its slot and pages out of the decode steps while the others
+decode. Appended tokens get their KV with `moves.extend`, after the
+sample's own pages: nothing before them is prefilled again, and the
+group's prompt pages stay shared. Decoding continues after them.
 
 The emitted `Sample` holds every token after the prompt, sampled and
 appended, with `env_mask` True at the appended ones (log-probs 0: they
@@ -21,7 +23,8 @@ sample at its stop token, finish_reason "length". A reply that finds no
 free page preempts the sample (the driver's exhaustion policy): it is
 recomputed later from all its tokens, appended ones included, and
 continues with the same tokens. Samples keep their turns across the
-driver's own moves (preemption, consolidation); handing them to elastic
+driver's own moves (preemption, consolidation; none while a sample is
+parked); handing them to elastic
 workers (`partials`, `cut`) would drop `env_mask` and is refused.
 """
 
@@ -39,9 +42,21 @@ from rlhf_jax.engine import moves
 from rlhf_jax.engine.driver import Driver
 
 # (request, sample index, tokens after the prompt so far, ending with the
-# stop token, their log-probs) -> tokens to append, or None: the sample
-# ends.
+# stop token, their log-probs) -> tokens to append, None (the sample
+# ends), or PARK (the answer comes later, from `ready`).
 Reply = Callable[[Request, int, list, list], Sequence[int] | None]
+
+# A reply that is not ready yet (an agent thinking in a process of its
+# own): the sample parks, keeping its slot and pages (its KV stays, nothing
+# is computed again) but out of the decode steps, which go on for the
+# others. A reply that parks also has `ready(timeout)`: the parked samples
+# whose answers have come, [((prompt id, sample index), tokens or None)],
+# waiting up to `timeout` seconds for one when none has.
+PARK = object()
+
+# How long a driver with nothing to decode waits for a parked sample's
+# answer before it looks at admission and results again.
+_IDLE_WAIT_S = 0.02
 
 
 class MultiTurnDriver(Driver):
@@ -52,43 +67,93 @@ class MultiTurnDriver(Driver):
     super().__init__(engine, params, weight_version=weight_version)
     self.reply = reply
     self._appended: dict[tuple[int, int], list[int]] = {}  # token indices
+    self._parked_slot: dict[tuple[int, int], int] = {}
     self.turns = 0             # Replies appended, all samples.
     self.appended_tokens = 0   # Their tokens (none prefilled again).
     self.reply_preemptions = 0  # Replies that found no free page.
+    self.parkings = 0          # Turn ends that parked their sample.
+
+  def step(self):
+    # Nothing to decode or read until a parked sample's answer comes.
+    idle = self.parked and not self.live and not self._events
+    out = self._unpark(_IDLE_WAIT_S if idle else 0.0)
+    return out + super().step()
 
   def _append(self, slot, live, token, logp, raw, routes=None):
     it = live[slot]
-    key = it.request.prompt_id, it.sample_idx
     extra, length = None, False
     if token in self.engine.sampling.stop_tokens:
       extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
                          it.logp + [logp])
+      if extra is PARK:
+        self._take(it, token, logp, raw, routes)
+        del live[slot]
+        self.parked[slot] = it
+        self._parked_slot[it.request.prompt_id, it.sample_idx] = slot
+        self.parkings += 1
+        return
       extra = None if extra is None else [int(t) for t in extra]
       # The reply and one more sampled token must fit the budget.
       length = bool(extra) and len(it.tokens) + 2 + len(extra) > it.budget
     if extra and not length:
-      if routes is not None:
-        self._record(it, routes)
-      it.tokens.append(token)
-      it.logp.append(logp)
-      it.logp_raw.append(raw)
-      self.stats.generated_tokens += 1
-      start = len(it.tokens)
-      it.tokens += extra
-      it.logp += [0.0] * len(extra)
-      it.logp_raw += [0.0] * len(extra)
-      self._appended.setdefault(key, []).extend(
-          range(start, start + len(extra)))
-      self.turns += 1
-      self.appended_tokens += len(extra)
-      self._extend(slot, it, extra)
+      self._take(it, token, logp, raw, routes)
+      self._continue(slot, it, extra)
       return
     for sample in super()._append(slot, live, token, logp, raw, routes):
-      env = set(self._appended.pop(sample.key, ()))
-      sample.env_mask = [i in env for i in range(len(sample.tokens))]
-      if length:
-        sample.finish_reason = "length"
-      yield sample
+      yield self._masked(sample, length)
+
+  def _take(self, it, token, logp, raw, routes) -> None:
+    """The stop token that ends a turn the sample goes on after."""
+    if routes is not None:
+      self._record(it, routes)
+    it.tokens.append(token)
+    it.logp.append(logp)
+    it.logp_raw.append(raw)
+    self.stats.generated_tokens += 1
+
+  def _continue(self, slot: int, it, extra: list[int]) -> None:
+    """Appends the reply `extra` after the sample's stop token (on the
+    host and, by `_extend`, its KV); decoding goes on after it."""
+    start = len(it.tokens)
+    it.tokens += extra
+    it.logp += [0.0] * len(extra)
+    it.logp_raw += [0.0] * len(extra)
+    self._appended.setdefault((it.request.prompt_id, it.sample_idx),
+                              []).extend(range(start, start + len(extra)))
+    self.turns += 1
+    self.appended_tokens += len(extra)
+    self._extend(slot, it, extra)
+
+  def _masked(self, sample, length: bool):
+    """The finished `sample` with its `env_mask` (and "length" if its last
+    reply did not fit)."""
+    env = set(self._appended.pop(sample.key, ()))
+    sample.env_mask = [i in env for i in range(len(sample.tokens))]
+    if length:
+      sample.finish_reason = "length"
+    return sample
+
+  def _unpark(self, timeout: float) -> list:
+    """Parked samples whose answers came: back to decoding after their
+    reply, or finished (no reply; a reply past the budget)."""
+    out = []
+    if not self.parked:
+      return out
+    for key, extra in self.reply.ready(timeout):
+      slot = self._parked_slot.pop(key)
+      it = self.parked.pop(slot)
+      extra = None if extra is None else [int(t) for t in extra]
+      # As at once: the reply and one more sampled token must fit (the
+      # stop token is in `it.tokens` by now).
+      length = bool(extra) and len(it.tokens) + 1 + len(extra) > it.budget
+      if extra and not length:
+        self.live[slot] = it
+        it.started = self.stats.steps  # Earlier steps' results: not its.
+        self._continue(slot, it, extra)
+      else:
+        out.append(self._masked(self._finish(
+            slot, it, "length" if length else "stop"), length))
+    return out
 
   def _extend(self, slot: int, it, extra: list[int]) -> None:
     """The reply's KV after the sample's own tokens; pages first."""

@@ -9,8 +9,9 @@ are the episode's turns.
 `agent(client, prompt, metadata) -> reward` runs in a thread of its own per
 episode with an `openai.OpenAI` client whose key names the episode. The
 driver samples the model's first turn at once; when a turn ends (a stop
-token) `AgentEnv.step` hands its text to the agent's waiting request and
-waits for the agent's next move:
+token) `AgentEnv.hand` hands its text to the agent's waiting request and
+the sample parks (`engine/multiturn.PARK`: its slot and KV kept, the other
+samples decoding on) until `poll` has the agent's next move:
 
 - another request, whose rendered messages extend the conversation: the
   new text (a tool's reply, the next user message) is appended, already in
@@ -24,9 +25,8 @@ waits for the agent's next move:
 So the tokens, masks and log-probs are those of the in-process path
 (`envs/tools.ToolEnv`) for the same conversation. A request whose history
 does not extend the episode's (an edited earlier turn) is refused; the
-agent sees an HTTP error. While the driver waits for one agent, the other
-samples wait too (a stall of one agent round trip at each turn end); samples
-that park while their agent thinks are not built yet.
+agent sees an HTTP error. `step` (hand, then wait) is the same move for a
+caller that waits.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 from absl import logging
@@ -80,7 +81,9 @@ class AgentSession:
     self._reward: float | None = None          # The agent returned.
     self._failure: str | None = None           # The agent raised.
     self.posted: float | None = None           # POST /v1/rlhf_jax/reward.
-    self._delivered = False                    # The reward reached `turn`.
+    self._delivered = False                    # The reward reached `poll`.
+    self._deadline = 0.0                       # Of the agent's next move.
+    self._wake: threading.Event | None = None  # Set at each move.
 
   # ---------------------------------------------- the server's thread
   def exchange(self, rendered: str) -> tuple[str, str, list | None]:
@@ -107,6 +110,8 @@ class AgentSession:
       if new:
         self._new, self.text = new, rendered
         self._cv.notify_all()
+        if self._wake is not None:
+          self._wake.set()
       if not self._cv.wait_for(lambda: self._turn is not None or self.closed,
                                timeout=self.timeout_s):
         raise TimeoutError(f"episode {self.id}: no model turn within "
@@ -143,27 +148,50 @@ class AgentSession:
       else:
         self._reward = 0.0 if reward is None else float(reward)
       self._cv.notify_all()
+      if self._wake is not None:
+        self._wake.set()
 
   # ---------------------------------------------- the driver's thread
-  def turn(self, action: str, logprobs: list | None = None) -> Step:
+  def hand(self, action: str, logprobs: list | None = None,
+           wake: threading.Event | None = None) -> None:
     """Hands the model's turn (and its tokens' (text, log-prob)) to the
-    agent; its next move as a Step."""
+    agent; `poll` gives its next move, and `wake` is set when it makes
+    one."""
     with self._cv:
       self._turn = (action, "stop", logprobs)  # `text` takes it when delivered.
+      self._wake = wake
+      self._deadline = time.monotonic() + self.timeout_s
       self._cv.notify_all()
-      moved = self._cv.wait_for(
-          lambda: (self._new is not None or self._reward is not None
-                   or self._failure is not None), timeout=self.timeout_s)
+
+  def _moved(self) -> bool:
+    return (self._new is not None or self._reward is not None
+            or self._failure is not None)
+
+  def poll(self) -> Step | None:
+    """The agent's move after the turn handed, as a Step: the new
+    messages, its reward, or a failure (it raised, or made no move within
+    `timeout_s`); None while it thinks."""
+    with self._cv:
       if self._new is not None:
         new, self._new = self._new, None
         return Step(new, tool_call=True, rendered=True)
       if self._reward is not None:
         self._delivered = True
         return Step(None, reward=self._reward, done=True)
+      if self._failure is None and time.monotonic() < self._deadline:
+        return None
       self._delivered = True  # A failed episode's reward is 0.
-      why = self._failure if moved else f"no move in {self.timeout_s:g} s"
+      why = self._failure or f"no move in {self.timeout_s:g} s"
     logging.warning("agent episode %s failed: %s", self.id, why)
     return Step(None, reward=0.0, done=True, tool_error=True)
+
+  def turn(self, action: str, logprobs: list | None = None) -> Step:
+    """`hand`, then waits (up to `timeout_s`) for the agent's move."""
+    self.hand(action, logprobs)
+    with self._cv:
+      if not self._cv.wait_for(self._moved, timeout=self.timeout_s):
+        self._deadline = 0.0  # Timed out, to the clock's last tick.
+    return self.poll()
 
   def unclaimed(self) -> float:
     """The posted reward if no move of the agent's ending the episode
@@ -218,7 +246,19 @@ class AgentEnv:
   takes_logprobs = True  # `Episodes` hands each turn's tokens' log-probs.
 
   def step(self, action: str, logprobs: list | None = None) -> Step:
-    step = self.session.turn(action, logprobs)
+    """The agent's move after `action`, waiting for it (`Env`'s call)."""
+    return self._ended(self.session.turn(action, logprobs))
+
+  # Without waiting: `Episodes` parks the sample until `poll` answers.
+  def hand(self, action: str, logprobs: list | None = None,
+           wake: threading.Event | None = None) -> None:
+    self.session.hand(action, logprobs, wake)
+
+  def poll(self) -> Step | None:
+    step = self.session.poll()
+    return None if step is None else self._ended(step)
+
+  def _ended(self, step: Step) -> Step:
     if step.done:
       self.close()
     return step

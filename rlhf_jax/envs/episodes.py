@@ -12,7 +12,10 @@ the environment's observation is rendered by the chat format and
 tokenized, and the driver appends those tokens (their KV after the
 sample's own, nothing prefilled again). An episode ends when the
 environment says done, or after `max_turns` model turns (the turn
-budget; the token budget is the driver's, replies included).
+budget; the token budget is the driver's, replies included). An agent
+(`agent_env.AgentEnv`) answers later: its sample parks (the driver's
+`PARK`) and `ready` hands its answer over once it has moved; the other
+samples decode meanwhile.
 
 Replay: with a `ReplayLog` every environment answer is written (and
 flushed) as it happens, keyed by (step, prompt id, sample index, turn).
@@ -32,8 +35,10 @@ import glob
 import json
 import os
 import re
+import threading
 from typing import Callable
 
+from rlhf_jax.engine.multiturn import PARK
 from rlhf_jax.envs.environment import Env, Step
 from rlhf_jax.errors import DataError
 
@@ -120,6 +125,9 @@ class Episodes:
     """Starts a rollout (`step`: where the replay log keys it; `prompts`:
     a PromptBatch whose metadata the environments get)."""
     self._live: dict[tuple[int, int], _Episode] = {}
+    # Handed a turn, their answer not read yet: (episode, tokens so far).
+    self._parked: dict[tuple[int, int], tuple[_Episode, int]] = {}
+    self._wake = threading.Event()  # Set when a parked one's env moves.
     self._done: list[_Episode] = []
     self.replayed = 0
     self.metadata = ({int(p): m for p, m in zip(prompts.prompt_ids,
@@ -130,29 +138,55 @@ class Episodes:
 
   def __call__(self, request, sample_idx: int, tokens: list,
                logp: list | None = None):
-    """The driver's reply: tokens to append, or None (the sample ends).
-    An environment with `takes_logprobs` also gets the turn's tokens, each
-    as (its text, its log-prob)."""
+    """The driver's reply: tokens to append, None (the sample ends), or
+    `PARK` for an environment that answers later (`hand`, then `poll`:
+    an agent; `ready` has its answer). An environment with
+    `takes_logprobs` also gets the turn's tokens, each as (its text, its
+    log-prob)."""
     key = request.prompt_id, sample_idx
     ep = self._live.get(key)
     if ep is None:
       ep = self._live[key] = _Episode(self.make_env())
       ep.env.reset(self._decode(request.tokens),
                    self.metadata.get(request.prompt_id, {}))
-    log_key = (*key, ep.turns)
-    result = self._replay.recorded.get(log_key) if self._replay else None
-    if result is None:
-      turn = tokens[ep.start:]
-      if getattr(ep.env, "takes_logprobs", False) and logp is not None:
-        result = ep.env.step(self._decode(turn), logprobs=[
-            (self._decode([t]), float(lp))
-            for t, lp in zip(turn, logp[ep.start:])])
-      else:
-        result = ep.env.step(self._decode(turn))
-      if self._replay is not None:
-        self._replay.put(log_key, result)
-    else:
+    result = (self._replay.recorded.get((*key, ep.turns))
+              if self._replay else None)
+    if result is not None:
       self.replayed += 1
+      return self._answer(key, ep, result, len(tokens), record=False)
+    turn, logprobs = self._decode(tokens[ep.start:]), None
+    if getattr(ep.env, "takes_logprobs", False) and logp is not None:
+      logprobs = [(self._decode([t]), float(lp))
+                  for t, lp in zip(tokens[ep.start:], logp[ep.start:])]
+    if hasattr(ep.env, "poll"):  # An agent: it answers when it has moved.
+      ep.env.hand(turn, logprobs, wake=self._wake)
+      self._parked[key] = ep, len(tokens)
+      return PARK
+    result = (ep.env.step(turn) if logprobs is None
+              else ep.env.step(turn, logprobs=logprobs))
+    return self._answer(key, ep, result, len(tokens))
+
+  def ready(self, timeout: float = 0.0) -> list:
+    """The parked episodes whose environments have answered (the driver's
+    `PARK` protocol): [((prompt id, sample index), tokens or None)];
+    waits up to `timeout` seconds for an answer when none has come."""
+    if timeout > 0:
+      self._wake.wait(timeout)
+    self._wake.clear()  # Before polling: a later move sets it again.
+    out = []
+    for key, (ep, n) in list(self._parked.items()):
+      result = ep.env.poll()
+      if result is not None:
+        del self._parked[key]
+        out.append((key, self._answer(key, ep, result, n)))
+    return out
+
+  def _answer(self, key, ep: _Episode, result: Step, n: int, *,
+              record: bool = True):
+    """The tokens to append after the environment's `result` for the turn
+    ending at token `n` (None: the episode ends); the turn's metrics."""
+    if record and self._replay is not None:
+      self._replay.put((*key, ep.turns), result)
     ep.turns += 1
     ep.reward += result.reward
     ep.calls += result.tool_call
@@ -164,7 +198,7 @@ class Episodes:
       return None
     extra = self._encode(result.observation if result.rendered
                          else self.fmt.render(result.observation))
-    ep.start = len(tokens) + len(extra)
+    ep.start = n + len(extra)
     return extra
 
   def finish(self, sample) -> None:
@@ -207,26 +241,43 @@ class Episodes:
       return out
 
 
-def from_config(agent, tokenizer, server=None) -> Episodes | None:
+def agent_runner(agent):
+  """(what each `AgentEnv` runs, its client factory) for the `agent`
+  section's agent: its function in the job's threads (`agent_fn`), in
+  `agent_workers` worker processes (`envs/agent_workers.py`), or a program
+  per episode (`agent_cmd`). Workers need `close()` (the rollout's)."""
+  import shlex  # pylint: disable=g-import-not-at-top
+  from rlhf_jax.envs import agent_env  # pylint: disable=g-import-not-at-top
+  if agent.agent_cmd:
+    return (agent_env.ExecutableAgent(shlex.split(agent.agent_cmd),
+                                      timeout_s=agent.agent_timeout_s),
+            agent_env.Endpoint)
+  fn = agent_env.load_agent(agent.agent_fn)  # Bad paths fail here, once.
+  if not agent.agent_workers:
+    return fn, None
+  from rlhf_jax.envs import agent_workers  # pylint: disable=g-import-not-at-top
+  return (agent_workers.AgentWorkers(agent.agent_fn,
+                                     processes=agent.agent_workers,
+                                     timeout_s=agent.agent_timeout_s),
+          agent_env.Endpoint)
+
+
+def from_config(agent, tokenizer, server=None, runner=None
+                ) -> Episodes | None:
   """The `Episodes` of the `agent` section (None when off): a `ToolEnv`
   per sample with the named tools, in the named format; with
-  `agent.agent_fn`, an `AgentEnv` per sample whose agent talks to `server`
-  (`serving/openai_server.AgentServer`, the job's)."""
+  `agent.agent_fn` or `.agent_cmd`, an `AgentEnv` per sample whose agent
+  talks to `server` (`serving/openai_server.AgentServer`, the job's), run
+  by `runner` (`agent_runner`'s; made here when not given)."""
   from rlhf_jax.envs import tools as tools_lib  # pylint: disable=g-import-not-at-top
   if not agent.enabled:
     return None
   if agent.through_endpoint:
-    import shlex  # pylint: disable=g-import-not-at-top
     from rlhf_jax.envs import agent_env  # pylint: disable=g-import-not-at-top
-    timeout = agent.agent_timeout_s
-    if agent.agent_fn:
-      fn, client = agent_env.load_agent(agent.agent_fn), None
-    else:
-      fn = agent_env.ExecutableAgent(shlex.split(agent.agent_cmd),
-                                     timeout_s=timeout)
-      client = agent_env.Endpoint
+    fn, client = runner or agent_runner(agent)
     return Episodes(
-        lambda: agent_env.AgentEnv(server, fn, timeout_s=timeout,
+        lambda: agent_env.AgentEnv(server, fn,
+                                   timeout_s=agent.agent_timeout_s,
                                    client_factory=client),
         tokenizer, tools_lib.FORMATS[agent.format](),
         max_turns=agent.max_turns,

@@ -98,16 +98,19 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
   train time come from the job's `clock` (`step_clock.StepClock`). With
   `c.agent.enabled` all are multi-turn, their turns also ending at the
   format's stops."""
-  server = (_agent_server(c) if c.agent.enabled and c.agent.through_endpoint
-            else None)
-  episodes = episodes_lib.from_config(c.agent, tokenizer, server)
+  server = runner = None
+  if c.agent.enabled and c.agent.through_endpoint:
+    # One endpoint and one agent runner (its workers) for all rollouts.
+    server, runner = _agent_server(c), episodes_lib.agent_runner(c.agent)
+  episodes = episodes_lib.from_config(c.agent, tokenizer, server, runner)
   if episodes is not None:
     stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
   sampled = None
   if c.eval.num_samples:
     sampled = eval_rollout(
         c.rollout, c.eval.num_rows, cfg, graphdef, layout, stop_tokens,
-        episodes=episodes_lib.from_config(c.agent, tokenizer, server),
+        episodes=episodes_lib.from_config(c.agent, tokenizer, server,
+                                          runner),
         num_samples=c.eval.num_samples, temperature=c.eval.temperature)
   rollout = build(c.rollout, cfg, graphdef, layout, stop_tokens,
                   rollout_tensor=c.mesh.rollout_tensor,
@@ -115,11 +118,11 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
                   train_time=clock.phase_seconds, lora_spec=lora_spec,
                   episodes=episodes, record_routes=c.rl.routing_replay)
   if server is not None:  # It serves the eval rollouts' agents too.
-    rollout.agent_server = server
+    rollout.agent_server, rollout.agent_runner = server, runner[0]
   return (rollout,
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
                        stop_tokens, episodes=episodes_lib.from_config(
-                           c.agent, tokenizer, server)),
+                           c.agent, tokenizer, server, runner)),
           sampled)
 
 

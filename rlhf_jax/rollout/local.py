@@ -47,6 +47,7 @@ class LocalRollout(Rollout):
   # The job's agent endpoint (`serving/`) where agents drive the episodes:
   # stopped with this rollout.
   agent_server = None
+  agent_runner = None  # Its `close()`, if any, ends agent worker processes.
 
   def __init__(self, engines: EngineSet, *, tail: LongTail = LongTail(),
                history: LengthHistory | None = None,
@@ -189,6 +190,7 @@ class LocalRollout(Rollout):
   def close(self) -> None:
     if self.agent_server is not None:
       self.agent_server.stop()
+    getattr(self.agent_runner, "close", lambda: None)()
 
   # ------------------------------------------------------------ helpers
   def _finished(self, samples: Iterator[Sample]) -> Iterator[Sample]:

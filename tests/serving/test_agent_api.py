@@ -28,6 +28,7 @@ from rlhf_jax.engine.multiturn import MultiTurnDriver
 from rlhf_jax.engine.sampling import SamplingParams
 from rlhf_jax.envs.agent_env import (AgentEnv, AgentSession, Endpoint,
                                      ExecutableAgent, SessionClosed)
+from rlhf_jax.envs.agent_workers import AgentWorkers
 from rlhf_jax.envs.episodes import Episodes
 from rlhf_jax.envs.tools import Calculator, TaggedFormat, ToolEnv
 from rlhf_jax.parallel import mesh as mesh_lib
@@ -126,9 +127,13 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
   # sampled, measured once).
   live_per_step = driver.stats.generated_tokens / driver.stats.steps
   assert live_per_step >= prompts * G / 2, live_per_step
+  # Each turn end parked its sample until the agent moved (the driver did
+  # not wait for it).
+  stopped = sum(s.finish_reason == "stop" for s in got.values())
+  assert driver.parkings >= stopped, (driver.parkings, stopped)
   if sampling is SAMPLED:  # Not vacuous: the agents called the tool.
     assert metrics["rollout/tool_call_rate"] > 0.05, metrics
-    assert driver.appended_tokens > 0 and driver.turns > 0
+    assert driver.appended_tokens > 0 and driver.turns > 0 and stopped > 0
   for env in envs:  # Every agent returned; none is left waiting.
     env.thread.join(10)
     assert not env.thread.is_alive()
@@ -401,7 +406,14 @@ def test_the_agent_job_equals_the_tool_job(tmp_path):
     # A tool's error text is the agent's business: there it counts
     # failed episodes (none).
     assert got.pop("rollout/tool_errors", 0) == 0
-    want = {k: v for k, v in want.items() if k != "rollout/tool_errors"}
+    # The schedule differs, not the samples: a sample parks while its
+    # agent thinks, so the decode steps and the pages held at the peak
+    # are the driver's own.
+    schedule = ("rollout/steps", "rollout/peak_kv_pages",
+                "rollout/peak_live_samples")
+    want = {k: v for k, v in want.items()
+            if k != "rollout/tool_errors" and k not in schedule}
+    got = {k: v for k, v in got.items() if k not in schedule}
     assert got == pytest.approx(want, rel=1e-6), key
   # Not vacuous: the policy called the tool through the agent.
   calls = [v for (phase, _), r in runs["agent"].items() if phase == "rl"
@@ -429,6 +441,59 @@ def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
   assert server.refused == 0
 
 
+def test_agent_workers_give_the_in_process_episodes(tiny_model, mesh8):
+  """The calculator agent function in 2 worker processes
+  (`agent.agent_workers`): the in-process path's samples (16 episodes,
+  sampled, some calling the tool)."""
+  want, want_metrics, _ = _rollout(tiny_model, mesh8, SAMPLED,
+                                   lambda: ToolEnv(TOOLS, FMT), prompts=4)
+  workers = AgentWorkers("configs.tiny_agent_api:calc_agent", processes=2,
+                         timeout_s=60)
+  try:
+    got, metrics, _, server, _ = _through_endpoint(
+        tiny_model, mesh8, SAMPLED, workers, client_factory=Endpoint,
+        prompts=4)
+  finally:
+    workers.close()
+  assert got.keys() == want.keys() and len(got) == 16
+  for k, s in got.items():
+    w = want[k]
+    assert (s.tokens, s.env_mask, s.logp_raw, s.env_reward) == (
+        w.tokens, w.env_mask, w.logp_raw, w.env_reward), k
+  assert metrics["rollout/tool_calls_per_episode"] == want_metrics[
+      "rollout/tool_calls_per_episode"] > 0
+  assert metrics["rollout/tool_errors"] == 0 and server.refused == 0
+
+
+def test_agent_workers_fail_an_episode_not_the_job(monkeypatch):
+  """The worker processes run the agent away from the job: an agent that
+  raises, prints to stdout, never answers or ends its worker fails its
+  episode only, and a new worker runs the next one."""
+  monkeypatch.syspath_prepend(os.path.dirname(__file__))
+  workers = AgentWorkers("worker_agents:by_prompt", processes=1,
+                         timeout_s=3)
+  endpoint = Endpoint("http://127.0.0.1:9/v1", "key.e0")  # Never called.
+  try:
+    first = workers(endpoint, "pid", {})
+    assert first != os.getpid()  # Another process.
+    assert workers(endpoint, "print", {}) == 5.0  # Its prints: not answers.
+    with pytest.raises(RuntimeError, match="asked to raise"):
+      workers(endpoint, "raise", {})
+    assert workers(endpoint, "pid", {}) == first  # The same worker.
+    with pytest.raises(RuntimeError, match="agent worker exited"):
+      workers(endpoint, "exit", {})
+    second = workers(endpoint, "pid", {})
+    assert second not in (first, os.getpid())  # A new worker.
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+      workers(endpoint, "sleep", {})
+    assert 3 <= time.monotonic() - t0 < 10
+    assert workers(endpoint, "12.5", {}) == 12.5  # It still serves.
+  finally:
+    workers.close()
+  assert not _alive(int(second))
+
+
 def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
                                                     tmp_path):
   """A program that never answers is killed at its timeout; its episode
@@ -449,20 +514,39 @@ def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
 
 
 # ------------------------------------------------------ kill and resume
-def test_an_agent_program_dies_with_the_job(tmp_path):
-  """A job SIGKILLed while an agent program runs takes the program with it
-  (the parent-death signal `ExecutableAgent` sets), even one that would
-  sleep for 10 minutes; the job here is a process running one episode's
-  program from a thread, as the rollout does."""
+# A job running one episode's agent from a thread, as the rollout does;
+# the agent writes its pid to $PID_FILE and sleeps 10 minutes.
+_SLEEPING_PROGRAM = """
+import sys, threading
+from rlhf_jax.envs.agent_env import Endpoint, ExecutableAgent
+sleeper = ("import os, time; open(os.environ['PID_FILE'], 'w')"
+           ".write(str(os.getpid())); time.sleep(600)")
+agent = ExecutableAgent([sys.executable, "-c", sleeper], timeout_s=600)
+threading.Thread(target=agent, args=(
+    Endpoint("http://127.0.0.1:9/v1", "key.e0"), "prompt", {})).start()
+"""
+_SLEEPING_WORKER = """
+import os, threading
+from rlhf_jax.envs.agent_env import Endpoint
+from rlhf_jax.envs.agent_workers import AgentWorkers
+agent = AgentWorkers("worker_agents:by_prompt", processes=1, timeout_s=600)
+threading.Thread(target=agent, args=(
+    Endpoint("http://127.0.0.1:9/v1", "key.e0"), "sleep",
+    {"pid_file": os.environ["PID_FILE"]})).start()
+"""
+
+
+@pytest.mark.parametrize("job_code", [_SLEEPING_PROGRAM, _SLEEPING_WORKER],
+                         ids=["program", "worker"])
+def test_an_agent_program_dies_with_the_job(tmp_path, job_code):
+  """A job SIGKILLed while an agent program (or an agent worker process)
+  runs takes it along (the parent-death signal both are started with),
+  even one that would sleep for 10 minutes."""
   pid_file = tmp_path / "pid"
-  sleeper = ("import os, time; open(%r, 'w').write(str(os.getpid())); "
-             "time.sleep(600)") % str(pid_file)
-  job = subprocess.Popen([sys.executable, "-c", (
-      "import sys, threading\n"
-      "from rlhf_jax.envs.agent_env import Endpoint, ExecutableAgent\n"
-      "agent = ExecutableAgent([sys.executable, '-c', %r], timeout_s=600)\n"
-      "threading.Thread(target=agent, args=(Endpoint('http://127.0.0.1:9/v1',"
-      " 'key.e0'), 'prompt', {})).start()\n") % sleeper], cwd=ROOT)
+  job = subprocess.Popen(
+      [sys.executable, "-c", job_code], cwd=ROOT,
+      env=dict(os.environ, PID_FILE=str(pid_file), PYTHONPATH=os.pathsep.join(
+          [ROOT, os.path.dirname(__file__)])))
   try:
     deadline = time.time() + 60
     while not (pid_file.exists() and pid_file.read_text()):
