@@ -251,6 +251,11 @@ PINS: list[Pin] = [
       "result/tool_call_rate_first", "result/tool_call_rate_last"),
     P(R, "it ends at 0.020\n(`job_tiny_tool_notools_cpu.json`)",
       "job_tiny_tool_notools_cpu.json", "result/eval_accuracy_last"),
+    P(R, "accuracy 0.005 → 0.77, measured through the agent, at an "
+      "evaluation that\nended 340.5 s after the command started; a median "
+      "RL step of 11.65 s", "job_tiny_agent_api_cpu.json",
+      "result/eval_accuracy_first", "result/eval_accuracy/1",
+      "result/gain_0_20_at_s", "result/rl_step_median_s"),
     P(R, "held-out pair accuracy 0.916 (1200 steps, 175 s)",
       "job_tiny_rm_cpu.json", "result/rm_pair_accuracy_last", None,
       "result/wall_s"),

@@ -558,8 +558,13 @@ class Agent:
   # agent_fn in this many worker processes (`envs/agent_workers.py`): each
   # imports it once and runs episodes in threads; 0 = the job's threads.
   agent_workers: int = 0
+  # The alternatives per token an agent may ask for (`top_logprobs`): the
+  # engines record this many for every drawn token (0: none; at most 20).
+  top_logprobs: int = 0
   chat_template: str = ""         # The endpoint's; "" = the format's own.
-  agent_timeout_s: float = 60.0   # An agent's longest wait between moves.
+  # An agent's longest wait between moves; a program's or a worker
+  # agent's whole episode too.
+  agent_timeout_s: float = 60.0
 
   def __post_init__(self):
     positive_ints(self, "max_turns", "python_memory_mb")
@@ -572,6 +577,11 @@ class Agent:
         fail(self, "agent_fn", "must be 'module:function'")
     if self.agent_workers < 0:
       fail(self, "agent_workers", "must be >= 0")
+    if not 0 <= self.top_logprobs <= 20:
+      fail(self, "top_logprobs", "must be in [0, 20]")
+    if self.top_logprobs and not self.through_endpoint:
+      fail(self, "top_logprobs", "is for an agent through the endpoint "
+           "(agent_fn or agent_cmd)")
     if self.agent_workers and not self.agent_fn:
       fail(self, "agent_workers", "runs agent_fn; give agent_fn")
     if self.agent_cmd and not shlex.split(self.agent_cmd):

@@ -356,7 +356,7 @@ class Driver:
         [g.pages for g, _ in batch], [g.length for g, _ in batch],
         [r.prompt_id for r in reqs], [r.seed for r in reqs])
     for x in (pre.first_tokens, pre.first_logp, pre.first_logp_raw,
-              *(() if pre.routes is None else (pre.routes,))):
+              *(x for x in (pre.routes, pre.first_top) if x is not None)):
       x.copy_to_host_async()
     self._events.append(("insert", [g for g, _ in batch], pre))
     self.stats.prefills += 1
@@ -409,7 +409,7 @@ class Driver:
         self._order += 1
         item = Slot(group, w.member, w.sample_idx, w.budget, pages,
                      self.stats.steps, self._order, w.tokens, w.logp,
-                     w.logp_raw, w.routes)
+                     w.logp_raw, w.routes, w.top)
         self.live[slot] = item
         group.live += 1
         started.append((slot, item))
@@ -501,7 +501,7 @@ class Driver:
     it.group.live -= 1
     it.group.waiting.appendleft(Waiting(it.member, it.sample_idx, it.budget,
                                          it.tokens, it.logp, it.logp_raw,
-                                         it.routes))
+                                         it.routes, it.top))
     self.paged.preemptions += 1
 
   def consolidate(self, engine: Engine, params,
@@ -558,7 +558,7 @@ class Driver:
         g.live -= 1
         g.waiting.appendleft(Waiting(it.member, it.sample_idx, it.budget,
                                       it.tokens, it.logp, it.logp_raw,
-                                      it.routes))
+                                      it.routes, it.top))
         redo += 1
       g.pages = []  # Their pages go with the dropped replicas' pool.
       self._readmit.append(g)
@@ -674,8 +674,10 @@ class Driver:
       host = [np.asarray(x) for x in (pre.first_tokens, pre.first_logp,
                                       pre.first_logp_raw)]
       routes = None if pre.routes is None else np.asarray(pre.routes)
+      top = None if pre.first_top is None else np.asarray(pre.first_top)
       for b, group in enumerate(groups):
         group.first = tuple(x[b] for x in host)
+        group.first_top = None if top is None else top[b]
         if routes is not None:
           # A readmitted group's new prefill replaces its record: every
           # token its members draw from now on attends to this KV.
@@ -685,17 +687,19 @@ class Driver:
         if id(it.group) in batch and not it.tokens:
           yield from self._take_first(slot, it)
       return
-    window, base, steps = event[1].convert_to_numpy(), event[2], event[3]
+    window = event[1].convert_to_numpy(self.engine.top_logprobs)
+    base, steps = event[2], event[3]
     self._unread -= steps
     for j in range(steps):
       res, step = window.window(j), base + j + 1
-      routes = res.routes
+      routes, top = res.routes, res.top
       for s in np.nonzero(res.valid)[0]:
         it = live.get(int(s))
         if it is not None and step > it.started:
           yield from self._append(int(s), live, int(res.tokens[s]),
                                   float(res.logp[s]), float(res.logp_raw[s]),
-                                  routes[s] if routes.shape[1] else None)
+                                  routes[s] if routes.shape[1] else None,
+                                  top[s] if top.shape[1] else None)
 
   def _routes_of(self, group: Group, it: Slot) -> dict:
     """A finished sample's recorded experts (`Sample.routes`), if the
@@ -716,7 +720,7 @@ class Driver:
     toks, logp, raw = it.group.first
     j = it.member
     return list(self._append(slot, self.live, int(toks[j]), float(logp[j]),
-                             float(raw[j])))
+                             float(raw[j]), top=it.group.first_top))
 
   @staticmethod
   def _record(it: Slot, routes) -> None:
@@ -726,12 +730,22 @@ class Driver:
     it.routes.extend([None] * (len(it.tokens) - 1 - len(it.routes)))
     it.routes.append(routes)
 
-  def _append(self, slot, live, token, logp, raw, routes=None):
+  @staticmethod
+  def _record_top(it: Slot, top) -> None:
+    """`top`: the K likeliest tokens where the sample's next token was
+    drawn (`Engine(top_logprobs=K)`); tokens without one get None."""
+    it.top.extend([None] * (len(it.tokens) - len(it.top)))
+    it.top.append(top)
+
+  def _append(self, slot, live, token, logp, raw, routes=None, top=None):
     """Token `token` of the sample in `slot`; `routes` (recorded): the
-    experts the token fed before it went to."""
+    experts the token fed before it went to; `top` (recorded): the K
+    likeliest tokens where it was drawn."""
     it = live[slot]
     if routes is not None:
       self._record(it, routes)
+    if top is not None:
+      self._record_top(it, top)
     it.tokens.append(token)
     it.logp.append(logp)
     it.logp_raw.append(raw)

@@ -58,7 +58,7 @@ from rlhf_jax.engine import moves
 from rlhf_jax.engine.sampling import SamplingParams, sample, token_keys
 from rlhf_jax.engine.state import (
     NUM_COLUMNS, STEP_FLOORS, CommonPrefix, DecodeState, Prefill, ResultTokens,
-    pow2_at_least, state_fields, step_bounds)
+    pow2_at_least, state_fields, step_bounds, top_columns)
 from rlhf_jax.models import model as model_lib
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.parallel.layout import Layout, use_layout
@@ -84,7 +84,8 @@ class Engine:
                num_groups: int | None = None, prefill_batch: int = 4,
                max_prompt_length: int | None = None,
                attention_impl: str = "auto", max_common_length: int = 0,
-               decode_window: int = 8, record_routes: bool = False):
+               decode_window: int = 8, record_routes: bool = False,
+               top_logprobs: int = 0):
     """Builds the jitted functions; nothing is compiled until first use.
 
     Args:
@@ -116,6 +117,10 @@ class Engine:
         every fed token went to in each layer (`Prefill.routes`,
         `ResultTokens`' extra columns), for rollout routing replay. Not
         yet with a common prefix or chunked prefill.
+      top_logprobs: K > 0 also returns, for every token drawn, the K
+        likeliest tokens and their log-probs under the policy
+        (temperature 1, unfiltered: `state.top_columns`), for an agent
+        asking `top_logprobs` (`serving/`). Not with chunked prefill.
     """
     sampling.validate(cfg.vocab_size)
     if max_common_length < 0:
@@ -135,9 +140,18 @@ class Engine:
           "record_routes with chunked prefill (max_prompt_length above the "
           "largest prefill bucket)")
     self.record_routes = bool(record_routes)
+    if not 0 <= top_logprobs <= cfg.vocab_size:
+      raise ValueError(f"top_logprobs={top_logprobs}: in [0, vocab_size]")
+    if top_logprobs and (max_prompt_length or 0) > max(prefill_buckets):
+      raise NotImplementedError(
+          "top_logprobs with chunked prefill (max_prompt_length above the "
+          "largest prefill bucket)")
+    self.top_logprobs = int(top_logprobs)
     # Result columns: token, valid, log-probs, then L x k expert ids.
+    # Then 2K top-logprob columns (`state.top_columns`).
     self.result_columns = NUM_COLUMNS + (
-        cfg.num_layers * cfg.experts_per_token if record_routes else 0)
+        cfg.num_layers * cfg.experts_per_token if record_routes else 0) + (
+            2 * self.top_logprobs)
     self.cfg, self.graphdef, self.layout = cfg, graphdef, layout
     self.buckets, self.sampling = buckets, sampling
     self.attention_impl = attention_impl
@@ -207,7 +221,8 @@ class Engine:
         for name, (axes, shape, _) in self._fields().items()})
     rep = layout.replicated()
     self._prefill_sh = Prefill(*(rep,) * 5,
-                               routes=rep if record_routes else None)
+                               routes=rep if record_routes else None,
+                               first_top=rep if top_logprobs else None)
     self._insert_sh = Prefill(*(rep,) * 5)  # The routes stay behind.
     st, params, common = (self.state_shardings, self.param_shardings,
                           self._common_shardings)
@@ -261,7 +276,7 @@ class Engine:
                            self.num_groups, self.prefill_batch,
                            self.max_prompt_length, attention_impl,
                            self.max_common_length, self.decode_window,
-                           self.record_routes))
+                           self.record_routes, self.top_logprobs))
 
   # --------------------------------------------------------- common prefix
   def _common_kv_shape(self):
@@ -466,7 +481,10 @@ class Engine:
                           first_tokens=tokens.reshape(B, G),
                           first_logp=logp.reshape(B, G),
                           first_logp_raw=raw.reshape(B, G),
-                          routes=routes[0] if routes else None)
+                          routes=routes[0] if routes else None,
+                          first_top=(top_columns(logits_BxV,
+                                                 self.top_logprobs)
+                                     if self.top_logprobs else None))
 
   def _insert_fn(self, state: DecodeState, pre: Prefill, entries_B,
                  pages_BxA, lengths_B, prompt_ids_B, seeds_B) -> DecodeState:
@@ -623,7 +641,9 @@ class Engine:
           slots_X].set(x, mode="drop")
       return new_state, ResultTokens.pack(
           per_slot(tokens), per_slot(live), per_slot(logp), per_slot(raw),
-          per_slot(routes[0].reshape(X, -1)) if routes else None)
+          per_slot(routes[0].reshape(X, -1)) if routes else None,
+          per_slot(top_columns(logits, self.top_logprobs))
+          if self.top_logprobs else None)
 
   # ------------------------------------------------------------ host API
   def prefill(self, params, prompts: Sequence[tuple[np.ndarray, int]],
@@ -665,7 +685,8 @@ class Engine:
       raise ValueError(
           "the decode state holds an older common prefix than the engine's; "
           "call init_decode_state() once its samples finish")
-    pre = pre.replace(routes=None)  # Read by the driver, not the state.
+    # Read by the driver, not the state.
+    pre = pre.replace(routes=None, first_top=None)
     Bp = pre.k.shape[1]
     A = math.ceil(pre.k.shape[2] / self.page_size)
     ent = np.full(Bp, self.num_groups, np.int32)

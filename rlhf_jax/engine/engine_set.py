@@ -26,7 +26,8 @@ class EngineSet:
   def __init__(self, cfg, graphdef, layout: Layout, *, rows_per_replica: int,
                paged: dict | None = None, **engine_args):
     """`engine_args`: samples_per_row (G), prefill_buckets, sampling,
-    attention_impl, max_common_length, record_routes. `paged`: the `Engine` arguments of
+    attention_impl, max_common_length, record_routes, top_logprobs.
+    `paged`: the `Engine` arguments of
     its own (page_size, num_pages, num_slots, decode_window, ...; a 0 or
     missing num_pages / num_slots: sized to rows_per_replica x G slots a
     replica, every one at full length)."""
@@ -62,7 +63,8 @@ class EngineSet:
           prefill_buckets=a["prefill_buckets"], sampling=a["sampling"],
           attention_impl=a.get("attention_impl", "auto"),
           max_common_length=a.get("max_common_length", 0),
-          record_routes=a.get("record_routes", False), **pa)
+          record_routes=a.get("record_routes", False),
+          top_logprobs=a.get("top_logprobs", 0), **pa)
     return self._engines[m]
 
   def kv_bytes_per_device(self) -> int:

@@ -40,6 +40,7 @@ class Waiting:
   logp: list = dataclasses.field(default_factory=list)
   logp_raw: list = dataclasses.field(default_factory=list)
   routes: list = dataclasses.field(default_factory=list)  # See Slot.
+  top: list = dataclasses.field(default_factory=list)     # See Slot.
 
 
 @dataclasses.dataclass
@@ -55,6 +56,8 @@ class Group:
   first: tuple | None = None       # host copies of (tokens, logp, raw) [G]
   # Engine(record_routes=True): the experts of each prompt token [P, L, k].
   prompt_routes: object = None
+  # Engine(top_logprobs=K): the first tokens' top K, `state.top_columns`.
+  first_top: object = None
 
 
 @dataclasses.dataclass
@@ -72,6 +75,9 @@ class Slot:
   # Engine(record_routes=True): route j [L, k] is token j's, recorded when
   # it was fed (the last token is never fed).
   routes: list = dataclasses.field(default_factory=list)
+  # Engine(top_logprobs=K): token j's K likeliest tokens
+  # (`state.top_columns`, [2K]); None at appended (not drawn) tokens.
+  top: list = dataclasses.field(default_factory=list)
 
   @property
   def request(self) -> Request:

@@ -23,8 +23,8 @@ sample at its stop token, finish_reason "length". A reply that finds no
 free page preempts the sample (the driver's exhaustion policy): it is
 recomputed later from all its tokens, appended ones included, and
 continues with the same tokens. Samples keep their turns across the
-driver's own moves (preemption, consolidation; none while a sample is
-parked); handing them to elastic
+driver's own moves (preemption, consolidation; the controller's
+consolidation waits while a sample is parked); handing them to elastic
 workers (`partials`, `cut`) would drop `env_mask` and is refused.
 """
 
@@ -35,16 +35,17 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from rlhf_jax.samples import Request
 from rlhf_jax.engine.page_pool import PoolExhausted
 from rlhf_jax.engine.engine import Engine
 from rlhf_jax.engine import moves
 from rlhf_jax.engine.driver import Driver
 
 # (request, sample index, tokens after the prompt so far, ending with the
-# stop token, their log-probs) -> tokens to append, None (the sample
-# ends), or PARK (the answer comes later, from `ready`).
-Reply = Callable[[Request, int, list, list], Sequence[int] | None]
+# stop token, their log-probs[, with `Engine(top_logprobs=K)` each token's
+# K likeliest tokens (`state.top_columns` rows; None at appended ones)])
+# -> tokens to append, None (the sample ends), or PARK (the answer comes
+# later, from `ready`).
+Reply = Callable[..., Sequence[int] | None]  # or PARK
 
 # A reply that is not ready yet (an agent thinking in a process of its
 # own): the sample parks, keeping its slot and pages (its KV stays, nothing
@@ -79,14 +80,19 @@ class MultiTurnDriver(Driver):
     out = self._unpark(_IDLE_WAIT_S if idle else 0.0)
     return out + super().step()
 
-  def _append(self, slot, live, token, logp, raw, routes=None):
+  def _append(self, slot, live, token, logp, raw, routes=None, top=None):
     it = live[slot]
     extra, length = None, False
     if token in self.engine.sampling.stop_tokens:
-      extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
-                         it.logp + [logp])
+      if self.engine.top_logprobs:  # The turn's alternatives, as recorded.
+        tops = it.top + [None] * (len(it.tokens) - len(it.top)) + [top]
+        extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
+                           it.logp + [logp], tops)
+      else:
+        extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
+                           it.logp + [logp])
       if extra is PARK:
-        self._take(it, token, logp, raw, routes)
+        self._take(it, token, logp, raw, routes, top)
         del live[slot]
         self.parked[slot] = it
         self._parked_slot[it.request.prompt_id, it.sample_idx] = slot
@@ -96,16 +102,18 @@ class MultiTurnDriver(Driver):
       # The reply and one more sampled token must fit the budget.
       length = bool(extra) and len(it.tokens) + 2 + len(extra) > it.budget
     if extra and not length:
-      self._take(it, token, logp, raw, routes)
+      self._take(it, token, logp, raw, routes, top)
       self._continue(slot, it, extra)
       return
-    for sample in super()._append(slot, live, token, logp, raw, routes):
+    for sample in super()._append(slot, live, token, logp, raw, routes, top):
       yield self._masked(sample, length)
 
-  def _take(self, it, token, logp, raw, routes) -> None:
+  def _take(self, it, token, logp, raw, routes, top) -> None:
     """The stop token that ends a turn the sample goes on after."""
     if routes is not None:
       self._record(it, routes)
+    if top is not None:
+      self._record_top(it, top)
     it.tokens.append(token)
     it.logp.append(logp)
     it.logp_raw.append(raw)
@@ -183,14 +191,14 @@ class MultiTurnDriver(Driver):
       jax.block_until_ready(self.state)
 
   def partials(self):
-    if self._appended:
+    if self._appended or self.parked:
       raise NotImplementedError(
           "multi-turn samples cannot be handed over yet (a Partial has no "
           "env_mask)")
     return super().partials()
 
   def cut(self, keys):
-    if self._appended:
+    if self._appended or self.parked:
       raise NotImplementedError(
           "multi-turn samples cannot be handed over yet (a Partial has no "
           "env_mask)")

@@ -63,6 +63,10 @@ class Prefill:
   # With `Engine(record_routes=True)` (MoE): the experts each prompt token
   # went to in each layer, [B, Pb, L, k]; else None.
   routes: jax.Array | None = None
+  # With `Engine(top_logprobs=K)`: the K likeliest first tokens under the
+  # policy (temperature 1, unfiltered), ids then log-prob bits, [B, 2K]
+  # int32 (one prompt's G samples share them); else None.
+  first_top: jax.Array | None = None
 
 
 def pow2_at_least(n: int, cap: int, floor: int = 1) -> int:
@@ -178,33 +182,55 @@ class ResultTokens:
   data: jax.Array
 
   @staticmethod
-  def pack(tokens, valid, logp, logp_raw, routes_SxC=None) -> "ResultTokens":
+  def pack(tokens, valid, logp, logp_raw, routes_SxC=None,
+           top_Sx2K=None) -> "ResultTokens":
     """`routes_SxC` (`Engine(record_routes=True)`): the experts each slot's
-    fed token went to, L x k columns after the four."""
+    fed token went to, L x k columns after the four; `top_Sx2K`
+    (`Engine(top_logprobs=K)`, `top_columns`): the K likeliest tokens,
+    last."""
     cols = [tokens, valid.astype(jnp.int32),
             jax.lax.bitcast_convert_type(logp.astype(jnp.float32), jnp.int32),
             jax.lax.bitcast_convert_type(logp_raw.astype(jnp.float32),
                                          jnp.int32)]
     data = jnp.stack([c.reshape(-1).astype(jnp.int32) for c in cols], -1)
-    if routes_SxC is not None:
-      data = jnp.concatenate([data, routes_SxC.astype(jnp.int32)], -1)
+    for extra in (routes_SxC, top_Sx2K):
+      if extra is not None:
+        data = jnp.concatenate([data, extra.astype(jnp.int32)], -1)
     return ResultTokens(data)
 
   def copy_to_host_async(self) -> None:
     self.data.copy_to_host_async()
 
-  def convert_to_numpy(self) -> "HostResult":
-    return HostResult(np.asarray(self.data))
+  def convert_to_numpy(self, top_k: int = 0) -> "HostResult":
+    return HostResult(np.asarray(self.data), top_k)
+
+
+def top_columns(logits_BxV, k: int):
+  """The k likeliest tokens of each row under the policy's own
+  distribution (log-softmax of the logits: temperature 1, unfiltered), as
+  [B, 2k] int32: their ids, then their log-probs' fp32 bit patterns."""
+  logp_k, ids_k = jax.lax.top_k(
+      jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1), k)
+  return jnp.concatenate(
+      [ids_k.astype(jnp.int32),
+       jax.lax.bitcast_convert_type(logp_k, jnp.int32)], -1)
+
+
+def split_top(top_2K: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`top_columns`' row(s) on the host: (ids, log-probs)."""
+  k = top_2K.shape[-1] // 2
+  return top_2K[..., :k], top_2K[..., k:].view(np.float32)
 
 
 @dataclasses.dataclass
 class HostResult:
-  """Numpy view of ResultTokens."""
+  """Numpy view of ResultTokens (`top_k`: the engine's `top_logprobs`)."""
   data: np.ndarray
+  top_k: int = 0
 
   def window(self, j: int) -> "HostResult":
     """Step j of a decode window."""
-    return HostResult(self.data[j])
+    return HostResult(self.data[j], self.top_k)
 
   @property
   def tokens(self):
@@ -225,4 +251,9 @@ class HostResult:
   @property
   def routes(self):
     """[S, L x k] the recorded experts (no columns: not recorded)."""
-    return self.data[:, NUM_COLUMNS:]
+    return self.data[:, NUM_COLUMNS:self.data.shape[1] - 2 * self.top_k]
+
+  @property
+  def top(self):
+    """[S, 2K] `top_columns` (no columns: not recorded)."""
+    return self.data[:, self.data.shape[1] - 2 * self.top_k:]

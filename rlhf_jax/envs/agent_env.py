@@ -75,7 +75,8 @@ class AgentSession:
     self.requests = 0
     self.closed = False
     self._cv = threading.Condition()
-    # (text, finish reason, [(token text, log-prob)] or None)
+    # (text, finish reason, [(token text, log-prob[, alternatives])] or
+    # None; alternatives: [(text, log-prob)], `Episodes`' top_logprobs)
     self._turn: tuple[str, str, list | None] | None = None
     self._new: str | None = None               # Rendered, not yet appended.
     self._reward: float | None = None          # The agent returned.
@@ -89,8 +90,8 @@ class AgentSession:
   def exchange(self, rendered: str) -> tuple[str, str, list | None]:
     """The agent's whole conversation `rendered` by the chat template ->
     the model's next turn (text, finish reason: "stop", or "length" when
-    the episode ended without one; its tokens as (text, log-prob), None
-    when there are none)."""
+    the episode ended without one; its tokens as (text, log-prob[,
+    alternatives]), None when there are none)."""
     with self._cv:
       if self.closed:
         raise SessionClosed(f"episode {self.id} has ended")
@@ -269,12 +270,11 @@ class AgentEnv:
     return self.session.unclaimed() if self.session is not None else 0.0
 
   def close(self) -> None:
-    """Ends the episode and waits (up to its timeout) for the agent."""
-    if self.session is None:
-      return
-    self.server.close(self.session)
-    if self.thread is not None and self.thread is not threading.current_thread():
-      self.thread.join(self.timeout_s)
+    """Ends the episode without waiting for the agent (the driver's thread
+    calls it): the agent's later requests are refused, so it ends on its
+    own; its thread is a daemon."""
+    if self.session is not None:
+      self.server.close(self.session)
 
 
 @dataclasses.dataclass(frozen=True)

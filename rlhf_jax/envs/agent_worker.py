@@ -18,7 +18,16 @@ import threading
 
 
 def main(agent_fn: str, answer_fd: int) -> None:
+  # The protocol's pipes are this loop's alone: the agent's own
+  # subprocesses get neither (stdin is /dev/null to them; the answer pipe
+  # is not inherited), so they cannot eat episodes or keep a dead
+  # worker's pipe open.
+  os.set_inheritable(answer_fd, False)
   answers = os.fdopen(answer_fd, "w")
+  episodes = os.fdopen(os.dup(0), "r")
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
   sys.stdout = sys.stderr  # The agent's prints go to the job's stderr.
   from rlhf_jax.envs import agent_env  # pylint: disable=g-import-not-at-top
   agent = agent_env.load_agent(agent_fn)
@@ -37,7 +46,7 @@ def main(agent_fn: str, answer_fd: int) -> None:
       answers.write(json.dumps(dict(answer, id=episode["id"])) + "\n")
       answers.flush()
 
-  for line in sys.stdin:
+  for line in episodes:
     threading.Thread(target=run, args=(json.loads(line),), daemon=True).start()
 
 

@@ -20,10 +20,10 @@ on a pipe of its own ({"id", "reward"} or {"id", "error"}), so what the
 agent prints goes to the job's stderr and cannot garble the answers.
 
 Failures are the episode's, never the step's: an agent that raises fails
-its episode; one that makes no answer within `timeout_s` fails it (its
-thread runs on until its requests are refused: a thread cannot be
-killed); a worker that dies fails the episodes it ran, and the next
-episode starts a new worker. Workers are children of the job and die with
+its episode; one that has not returned within `timeout_s` of its start
+fails it, as a program past its timeout does (its thread runs on until
+its requests are refused: a thread cannot be killed); a worker that dies
+fails the episodes it ran, and the next episode starts a new worker. Workers are children of the job and die with
 it (the parent-death signal, `agent_env._BOOT`, set by a thread that lives
 as long as they do) or when their stdin closes.
 """
@@ -82,9 +82,14 @@ class _Worker:
 
   def _read(self) -> None:
     for line in self._answers:
-      answer = json.loads(line)
+      try:
+        answer = json.loads(line)
+        episode = answer["id"]
+      except (ValueError, TypeError, KeyError):  # Not the worker's protocol.
+        self.proc.kill()
+        break
       with self.lock:
-        future = self.pending.pop(answer["id"], None)
+        future = self.pending.pop(episode, None)
       if future is not None:
         future.set_result(answer)
     code = self.proc.wait()
@@ -137,12 +142,15 @@ class AgentWorkers:
 
   def __call__(self, endpoint: agent_env.Endpoint, prompt: str,
                metadata: Mapping) -> float:
-    future = self._worker().submit(next(self._ids), dict(
+    worker, episode = self._worker(), next(self._ids)
+    future = worker.submit(episode, dict(
         base_url=endpoint.base_url, api_key=endpoint.api_key, prompt=prompt,
         metadata=json.loads(json.dumps(dict(metadata), default=str))))
     try:
       answer = future.result(self.timeout_s)
     except concurrent.futures.TimeoutError:
+      with worker.lock:  # Its late answer, if any, is dropped.
+        worker.pending.pop(episode, None)
       raise TimeoutError(f"the agent made no answer in {self.timeout_s:g} s"
                          ) from None
     if "error" in answer:

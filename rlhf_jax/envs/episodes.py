@@ -38,7 +38,10 @@ import re
 import threading
 from typing import Callable
 
+import numpy as np
+
 from rlhf_jax.engine.multiturn import PARK
+from rlhf_jax.engine.state import split_top
 from rlhf_jax.envs.environment import Env, Step
 from rlhf_jax.errors import DataError
 
@@ -137,12 +140,13 @@ class Episodes:
       self._replay.begin(step)
 
   def __call__(self, request, sample_idx: int, tokens: list,
-               logp: list | None = None):
+               logp: list | None = None, top: list | None = None):
     """The driver's reply: tokens to append, None (the sample ends), or
     `PARK` for an environment that answers later (`hand`, then `poll`:
     an agent; `ready` has its answer). An environment with
     `takes_logprobs` also gets the turn's tokens, each as (its text, its
-    log-prob)."""
+    log-prob), and with `top` (the engine's `top_logprobs`) a third item:
+    the likeliest tokens where it was drawn, [(text, log-prob)]."""
     key = request.prompt_id, sample_idx
     ep = self._live.get(key)
     if ep is None:
@@ -158,6 +162,9 @@ class Episodes:
     if getattr(ep.env, "takes_logprobs", False) and logp is not None:
       logprobs = [(self._decode([t]), float(lp))
                   for t, lp in zip(tokens[ep.start:], logp[ep.start:])]
+      if top is not None:
+        logprobs = [(*lp, self._alternatives(row))
+                    for lp, row in zip(logprobs, top[ep.start:])]
     if hasattr(ep.env, "poll"):  # An agent: it answers when it has moved.
       ep.env.hand(turn, logprobs, wake=self._wake)
       self._parked[key] = ep, len(tokens)
@@ -224,6 +231,13 @@ class Episodes:
         "rollout/turn_budget_cut": float(sum(e.cut for e in eps)),
         "rollout/env_reward": sum(e.reward for e in eps) / n,
         "rollout/replayed_answers": float(self.replayed)}
+
+  def _alternatives(self, row) -> list | None:
+    """A `state.top_columns` row as [(token text, log-prob)]."""
+    if row is None:
+      return None
+    ids, logps = split_top(np.asarray(row))
+    return [(self._decode([int(i)]), float(lp)) for i, lp in zip(ids, logps)]
 
   def _decode(self, ids) -> str:
     return self.tokenizer.decode(ids, stop_at_eos=False)

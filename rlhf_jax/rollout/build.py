@@ -29,10 +29,11 @@ from rlhf_jax.timeline import Timeline
 def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
                  graphdef, layout: Layout, stop_tokens=(),
                  episodes=None, *, num_samples: int = 1,
-                 temperature: float = 0.0) -> LocalRollout:
+                 temperature: float = 0.0,
+                 top_logprobs: int = 0) -> LocalRollout:
   """Held-out evaluation on the paged engine (multi-turn with `episodes`):
   greedy, one sample a row, or `num_samples` a row at `temperature` (the
-  rollout's top_p and top_k)."""
+  rollout's top_p and top_k); `top_logprobs` as `engines`."""
   if temperature:
     sampling = SamplingParams(temperature=temperature, top_p=ro.top_p,
                               top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
@@ -45,7 +46,7 @@ def eval_rollout(ro: RolloutSection, num_rows: int, cfg: ModelConfig,
       cfg, graphdef, layout,
       rows_per_replica=num_rows // layout.mesh.shape["data"],
       samples_per_row=num_samples, prefill_buckets=tuple(ro.prefill_buckets),
-      sampling=sampling,
+      sampling=sampling, top_logprobs=top_logprobs,
       paged=dict(page_size=ro.page_size, num_pages=0, num_slots=0,
                  decode_window=ro.decode_window)), episodes=episodes)
 
@@ -55,7 +56,7 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
           timeline: Timeline | None = None,
           train_time: Callable[[int], float | None] | None = None,
           lora_spec=None, episodes=None,
-          record_routes: bool = False) -> Rollout:
+          record_routes: bool = False, top_logprobs: int = 0) -> Rollout:
   """The job's rollout (see the module doc).
 
   Args:
@@ -69,9 +70,12 @@ def build(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
     lora_spec: a LoRA policy's adapters: elastic workers pull only those.
     episodes: multi-turn rollouts' environments (`envs/episodes.py`).
     record_routes: the engines record an MoE's experts (routing replay).
+    top_logprobs: the engines record each drawn token's likeliest
+      alternatives (an agent endpoint's `top_logprobs`).
   """
   local = LocalRollout(engines(ro, cfg, graphdef, layout, stop_tokens,
-                               record_routes=record_routes),
+                               record_routes=record_routes,
+                               top_logprobs=top_logprobs),
                        tail=ro.long_tail, timeline=timeline,
                        episodes=episodes)
   if not ro.workers.num:
@@ -102,6 +106,7 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
   if c.agent.enabled and c.agent.through_endpoint:
     # One endpoint and one agent runner (its workers) for all rollouts.
     server, runner = _agent_server(c), episodes_lib.agent_runner(c.agent)
+  top = c.agent.top_logprobs if server is not None else 0
   episodes = episodes_lib.from_config(c.agent, tokenizer, server, runner)
   if episodes is not None:
     stop_tokens = tuple(dict.fromkeys((*stop_tokens, *episodes.stop_ids())))
@@ -111,18 +116,21 @@ def for_job(c, cfg: ModelConfig, graphdef, layout: Layout, tokenizer,
         c.rollout, c.eval.num_rows, cfg, graphdef, layout, stop_tokens,
         episodes=episodes_lib.from_config(c.agent, tokenizer, server,
                                           runner),
-        num_samples=c.eval.num_samples, temperature=c.eval.temperature)
+        num_samples=c.eval.num_samples, temperature=c.eval.temperature,
+        top_logprobs=top)
   rollout = build(c.rollout, cfg, graphdef, layout, stop_tokens,
                   rollout_tensor=c.mesh.rollout_tensor,
                   timeline=clock.timeline,
                   train_time=clock.phase_seconds, lora_spec=lora_spec,
-                  episodes=episodes, record_routes=c.rl.routing_replay)
+                  episodes=episodes, record_routes=c.rl.routing_replay,
+                  top_logprobs=top)
   if server is not None:  # It serves the eval rollouts' agents too.
     rollout.agent_server, rollout.agent_runner = server, runner[0]
   return (rollout,
           eval_rollout(c.rollout, c.eval.num_rows, cfg, graphdef, layout,
                        stop_tokens, episodes=episodes_lib.from_config(
-                           c.agent, tokenizer, server, runner)),
+                           c.agent, tokenizer, server, runner),
+                       top_logprobs=top),
           sampled)
 
 
@@ -147,5 +155,6 @@ def _agent_server(c):
       tools_lib.make_tools(a.tools),
       SamplingParams(temperature=ro.temperature, top_k=ro.top_k,
                      top_p=ro.top_p),
-      max_open_requests=max(64, episodes)).start()
+      max_open_requests=max(64, episodes),
+      top_logprobs=a.top_logprobs).start()
 

@@ -18,9 +18,12 @@ def sampling_params(ro: RolloutSection, stop_tokens=()) -> SamplingParams:
 
 
 def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
-            stop_tokens=(), record_routes: bool = False) -> EngineSet:
+            stop_tokens=(), record_routes: bool = False,
+            top_logprobs: int = 0) -> EngineSet:
   """The rollout engines of the trainer's mesh (one per replica block);
-  `record_routes`: they record an MoE's experts (routing replay)."""
+  `record_routes`: they record an MoE's experts (routing replay);
+  `top_logprobs`: each drawn token's likeliest alternatives (the agent
+  endpoint's)."""
   # The engines build lazily (after a job's warm-start): top_k against the
   # vocabulary now, as a config error (the jobs checked it before building
   # the weights, `trainers/policy.build`; this covers the generation demo).
@@ -32,7 +35,7 @@ def engines(ro: RolloutSection, cfg: ModelConfig, graphdef, layout: Layout,
                    sampling=sampling_params(ro, stop_tokens),
                    attention_impl=ro.attention_impl,
                    max_common_length=ro.max_common_length,
-                   record_routes=record_routes,
+                   record_routes=record_routes, top_logprobs=top_logprobs,
                    paged=dict(page_size=ro.page_size, num_pages=ro.kv_pages,
                               num_slots=ro.num_slots,
                               decode_window=ro.decode_window))

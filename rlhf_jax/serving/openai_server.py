@@ -14,9 +14,11 @@ prompt is the conversation's text as is), and `POST /v1/rlhf_jax/reward`
 returns; for agents that cannot return one, or compute it elsewhere). Not streaming. `logprobs` when
 asked (chat: `logprobs: true`; completions: `logprobs: 0`): each token of
 the model's turn with its log-prob under the distribution the job sampled
-from (`Sample.logp`, the sampler's), the turn's stop token included;
-`top_logprobs` (chat > 0, completions' `logprobs` > 0) are refused: the
-engine records the drawn token's log-prob only.
+from (`Sample.logp`, the sampler's), the turn's stop token included; and
+with `top_logprobs: n` (chat) or `logprobs: n` (completions), each token's
+n likeliest tokens under the policy itself (temperature 1, unfiltered:
+`logp_raw`'s distribution), up to the K the engine records
+(`agent.top_logprobs`; more is refused with 400).
 
 Security: every request carries `Authorization: Bearer <run key>.<episode>`,
 the run key fresh and random per server; anything else is refused with 401
@@ -51,12 +53,13 @@ class AgentServer:
   def __init__(self, renderer: ChatRenderer, fmt, tools: Mapping, sampling,
                *, model_name: str = "policy", host: str = "127.0.0.1",
                port: int = 0, max_request_bytes: int = 1 << 20,
-               max_open_requests: int = 512):
+               max_open_requests: int = 512, top_logprobs: int = 0):
     self.renderer, self.fmt, self.tools = renderer, fmt, dict(tools)
     self.sampling, self.model_name = sampling, model_name
     self.host, self.port = host, port
     self.max_request_bytes = max_request_bytes
     self.max_open_requests = max_open_requests
+    self.top_logprobs = top_logprobs  # Alternatives the engine records.
     self._key = secrets.token_hex(16)
     self._sessions: dict[str, AgentSession] = {}
     self._lock = threading.Lock()
@@ -147,10 +150,6 @@ class AgentServer:
                        f"{name}={ours} (the job's sampling settings govern)")
     if body.get("stream"):
       raise _Refused(400, "stream=true is not supported")
-    top = body.get("top_logprobs")
-    if top:
-      raise _Refused(400, f"top_logprobs={top}: not supported (the engine "
-                     "records the drawn token's log-prob only)")
 
   async def _models(self, request):
     from aiohttp import web  # pylint: disable=g-import-not-at-top
@@ -199,7 +198,8 @@ class AgentServer:
       session = self._session(request)
       body = await _json_object(request)
       self._check_sampling(body)
-      want_logprobs = _wants_logprobs(body, chat=chat)
+      want_logprobs, top_n = _wants_logprobs(body, chat=chat,
+                                             most=self.top_logprobs)
       try:
         if chat:
           text = self.renderer.render(body.get("messages") or [])
@@ -227,13 +227,13 @@ class AgentServer:
       if reason == "stop" and message.get("tool_calls"):
         reason = "tool_calls"
       choice = {"index": 0, "message": message, "finish_reason": reason,
-                "logprobs": _chat_logprobs(tokens) if want_logprobs
+                "logprobs": _chat_logprobs(tokens, top_n) if want_logprobs
                 else None}
       kind = "chat.completion"
     else:
       choice = {"index": 0, "text": turn, "finish_reason": reason,
-                "logprobs": _completion_logprobs(tokens) if want_logprobs
-                else None}
+                "logprobs": _completion_logprobs(tokens, top_n)
+                if want_logprobs else None}
       kind = "text_completion"
     return web.json_response({
         "id": f"{session.id}-{session.requests}", "object": kind,
@@ -260,37 +260,57 @@ async def _json_object(request) -> dict:
   return body
 
 
-def _wants_logprobs(body: Mapping, *, chat: bool) -> bool:
-  """Whether the request asks for log-probs: chat's `logprobs: true`,
-  completions' `logprobs: 0` (an int there: how many alternatives, which
-  are refused)."""
+def _wants_logprobs(body: Mapping, *, chat: bool,
+                    most: int) -> tuple[bool, int]:
+  """(whether the request asks for log-probs, how many alternatives per
+  token): chat's `logprobs: true` and `top_logprobs: n`, completions'
+  `logprobs: n`. More alternatives than the job records (`most`) are
+  refused."""
   asked = body.get("logprobs")
-  if chat or asked is None or isinstance(asked, bool):
-    return bool(asked)
-  if not isinstance(asked, int) or asked < 0:
-    raise _Refused(400, f"logprobs={asked!r}: must be a count >= 0")
-  if asked > 0:
-    raise _Refused(400, f"logprobs={asked}: only 0 is supported (the "
-                   "engine records the drawn token's log-prob only)")
-  return True
+  if chat:
+    top = body.get("top_logprobs") or 0
+    want = bool(asked)
+  elif asked is None or isinstance(asked, bool):
+    top, want = 0, bool(asked)
+  else:
+    top, want = asked, True
+  if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+    name = "top_logprobs" if chat else "logprobs"
+    raise _Refused(400, f"{name}={top!r}: must be a count >= 0")
+  if top > most:
+    raise _Refused(400, f"{'top_logprobs' if chat else 'logprobs'}={top}: "
+                   f"this job records {most} alternatives per token "
+                   "(agent.top_logprobs)")
+  return want, top
 
 
-def _chat_logprobs(tokens) -> dict:
-  """Chat's `choice.logprobs`: each token of the turn."""
+def _alternatives(token, n: int) -> list:
+  """The first `n` of a token's recorded alternatives, (text, log-prob)."""
+  return list(token[2] or ())[:n] if len(token) > 2 else []
+
+
+def _chat_logprobs(tokens, top_n: int = 0) -> dict:
+  """Chat's `choice.logprobs`: each token of the turn, with its `top_n`
+  likeliest alternatives."""
   return {"content": [
-      {"token": text, "logprob": logp, "bytes": list(text.encode()),
-       "top_logprobs": []} for text, logp in tokens or ()]}
+      {"token": t[0], "logprob": t[1], "bytes": list(t[0].encode()),
+       "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode())}
+                        for a, lp in _alternatives(t, top_n)]}
+      for t in tokens or ()]}
 
 
-def _completion_logprobs(tokens) -> dict:
-  """Completions' `choice.logprobs`: tokens, their log-probs, offsets."""
+def _completion_logprobs(tokens, top_n: int = 0) -> dict:
+  """Completions' `choice.logprobs`: tokens, their log-probs, offsets and
+  (`top_n` > 0) each one's alternatives as {text: log-prob}."""
   offsets, at = [], 0
-  for text, _ in tokens or ():
+  for t in tokens or ():
     offsets.append(at)
-    at += len(text)
-  return {"tokens": [t for t, _ in tokens or ()],
-          "token_logprobs": [lp for _, lp in tokens or ()],
-          "top_logprobs": None, "text_offset": offsets}
+    at += len(t[0])
+  return {"tokens": [t[0] for t in tokens or ()],
+          "token_logprobs": [t[1] for t in tokens or ()],
+          "top_logprobs": [dict(_alternatives(t, top_n))
+                           for t in tokens or ()] if top_n else None,
+          "text_offset": offsets}
 
 
 class _Refused(Exception):

@@ -57,18 +57,19 @@ def _client(server, key):
                        http_client=openai.DefaultHttpxClient(trust_env=False))
 
 
-def _server(sampling):
+def _server(sampling, top_logprobs=0):
   return AgentServer(ChatRenderer(TAGGED_TEMPLATE), FMT, TOOLS,
-                     sampling).start()
+                     sampling, top_logprobs=top_logprobs).start()
 
 
-def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G):
+def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G,
+             top_logprobs=0):
   graphdef, params = model
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
   engine = Engine(CFG, graphdef, layout, num_slots=max(prompts * g, 8),
                   samples_per_group=g, prefill_buckets=(16,),
                   sampling=sampling, page_size=4, num_pages=1024,
-                  prefill_batch=4)
+                  prefill_batch=4, top_logprobs=top_logprobs)
   episodes = Episodes(make_env, TOK, FMT, max_turns=4)
   episodes.begin(None)
   driver = MultiTurnDriver(engine, mesh_lib.to_layout(params, layout),
@@ -81,10 +82,10 @@ def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G):
 
 
 def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
-                      client_factory=None, **sizes):
+                      client_factory=None, top_logprobs=0, **sizes):
   """The rollout with `agent` driving every episode through a fresh
   endpoint, stopped after: (samples, metrics, driver, server, the envs)."""
-  server = _server(sampling)
+  server = _server(sampling, top_logprobs)
   envs = []
 
   def make_env():
@@ -94,7 +95,7 @@ def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
 
   try:
     got, metrics, driver = _rollout(model, mesh8, sampling, make_env,
-                                    **sizes)
+                                    top_logprobs=top_logprobs, **sizes)
   finally:
     server.stop()  # Also ends the episodes a token budget cut.
   return got, metrics, driver, server, envs
@@ -141,37 +142,53 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
 
 
 class _AskingLogprobs:
-  """An `openai` client whose chat calls ask for log-probs and keep what
-  comes back: `turns`, one [(token, log-prob)] list per answer."""
+  """An `openai` client whose chat calls ask for log-probs (and `top`
+  alternatives) and keep what comes back: `turns`, one [(token,
+  log-prob)] list per answer; `alternatives`, each token's
+  (token, log-prob, [(alternative, log-prob)])."""
 
-  def __init__(self, client):
-    self.client, self.turns = client, []
+  def __init__(self, client, top=0):
+    self.client, self.top, self.turns, self.alternatives = client, top, [], []
     self.chat = self.completions = self
 
   def create(self, **kwargs):
-    reply = self.client.chat.completions.create(logprobs=True, **kwargs)
+    reply = self.client.chat.completions.create(
+        logprobs=True, **(dict(top_logprobs=self.top) if self.top else {}),
+        **kwargs)
     content = reply.choices[0].logprobs.content
     self.turns.append([(c.token, c.logprob) for c in content])
     assert all(c.bytes == list(c.token.encode()) for c in content)
+    self.alternatives += [(c.token, c.logprob, [(a.token, a.logprob)
+                                                for a in c.top_logprobs])
+                          for c in content]
     return reply
 
 
-def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8):
+@pytest.mark.parametrize("top", [0, 3], ids=["logprobs", "top_logprobs"])
+def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8,
+                                                        top):
   """An agent asking for log-probs gets each token of each model turn
   with the sampler's log-prob: the sample's `logp` at that turn's tokens
   (the runs between appended replies that end at a stop token), the
   tokens' texts making up the turn's text. (A turn the token budget cut
   reaches the agent as finish reason "length" with no tokens; a sample
-  cut in its first turn never starts its agent.)"""
+  cut in its first turn never starts its agent.) With `top_logprobs=3`
+  each token also comes with the policy's 3 likeliest tokens, likeliest
+  first; at temperature 1, unfiltered, the sampler's distribution is the
+  policy's, so a drawn token among them has its own log-prob there (two
+  records taken apart: the draw's and the top-k's; the engine's test
+  checks the top-k against a forward pass)."""
   seen = collections.defaultdict(list)  # Prompt -> each episode's turns.
+  alternatives = []
 
   def agent(client, prompt, metadata):
-    asking = _AskingLogprobs(client)
+    asking = _AskingLogprobs(client, top)
     seen[prompt].append(asking.turns)
+    alternatives.append(asking.alternatives)
     return calc_agent(asking, prompt, metadata)
 
-  got, metrics, _, server, _ = _through_endpoint(tiny_model, mesh8, SAMPLED,
-                                                 agent)
+  got, metrics, _, server, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, agent, top_logprobs=top)
   assert server.refused == 0 and metrics["rollout/tool_errors"] == 0
   by_prompt = collections.defaultdict(list)
   for s in got.values():
@@ -193,6 +210,20 @@ def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8):
   # turns after a tool's reply run into the token budget here).
   assert sum(len(t) for eps in answered.values() for t in eps) >= 32
   assert metrics["rollout/tool_call_rate"] > 0.05
+  tokens = [t for episode in alternatives for t in episode]
+  if not top:
+    assert all(alts == [] for _, _, alts in tokens)
+    return
+  among = 0
+  for token, logprob, alts in tokens:
+    assert len(alts) == 3
+    logps = [lp for _, lp in alts]
+    assert logps == sorted(logps, reverse=True) and logps[0] <= 0.0
+    for text, lp in alts:
+      if text == token:
+        assert lp == pytest.approx(logprob, abs=1e-5)
+        among += 1
+  assert among > 100, (among, len(tokens))
 
 
 def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refused():
@@ -220,7 +251,8 @@ def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refuse
       client.chat.completions.create(
           model="policy", logprobs=True, top_logprobs=2,
           messages=[{"role": "user", "content": "12*3="}])
-    with pytest.raises(openai.BadRequestError, match="logprobs=1: only 0"):
+    with pytest.raises(openai.BadRequestError, match="logprobs=1: this job "
+                       "records 0"):
       client.completions.create(model="policy", prompt="12*3=", logprobs=1)
     assert server.refused == 8
     # The prompt's own messages wait for the model's turn; the episode
