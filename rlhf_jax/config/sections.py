@@ -558,6 +558,9 @@ class Agent:
   # agent_fn in this many worker processes (`envs/agent_workers.py`): each
   # imports it once and runs episodes in threads; 0 = the job's threads.
   agent_workers: int = 0
+  # Agents running at once (0: one per live sample, the rollout's slots);
+  # the others' samples stay parked until one ends.
+  max_running: int = 0
   # The alternatives per token an agent may ask for (`top_logprobs`): the
   # engines record this many for every drawn token (0: none; at most 20).
   top_logprobs: int = 0
@@ -577,6 +580,11 @@ class Agent:
         fail(self, "agent_fn", "must be 'module:function'")
     if self.agent_workers < 0:
       fail(self, "agent_workers", "must be >= 0")
+    if self.max_running < 0:
+      fail(self, "max_running", "must be >= 0 (0: no limit)")
+    if self.max_running and not self.through_endpoint:
+      fail(self, "max_running", "limits agents through the endpoint "
+           "(agent_fn or agent_cmd)")
     if not 0 <= self.top_logprobs <= 20:
       fail(self, "top_logprobs", "must be in [0, 20]")
     if self.top_logprobs and not self.through_endpoint:

@@ -70,8 +70,12 @@ class AgentSession:
   agent has seen: the prompt, the turns handed to it, the messages it
   added; a request must extend it."""
 
-  def __init__(self, episode_id: str, prompt: str, *, timeout_s: float):
+  def __init__(self, episode_id: str, prompt: str, *, timeout_s: float,
+               started: bool = True):
     self.id, self.text, self.timeout_s = episode_id, prompt, timeout_s
+    # False while the agent waits for its turn to run (a concurrency
+    # limit): no move is due from it yet.
+    self._started = started
     self.requests = 0
     self.closed = False
     self._cv = threading.Condition()
@@ -179,7 +183,8 @@ class AgentSession:
       if self._reward is not None:
         self._delivered = True
         return Step(None, reward=self._reward, done=True)
-      if self._failure is None and time.monotonic() < self._deadline:
+      if self._failure is None and (not self._started
+                                    or time.monotonic() < self._deadline):
         return None
       self._delivered = True  # A failed episode's reward is 0.
       why = self._failure or f"no move in {self.timeout_s:g} s"
@@ -193,6 +198,13 @@ class AgentSession:
       if not self._cv.wait_for(self._moved, timeout=self.timeout_s):
         self._deadline = 0.0  # Timed out, to the clock's last tick.
     return self.poll()
+
+  def begin(self) -> None:
+    """The agent starts running (it waited under a concurrency limit):
+    its move is due within `timeout_s` from now."""
+    with self._cv:
+      self._started = True
+      self._deadline = time.monotonic() + self.timeout_s
 
   def unclaimed(self) -> float:
     """The posted reward if no move of the agent's ending the episode
@@ -218,15 +230,18 @@ class AgentEnv:
   client (default: `openai.OpenAI`, no retries)."""
 
   def __init__(self, server, agent: Agent, *, timeout_s: float = 60.0,
-               client_factory: Callable[[str, str], Any] | None = None):
+               client_factory: Callable[[str, str], Any] | None = None,
+               limit: threading.Semaphore | None = None):
     self.server, self.agent, self.timeout_s = server, agent, timeout_s
+    self.limit = limit  # Shared by the episodes: agents running at once.
     self.client_factory = client_factory or _openai_client
     self.session: AgentSession | None = None
     self.thread: threading.Thread | None = None
 
   def reset(self, prompt: str, metadata: Mapping) -> None:
     self.session = AgentSession(f"e{next(_EPISODE_IDS)}", prompt,
-                                timeout_s=self.timeout_s)
+                                timeout_s=self.timeout_s,
+                                started=self.limit is None)
     client = self.client_factory(self.server.url,
                                  self.server.open(self.session))
     self.thread = threading.Thread(
@@ -235,6 +250,15 @@ class AgentEnv:
     self.thread.start()
 
   def _run(self, client, prompt, metadata) -> None:
+    if self.limit is None:
+      self._play(client, prompt, metadata)
+      return
+    with self.limit:  # Its sample stays parked meanwhile.
+      if not self.session.closed:
+        self.session.begin()
+        self._play(client, prompt, metadata)
+
+  def _play(self, client, prompt, metadata) -> None:
     try:
       reward = self.agent(client, prompt, metadata)
     except NoReward as e:  # Fine if it posted one.

@@ -289,10 +289,12 @@ def from_config(agent, tokenizer, server=None, runner=None
   if agent.through_endpoint:
     from rlhf_jax.envs import agent_env  # pylint: disable=g-import-not-at-top
     fn, client = runner or agent_runner(agent)
+    limit = (threading.BoundedSemaphore(agent.max_running)
+             if agent.max_running else None)
     return Episodes(
         lambda: agent_env.AgentEnv(server, fn,
                                    timeout_s=agent.agent_timeout_s,
-                                   client_factory=client),
+                                   client_factory=client, limit=limit),
         tokenizer, tools_lib.FORMATS[agent.format](),
         max_turns=agent.max_turns,
         # The agent holds the conversation: a turn answered from the log

@@ -82,7 +82,8 @@ def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G,
 
 
 def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
-                      client_factory=None, top_logprobs=0, **sizes):
+                      client_factory=None, top_logprobs=0, limit=None,
+                      **sizes):
   """The rollout with `agent` driving every episode through a fresh
   endpoint, stopped after: (samples, metrics, driver, server, the envs)."""
   server = _server(sampling, top_logprobs)
@@ -90,7 +91,7 @@ def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
 
   def make_env():
     envs.append(AgentEnv(server, agent, timeout_s=timeout_s,
-                         client_factory=client_factory))
+                         client_factory=client_factory, limit=limit))
     return envs[-1]
 
   try:
@@ -524,6 +525,35 @@ def test_agent_workers_fail_an_episode_not_the_job(monkeypatch):
   finally:
     workers.close()
   assert not _alive(int(second))
+
+
+def test_a_concurrency_limit_runs_at_most_that_many_agents(tiny_model,
+                                                          mesh8):
+  """`agent.max_running=3`: 16 episodes, never more than 3 agents running
+  (reached), each over the limit parked until one ends; the samples are
+  the in-process path's all the same."""
+  want, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
+                        lambda: ToolEnv(TOOLS, FMT), prompts=4)
+  lock, running, most = threading.Lock(), [0], [0]
+
+  def counted(client, prompt, metadata):
+    with lock:
+      running[0] += 1
+      most[0] = max(most[0], running[0])
+    try:
+      time.sleep(0.05)  # Long enough for the others to pile up.
+      return calc_agent(client, prompt, metadata)
+    finally:
+      with lock:
+        running[0] -= 1
+
+  got, metrics, _, _, _ = _through_endpoint(
+      tiny_model, mesh8, SAMPLED, counted, prompts=4,
+      limit=threading.BoundedSemaphore(3))
+  assert most[0] == 3, most
+  assert {k: (s.tokens, s.env_mask, s.logp_raw) for k, s in got.items()} == {
+      k: (s.tokens, s.env_mask, s.logp_raw) for k, s in want.items()}
+  assert metrics["rollout/tool_errors"] == 0
 
 
 def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
