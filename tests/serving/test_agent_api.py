@@ -293,6 +293,34 @@ def test_a_crashing_agent_fails_its_episode_and_the_rollout_goes_on(
              for s in got.values())
 
 
+def test_an_agent_that_stops_moving_fails_at_its_timeout(tiny_model, mesh8):
+  """An agent that takes its first turn and then never moves (a thread,
+  stuck) fails its episode once `timeout_s` passes; the rollout ends (no
+  step hangs, nothing waits for the stuck thread) and the others go on."""
+  release = threading.Event()
+
+  def stuck(client, prompt, metadata):
+    messages = [{"role": "user", "content": prompt}]
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    if reply.choices[0].finish_reason == "tool_calls":
+      release.wait(120)  # Stuck in its "tool".
+    return calc_agent(client, prompt, metadata)
+
+  t0 = time.monotonic()
+  try:
+    got, metrics, _, _, _ = _through_endpoint(
+        tiny_model, mesh8, SAMPLED, stuck, timeout_s=1.5, prompts=4)
+  finally:
+    release.set()
+  assert time.monotonic() - t0 < 60
+  assert len(got) == 16
+  # The stuck ones (those that called the tool) failed, the rest did not.
+  assert 0 < metrics["rollout/tool_errors"] < len(got)
+  failed = [s for s in got.values() if s.env_reward == 0.0
+            and not any(s.env_mask)]
+  assert len(failed) >= metrics["rollout/tool_errors"]
+
+
 def _post_reward(base_url, api_key, body):
   """POST /v1/rlhf_jax/reward as an agent would: (status, JSON answer)."""
   import httpx  # pylint: disable=g-import-not-at-top
