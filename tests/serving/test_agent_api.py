@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 
@@ -81,6 +82,16 @@ def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G,
   return out, episodes.metrics(), driver
 
 
+def _same_logp(got, want) -> bool:
+  """Log-probs equal but for the last bits: a sample parked while its
+  agent thinks decodes in other company than in-process, and XLA:CPU's
+  decode program for another number of listed slots may round its last
+  bit differently (the tokens, whose draws do not depend on the batch,
+  are equal exactly)."""
+  return len(got) == len(want) and np.allclose(got, want, rtol=1e-5,
+                                                atol=1e-6)
+
+
 def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
                       client_factory=None, top_logprobs=0, limit=None,
                       **sizes):
@@ -118,7 +129,7 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
     w = want[k]
     assert (s.tokens, s.env_mask, s.finish_reason, s.env_reward) == (
         w.tokens, w.env_mask, w.finish_reason, w.env_reward), k
-    assert s.logp_raw == w.logp_raw, k
+    assert _same_logp(s.logp_raw, w.logp_raw), k
   # Turns, calls, rewards, budget cuts alike; `tool_errors` differs in
   # meaning: a tool's error text is the agent's business here, and the
   # count is of failed episodes (none).
@@ -498,7 +509,8 @@ def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
       prompts=1, g=2)
   assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
       k: (s.tokens, s.env_mask) for k, s in want.items()}
-  assert all(s.logp_raw == want[k].logp_raw for k, s in got.items())
+  assert all(_same_logp(s.logp_raw, want[k].logp_raw)
+             for k, s in got.items())
   assert server.refused == 0
 
 
@@ -519,8 +531,9 @@ def test_agent_workers_give_the_in_process_episodes(tiny_model, mesh8):
   assert got.keys() == want.keys() and len(got) == 16
   for k, s in got.items():
     w = want[k]
-    assert (s.tokens, s.env_mask, s.logp_raw, s.env_reward) == (
-        w.tokens, w.env_mask, w.logp_raw, w.env_reward), k
+    assert (s.tokens, s.env_mask, s.env_reward) == (
+        w.tokens, w.env_mask, w.env_reward), k
+    assert _same_logp(s.logp_raw, w.logp_raw), k
   assert metrics["rollout/tool_calls_per_episode"] == want_metrics[
       "rollout/tool_calls_per_episode"] > 0
   assert metrics["rollout/tool_errors"] == 0 and server.refused == 0
@@ -579,8 +592,10 @@ def test_a_concurrency_limit_runs_at_most_that_many_agents(tiny_model,
       tiny_model, mesh8, SAMPLED, counted, prompts=4,
       limit=threading.BoundedSemaphore(3))
   assert most[0] == 3, most
-  assert {k: (s.tokens, s.env_mask, s.logp_raw) for k, s in got.items()} == {
-      k: (s.tokens, s.env_mask, s.logp_raw) for k, s in want.items()}
+  assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
+      k: (s.tokens, s.env_mask) for k, s in want.items()}
+  assert all(_same_logp(s.logp_raw, want[k].logp_raw)
+             for k, s in got.items())
   assert metrics["rollout/tool_errors"] == 0
 
 
