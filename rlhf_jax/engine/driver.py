@@ -737,11 +737,9 @@ class Driver:
     it.top.extend([None] * (len(it.tokens) - len(it.top)))
     it.top.append(top)
 
-  def _append(self, slot, live, token, logp, raw, routes=None, top=None):
-    """Token `token` of the sample in `slot`; `routes` (recorded): the
-    experts the token fed before it went to; `top` (recorded): the K
-    likeliest tokens where it was drawn."""
-    it = live[slot]
+  def _take(self, it: Slot, token, logp, raw, routes=None, top=None) -> None:
+    """A drawn token into the sample's host record (with its experts and
+    alternatives, where recorded)."""
     if routes is not None:
       self._record(it, routes)
     if top is not None:
@@ -750,6 +748,13 @@ class Driver:
     it.logp.append(logp)
     it.logp_raw.append(raw)
     self.stats.generated_tokens += 1
+
+  def _append(self, slot, live, token, logp, raw, routes=None, top=None):
+    """Token `token` of the sample in `slot`; `routes` (recorded): the
+    experts the token fed before it went to; `top` (recorded): the K
+    likeliest tokens where it was drawn."""
+    it = live[slot]
+    self._take(it, token, logp, raw, routes, top)
     stop = token in self.engine.sampling.stop_tokens
     if stop or len(it.tokens) >= it.budget:
       del live[slot]

@@ -108,17 +108,6 @@ class MultiTurnDriver(Driver):
     for sample in super()._append(slot, live, token, logp, raw, routes, top):
       yield self._masked(sample, length)
 
-  def _take(self, it, token, logp, raw, routes, top) -> None:
-    """The stop token that ends a turn the sample goes on after."""
-    if routes is not None:
-      self._record(it, routes)
-    if top is not None:
-      self._record_top(it, top)
-    it.tokens.append(token)
-    it.logp.append(logp)
-    it.logp_raw.append(raw)
-    self.stats.generated_tokens += 1
-
   def _continue(self, slot: int, it, extra: list[int]) -> None:
     """Appends the reply `extra` after the sample's stop token (on the
     host and, by `_extend`, its KV); decoding goes on after it."""
