@@ -6,111 +6,24 @@ an edited history or with the job's sampling overridden are refused; an
 agent that crashes ends its episode as failed and the rollout goes on."""
 
 import collections
-import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 
-import numpy as np
 import openai
 import pytest
 
 import resume
 from configs import tiny_agent_api, tiny_tool
 from configs.tiny_agent_api import calc_agent
-from fakes import TINY_CFG as CFG
-from rlhf_jax.data.tokenizer import CharTokenizer
-from rlhf_jax.engine.engine import Engine
-from rlhf_jax.engine.multiturn import MultiTurnDriver
-from rlhf_jax.engine.sampling import SamplingParams
-from rlhf_jax.envs.agent_env import (AgentEnv, AgentSession, Endpoint,
-                                     ExecutableAgent, SessionClosed)
-from rlhf_jax.envs.agent_workers import AgentWorkers
-from rlhf_jax.envs.episodes import Episodes
-from rlhf_jax.envs.tools import Calculator, TaggedFormat, ToolEnv
-from rlhf_jax.parallel import mesh as mesh_lib
-from rlhf_jax.samples import Request
+from endpoint_cases import (FMT, G, GREEDY, PROMPTS, ROOT, SAMPLED, TOK,
+                            TOOLS, openai_client, rollout, same_logp,
+                            start_endpoint, through_endpoint, tool_requests)
+from rlhf_jax.envs.agent_env import (AgentSession, Endpoint, ExecutableAgent,
+                                     SessionClosed)
+from rlhf_jax.envs.tools import ToolEnv
 from rlhf_jax.serving.chat import ChatRenderer, TAGGED_TEMPLATE
-from rlhf_jax.serving.openai_server import AgentServer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-TOK = CharTokenizer()
-FMT = TaggedFormat()
-TOOLS = {"calc": Calculator()}
-SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=64,
-                         stop_tokens=(TOK.eos_id, *FMT.stop_ids(TOK)))
-GREEDY = dataclasses.replace(SAMPLED, temperature=0.0)
-PROMPTS, G = 16, 4  # 64 episodes at once.
-
-
-def _requests(prompts=PROMPTS, g=G):
-  return [Request(i, TOK.encode(f"{10 + 7 * i}*{3 + i}="), g, seed=5)
-          for i in range(prompts)]
-
-
-def _client(server, key):
-  return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0,
-                       http_client=openai.DefaultHttpxClient(trust_env=False))
-
-
-def _server(sampling, top_logprobs=0):
-  return AgentServer(ChatRenderer(TAGGED_TEMPLATE), FMT, TOOLS,
-                     sampling, top_logprobs=top_logprobs).start()
-
-
-def _rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G,
-             top_logprobs=0):
-  graphdef, params = model
-  layout = mesh_lib.rollout_layout(mesh8, tensor=2)
-  engine = Engine(CFG, graphdef, layout, num_slots=max(prompts * g, 8),
-                  samples_per_group=g, prefill_buckets=(16,),
-                  sampling=sampling, page_size=4, num_pages=1024,
-                  prefill_batch=4, top_logprobs=top_logprobs)
-  episodes = Episodes(make_env, TOK, FMT, max_turns=4)
-  episodes.begin(None)
-  driver = MultiTurnDriver(engine, mesh_lib.to_layout(params, layout),
-                           reply=episodes)
-  out = {}
-  for s in driver.run(_requests(prompts, g)):
-    episodes.finish(s)
-    out[s.key] = s
-  return out, episodes.metrics(), driver
-
-
-def _same_logp(got, want) -> bool:
-  """Log-probs equal but for the last bits: a sample parked while its
-  agent thinks decodes in other company than in-process, and XLA:CPU's
-  decode program for another number of listed slots may round its last
-  bit differently (the tokens, whose draws do not depend on the batch,
-  are equal exactly)."""
-  return len(got) == len(want) and np.allclose(got, want, rtol=1e-5,
-                                                atol=1e-6)
-
-
-def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
-                      client_factory=None, top_logprobs=0, limit=None,
-                      **sizes):
-  """The rollout with `agent` driving every episode through a fresh
-  endpoint, stopped after: (samples, metrics, driver, server, the envs)."""
-  server = _server(sampling, top_logprobs)
-  envs = []
-
-  def make_env():
-    envs.append(AgentEnv(server, agent, timeout_s=timeout_s,
-                         client_factory=client_factory, limit=limit))
-    return envs[-1]
-
-  try:
-    got, metrics, driver = _rollout(model, mesh8, sampling, make_env,
-                                    top_logprobs=top_logprobs, **sizes)
-  finally:
-    server.stop()  # Also ends the episodes a token budget cut.
-  return got, metrics, driver, server, envs
 
 
 # Sampled: 64 concurrent episodes, some calling the tool; greedy (the
@@ -120,16 +33,16 @@ def _through_endpoint(model, mesh8, sampling, agent, *, timeout_s=60,
                          ids=["sampled", "greedy"])
 def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
                                                        sampling, prompts):
-  want, want_metrics, _ = _rollout(tiny_model, mesh8, sampling,
-                                   lambda: ToolEnv(TOOLS, FMT), prompts)
-  got, metrics, driver, server, envs = _through_endpoint(
+  want, want_metrics, _ = rollout(tiny_model, mesh8, sampling,
+                                  lambda: ToolEnv(TOOLS, FMT), prompts)
+  got, metrics, driver, server, envs = through_endpoint(
       tiny_model, mesh8, sampling, calc_agent, prompts=prompts)
   assert got.keys() == want.keys() and len(got) == prompts * G
   for k, s in got.items():
     w = want[k]
     assert (s.tokens, s.env_mask, s.finish_reason, s.env_reward) == (
         w.tokens, w.env_mask, w.finish_reason, w.env_reward), k
-    assert _same_logp(s.logp_raw, w.logp_raw), k
+    assert same_logp(s.logp_raw, w.logp_raw), k
   # Turns, calls, rewards, budget cuts alike; `tool_errors` differs in
   # meaning: a tool's error text is the agent's business here, and the
   # count is of failed episodes (none).
@@ -199,7 +112,7 @@ def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8,
     alternatives.append(asking.alternatives)
     return calc_agent(asking, prompt, metadata)
 
-  got, metrics, _, server, _ = _through_endpoint(
+  got, metrics, _, server, _ = through_endpoint(
       tiny_model, mesh8, SAMPLED, agent, top_logprobs=top)
   assert server.refused == 0 and metrics["rollout/tool_errors"] == 0
   by_prompt = collections.defaultdict(list)
@@ -212,7 +125,7 @@ def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8,
                         in zip(s.tokens[start:i], s.logp[start:i])])
         start = i + 1
     if turns:
-      by_prompt[TOK.decode(_requests()[s.prompt_id].tokens)].append(turns)
+      by_prompt[TOK.decode(tool_requests()[s.prompt_id].tokens)].append(turns)
   answered = {p: [[t for t in turns if t] for turns in episodes]
               for p, episodes in seen.items()}
   assert sorted(answered) == sorted(by_prompt)
@@ -239,16 +152,16 @@ def test_logprobs_are_the_samplers_of_each_turns_tokens(tiny_model, mesh8,
 
 
 def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refused():
-  server = _server(SAMPLED)
+  server = start_endpoint(SAMPLED)
   try:
     session = AgentSession("e-test", "12*3=", timeout_s=5)
     key = server.open(session)
     run_key = key.rpartition(".")[0]
     for bad in ("", "sk-wrong.e-test", f"{run_key}x.e-test"):
-      client = _client(server, bad or "none")
+      client = openai_client(server, bad or "none")
       with pytest.raises(openai.AuthenticationError):
         client.models.list()
-    client = _client(server, key)
+    client = openai_client(server, key)
     assert [m.id for m in client.models.list()] == ["policy"]
     with pytest.raises(openai.BadRequestError, match="do not extend"):
       client.chat.completions.create(
@@ -258,7 +171,7 @@ def test_requests_without_the_key_an_edited_history_or_other_sampling_are_refuse
           model="policy", temperature=0.5,
           messages=[{"role": "user", "content": "12*3="}])
     with pytest.raises(openai.NotFoundError):
-      _client(server, f"{run_key}.e-none").models.list()
+      openai_client(server, f"{run_key}.e-none").models.list()
     with pytest.raises(openai.BadRequestError, match="top_logprobs=2"):
       client.chat.completions.create(
           model="policy", logprobs=True, top_logprobs=2,
@@ -293,8 +206,8 @@ def test_a_crashing_agent_fails_its_episode_and_the_rollout_goes_on(
         model="policy", messages=[{"role": "user", "content": prompt}])
     raise RuntimeError("the agent's own bug")
 
-  got, metrics, _, _, _ = _through_endpoint(tiny_model, mesh8, GREEDY,
-                                            crashing, timeout_s=30)
+  got, metrics, _, _, _ = through_endpoint(tiny_model, mesh8, GREEDY,
+                                           crashing, timeout_s=30)
   assert len(got) == PROMPTS * G
   # Each episode whose first turn ended at a stop token failed there
   # (reward 0, counted as a tool error); none appended anything.
@@ -319,7 +232,7 @@ def test_an_agent_that_stops_moving_fails_at_its_timeout(tiny_model, mesh8):
 
   t0 = time.monotonic()
   try:
-    got, metrics, _, _, _ = _through_endpoint(
+    got, metrics, _, _, _ = through_endpoint(
         tiny_model, mesh8, SAMPLED, stuck, timeout_s=1.5, prompts=4)
   finally:
     release.set()
@@ -358,7 +271,7 @@ def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
     answers.append(_post_reward(url, key, {"reward": len(prompt) / 100}))
     return 999.0  # The posted reward wins.
 
-  got, metrics, _, server, _ = _through_endpoint(
+  got, metrics, _, server, _ = through_endpoint(
       tiny_model, mesh8, SAMPLED, posting, timeout_s=30, prompts=4, g=2)
   assert metrics["rollout/tool_errors"] == 0
   # An agent starts at its episode's first stop token (a turn the token
@@ -386,13 +299,13 @@ def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
       messages += [reply.choices[0].message.model_dump(exclude_none=True),
                    {"role": "user", "content": "+1="}]
 
-  got, metrics, _, _, _ = _through_endpoint(
+  got, metrics, _, _, _ = through_endpoint(
       tiny_model, mesh8, SAMPLED, posting_then_talking, timeout_s=30,
       prompts=4, g=2)
   ran = [s for s in got.values() if any(s.env_mask)]
   assert ran and metrics["rollout/tool_errors"] == 0
   assert all(s.env_reward == 0.5 for s in ran)
-  server = _server(SAMPLED)
+  server = start_endpoint(SAMPLED)
   try:
     session = AgentSession("ended", "1+1=", timeout_s=5)
     key = server.open(session)
@@ -418,7 +331,7 @@ def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
       "json={'reward': 0.25}, trust_env=False, headers={'Authorization': "
       "'Bearer ' + os.environ['OPENAI_API_KEY']}).raise_for_status()\n")],
                             timeout_s=60)
-  got, metrics, _, _, _ = _through_endpoint(
+  got, metrics, _, _, _ = through_endpoint(
       tiny_model, mesh8, SAMPLED, program, client_factory=Endpoint,
       prompts=1, g=2)
   assert metrics["rollout/tool_errors"] == 0
@@ -426,7 +339,7 @@ def test_a_posted_reward_is_the_episodes(tiny_model, mesh8, monkeypatch):
   assert ran and all(s.env_reward == 0.25 for s in ran)
   # One that neither prints nor posts a reward fails its episode.
   silent = ExecutableAgent([sys.executable, "-c", "pass"], timeout_s=60)
-  got, metrics, _, _, _ = _through_endpoint(
+  got, metrics, _, _, _ = through_endpoint(
       tiny_model, mesh8, SAMPLED, silent, client_factory=Endpoint,
       timeout_s=30, prompts=1, g=2)
   ran = [s for s in got.values() if s.finish_reason == "stop"]
@@ -493,88 +406,13 @@ def test_the_agent_job_equals_the_tool_job(tmp_path):
   assert calls and max(calls) > 0, runs["agent"]
 
 
-def test_an_agent_program_gives_the_in_process_episodes(tiny_model, mesh8,
-                                                       monkeypatch):
-  """The calculator agent as a program per episode (what `agent.agent_cmd`
-  runs: `python -m configs.tiny_agent_api`, the endpoint and prompt in its
-  environment, its reward its last output line): the in-process path's
-  samples."""
-  monkeypatch.setenv("PYTHONPATH", ROOT)
-  want, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
-                        lambda: ToolEnv(TOOLS, FMT), prompts=1, g=2)
-  program = ExecutableAgent([sys.executable, "-m", "configs.tiny_agent_api"],
-                            timeout_s=60)
-  got, _, _, server, _ = _through_endpoint(
-      tiny_model, mesh8, SAMPLED, program, client_factory=Endpoint,
-      prompts=1, g=2)
-  assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
-      k: (s.tokens, s.env_mask) for k, s in want.items()}
-  assert all(_same_logp(s.logp_raw, want[k].logp_raw)
-             for k, s in got.items())
-  assert server.refused == 0
-
-
-def test_agent_workers_give_the_in_process_episodes(tiny_model, mesh8):
-  """The calculator agent function in 2 worker processes
-  (`agent.agent_workers`): the in-process path's samples (16 episodes,
-  sampled, some calling the tool)."""
-  want, want_metrics, _ = _rollout(tiny_model, mesh8, SAMPLED,
-                                   lambda: ToolEnv(TOOLS, FMT), prompts=4)
-  workers = AgentWorkers("configs.tiny_agent_api:calc_agent", processes=2,
-                         timeout_s=60)
-  try:
-    got, metrics, _, server, _ = _through_endpoint(
-        tiny_model, mesh8, SAMPLED, workers, client_factory=Endpoint,
-        prompts=4)
-  finally:
-    workers.close()
-  assert got.keys() == want.keys() and len(got) == 16
-  for k, s in got.items():
-    w = want[k]
-    assert (s.tokens, s.env_mask, s.env_reward) == (
-        w.tokens, w.env_mask, w.env_reward), k
-    assert _same_logp(s.logp_raw, w.logp_raw), k
-  assert metrics["rollout/tool_calls_per_episode"] == want_metrics[
-      "rollout/tool_calls_per_episode"] > 0
-  assert metrics["rollout/tool_errors"] == 0 and server.refused == 0
-
-
-def test_agent_workers_fail_an_episode_not_the_job(monkeypatch):
-  """The worker processes run the agent away from the job: an agent that
-  raises, prints to stdout, never answers or ends its worker fails its
-  episode only, and a new worker runs the next one."""
-  monkeypatch.syspath_prepend(os.path.dirname(__file__))
-  workers = AgentWorkers("worker_agents:by_prompt", processes=1,
-                         timeout_s=3)
-  endpoint = Endpoint("http://127.0.0.1:9/v1", "key.e0")  # Never called.
-  try:
-    first = workers(endpoint, "pid", {})
-    assert first != os.getpid()  # Another process.
-    assert workers(endpoint, "print", {}) == 5.0  # Its prints: not answers.
-    with pytest.raises(RuntimeError, match="asked to raise"):
-      workers(endpoint, "raise", {})
-    assert workers(endpoint, "pid", {}) == first  # The same worker.
-    with pytest.raises(RuntimeError, match="agent worker exited"):
-      workers(endpoint, "exit", {})
-    second = workers(endpoint, "pid", {})
-    assert second not in (first, os.getpid())  # A new worker.
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
-      workers(endpoint, "sleep", {})
-    assert 3 <= time.monotonic() - t0 < 10
-    assert workers(endpoint, "12.5", {}) == 12.5  # It still serves.
-  finally:
-    workers.close()
-  assert not _alive(int(second))
-
-
 def test_a_concurrency_limit_runs_at_most_that_many_agents(tiny_model,
                                                           mesh8):
   """`agent.max_running=3`: 16 episodes, never more than 3 agents running
   (reached), each over the limit parked until one ends; the samples are
   the in-process path's all the same."""
-  want, _, _ = _rollout(tiny_model, mesh8, SAMPLED,
-                        lambda: ToolEnv(TOOLS, FMT), prompts=4)
+  want, _, _ = rollout(tiny_model, mesh8, SAMPLED,
+                       lambda: ToolEnv(TOOLS, FMT), prompts=4)
   lock, running, most = threading.Lock(), [0], [0]
 
   def counted(client, prompt, metadata):
@@ -588,178 +426,12 @@ def test_a_concurrency_limit_runs_at_most_that_many_agents(tiny_model,
       with lock:
         running[0] -= 1
 
-  got, metrics, _, _, _ = _through_endpoint(
+  got, metrics, _, _, _ = through_endpoint(
       tiny_model, mesh8, SAMPLED, counted, prompts=4,
       limit=threading.BoundedSemaphore(3))
   assert most[0] == 3, most
   assert {k: (s.tokens, s.env_mask) for k, s in got.items()} == {
       k: (s.tokens, s.env_mask) for k, s in want.items()}
-  assert all(_same_logp(s.logp_raw, want[k].logp_raw)
+  assert all(same_logp(s.logp_raw, want[k].logp_raw)
              for k, s in got.items())
   assert metrics["rollout/tool_errors"] == 0
-
-
-def test_an_agent_program_past_its_timeout_is_killed(tiny_model, mesh8,
-                                                    tmp_path):
-  """A program that never answers is killed at its timeout; its episode
-  fails (reward 0, a tool error) and the rollout ends."""
-  pid_file = tmp_path / "pid"
-  program = ExecutableAgent([sys.executable, "-c", (
-      "import os, time; open(%r, 'a').write(f'{os.getpid()}\\n'); "
-      "time.sleep(600)") % str(pid_file)], timeout_s=1.5)
-  got, metrics, _, _, _ = _through_endpoint(
-      tiny_model, mesh8, SAMPLED, program, timeout_s=30,
-      client_factory=Endpoint, prompts=1, g=2)
-  pids = [int(p) for p in pid_file.read_text().split()]
-  assert pids and metrics["rollout/tool_errors"] == len(pids)
-  assert all(s.env_reward == 0.0 for s in got.values())
-  for pid in pids:  # Killed and reaped.
-    with pytest.raises(ProcessLookupError):
-      os.kill(pid, 0)
-
-
-# ------------------------------------------------------ kill and resume
-# A job running one episode's agent from a thread, as the rollout does;
-# the agent writes its pid to $PID_FILE and sleeps 10 minutes.
-_SLEEPING_PROGRAM = """
-import sys, threading
-from rlhf_jax.envs.agent_env import Endpoint, ExecutableAgent
-sleeper = ("import os, time; open(os.environ['PID_FILE'], 'w')"
-           ".write(str(os.getpid())); time.sleep(600)")
-agent = ExecutableAgent([sys.executable, "-c", sleeper], timeout_s=600)
-threading.Thread(target=agent, args=(
-    Endpoint("http://127.0.0.1:9/v1", "key.e0"), "prompt", {})).start()
-"""
-_SLEEPING_WORKER = """
-import os, threading
-from rlhf_jax.envs.agent_env import Endpoint
-from rlhf_jax.envs.agent_workers import AgentWorkers
-agent = AgentWorkers("worker_agents:by_prompt", processes=1, timeout_s=600)
-threading.Thread(target=agent, args=(
-    Endpoint("http://127.0.0.1:9/v1", "key.e0"), "sleep",
-    {"pid_file": os.environ["PID_FILE"]})).start()
-"""
-
-
-@pytest.mark.parametrize("job_code", [_SLEEPING_PROGRAM, _SLEEPING_WORKER],
-                         ids=["program", "worker"])
-def test_an_agent_program_dies_with_the_job(tmp_path, job_code):
-  """A job SIGKILLed while an agent program (or an agent worker process)
-  runs takes it along (the parent-death signal both are started with),
-  even one that would sleep for 10 minutes."""
-  pid_file = tmp_path / "pid"
-  job = subprocess.Popen(
-      [sys.executable, "-c", job_code], cwd=ROOT,
-      env=dict(os.environ, PID_FILE=str(pid_file), PYTHONPATH=os.pathsep.join(
-          [ROOT, os.path.dirname(__file__)])))
-  try:
-    deadline = time.time() + 60
-    while not (pid_file.exists() and pid_file.read_text()):
-      assert job.poll() is None and time.time() < deadline
-      time.sleep(0.01)
-    program = int(pid_file.read_text())
-    job.send_signal(signal.SIGKILL)
-    job.wait()
-    deadline = time.time() + 5
-    while _alive(program):
-      assert time.time() < deadline, "the agent program outlived the job"
-      time.sleep(0.01)
-  finally:
-    job.kill()
-    job.wait()
-    if pid_file.exists() and pid_file.read_text() and _alive(
-        int(pid_file.read_text())):
-      os.kill(int(pid_file.read_text()), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-  """Whether `pid` runs (a zombie waiting to be reaped does not)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rpartition(")")[2].split()[0] != "Z"
-  except OSError:
-    return False
-
-
-def _agent_programs(mark: str) -> list[int]:
-  """Pids of the live agent programs of the jobs whose environment holds
-  `mark` (they inherit it, and get RLHF_JAX_EPISODE besides)."""
-  pids = []
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{pid}/environ", "rb") as f:
-        env = f.read().split(b"\0")
-    except OSError:  # Gone, or not ours to read.
-      continue
-    if (_alive(int(pid)) and mark.encode() in env
-        and any(v.startswith(b"RLHF_JAX_EPISODE=") for v in env)):
-      pids.append(int(pid))
-  return pids
-
-
-@pytest.mark.slow
-def test_sigkill_mid_step_then_rerun_equals_uninterrupted(tmp_path):
-  """`configs/tiny_agent_api.py:runlocal,program` (an agent program per
-  episode) SIGKILLed while step 2's agents run, after the step-1
-  checkpoint: no agent program outlives the job (the parent-death signal),
-  and the rerun runs step 2's agents again (agent episodes are not
-  replayed from a log: the agent holds the conversation) and writes the
-  uninterrupted run's records."""
-  mark = f"RLHF_JAX_TEST_RUN={tmp_path}"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             RLHF_JAX_TEST_RUN=str(tmp_path))
-
-  def cmd(workdir):
-    return [sys.executable, "-m", "rlhf_jax.main",
-            "--config=configs/tiny_agent_api.py:runlocal,program",
-            f"--workdir={workdir}", "--config.train.steps=2",
-            "--config.train.checkpoint_every=1",
-            # 8 episodes a step (an agent program each), one update.
-            "--config.train.prompts_per_step=4",
-            "--config.rollout.samples_per_row=2",
-            "--config.rl.num_minibatches=1",
-            # Held-out accuracy on 4 prompts, after the warm-start and at
-            # the end.
-            "--config.task.num_eval=4", "--config.eval.batch_size=4",
-            "--config.eval.num_rows=8", "--config.eval.every=100"]
-
-  reference = str(tmp_path / "reference")
-  out = subprocess.run(cmd(reference), cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  workdir = str(tmp_path / "run")
-  proc = subprocess.Popen(cmd(workdir), cwd=ROOT, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    # Killed once a third agent program of step 2 runs: the first ones
-    # have likely answered (a replayed answer would show in the records).
-    deadline, seen = time.time() + 300, set()
-    while proc.poll() is None and len(seen) < 3:
-      assert time.time() < deadline, "step 2's agents never started"
-      if (resume.has_record(workdir, "rl", 1)
-          and os.path.isdir(os.path.join(workdir, "checkpoints", "1"))):
-        seen.update(_agent_programs(mark))
-      time.sleep(0.01)
-    assert proc.poll() is None, "the job ended before it could be killed"
-    assert not resume.has_record(workdir, "rl", 2)
-  finally:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-  # Within a second: an orphaned program would live on until its request
-  # failed (importing `openai` alone takes about that long).
-  deadline = time.time() + 1
-  while _agent_programs(mark):
-    assert time.time() < deadline, (
-        f"agent programs outlived the job: {_agent_programs(mark)}")
-    time.sleep(0.05)
-  out = subprocess.run(cmd(workdir), cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "resumed from step 1" in out.stderr
-  assert not _agent_programs(mark)
-  want, got = resume.records(reference), resume.records(workdir)
-  assert sorted(got) == sorted(want)
-  assert "eval/accuracy" in want["rl", 2], want["rl", 2]
-  for key in want:
-    assert got[key] == pytest.approx(want[key], rel=1e-6), key
-  assert not os.path.exists(os.path.join(workdir, "episodes"))
