@@ -84,13 +84,11 @@ class MultiTurnDriver(Driver):
     it = live[slot]
     extra, length = None, False
     if token in self.engine.sampling.stop_tokens:
-      if self.engine.top_logprobs:  # The turn's alternatives, as recorded.
-        tops = it.top + [None] * (len(it.tokens) - len(it.top)) + [top]
-        extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
-                           it.logp + [logp], tops)
-      else:
-        extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
-                           it.logp + [logp])
+      # With recorded alternatives, the reply gets them too (all tokens').
+      tops = ((it.top + [None] * (len(it.tokens) - len(it.top)) + [top],)
+              if self.engine.top_logprobs else ())
+      extra = self.reply(it.request, it.sample_idx, it.tokens + [token],
+                         it.logp + [logp], *tops)
       if extra is PARK:
         self._take(it, token, logp, raw, routes, top)
         del live[slot]
