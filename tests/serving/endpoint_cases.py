@@ -51,11 +51,11 @@ def rollout(model, mesh8, sampling, make_env, prompts=PROMPTS, g=G,
             top_logprobs=0):
   graphdef, params = model
   layout = mesh_lib.rollout_layout(mesh8, tensor=2)
-  # Pages of 16 (a sample's 64 tokens fill up to 5): each bound of the decode step
-  # takes one or two sizes over the rollout, one compile each. With pages
-  # of 4 the own-page bound took three and the module compiled 23 decode
-  # programs (37.0 s alone; 25.3 s with 16, 2026-12-02). Paging itself is
-  # tests/engine/'s subject.
+  # Pages of 16 (a sample's 64 tokens fill up to 5): each bound of the
+  # decode step takes one or two sizes over the rollout, one compile each.
+  # With pages of 4 the own-page bound took three and the module compiled
+  # 23 decode programs (37.0 s alone; 25.3 s with 16, 2026-12-02). Paging
+  # itself is tests/engine/'s subject.
   engine = Engine(CFG, graphdef, layout, num_slots=max(prompts * g, 8),
                   samples_per_group=g, prefill_buckets=(16,),
                   sampling=sampling, page_size=16, num_pages=256,
