@@ -40,6 +40,16 @@ def _layout(C: int):
   return mesh_lib.train_layout(mesh_lib.make_mesh(fsdp=-1, context=C))
 
 
+def _layouts(mesh8):
+  """(C, the training layout with context = C): 1, then SHARDS. Tests
+  init their weights once and place them on each (an init compiled per
+  layout cost 1.6 s each, 8 in this module; init under a layout is
+  tests/models/test_model.py's subject)."""
+  yield 1, mesh_lib.train_layout(mesh8)
+  for C in SHARDS:
+    yield C, _layout(C)
+
+
 def _close(got, want, what):
   want, got = np.asarray(want), np.asarray(got)
   bound = 1e-5 * max(float(np.abs(want).max()), 1e-30)
@@ -133,9 +143,10 @@ def test_grpo_on_packed_rows_equals_the_unsplit_sequences(mesh8):
   samples = _samples()
   rewards = np.random.default_rng(1).normal(size=N * G).astype(np.float32)
   runs = {}
-  for C in (1,) + SHARDS:
-    layout = mesh_lib.train_layout(mesh8) if C == 1 else _layout(C)
-    _, params = model_lib.init_params(CFG, 0, layout)
+  # One init, placed on each layout (`_layouts`): the same weights.
+  _, params0 = model_lib.init_params(CFG, 0, mesh_lib.train_layout(mesh8))
+  for C, layout in _layouts(mesh8):
+    params = mesh_lib.to_layout(params0, layout)
     ref = jax.tree.map(lambda x: x * 1.5, params)
     runs[C] = _grpo(layout, params, ref, samples, rewards)
   logp0, ref0, loss0, grads0 = runs[1]
@@ -193,9 +204,9 @@ def test_ppo_critic_on_packed_rows_equals_the_unsplit_sequences(mesh8):
            "noise": rng.normal(size=packed.sampler_logp.shape).astype(
                np.float32)}
   runs = {}
-  for C in (1,) + SHARDS:
-    layout = mesh_lib.train_layout(mesh8) if C == 1 else _layout(C)
-    _, params = reward_model.init_params(CFG, 5, layout)
+  _, params0 = reward_model.init_params(CFG, 5, mesh_lib.train_layout(mesh8))
+  for C, layout in _layouts(mesh8):
+    params = mesh_lib.to_layout(params0, layout)
     # A value head that is not zero (it is born at zero).
     params["value_head"].set_value(jax.device_put(
         jnp.linspace(-1.0, 1.0, CFG.embed_dim),
