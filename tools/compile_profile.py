@@ -43,6 +43,10 @@ _PHASES = {  # jax.monitoring event suffix -> phase
 _TEST_FIELDS = ("wall", "trace", "lower", "compile", "compiles")
 
 
+def _program_counts() -> dict:
+  return {"compiles": 0, "trace": 0.0, "lower": 0.0, "compile": 0.0}
+
+
 def program_name(fun_name: str) -> str:
   """One name per program across phases: the backend compile reports
   'jit(f)', tracing 'f'."""
@@ -56,10 +60,10 @@ class Recorder:
 
   def __init__(self):
     self.active = False  # Listening (in a process that runs tests).
-    self.test: str | None = None
+    self.test: str | None = None  # The test running, and since when.
+    self.started = 0.0
     self.tests: dict[str, dict[str, float]] = {}
-    self.programs: dict = collections.defaultdict(
-        lambda: {"compiles": 0, "trace": 0.0, "lower": 0.0, "compile": 0.0})
+    self.programs: dict = collections.defaultdict(_program_counts)
     self.cache = collections.Counter()
 
   def _row(self, test: str) -> dict[str, float]:
@@ -80,6 +84,14 @@ class Recorder:
       row["compiles"] += 1
       program["compiles"] += 1
 
+  def start(self, test: str) -> None:
+    self.test, self.started = test, time.perf_counter()
+
+  def finish(self) -> None:
+    if self.test is not None:
+      self.add_wall(self.test, time.perf_counter() - self.started)
+    self.test = None
+
   def add_wall(self, test: str, seconds: float) -> None:
     self._row(test)["wall"] += seconds
 
@@ -96,7 +108,6 @@ class Recorder:
 
 
 _RECORDER = Recorder()
-_STARTS: dict[str, float] = {}
 
 
 # ------------------------------------------------------------ pytest plugin
@@ -125,19 +136,15 @@ def pytest_configure(config):
 def pytest_runtest_logstart(nodeid, location):
   """Before a test's setup: what compiles from here is the test's."""
   del location
-  if not _RECORDER.active:
-    return
-  _RECORDER.test = nodeid
-  _STARTS[nodeid] = time.perf_counter()
+  if _RECORDER.active:
+    _RECORDER.start(nodeid)
 
 
 def pytest_runtest_logfinish(nodeid, location):
   """After its teardown."""
-  del location
-  start = _STARTS.pop(nodeid, None)
-  if start is not None:
-    _RECORDER.add_wall(nodeid, time.perf_counter() - start)
-  _RECORDER.test = None
+  del nodeid, location
+  if _RECORDER.active:
+    _RECORDER.finish()
 
 
 def pytest_unconfigure(config):
@@ -156,8 +163,7 @@ def merge(records: list[dict]) -> dict:
   """One record from the processes' records (tests are disjoint; programs
   and cache counts add)."""
   tests, cache = {}, collections.Counter()
-  programs = collections.defaultdict(
-      lambda: {"compiles": 0, "trace": 0.0, "lower": 0.0, "compile": 0.0})
+  programs = collections.defaultdict(_program_counts)
   for rec in records:
     tests.update(rec["tests"])
     cache.update(rec.get("cache", {}))
@@ -179,8 +185,7 @@ def by_module(tests: dict) -> dict[str, dict[str, float]]:
 def by_program(programs: dict) -> list[tuple[str, dict, int]]:
   """(program, its counts summed over modules, how many modules made it),
   most seconds first."""
-  out = collections.defaultdict(
-      lambda: {"compiles": 0, "trace": 0.0, "lower": 0.0, "compile": 0.0})
+  out = collections.defaultdict(_program_counts)
   modules = collections.defaultdict(set)
   for (name, module), counts in programs.items():
     for key, value in counts.items():
