@@ -38,6 +38,8 @@ def _summary(file: str, under: str | None = None) -> str:
 
 
 R, D = "README.md", "docs/results.md"
+# This session's VM against the earlier records' (suite_cpu.json).
+CAL = "fast_tier/runs/21/calibration/"
 MOE_JOB = "job_tiny_grpo_moe_cpu.json"
 DJ = "default_job_quiet_cpu.json"
 H100, H200 = "gpu_h100.json", "gpu_h200.json"
@@ -107,6 +109,14 @@ PINS: list[Pin] = [
       ("fast_tier/runs/17/pytest_s", 1 / 60), None),
     P(R, "8.0 min at 72b6be0", "suite_cpu.json",
       ("fast_tier/runs/18/pytest_s", 1 / 60), None),
+    P(R, "took 13.5 min for the fast tier at dec4130", "suite_cpu.json",
+      ("fast_tier/runs/21/pytest_s", 1 / 60)),
+    P(R, "1.83 to 1.88 times slower\nthan the earlier records' "
+      "(tests/engine/test_paged.py at 970d167: 71.2 s\nagainst 38.8 and "
+      "37.9 s)", "suite_cpu.json",
+      ("ratio", CAL + "this_vm_s", CAL + "earlier_vm_s/1"),
+      ("ratio", CAL + "this_vm_s", CAL + "earlier_vm_s/0"), None,
+      CAL + "this_vm_s", CAL + "earlier_vm_s/1", CAL + "earlier_vm_s/0"),
     P(R, "**0.195 -> 0.885** in 30 steps, **1354.6 s**", SG,
       "result/eval_accuracy_first", "result/eval_accuracy_last", None,
       "result/wall_s"),
