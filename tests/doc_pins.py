@@ -289,6 +289,18 @@ PINS: list[Pin] = [
       "job_tiny_grpo_moe_replay_cpu.json", "result/gain",
       "result/eval_accuracy_first", "result/eval_accuracy_last",
       "result/eval_accuracy/9", None, "result/wall_s"),
+    P(D, "step 450 the run without replay stood at 0.40 held-out\n"
+      "(`job_tiny_grpo_moe_cpu.json`, its training reward 0.9211 in the first"
+      "\ntenth of the steps and 1.1595 in the last)", MOE_JOB, None,
+      "result/eval_accuracy/9", "result/reward_mean_by_tenth/0",
+      "result/reward_mean_by_tenth/9"),
+    P(D, "the run with replay at 0.43\n(`job_tiny_grpo_moe_replay_cpu.json`: "
+      "0.9248 and 1.1484)", "job_tiny_grpo_moe_replay_cpu.json",
+      "result/eval_accuracy/9", "result/reward_mean_by_tenth/0",
+      "result/reward_mean_by_tenth/9"),
+    P(D, "moved to 0.46 without replay", MOE_JOB, "result/eval_accuracy_last"),
+    P(D, "and to 0.385 with it", "job_tiny_grpo_moe_replay_cpu.json",
+      "result/eval_accuracy_last"),
     P(D, "With seed 1 both\nruns gain +0.24 (0.29 -> 0.53;",
       "job_tiny_grpo_moe_seed1_cpu.json", None, "result/gain",
       "result/eval_accuracy_first", "result/eval_accuracy_last"),
