@@ -111,6 +111,8 @@ PINS: list[Pin] = [
       ("fast_tier/runs/18/pytest_s", 1 / 60), None),
     P(R, "took 13.5 min for the fast tier at dec4130", "suite_cpu.json",
       ("fast_tier/runs/21/pytest_s", 1 / 60)),
+    P(R, "41.9 min for the suite at 7dfd3d5", "suite_cpu.json",
+      ("runs/20/pytest_s", 1 / 60), None),
     P(R, "1.83 to 1.88 times slower than the first\n"
       "(tests/engine/test_paged.py at 970d167: 71.2 s against 38.8 and 37.9 "
       "s)", "suite_cpu.json",
