@@ -38,7 +38,8 @@ def _summary(file: str, under: str | None = None) -> str:
 
 
 R, D = "README.md", "docs/results.md"
-# This session's VM against the earlier records' (suite_cpu.json).
+# The third machine's calibration against the earlier records' VM
+# (suite_cpu.json, the fast-tier run at dec4130).
 CAL = "fast_tier/runs/21/calibration/"
 MOE_JOB = "job_tiny_grpo_moe_cpu.json"
 DJ = "default_job_quiet_cpu.json"
