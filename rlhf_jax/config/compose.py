@@ -123,8 +123,6 @@ TABLE: tuple[Row, ...] = (
         "not implemented (every worker is held)"),
     Row("async", "long_tail", REFUSED, "not implemented"),
     Row("async", "common_prefix", REFUSED, "not implemented"),
-    Row("async", "quantize", REFUSED, "not implemented"),
-    Row("async", "lora", REFUSED, "not implemented"),
     Row("async", "agent", REFUSED, "not implemented"),
     Row("async", "stream", REFUSED, "not implemented"),
     Row("async", "dynamic_sampling", REFUSED, "not implemented"),

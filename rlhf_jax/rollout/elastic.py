@@ -43,6 +43,16 @@ from rlhf_jax.workers.seeding import TRAINER_ID, SeedWindow
 from rlhf_jax.workers.worker import EngineSpec, RolloutWorker, ray_worker
 
 
+def lora_version(store, master, base_published: bool):
+  """What a version of a LoRA policy (`master`, the trainer's) carries to
+  the workers: its adapters; they merge them into the frozen base, which
+  goes to `store` first unless `base_published`."""
+  adapters, base = lora.split(master)
+  if not base_published:
+    store.publish_base(base)
+  return adapters
+
+
 class ElasticRollout(Rollout):
   """Prompt batches on a `RolloutManager`'s workers (see the module doc)."""
 
@@ -94,11 +104,9 @@ class ElasticRollout(Rollout):
       published = None
     if published != version:
       if self.adapters_only:
-        adapters, base = lora.split(master)
-        if not self._base_published:
-          store.publish_base(base)
-          self._base_published = True
-        store.publish(version, adapters)
+        store.publish(version, lora_version(store, master,
+                                            self._base_published))
+        self._base_published = True
       else:
         store.publish(version, params)
     self.params, self.version = params, version

@@ -36,6 +36,7 @@ import numpy as np
 from rlhf_jax.parallel import colocate
 from rlhf_jax.rl.learner import TrainState
 from rlhf_jax.rollout import dynamic_sampling
+from rlhf_jax.rollout import elastic
 from rlhf_jax.rollout.asynchronous import AsyncRollout
 from rlhf_jax.rollout.base import Rollout, generate, step_seed
 from rlhf_jax.sched import staleness
@@ -223,11 +224,18 @@ class Asynchronous:
     self.group = ("workers" if layout is None else device_group(
         "rollout", layout.mesh.devices.flat))
     self.published = None      # The newest version the rollout was given.
+    self._base_published = False  # A LoRA policy's base, to the workers.
     self._start, self._metrics = 0.0, {}
 
   def copy(self, params):
     """The rollout copy of `params` on the rollout's devices (a host copy
-    for the workers)."""
+    for the workers; of a LoRA policy's adapters only, as in the
+    synchronous job: the workers merge them into the base sent once)."""
+    if self.layout is None and self.manager.spec_lora is not None:
+      adapters = elastic.lora_version(self.manager.store, params,
+                                      self._base_published)
+      self._base_published = True
+      return weights_lib.to_payload(adapters)
     local = self.co.rollout_copy(params)  # Cast, on the trainer's devices.
     if self.layout is None:
       out = weights_lib.to_payload(local)
@@ -295,7 +303,11 @@ class Asynchronous:
                   "workers/preemptions": float(mgr.stats.preemptions),
                   "workers/migrated_samples": float(
                       mgr.stats.migrated_samples),
-                  "workers/pulls": float(mgr.stats.pulls)})
+                  "workers/pulls": float(mgr.stats.pulls),
+                  # A LoRA policy's versions are its adapters; its base
+                  # goes once to each worker.
+                  "workers/pull_bytes": float(mgr.stats.pull_bytes),
+                  "workers/base_bytes": float(mgr.stats.base_bytes)})
     return out
 
   # The loop's hooks (`trainers/loop.py`).

@@ -9,6 +9,8 @@ from flax import nnx
 
 import resume
 from configs import tiny_grpo_lora
+from rlhf_jax import typed_config
+from rlhf_jax.config import sections
 from rlhf_jax.config.sections import ConfigError, RLJob
 from rlhf_jax.data.tokenizer import CharTokenizer
 from rlhf_jax.models import lora
@@ -231,12 +233,21 @@ def test_quantized_weights_are_per_channel_roundings(base, kind, bound):
   assert 1e-5 < gap[mask].mean() <= bound
 
 
+def _int8_config():
+  return _lora_config(**{"rollout.quantize": "int8", "lora.rank": 0,
+                         "train.steps": 2})
+
+
+@pytest.fixture(scope="module")
+def int8_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("int8"))
+  rl_job.run(_int8_config(), workdir)
+  return workdir
+
+
 @pytest.mark.slow
-def test_int8_rollout_job_reports_a_small_logprob_gap(tmp_path):
-  c = _lora_config(**{"rollout.quantize": "int8", "lora.rank": 0,
-                      "train.steps": 2})
-  rl_job.run(c, str(tmp_path))
-  records = _rl_records(str(tmp_path))
+def test_int8_rollout_job_reports_a_small_logprob_gap(int8_run):
+  records = _rl_records(int8_run)
   for step in (1, 2):
     # Mean |sampler - trainer| per token: quantization shows (fp32 rollout
     # copies agree to ~1e-6) but stays within the bound.
@@ -365,3 +376,67 @@ def test_peft_applies_the_exported_adapters_as_the_merged_export(
   valid = np.asarray(mask)
   assert np.abs(want - plain)[valid].max() > 1e-3  # The adapters matter.
   np.testing.assert_allclose(ours[valid], want[valid], rtol=0, atol=1e-4)
+
+
+def _at_eta_zero(c, *, on_workers: bool = False):
+  """`c` as async RL at eta = 0: batch b waits for version b - 1, as in
+  the synchronous job, so the two sample the same tokens. The rollout
+  decodes on half the devices, or on 2 in-process elastic workers."""
+  c.asynchronous = typed_config.config_dict(
+      sections.Async, enabled=True, max_staleness=0, switch_after_groups=0)
+  if on_workers:
+    c.rollout.workers.update(num=2, theta=2, poll_steps=2)
+  return c
+
+
+def _assert_same_job(ours: dict, theirs: dict, steps: int) -> None:
+  """The same samples (rewards, lengths, to the bit) and the same updates
+  to fp32 rounding: the trainer trains on 8 devices in one, on 4 in the
+  other."""
+  assert sorted(ours) == sorted(theirs)
+  for step in range(1, steps + 1):
+    assert ours[step]["async/staleness_max"] == 0
+    for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+      assert ours[step][key] == theirs[step][key], (step, key)
+    for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/kl",
+                "rollout/logprob_gap_mean"):
+      assert abs(ours[step][key] - theirs[step][key]) <= (
+          1e-5 * abs(theirs[step][key]) + 1e-6), (
+              step, key, ours[step][key], theirs[step][key])
+  assert ours[steps]["eval/accuracy"] == theirs[steps]["eval/accuracy"]
+  assert all(theirs[s]["train/grad_norm"] > 1e-3
+             for s in range(1, steps + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_workers", [False, True],
+                         ids=["own_devices", "workers"])
+def test_async_lora_job_at_eta_zero_equals_the_synchronous_one(
+    lora_run, on_workers, tmp_path):
+  """Async RL with a LoRA policy: its rollout's copy has the adapters
+  merged in, and elastic workers pull each version's adapters and the
+  base once (they merge for themselves), as in the synchronous job."""
+  c = _at_eta_zero(_lora_config(), on_workers=on_workers)
+  rl_job.run(c, str(tmp_path))
+  ours = _rl_records(str(tmp_path))
+  _assert_same_job(ours, _rl_records(lora_run[0]), steps=4)
+  if on_workers:  # Totals since the start.
+    job = RLJob.from_config(c)
+    cfg = job.model.model_config(vocab_size=CFG_VOCAB)
+    adapters = _adapter_bytes(cfg, job.lora.spec())
+    full = 4 * cfg.num_params()
+    last = ours[4]
+    assert last["workers/pulls"] >= 4
+    assert last["workers/pull_bytes"] == last["workers/pulls"] * adapters
+    assert last["workers/base_bytes"] == 2 * full
+
+
+@pytest.mark.slow
+def test_async_int8_rollout_at_eta_zero_equals_the_synchronous_one(
+    int8_run, tmp_path):
+  """Async RL with an int8 rollout copy: its devices decode with the
+  weights the trainer publishes, quantized, as the synchronous job's
+  rollout does (the same samples, the same sampler/trainer gap)."""
+  rl_job.run(_at_eta_zero(_int8_config()), str(tmp_path))
+  _assert_same_job(_rl_records(str(tmp_path)), _rl_records(int8_run),
+                   steps=2)
