@@ -185,9 +185,9 @@ TABLE: tuple[Row, ...] = (
     # Routing replay: the experts are recorded by the paged engines and
     # the workers' (appended turns too) and carried in the repeated,
     # grouped and packed layouts, over async RL's switches and resumes,
-    # the long tail's moves and workers' continuations.
-    *(Row("routing_replay", other, REFUSED, "not implemented yet")
-      for other in ("ppo", "common_prefix")),
+    # the long tail's moves and workers' continuations; GRPO's and PPO's
+    # actor replay them.
+    Row("routing_replay", "common_prefix", REFUSED, "not implemented yet"),
     Row("fusion", "routing_replay", UNFUSED,
         "the fused passes do not replay the recorded experts"),
     Row("fusion", "cast_copy_old_logprobs", UNFUSED,

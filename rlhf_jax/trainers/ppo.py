@@ -119,7 +119,7 @@ class PPO:
     # Shared prompts need packed rows here (`config/compose`: not the
     # grouped layout).
     packed = batch_lib.pack(samples, P, M, group_size=c.shared_prompt_group,
-                            keep=keep, slots=slots)
+                            keep=keep, slots=slots, routes=rl.routing_replay)
     if fused is not None:
       per_token = fused.assemble(samples, packed)
       batch = self.preparer.put(packed, rewards=per_token.pop("rewards"))
