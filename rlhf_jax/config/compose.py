@@ -46,6 +46,9 @@ FEATURES: dict[str, Feature] = {
                      lambda c, kind: c.agent.enabled),
     "workers": Feature("config.rollout.workers.num > 0",
                        lambda c, kind: _workers(c)),
+    "async_workers": Feature(
+        "async RL on elastic workers",
+        lambda c, kind: c.asynchronous.enabled and _workers(c)),
     "workers_seed": Feature(
         "rollout.workers.seed",
         lambda c, kind: _workers(c) and c.rollout.workers.seed),
@@ -122,7 +125,8 @@ TABLE: tuple[Row, ...] = (
     Row("async", "workers_scale_cost", REFUSED,
         "not implemented (every worker is held)"),
     Row("async", "long_tail", REFUSED, "not implemented"),
-    Row("async", "common_prefix", REFUSED, "not implemented"),
+    Row("async_workers", "common_prefix", REFUSED,
+        "not implemented (the workers would prefill whole prompts)"),
     Row("async", "agent", REFUSED, "not implemented"),
     Row("async", "stream", REFUSED, "not implemented"),
     Row("async", "dynamic_sampling", REFUSED, "not implemented"),

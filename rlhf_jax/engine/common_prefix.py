@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+MIN_COMMON_LENGTH = 16  # A batch shares a common prefix this long or more.
+
 
 def longest_common_prefix(prompts: Sequence[np.ndarray], *,
                           min_length: int = 1,
@@ -79,3 +81,26 @@ def strip_common_prefix(tokens: np.ndarray, common: np.ndarray,
         f"prompt {prompt_id} has {tokens.size} tokens, none after the common "
         f"prefix of {common.size}; at least one is needed to sample from")
   return tokens[common.size:]
+
+
+def batch_common_prefix(prompts: Sequence[np.ndarray], cap: int,
+                        current: np.ndarray | None = None) -> np.ndarray:
+  """The prefix a rollout stores once for a batch of prompts (empty:
+  none): their longest common prefix if it has `MIN_COMMON_LENGTH` tokens
+  or more, capped at `cap` (the engine's `max_common_length`; 0: never).
+
+  `current`: the prefix a run already stores for prompts in flight (async
+  RL's run spans batches); the result is then what the batch shares with
+  it, so every prompt of the run starts with it (a run that stores none
+  keeps none).
+  """
+  if not cap or (current is not None and not current.size):
+    return np.zeros(0, np.int32)
+  common = longest_common_prefix(prompts, min_length=MIN_COMMON_LENGTH,
+                                 max_length=cap)
+  if current is not None:
+    n = min(common.size, current.size)
+    differs = np.nonzero(common[:n] != current[:n])[0]
+    n = int(differs[0]) if differs.size else n
+    common = current[:n] if n >= MIN_COMMON_LENGTH else np.zeros(0, np.int32)
+  return common

@@ -14,6 +14,8 @@ workers run elsewhere (Ray actors) or, in tests, in process.
 
 from __future__ import annotations
 
+import numpy as np
+
 from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.workers.manager import RolloutManager
 
@@ -28,13 +30,20 @@ class WorkerBackend:
     self.max_new_tokens = manager.max_new_tokens
 
   def open(self, params, version: int, partials: list[Partial],
-           pending: list[Request]) -> "_Run":
+           pending: list[Request], *, common=None) -> "_Run":
     """Publishes `params` (the rollout copy, host or device) as `version`
     (workers pull it before their next request) and queues the partials,
     then the pending prompts."""
+    del common  # The workers prefill whole prompts (`common_prefix`).
     self.manager.store.publish(version, params)
     self.manager.extend(pending, heads=partials)
     return _Run(self.manager)
+
+  def common_prefix(self, requests, current) -> np.ndarray:
+    """None stored: async RL on workers prefills whole prompts
+    (`config/compose.py` refuses `rollout.max_common_length` there)."""
+    del requests, current
+    return np.zeros(0, np.int32)
 
   def drain(self, run: "_Run") -> list[Sample]:
     del run  # Every poll round's results are read as it ends.

@@ -42,6 +42,7 @@ from typing import Iterator
 import numpy as np
 
 from rlhf_jax.samples import PromptBatch
+from rlhf_jax.engine import common_prefix as common_lib
 from rlhf_jax.engine import restart
 from rlhf_jax.engine.controller import Controller
 from rlhf_jax.samples import Partial, Request, Sample
@@ -85,6 +86,9 @@ class AsyncRollout:
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
+    # The prompt prefix the run stores once (`rollout.max_common_length`;
+    # empty: none; None: not set before the first batch).
+    self.common: np.ndarray | None = None
     self.counters = dict(switches=0, recomputed_tokens=0, restarted_tokens=0,
                          decode_steps=0, wait_weights_s=0.0, decode_s=0.0)
 
@@ -163,7 +167,7 @@ class AsyncRollout:
     driver = self._driver(params, partials, pending)
     after = 0   # Groups finished since batch version + 1 completed.
     while not self._closed:
-      self._draw(driver)
+      driver = self._draw(driver)
       v = self.version + 1
       complete = v < self.next_batch and v not in self.finished
       if staleness.switch_due(complete, after, self.switch_after_groups,
@@ -188,10 +192,13 @@ class AsyncRollout:
           after += 1
 
   def _driver(self, params, partials, pending):
-    return self.backend.open(params, self.version, partials, pending)
+    return self.backend.open(params, self.version, partials, pending,
+                             common=self.common)
 
-  def _draw(self, driver) -> None:
-    """Queues batch b while the rollout's version allows it."""
+  def _draw(self, driver):
+    """Queues batch b while the rollout's version allows it; returns the
+    driver (a new one, with the same weights, where the batch shares less
+    of the stored prompt prefix than the run's prompts so far)."""
     while (self.next_batch <= self.last_step
            and staleness.may_draw(self.next_batch, self.version, self.eta)):
       b = self.next_batch
@@ -202,8 +209,24 @@ class AsyncRollout:
       for r in requests:
         for i in range(r.num_samples):
           self.marks[_key(r, r.first_sample_index + i)] = [(0, self.version)]
+      stored = (np.zeros(0, np.int32) if self.common is None
+                else self.common)
+      self.common = self.backend.common_prefix(requests, self.common)
+      if not np.array_equal(self.common, stored):
+        driver = self._reopen(driver)
       driver.add(requests)
       self.next_batch += 1
+    return driver
+
+  def _reopen(self, driver):
+    """The run on a new driver with the same weights and `self.common`:
+    its unfinished samples continue as at a switch (KV recomputed)."""
+    for s in self.backend.drain(driver):
+      self._route(s)
+    partials, pending = self.backend.unfinished(driver)
+    self.counters["recomputed_tokens"] += sum(
+        max(len(p.tokens) - 1, 0) for p in partials)
+    return self._driver(driver.params, partials, pending)
 
   def _route(self, sample: Sample) -> bool:
     """Files a finished sample under its batch; True if it completed a
@@ -283,6 +306,7 @@ class AsyncRollout:
     return {
         "version": self.version, "next_batch": self.next_batch,
         "counters": self.counters, "delivered": self._delivered,
+        "common": None if self.common is None else self.common.tolist(),
         "batches": {str(b): _prompts_dict(p) for b, p in self.batches.items()},
         "ready": {str(b): dict(prompts=_prompts_dict(r.prompts),
                                samples=[_sample_dict(s) for s in r.samples],
@@ -305,6 +329,8 @@ class AsyncRollout:
     self.version, self.next_batch = snap["version"], snap["next_batch"]
     self.counters, self._delivered = (dict(snap["counters"]),
                                       dict(snap["delivered"]))
+    common = snap.get("common")  # Absent in snapshots before it existed.
+    self.common = None if common is None else np.asarray(common, np.int32)
     requests = {}
     for b, p in snap["batches"].items():
       self.batches[int(b)] = prompts = _prompts_from(p)
@@ -339,13 +365,22 @@ class PagedBackend:
     self.max_new_tokens = engines.sampling.max_new_tokens
 
   def open(self, params, version: int, partials: list[Partial],
-           pending: list[Request]):
-    """A started driver with weights `version`: the partials first."""
+           pending: list[Request], *, common: np.ndarray | None = None):
+    """A started driver with weights `version` storing the prompt prefix
+    `common` once: the partials first."""
     driver = self.engines.driver(params, version)
     # One decode step a call: the weight switch is checked between calls.
-    driver.start(pending, controller=Controller(window=1))
+    driver.start(pending, controller=Controller(window=1),
+                 common_prefix=common)
     restart.readmit(driver, partials)
     return driver
+
+  def common_prefix(self, requests: list[Request],
+                    current: np.ndarray | None) -> np.ndarray:
+    """The prefix the run stores once with `requests` joining it."""
+    return common_lib.batch_common_prefix(
+        [r.tokens for r in requests],
+        self.engines.engine().max_common_length, current)
 
   drain = staticmethod(restart.drain)
   unfinished = staticmethod(restart.unfinished)

@@ -38,8 +38,6 @@ from rlhf_jax.sched import assignment, continuous
 from rlhf_jax.sched.length_history import LengthHistory
 from rlhf_jax.timeline import Timeline
 
-MIN_COMMON_LENGTH = 16  # "auto" shares a common prefix this long or more.
-
 
 class LocalRollout(Rollout):
   """Prompt batches on the `EngineSet` of the trainer's rollout layout."""
@@ -109,12 +107,8 @@ class LocalRollout(Rollout):
 
   def common_prefix(self, requests: Sequence[Request]) -> np.ndarray:
     """The batch's shared prefix to store once (empty: none)."""
-    cap = self.engines.engine().max_common_length
-    if not cap:
-      return np.zeros(0, np.int32)
-    return common_lib.longest_common_prefix(
-        [r.tokens for r in requests], min_length=MIN_COMMON_LENGTH,
-        max_length=cap)
+    return common_lib.batch_common_prefix(
+        [r.tokens for r in requests], self.engines.engine().max_common_length)
 
   def run(self, requests: Sequence[Request], *, step: int = 0,
           freed: FreedReplicaWork | None = None) -> Iterator[Sample]:

@@ -23,6 +23,8 @@ _TAIL = {"rollout.long_tail.enabled": True, "rollout.long_tail.fusion": False}
 ON = {
     "ppo": {},
     "async": {"asynchronous.enabled": True},
+    "async_workers": {"asynchronous.enabled": True, "rollout.workers.num": 2,
+                      "rollout.workers.seed": False},
     "agent": {"agent.enabled": True},
     "workers": _WORKERS,
     "workers_seed": _WORKERS,

@@ -11,6 +11,7 @@ import time
 import math
 import types
 
+import numpy as np
 import pytest
 
 import fakes
@@ -141,6 +142,42 @@ def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
       assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]) \
           + 1e-6, (step, key, a[step][key], b[step][key])
   assert a[3]["eval/accuracy"] == b[3]["eval/accuracy"]
+
+
+@pytest.mark.slow
+def test_eta_zero_with_a_common_prefix_equals_the_synchronous_job(tmp_path):
+  """configs/gsm8k_grpo.py:runlocal (a ChatML system turn in front of
+  every prompt, stored once): at eta = 0 async RL stores the prefix the
+  synchronous job stores and gives its samples and updates."""
+  from configs import gsm8k_grpo
+  from rlhf_jax import typed_config
+  from rlhf_jax.config import sections
+  from rlhf_jax.data import sources
+
+  def config(asynchronous, workdir):
+    c = sources.prepare(gsm8k_grpo.get_config("runlocal"), workdir)
+    c = resume.override(c, **{"train.steps": 3, "eval.every": 3})
+    c.rl.importance_weight = "tis"
+    if asynchronous:
+      c.asynchronous = typed_config.config_dict(
+          sections.Async, enabled=True, max_staleness=0,
+          switch_after_groups=0)
+    return c
+
+  for name in ("sync", "async"):
+    workdir = str(tmp_path / name)
+    rl_job.run(config(name == "async", workdir), workdir)
+  a, b = _records(str(tmp_path / "async")), _records(str(tmp_path / "sync"))
+  for step in range(1, 4):
+    assert a[step]["async/staleness_max"] == 0
+    assert a[step]["rollout/common_prefix_len"] == b[step][
+        "rollout/common_prefix_len"] >= 16
+    for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+      assert a[step][key] == b[step][key], (step, key)
+    for key in ("train/loss", "train/kl", "train/grad_norm"):
+      assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]) \
+          + 1e-6, (step, key, a[step][key], b[step][key])
+  assert all(b[s]["train/grad_norm"] > 1e-3 for s in range(1, 4))
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -293,3 +330,77 @@ def test_restarted_samples_do_not_shorten_the_trained_responses(
                     if kept)
   ours = _mean(n for n, _, kept in rows.values() if kept)
   assert abs(ours - sync_mean) <= 0.05 * sync_mean, (ours, sync_mean)
+
+
+def _prefixed_batches():
+  """Batch b's 2 prompts: batches 1 and 2 share a 20-token prefix,
+  batch 3 only its first 17 tokens, batch 4 nothing."""
+  from rlhf_jax.samples import PromptBatch
+  rng = np.random.default_rng(5)
+  common = rng.integers(4, 64, 20).astype(np.int32)
+  heads = {1: common, 2: common, 3: np.concatenate([common[:17], [0]]),
+           4: np.zeros(0, np.int32)}
+  for b in range(1, 5):
+    # Own tokens start with 1 and 2: the prompts of a batch part there.
+    rows = [np.concatenate([heads[b], [1 + i], rng.integers(4, 64, 3)])
+            .astype(np.int32) for i in range(2)]
+    width = max(len(r) for r in rows)
+    yield PromptBatch(np.array([2 * b, 2 * b + 1], np.int32),
+                      np.stack([np.pad(r, (0, width - len(r))) for r in rows]),
+                      np.array([len(r) for r in rows], np.int32),
+                      ["", ""], [{}, {}])
+
+
+def test_async_rollout_stores_the_prefix_its_batches_share(tiny_model):
+  """Async RL with `rollout.max_common_length`: the run stores the prefix
+  its prompts share once; a batch that shares less reopens the run on a
+  new driver storing that much (its in-flight samples recomputed), and
+  the samples are those of a rollout storing none."""
+  from rlhf_jax.engine.engine_set import EngineSet
+  from rlhf_jax.engine.sampling import SamplingParams
+  from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
+  import jax
+  graphdef, params = tiny_model
+  layout = fakes.rollout_layout8(2)
+  params = jax.device_put(params, layout.param_shardings(params))
+
+  class Recording(PagedBackend):
+    def open(self, *args, common=None):
+      self.stored.append(0 if common is None else len(common))
+      return super().open(*args, common=common)
+
+  out = {}
+  for cap in (24, 0):
+    backend = Recording(EngineSet(
+        fakes.TINY_CFG, graphdef, layout, rows_per_replica=1,
+        samples_per_row=2, prefill_buckets=(8, 32),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+        max_common_length=cap,
+        paged=dict(num_slots=4, page_size=4, num_pages=96)))
+    backend.stored = []
+    ar = AsyncRollout(backend, _prefixed_batches(), num_samples=2, seed=3,
+                      eta=1, switch_after_groups=1, in_flight="continue",
+                      last_step=4)
+    ar.start(params, 0, first_step=1)
+    try:
+      batches = {}
+      for step in range(1, 5):
+        if step > 1:
+          ar.publish(params, step - 1)
+        batches[step] = ar.take(step).samples
+    finally:
+      ar.close()
+    out[cap] = batches, backend.stored
+  (stored_batches, stored), (plain_batches, plain) = out[24], out[0]
+  assert set(plain) == {0}
+  # Opened storing none; 20 from batch 1; 17 once batch 3 joins; none
+  # once batch 4 does (each value in turn, switches keep the value).
+  assert [n for i, n in enumerate(stored)
+          if i == 0 or n != stored[i - 1]] == [0, 20, 17, 0], stored
+  for step in range(1, 5):
+    ours, theirs = stored_batches[step], plain_batches[step]
+    assert [s.key for s in ours] == [s.key for s in theirs]
+    for a, b in zip(ours, theirs):
+      assert a.tokens == b.tokens, (step, a.key)
+      np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
+      assert a.token_versions == b.token_versions, (step, a.key)
