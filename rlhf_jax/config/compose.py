@@ -119,7 +119,6 @@ class Row:
 
 TABLE: tuple[Row, ...] = (
     # Asynchronous RL: its rollout part runs beside the trainer.
-    Row("async", "ppo", REFUSED, "not implemented"),
     Row("async", "workers_seed", REFUSED,
         "not implemented (the trainer's devices only train)"),
     Row("async", "workers_scale_cost", REFUSED,

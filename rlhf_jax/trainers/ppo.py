@@ -3,7 +3,8 @@
 One step (InstructGPT-style; the step is `trainers/rl_step.py`, PPO is
 what this algorithm scores and trains):
   rollout   the job's rollout (the trainer's mesh or elastic workers, with
-            the common prefix and long-tail policies as its options)
+            the common prefix and long-tail policies as its options; or
+            async RL's, decoding ahead on its own devices or the workers)
             samples G responses per prompt; tracked verifiable rewards are
             scored as groups finish (logged only);
   scoring   the reward model scores each sequence on device, the critic

@@ -503,3 +503,34 @@ def test_moe_actor_replays_the_samplers_experts(rm_workdir, tmp_path):
     assert r["train/moe_flip_rate"] > 0, step
     assert np.isfinite(r["critic/loss"]) and r["train/grad_norm"] > 0
   assert flipped >= 1  # Not vacuous: a flip to remove.
+
+
+@pytest.mark.slow
+def test_async_ppo_at_eta_zero_equals_the_synchronous_job(rm_workdir,
+                                                          tmp_path):
+  """Async PPO: the rollout decodes on half the devices, the actor, the
+  critic and the reward model run on the other half. At eta = 0 (batch b
+  waits for version b - 1) the same samples, scores and updates as the
+  synchronous job on all 8, to fp32 rounding."""
+  from rlhf_jax import typed_config
+  from rlhf_jax.config import sections
+  steps = {"train.steps": 2, "eval.every": 2}
+  rl_job.run(_config(rm_workdir, **steps), str(tmp_path / "sync"))
+  c = _config(rm_workdir, **steps)
+  c.asynchronous = typed_config.config_dict(
+      sections.Async, enabled=True, max_staleness=0, switch_after_groups=0)
+  rl_job.run(c, str(tmp_path / "async"))
+  a, b = (_rl_records(str(tmp_path / "async")),
+          _rl_records(str(tmp_path / "sync")))
+  for step in (1, 2):
+    assert a[step]["async/staleness_max"] == 0
+    assert a[step]["async/rollout_devices"] == 4
+    for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+      assert a[step][key] == b[step][key], (step, key)
+    for key in ("rollout/return_mean", "rollout/value_mean", "train/loss",
+                "train/grad_norm", "critic/loss", "critic/value_error"):
+      assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]) \
+          + 1e-6, (step, key, a[step][key], b[step][key])
+    assert b[step]["train/grad_norm"] > 1e-3 and b[step]["critic/loss"] > 0
+  assert a[2]["eval/reward_mean"] == pytest.approx(b[2]["eval/reward_mean"],
+                                                   rel=1e-5, abs=1e-6)
