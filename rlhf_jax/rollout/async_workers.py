@@ -45,6 +45,11 @@ class WorkerBackend:
     del requests, current
     return np.zeros(0, np.int32)
 
+  @staticmethod
+  def stored_prefix(run: "_Run") -> int:
+    del run
+    return 0
+
   def drain(self, run: "_Run") -> list[Sample]:
     del run  # Every poll round's results are read as it ends.
     return []

@@ -87,8 +87,10 @@ class AsyncRollout:
     self._closed = False
     self._thread: threading.Thread | None = None
     # The prompt prefix the run stores once (`rollout.max_common_length`;
-    # empty: none; None: not set before the first batch).
+    # empty: none; None: not set before the first batch), and the length
+    # its driver stores.
     self.common: np.ndarray | None = None
+    self.stored_prefix = 0
     self.counters = dict(switches=0, recomputed_tokens=0, restarted_tokens=0,
                          decode_steps=0, wait_weights_s=0.0, decode_s=0.0)
 
@@ -192,8 +194,10 @@ class AsyncRollout:
           after += 1
 
   def _driver(self, params, partials, pending):
-    return self.backend.open(params, self.version, partials, pending,
-                             common=self.common)
+    driver = self.backend.open(params, self.version, partials, pending,
+                               common=self.common)
+    self.stored_prefix = self.backend.stored_prefix(driver)
+    return driver
 
   def _draw(self, driver):
     """Queues batch b while the rollout's version allows it; returns the
@@ -219,13 +223,13 @@ class AsyncRollout:
     return driver
 
   def _reopen(self, driver):
-    """The run on a new driver with the same weights and `self.common`:
-    its unfinished samples continue as at a switch (KV recomputed)."""
+    """The run on a new driver with the same weights and `self.common`.
+    Batches are drawn only at the start and right after a switch, so the
+    driver replaced has not stepped: nothing to drain, and its partials
+    (a switch's, counted there) are recomputed once, by the new one."""
     for s in self.backend.drain(driver):
       self._route(s)
     partials, pending = self.backend.unfinished(driver)
-    self.counters["recomputed_tokens"] += sum(
-        max(len(p.tokens) - 1, 0) for p in partials)
     return self._driver(driver.params, partials, pending)
 
   def _route(self, sample: Sample) -> bool:
@@ -381,6 +385,11 @@ class PagedBackend:
     return common_lib.batch_common_prefix(
         [r.tokens for r in requests],
         self.engines.engine().max_common_length, current)
+
+  @staticmethod
+  def stored_prefix(driver) -> int:
+    """The prompt prefix length `driver`'s engine stores once."""
+    return driver.stats.common_prefix_length
 
   drain = staticmethod(restart.drain)
   unfinished = staticmethod(restart.unfinished)

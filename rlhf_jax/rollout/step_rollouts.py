@@ -297,9 +297,7 @@ class Asynchronous:
               float(v) for k, v in self._batch.metrics.items()}}
     if self.layout is not None:
       out["async/rollout_devices"] = float(self.layout.mesh.devices.size)
-      common = self.rollout.common
-      out["rollout/common_prefix_len"] = float(
-          0 if common is None else common.size)
+      out["rollout/common_prefix_len"] = float(self.rollout.stored_prefix)
     else:
       mgr = self.manager  # Totals since the start (its thread's).
       out.update({"workers/alive": float(len(mgr.handles)),

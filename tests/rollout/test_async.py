@@ -365,9 +365,10 @@ def test_async_rollout_stores_the_prefix_its_batches_share(tiny_model):
   params = jax.device_put(params, layout.param_shardings(params))
 
   class Recording(PagedBackend):
-    def open(self, *args, common=None):
-      self.stored.append(0 if common is None else len(common))
-      return super().open(*args, common=common)
+    def open(self, *args, common=None):  # What each driver's engine stores.
+      driver = super().open(*args, common=common)
+      self.stored.append(driver.engine.common_prefix_tokens.size)
+      return driver
 
   out = {}
   for cap in (24, 0):
