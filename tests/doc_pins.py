@@ -41,6 +41,8 @@ R, D = "README.md", "docs/results.md"
 # The third machine's calibration against the earlier records' VM
 # (suite_cpu.json, the fast-tier run at dec4130).
 CAL = "fast_tier/runs/21/calibration/"
+# The fourth machine's (the fast-tier run at 2323705).
+CAL4 = "fast_tier/runs/22/calibration/"
 MOE_JOB = "job_tiny_grpo_moe_cpu.json"
 DJ = "default_job_quiet_cpu.json"
 H100, H200 = "gpu_h100.json", "gpu_h200.json"
@@ -120,6 +122,15 @@ PINS: list[Pin] = [
       ("ratio", CAL + "this_vm_s", CAL + "earlier_vm_s/1"),
       ("ratio", CAL + "this_vm_s", CAL + "earlier_vm_s/0"), None,
       CAL + "this_vm_s", CAL + "earlier_vm_s/1", CAL + "earlier_vm_s/0"),
+    P(R, "A fourth, 2.05 to 2.09 times slower than the first (79.4 s\n"
+      "on that test)", "suite_cpu.json",
+      ("ratio", CAL4 + "this_vm_s", CAL4 + "earlier_vm_s/1"),
+      ("ratio", CAL4 + "this_vm_s", CAL4 + "earlier_vm_s/0"),
+      CAL4 + "this_vm_s"),
+    P(R, "14.7 min for the fast tier at 2323705", "suite_cpu.json",
+      ("fast_tier/runs/22/pytest_s", 1 / 60), None),
+    P(R, "41.4 min\nfor the suite at d8a3128", "suite_cpu.json",
+      ("runs/22/pytest_s", 1 / 60)),
     P(R, "**0.195 -> 0.885** in 30 steps, **1354.6 s**", SG,
       "result/eval_accuracy_first", "result/eval_accuracy_last", None,
       "result/wall_s"),
