@@ -49,10 +49,13 @@ def test_agent_episodes_equal_the_in_process_tool_path(tiny_model, mesh8,
   errors = "rollout/tool_errors"
   assert metrics.pop(errors) == 0 and want_metrics.pop(errors) >= 0
   assert metrics == want_metrics
-  # The episodes share decode steps (36.8 live samples a step of 64,
-  # sampled, measured once).
+  # The episodes share decode steps: 36.8 live samples a step of 64
+  # (sampled) on a quiet machine, 26.8 under a CI run's load (the agents'
+  # threads answer later, so more samples wait parked); an endpoint that
+  # served one agent at a time would leave about one live sample a step
+  # once the first turns end.
   live_per_step = driver.stats.generated_tokens / driver.stats.steps
-  assert live_per_step >= prompts * G / 2, live_per_step
+  assert live_per_step >= prompts * G / 4, live_per_step
   # Each turn end parked its sample until the agent moved (the driver did
   # not wait for it).
   stopped = sum(s.finish_reason == "stop" for s in got.values())
