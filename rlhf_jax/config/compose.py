@@ -85,10 +85,6 @@ FEATURES: dict[str, Feature] = {
         lambda c, kind: c.grouped_layout),
     "context": Feature("config.mesh.context > 1",
                        lambda c, kind: c.mesh.context > 1),
-    "packing": Feature("config.rl.pack_length",
-                       lambda c, kind: c.rl.pack_length > 0),
-    "gspo": Feature("policy_loss='gspo'",
-                    lambda c, kind: c.rl.policy_loss == "gspo"),
     "several_epochs": Feature("config.rl.ppo_epochs > 1",
                               lambda c, kind: c.rl.ppo_epochs != 1),
     "batch_advantage": Feature(
@@ -160,10 +156,6 @@ TABLE: tuple[Row, ...] = (
     Row("context", "grouped_layout", REFUSED,
         "not tested yet; set rl.pack_length > 0 (packed rows) or "
         "share_prompt=False"),
-    # Packed rows hold several sequences; the loss must tell them apart.
-    Row("packing", "gspo", REFUSED,
-        "GSPO takes the sequence ratio of a row; set "
-        "rl.pack_length=0"),
     # The long tail runs on the trainer's mesh.
     Row("long_tail_grouped", "workers", REFUSED,
         "RLHFless's grouped assignment (each replica decodes "

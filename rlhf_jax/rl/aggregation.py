@@ -56,6 +56,50 @@ def masked_mean(
   return total / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
 
 
+def sequence_sums(x_BxT: jax.Array, mask_BxT: jax.Array,
+                  seq_BxT: jax.Array | None = None):
+  """Each sequence's sum of x over its valid tokens and their count, and a
+  function laying one value per sequence on that sequence's tokens.
+
+  One sequence a row (`seq_BxT` None): S = B. Packed rows (`rl/packing.py`)
+  hold several: a sequence is a run of equal `seq` cells (its cells are
+  contiguous in one row; a multi-turn sample's environment tokens are
+  masked, not outside the run), and cells with `seq` -1 belong to none.
+  Runs are numbered within this array, so S = B * T whatever sample
+  indices `seq` holds (they are the batch's, larger than a micro-batch's
+  cell count in a batch of many short responses).
+
+  Args:
+    x_BxT: [B, T] values.
+    mask_BxT: [B, T] 1 on valid tokens.
+    seq_BxT: packed rows only: the sequence of each cell (-1: none).
+
+  Returns:
+    (sums_S, counts_S, on_tokens): fp32 [S] sums of x * mask and of mask;
+    on_tokens(values_S) -> [B, T], 0 (False) where a cell has no sequence.
+  """
+  mask_BxT = _fp32_mask(mask_BxT)
+  x_BxT = _masked_loss(x_BxT, mask_BxT)
+  if seq_BxT is None:
+    def on_rows(values_S):
+      return jnp.broadcast_to(values_S[:, None], mask_BxT.shape)
+    return jnp.sum(x_BxT, axis=1), jnp.sum(mask_BxT, axis=1), on_rows
+  seq = jnp.ravel(seq_BxT)
+  num = seq.size
+  starts = jnp.concatenate([jnp.ones((1,), bool), seq[1:] != seq[:-1]])
+  run = jnp.where(seq >= 0, jnp.cumsum(starts) - 1, num)  # num: dropped.
+
+  def segment_sum(v_BxT):
+    return jax.ops.segment_sum(jnp.ravel(v_BxT), run, num_segments=num,
+                               mode="drop")
+
+  def on_runs(values_S):
+    return jnp.take(values_S, run, mode="fill",
+                    fill_value=0).reshape(mask_BxT.shape)
+
+  return segment_sum(x_BxT), segment_sum(mask_BxT), on_runs
+
+
 def _sequences(mask_BxT, seq_BxT, seq_len_BxT):
   """(per-token length of the token's sequence, 1 on each sequence's first
   trained token). Repeated/grouped rows are one sequence each; packed rows

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from rlhf_jax.rl import registry
-from rlhf_jax.rl.aggregation import masked_mean
+from rlhf_jax.rl.aggregation import masked_mean, sequence_sums
 from rlhf_jax.rl.logprobs import token_entropy
 
 
@@ -54,6 +54,7 @@ def ppo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float | None = None,
+    seq_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clipped-ratio policy loss, per token.
 
@@ -72,6 +73,8 @@ def ppo_policy_loss(
     clip_low: lower clip range epsilon_low (ratio >= 1 - clip_low).
     clip_high: upper clip range epsilon_high (ratio <= 1 + clip_high).
     clip_c: dual-clip constant (> 1), or None to disable (static).
+    seq_BxT: packed rows' sequence of each cell; unused (a per-token loss;
+      one signature for all policy losses).
 
   Returns:
     (loss_BxT, metrics): fp32 per-token loss, 0 on padding; metrics are fp32
@@ -79,6 +82,7 @@ def ppo_policy_loss(
     "clip_frac_high", "dual_clip_frac", "approx_kl" (k3 of old vs. new) and
     "ratio_mean".
   """
+  del seq_BxT
   if clip_c is not None and clip_c <= 1.0:
     raise ValueError(f"Dual-clip constant clip_c must be > 1, got {clip_c}.")
   adv_BxT = jnp.asarray(adv, jnp.float32)
@@ -125,11 +129,13 @@ def gspo_policy_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     clip_c: float | None = None,
+    seq_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GSPO (Zheng et al. 2025): PPO's clip on a sequence-level ratio.
 
-  s_i = exp(mean over the valid tokens of row i of (logp - old_logp)), the
-  length-normalised sequence likelihood ratio; every token of row i uses it:
+  s_i = exp(mean over the valid tokens of sequence i of (logp - old_logp)),
+  the length-normalised sequence likelihood ratio (a sequence is a row, or
+  in packed rows a run of `seq_BxT`); every token of sequence i uses it:
   loss = max(-A * s, -A * clip(s, 1 - clip_low, 1 + clip_high)) (+ dual-clip
   as "ppo"). Written in the GSPO-token form s_i,t = sg(s_i) * pi_t / sg(pi_t)
   so per-token advantages work too; its value is s_i and, for a per-sequence
@@ -146,6 +152,8 @@ def gspo_policy_loss(
     clip_low: lower clip range of the sequence ratio.
     clip_high: upper clip range of the sequence ratio.
     clip_c: dual-clip constant (> 1), or None to disable (static).
+    seq_BxT: packed rows only: the sequence of each cell (-1: none);
+      `aggregation.sequence_sums`.
 
   Returns:
     (loss_BxT, metrics) as "ppo"; "clip_frac" counts tokens of clipped
@@ -155,20 +163,21 @@ def gspo_policy_loss(
   mask_f_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
   logp_BxT = logp_BxT.astype(jnp.float32)
   old_BxT = jax.lax.stop_gradient(old_logp_BxT.astype(jnp.float32))
-  log_ratio_BxT = jnp.where(mask_f_BxT > 0, logp_BxT - old_BxT, 0.0)
-  seq_log_ratio_B = masked_mean(log_ratio_BxT, mask_f_BxT, axis=1)
-  # Value: seq_log_ratio_B; gradient: d logp_t per token (GSPO-token).
-  token_log_ratio_BxT = (jax.lax.stop_gradient(seq_log_ratio_B)[:, None]
-                         + logp_BxT - jax.lax.stop_gradient(logp_BxT))
+  sums_S, counts_S, on_tokens = sequence_sums(logp_BxT - old_BxT, mask_f_BxT,
+                                              seq_BxT)
+  # Each token's sequence's mean log-ratio, without gradient.
+  seq_log_ratio_BxT = jax.lax.stop_gradient(
+      on_tokens(sums_S / jnp.maximum(counts_S, 1.0)))
+  # Value: seq_log_ratio; gradient: d logp_t per token (GSPO-token).
+  token_log_ratio_BxT = (seq_log_ratio_BxT + logp_BxT
+                         - jax.lax.stop_gradient(logp_BxT))
   loss_BxT, metrics = ppo_policy_loss(
       token_log_ratio_BxT, jnp.zeros_like(token_log_ratio_BxT), adv,
       mask_f_BxT, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
   # The ppo metrics' approx_kl is of the sequence ratio; report the tokens'.
   metrics["approx_kl"] = masked_mean(
       jax.lax.stop_gradient(kl_k3(logp_BxT, old_BxT)), mask_f_BxT)
-  metrics["seq_log_ratio"] = masked_mean(
-      jnp.broadcast_to(jax.lax.stop_gradient(seq_log_ratio_B)[:, None],
-                       mask_f_BxT.shape), mask_f_BxT)
+  metrics["seq_log_ratio"] = masked_mean(seq_log_ratio_BxT, mask_f_BxT)
   return loss_BxT, metrics
 
 
@@ -182,6 +191,7 @@ def cispo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float | None = None,
+    seq_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio.
 
@@ -202,11 +212,13 @@ def cispo_policy_loss(
     clip_low: lower clip range of the weight (weight >= 1 - clip_low).
     clip_high: upper clip range of the weight (weight <= 1 + clip_high).
     clip_c: must be None (CISPO has no dual clip).
+    seq_BxT: unused (a per-token loss; one signature for all).
 
   Returns:
     (loss_BxT, metrics) as "ppo": "clip_frac" (and _low, _high) counts the
     tokens whose weight was clipped; "dual_clip_frac" is 0.
   """
+  del seq_BxT  # A per-token loss.
   if clip_c is not None:
     raise ValueError("policy_loss 'cispo' has no dual clip: set rl.clip_c "
                      "= 0")

@@ -115,8 +115,8 @@ def policy_terms(c: PolicyLossConfig):
 
   Takes batches in any layout of `rl/grouped.py` (repeated prompts,
   grouped: each prompt run once for its G responses, or packed rows); same
-  loss in each. GSPO's sequence ratio needs one sequence per row: not
-  packed rows. With `c.importance_weight` or `c.sequence_mask` each token's
+  loss in each (GSPO's sequence ratio over each packed sequence's run).
+  With `c.importance_weight` or `c.sequence_mask` each token's
   term is weighted by `off_policy.behaviour_weights` of old_logp (the
   anchor) against the batch's "sampler_logp".
   """
@@ -124,12 +124,7 @@ def policy_terms(c: PolicyLossConfig):
   registry.get("kl_estimator", c.kl.estimator)  # Fail early on a bad name.
 
   def packed(batch):
-    if not grouped.is_packed(batch):
-      return None
-    if c.policy_loss == "gspo":
-      raise ValueError("policy_loss 'gspo' takes one sequence per row: "
-                       "set rl.pack_length = 0")
-    return batch
+    return batch if grouped.is_packed(batch) else None
 
   def terms(graphdef, params, mb):
     logp, entropy, _, router = grouped.target_logprobs(
@@ -146,7 +141,7 @@ def policy_terms(c: PolicyLossConfig):
       old_logp = mb["old_logp"]
     loss, m = loss_fn(logp, old_logp, mb["advantages"], mask,
                       clip_low=c.clip_low, clip_high=c.clip_high,
-                      clip_c=c.clip_c)
+                      clip_c=c.clip_c, seq_BxT=mb.get("seq"))
     if c.importance_weight != "none" or c.sequence_mask != "none":
       w, weights_aux = off_policy.behaviour_weights(
           old_logp, mb["sampler_logp"], mask,

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from rlhf_jax.rl.aggregation import masked_mean
+from rlhf_jax.rl.aggregation import masked_mean, sequence_sums
 
 WEIGHTINGS = ("none", "is", "tis", "mis", "icepop")
 SEQUENCE_MASKS = ("none", "geometric")
@@ -135,33 +135,17 @@ def behaviour_weights(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array,
 def _geometric_sequence_mask(log_w_BxT, mask_BxT, band, seq_BxT):
   """(keep [B, T] 0/1, metrics): 1 on the tokens of the sequences whose
   geometric-mean weight lies in `band`, both ends included."""
-  if seq_BxT is None:  # One sequence a row.
-    sums_S = jnp.sum(log_w_BxT * mask_BxT, axis=1)
-    counts_S = jnp.sum(mask_BxT, axis=1)
-    token_seq = None
-  else:  # Packed rows: a segment per sequence; -1 (no sequence) dropped.
-    num = seq_BxT.size
-    token_seq = jnp.where(seq_BxT >= 0, seq_BxT, num)
-
-    def segment_sum(x):
-      return jax.ops.segment_sum(jnp.ravel(x), jnp.ravel(token_seq),
-                                 num_segments=num, mode="drop")
-
-    sums_S, counts_S = segment_sum(log_w_BxT * mask_BxT), segment_sum(mask_BxT)
+  sums_S, counts_S, on_tokens = sequence_sums(log_w_BxT, mask_BxT, seq_BxT)
   ratio_S = jnp.exp(jnp.minimum(sums_S / jnp.maximum(counts_S, 1.0),
                                 _MAX_LOG_WEIGHT))
   valid_S = counts_S > 0
   kept_S = (ratio_S >= band[0]) & (ratio_S <= band[1])
-  if token_seq is None:
-    keep = jnp.broadcast_to(kept_S[:, None], mask_BxT.shape)
-  else:
-    keep = jnp.take(kept_S, token_seq, mode="fill", fill_value=False)
   valid_f = valid_S.astype(jnp.float32)
   metrics = {
       "seq_ratio_mean": masked_mean(ratio_S, valid_f),
       "seq_masked_frac": masked_mean((~kept_S).astype(jnp.float32), valid_f),
   }
-  return keep.astype(jnp.float32), metrics
+  return on_tokens(kept_S).astype(jnp.float32), metrics
 
 
 def mismatch_sums(trainer_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,

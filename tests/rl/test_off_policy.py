@@ -96,11 +96,12 @@ def test_geometric_sequence_mask_equals_numpy(mode, packed):
   prox, behav = _logs(rng, (6, 24), 1.0)
   mask = (rng.random((6, 24)) > 0.2).astype(np.float32)
   seq = None
-  if packed:  # Three sequences a row, one padding column between them.
+  if packed:  # Three sequences a row, one padding column between them,
+    # with the batch's sample indices: beyond this array's 144 cells.
     seq = np.full((6, 24), -1, np.int32)
     for r in range(6):
       for j, start in enumerate((0, 8, 16)):
-        seq[r, start:start + 7] = 3 * r + j
+        seq[r, start:start + 7] = 1000 + 37 * (3 * r + j)
     mask = mask * (seq >= 0)
   band = (np.exp(-0.12), np.exp(0.15))
   w, m = jax.jit(lambda *a: off_policy.behaviour_weights(

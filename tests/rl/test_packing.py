@@ -137,26 +137,42 @@ def _train_view(samples, rewards, keep, params, ref, layout,
   out = {"learner": (float(num / weight),
                      jax.tree.map(lambda g: np.asarray(g / weight), grads))}
 
+  # GSPO at weights moved off the batch's old ones: each sequence's ratio
+  # is its own (at the old weights every ratio is 1, and a row's mean
+  # would pass), some sequences clipped.
+  gspo = objectives.PolicyLossConfig(
+      policy_loss="gspo", clip_low=0.02, clip_high=0.02,
+      aggregation=MODES[1])
+  moved = jax.tree.map(lambda x: x * 1.04, params)
+
   @jax.jit
-  def every_mode(params, batch):
+  def every_mode(params, moved, batch):
     res = {}
     with use_layout(layout):
-      for mode in MODES:
-        terms, weight_fn = objectives.policy_terms(loss_config(mode))
-        res[mode] = jax.value_and_grad(
-            lambda p, m=terms, w=weight_fn: m(graphdef, p, batch)[0] / w(
-                batch))(params)
+      for mode, config, at in [(m, loss_config(m), params) for m in MODES] + [
+          ("gspo", gspo, moved)]:
+        terms, weight_fn = objectives.policy_terms(config)
+
+        def loss(p, terms=terms, weight_fn=weight_fn):
+          num, aux = terms(graphdef, p, batch)
+          return num / weight_fn(batch), aux["clip_frac"]
+
+        res[mode] = jax.value_and_grad(loss, has_aux=True)(at)
     return res
 
-  for mode, (loss, grads) in every_mode(params, batch).items():
+  clipped = {}
+  for mode, ((loss, clipped[mode]), grads) in every_mode(
+      params, moved, batch).items():
     out[mode] = (float(loss), jax.tree.map(np.asarray, grads))
-  return batch, jax.device_get(info), out
+  info = {**jax.device_get(info), "gspo_clip_frac": float(clipped["gspo"])}
+  return batch, info, out
 
 
 def test_packed_batch_loss_equals_unpacked(mesh8):
   """Packed rows, with and without shared prompts, give the repeated
-  layout's loss and gradients in every aggregation mode (through the
-  learner's micro-batched gradient sums too, on 8 devices), and its
+  layout's loss and gradients in every aggregation mode and with GSPO's
+  sequence ratio (through the learner's micro-batched gradient sums too,
+  on 8 devices), and its
   sequence KL and rewards from the ADVANTAGES stage; an untrained sample
   and an empty response take no room in the rows."""
   layout = mesh_lib.train_layout(mesh8)
@@ -190,8 +206,10 @@ def test_packed_batch_loss_equals_unpacked(mesh8):
       for a, b in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads)):
         np.testing.assert_allclose(b, a, rtol=5e-4, atol=2e-6,
                                    err_msg=f"{name} {key}")
-  # The three modes differ (the check would see a mode mix-up).
+  # The three modes differ (the check would see a mode mix-up); GSPO
+  # clipped some sequences and not others.
   assert len({round(out0[m][0], 6) for m in MODES}) == 3
+  assert 0 < info0["gspo_clip_frac"] < 1, info0["gspo_clip_frac"]
   # Packed rows hold real tokens only where they hold any (the 16 slots of
   # this tiny batch are mostly empty rows; at scale they fill), and fewer
   # than the padded layout's rows do: no prompt twice with shared prompts.

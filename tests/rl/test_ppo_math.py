@@ -336,6 +336,68 @@ class GSPOTest(_Base):
                 - np_gspo_objective(lp64 - d, old, adv, m, lo, hi)) / 2e-6
     np.testing.assert_allclose(grad, num, rtol=1e-3, atol=1e-5)
 
+  def test_packed_rows_give_each_sequence_its_own_ratio(self):
+    """The sequences of the oracle test laid in packed rows (two or three
+    a row, prompt cells and a gap between them, the batch's sample indices
+    in `seq`) take the per-sequence objective and its gradient, with
+    "seq-mean-token-mean" aggregating per packed sequence."""
+    b, t, lo, hi = 7, 6, 0.05, 0.08
+    old = np.log(self.rng.uniform(0.1, 1, size=(b, t))).astype(np.float32)
+    logp = (old + self.rng.normal(scale=0.1, size=(b, t))).astype(np.float32)
+    adv = self.rng.normal(size=(b,)).astype(np.float32)
+    m = spans(self.rng, b, t)  # Row b - 1 empty: a sequence of no tokens.
+    rows, width = ((0, 1, 2), (3, 4), (5, 6)), 3 * (t + 2)
+    seq = np.full((3, width), -1, np.int32)
+    cells = {}  # Sequence -> (packed row, first column).
+    for r, members in enumerate(rows):
+      at = 0
+      for i in members:
+        at += 2  # Two prompt cells of no sequence.
+        cells[i] = (r, at)
+        # As `packing.pack` writes them: a sequence's cells start at its
+        # first trained token (its masked prefix is prompt) and run on
+        # over masked ones.
+        first = np.flatnonzero(m[i])
+        if len(first):
+          seq[r, at + first[0]:at + t] = 500 + 11 * i
+        at += t
+    def to_packed(x, fill=0.0):
+      out = np.full((3, width), fill, np.float32)
+      for i, (r, at) in cells.items():
+        out[r, at:at + t] = x[i]
+      return out
+    seq_len = to_packed(np.broadcast_to(m.sum(1, keepdims=True), (b, t)))
+    packed = {"seq": seq, "seq_len": seq_len,
+              "row_seqs": np.array([3, 2, 2], np.float32)}
+    fn = registry.get("policy_loss", "gspo")
+    adv_packed = to_packed(np.broadcast_to(adv[:, None], (b, t)))
+
+    def objective(lp):
+      loss, metrics = fn(lp, to_packed(old), adv_packed, to_packed(m),
+                         clip_low=lo, clip_high=hi, seq_BxT=seq)
+      num, weight = aggregation.aggregate_terms(
+          loss, to_packed(m), "seq-mean-token-mean", packed=packed)
+      return num / weight, metrics
+
+    (value, metrics), grad = jax.jit(jax.value_and_grad(
+        objective, has_aux=True))(to_packed(logp))
+    want = np_gspo_objective(logp, old, adv, m, lo, hi)
+    self.assertAlmostEqual(float(value), want, places=5)
+    valid = m.sum(1) > 0  # Some sequences clipped, some not (both ways).
+    s = np.exp(((logp - old) * m).sum(1)[valid] / m.sum(1)[valid])
+    self.assertTrue(0 < np.mean((s < 1 - lo) | (s > 1 + hi)) < 1)
+    np.testing.assert_allclose(
+        metrics["seq_log_ratio"],
+        (np.log(s) * m.sum(1)[valid]).sum() / m.sum(), rtol=1e-5)
+    num = np.zeros((b, t))
+    lp64 = logp.astype(np.float64)
+    for i in np.ndindex(b, t):
+      d = np.zeros((b, t))
+      d[i] = 1e-6
+      num[i] = (np_gspo_objective(lp64 + d, old, adv, m, lo, hi)
+                - np_gspo_objective(lp64 - d, old, adv, m, lo, hi)) / 2e-6
+    np.testing.assert_allclose(grad, to_packed(num), rtol=1e-3, atol=1e-5)
+
   def test_hand_checked(self):
     # Token log-ratios 0.1 and 0.3 -> s = exp(0.2) = 1.2214; A = 1,
     # clip_high 0.1 -> loss = max(-1.2214, -1.1) = -1.1 on both tokens.

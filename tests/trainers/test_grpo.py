@@ -201,14 +201,6 @@ def test_config_errors(key, value, message):
                         num_devices=8)
 
 
-def test_packing_config_errors():
-  """Packed rows cannot serve GSPO's per-row sequence ratio."""
-  c = _config(**{"rl.pack_length": 64, "rl.policy_loss": "gspo"})
-  with pytest.raises(ConfigError, match="policy_loss='gspo'"):
-    checks.check_rl_job(RLJob.from_config(c), job="grpo", prompt_len=7,
-                        num_devices=8)
-
-
 def test_override_with_wrong_type_fails():
   c = _config()
   with pytest.raises(TypeError):
