@@ -124,7 +124,6 @@ TABLE: tuple[Row, ...] = (
         "not implemented (the workers would prefill whole prompts)"),
     Row("async", "agent", REFUSED, "not implemented"),
     Row("async", "stream", REFUSED, "not implemented"),
-    Row("async", "dynamic_sampling", REFUSED, "not implemented"),
     # Multi-turn rollouts.
     Row("agent", "ppo", REFUSED,
         "multi-turn rollouts are implemented for the GRPO job only"),

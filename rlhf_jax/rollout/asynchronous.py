@@ -29,6 +29,13 @@ deterministic because they count finished groups, never seconds:
 - A checkpoint after step s holds the rollout's host state at its switch to
   version s (`snapshot`); a resumed run starts from it with version s, the
   very thing the uninterrupted run did at that switch.
+- With DAPO's dynamic sampling (`refill`), this thread scores each round
+  of a batch as it finishes (a copy of the job's host scorer); while the
+  batch holds fewer than N informative groups and rounds are left, the
+  next prompts of the stream join it as a new round (same seed, as the
+  synchronous job's rounds), decoded beside the other batches. The batch
+  is complete, for the switch rule too, once its last round is scored
+  (`rollout/dynamic_sampling.Pool` picks its groups).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from rlhf_jax.engine import restart
 from rlhf_jax.engine.controller import Controller
 from rlhf_jax.samples import Partial, Request, Sample
 from rlhf_jax.engine.engine_set import EngineSet
+from rlhf_jax.rollout import dynamic_sampling
 from rlhf_jax.rollout.base import requests_for, step_seed
 from rlhf_jax.sched import staleness
 
@@ -55,11 +63,16 @@ IN_FLIGHT = ("continue", "restart")
 
 @dataclasses.dataclass
 class Batch:
-  """One step's samples, complete, in prompt order (G per prompt)."""
+  """One step's samples, complete, in prompt order (G per prompt); with
+  dynamic sampling, scored: the rewards, which rows train (`valid`) and
+  the rounds' metrics (`scored`: the scorer's and the refill's)."""
   step: int
   prompts: PromptBatch
   samples: list[Sample]
   metrics: dict
+  rewards: np.ndarray | None = None
+  valid: np.ndarray | None = None
+  scored: dict = dataclasses.field(default_factory=dict)
 
 
 class AsyncRollout:
@@ -68,15 +81,17 @@ class AsyncRollout:
 
   def __init__(self, backend, iterator: Iterator[PromptBatch], *,
                num_samples: int, seed: int, eta: int,
-               switch_after_groups: int, in_flight: str, last_step: int):
+               switch_after_groups: int, in_flight: str, last_step: int,
+               refill: dynamic_sampling.Refill | None = None):
     """`backend`: where the samples decode (`PagedBackend`, or
-    `rollout/async_workers.WorkerBackend`)."""
+    `rollout/async_workers.WorkerBackend`); `refill`: DAPO's dynamic
+    sampling (None: none)."""
     if in_flight not in IN_FLIGHT:
       raise ValueError(f"in_flight {in_flight!r}: one of {IN_FLIGHT}")
     self.backend, self.iterator = backend, iterator
     self.G, self.seed, self.eta = num_samples, seed, eta
     self.switch_after_groups, self.in_flight = switch_after_groups, in_flight
-    self.last_step = last_step
+    self.last_step, self.refill = last_step, refill
     self._cv = threading.Condition()
     self._weights: dict[int, object] = {}   # version -> rollout params
     self._ready: dict[int, Batch] = {}
@@ -101,8 +116,13 @@ class AsyncRollout:
     `first_step`, or from a checkpoint's `snapshot` (taken at the switch
     to `version`)."""
     self.version, self.next_batch = version, first_step
-    self.batches: dict[int, PromptBatch] = {}   # Drawn, not complete.
+    # Batch b's round in flight (its first, or a refill) and its groups.
+    self.batches: dict[int, PromptBatch] = {}
     self.finished: dict[int, dict[int, list[Sample]]] = {}  # b -> pid -> G
+    # Dynamic sampling: each incomplete batch's scored rounds, and the
+    # batches whose next round is due.
+    self.pools: dict[int, dynamic_sampling.Pool] = {}
+    self.refills: list[int] = []
     self.marks: dict[tuple, list[tuple[int, int]]] = {}
     self._delivered = dict(self.counters)  # Counters at the last delivery.
     partials, pending = [], []
@@ -200,26 +220,34 @@ class AsyncRollout:
     return driver
 
   def _draw(self, driver):
-    """Queues batch b while the rollout's version allows it; returns the
-    driver (a new one, with the same weights, where the batch shares less
-    of the stored prompt prefix than the run's prompts so far)."""
+    """Queues the refill rounds due, then batch b while the rollout's
+    version allows it; returns the driver (a new one, with the same
+    weights, where a round shares less of the stored prompt prefix than
+    the run's prompts so far)."""
+    while self.refills:
+      driver = self._add(driver, self.refills.pop(0), next(self.iterator))
     while (self.next_batch <= self.last_step
            and staleness.may_draw(self.next_batch, self.version, self.eta)):
-      b = self.next_batch
-      prompts = next(self.iterator)
-      self.batches[b] = prompts
-      self.finished[b] = {int(p): [] for p in prompts.prompt_ids}
-      requests = requests_for(prompts, self.G, self._seed(b))
-      for r in requests:
-        for i in range(r.num_samples):
-          self.marks[_key(r, r.first_sample_index + i)] = [(0, self.version)]
-      stored = (np.zeros(0, np.int32) if self.common is None
-                else self.common)
-      self.common = self.backend.common_prefix(requests, self.common)
-      if not np.array_equal(self.common, stored):
-        driver = self._reopen(driver)
-      driver.add(requests)
+      driver = self._add(driver, self.next_batch, next(self.iterator))
       self.next_batch += 1
+    return driver
+
+  def _add(self, driver, b: int, prompts: PromptBatch):
+    """Batch b's next round, `prompts`, on the driver (its first round
+    opens its pool: N = its prompts)."""
+    if self.refill is not None and b not in self.pools:
+      self.pools[b] = self.refill.pool(len(prompts.prompt_ids), self.G)
+    self.batches[b] = prompts
+    self.finished[b] = {int(p): [] for p in prompts.prompt_ids}
+    requests = requests_for(prompts, self.G, self._seed(b))
+    for r in requests:
+      for i in range(r.num_samples):
+        self.marks[_key(r, r.first_sample_index + i)] = [(0, self.version)]
+    stored = np.zeros(0, np.int32) if self.common is None else self.common
+    self.common = self.backend.common_prefix(requests, self.common)
+    if not np.array_equal(self.common, stored):
+      driver = self._reopen(driver)
+    driver.add(requests)
     return driver
 
   def _reopen(self, driver):
@@ -246,17 +274,36 @@ class AsyncRollout:
     if len(group) < self.G:
       return False
     if all(len(g) == self.G for g in self.finished[b].values()):
-      self._deliver(b)
+      self._round_done(b)
     return True
 
-  def _deliver(self, b: int) -> None:
+  def _round_done(self, b: int) -> None:
+    """Batch b's round in flight has finished: the batch is complete, or
+    (dynamic sampling) its round is scored and the batch is complete once
+    its pool is, else its next round is due."""
     by_prompt, prompts = self.finished.pop(b), self.batches.pop(b)
-    samples = [s for pid in prompts.prompt_ids for s in sorted(
-        by_prompt[int(pid)], key=lambda s: s.sample_idx)]
-    metrics = {k: v - self._delivered[k] for k, v in self.counters.items()}
+    groups = [sorted(by_prompt[int(pid)], key=lambda s: s.sample_idx)
+              for pid in prompts.prompt_ids]
+    if self.refill is None:
+      self._deliver(Batch(b, prompts, [s for g in groups for s in g], {}))
+      return
+    pool = self.pools[b]
+    pool.add(self.refill.score_round(groups, prompts))
+    if not pool.done:
+      self.refills.append(b)
+      self.finished[b] = {}  # Incomplete until its next round is in.
+      return
+    del self.pools[b]
+    got = pool.result()
+    self._deliver(Batch(b, prompts, got.samples, {}, got.rewards, got.valid,
+                        got.metrics))
+
+  def _deliver(self, batch: Batch) -> None:
+    batch.metrics = {k: v - self._delivered[k]
+                     for k, v in self.counters.items()}
     self._delivered = dict(self.counters)
     with self._cv:
-      self._ready[b] = Batch(b, prompts, samples, metrics)
+      self._ready[batch.step] = batch
       self._cv.notify_all()
 
   def _weights_of(self, v: int):
@@ -314,8 +361,10 @@ class AsyncRollout:
         "batches": {str(b): _prompts_dict(p) for b, p in self.batches.items()},
         "ready": {str(b): dict(prompts=_prompts_dict(r.prompts),
                                samples=[_sample_dict(s) for s in r.samples],
-                               metrics=r.metrics)
+                               metrics=r.metrics, **_scored_dict(r))
                   for b, r in self._ready.items()},
+        "pools": {str(b): _pool_dict(p) for b, p in self.pools.items()},
+        "refills": list(self.refills),
         "finished": [_sample_dict(s) for g in self.finished.values()
                      for ss in g.values() for s in ss],
         "partials": [dict(prompt_id=p.request.prompt_id,
@@ -343,7 +392,13 @@ class AsyncRollout:
         requests[r.prompt_id, r.seed] = r
     for b, r in snap["ready"].items():
       self._ready[int(b)] = Batch(int(b), _prompts_from(r["prompts"]), [
-          _sample_from(s) for s in r["samples"]], r["metrics"])
+          _sample_from(s) for s in r["samples"]], r["metrics"],
+                                  **_scored_from(r))
+    for b, p in snap.get("pools", {}).items():  # Dynamic sampling's.
+      self.pools[int(b)] = _pool_from(p, self.refill, self.G)
+    self.refills = list(snap.get("refills", []))
+    for b in self.refills:  # Between rounds: no round in flight.
+      self.finished[b] = {}
     self.marks = {tuple(k): [tuple(m) for m in v] for k, v in snap["marks"]}
     for d in snap["finished"]:
       s = _sample_from(d)
@@ -421,6 +476,38 @@ def _sample_dict(s: Sample) -> dict:
 def _sample_from(d: dict) -> Sample:
   return Sample(prompt_tokens=np.asarray(d["prompt_tokens"], np.int32),
                 **{k: d[k] for k in _SAMPLE_FIELDS}, **_routes_from(d))
+
+
+def _scored_dict(batch: Batch) -> dict:
+  """A dynamic-sampling batch's rewards, rows trained and metrics."""
+  if batch.rewards is None:
+    return {}
+  return dict(rewards=batch.rewards.tolist(), valid=batch.valid.tolist(),
+              scored=batch.scored)
+
+
+def _scored_from(d: dict) -> dict:
+  if "rewards" not in d:
+    return {}
+  return dict(rewards=np.asarray(d["rewards"], np.float32),
+              valid=np.asarray(d["valid"], bool), scored=d["scored"])
+
+
+def _pool_dict(pool: dynamic_sampling.Pool) -> dict:
+  return dict(num_groups=pool.N,
+              samples=[_sample_dict(s) for s in pool.samples],
+              rewards=[r.tolist() for r in pool.rewards],
+              metrics=pool.round_metrics)
+
+
+def _pool_from(d: dict, refill: dynamic_sampling.Refill,
+               group_size: int) -> dynamic_sampling.Pool:
+  """The pool `_pool_dict` wrote."""
+  pool = refill.pool(d["num_groups"], group_size)
+  pool.samples = [_sample_from(s) for s in d["samples"]]
+  pool.rewards = [np.asarray(r, np.float32) for r in d["rewards"]]
+  pool.round_metrics = list(d["metrics"])
+  return pool
 
 
 def _prompts_dict(p: PromptBatch) -> dict:

@@ -16,7 +16,8 @@ the job's rollout, one of three, chosen when the job is built.
   informative groups from the prompt stream (`rollout/dynamic_sampling.py`).
 - `Asynchronous`: its own devices (or the elastic workers) decode batch
   after batch while the trainer trains (`rollout/asynchronous.py`); the
-  step publishes the trainer's newest weights and takes its batch.
+  step publishes the trainer's newest weights and takes its batch (with
+  dynamic sampling, refilled and scored by the rollout's thread).
 
 One staleness rule serves them all (`sched/staleness.trainable`): a sample
 is trained on when it is at most eta versions older than the weights the
@@ -261,6 +262,13 @@ class Asynchronous:
     batch = self.rollout.take(step)  # An idle span of the trainer's devices.
     self._metrics = {"perf/trainer_wait_s": self.clock.now() - start}
     self._batch = batch
+    if batch.rewards is not None:  # Dynamic sampling: the rollout scored.
+      self._metrics.update(batch.scored)
+      for n in range(len(batch.samples) // self.G):
+        rows = slice(n * self.G, (n + 1) * self.G)
+        yield ScoredGroup(batch.samples[rows], batch.rewards[rows],
+                          bool(batch.valid[rows].all()), n)
+      return
     if scorer is not None:
       scorer.reset()  # Host rewards, group by group.
     for n in range(len(batch.samples) // self.G):

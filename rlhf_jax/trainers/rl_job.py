@@ -8,7 +8,7 @@ PPO, ...) trained step after step by `rl_step` after the SFT warm-start.
 `build` chooses what the step executes: the rollout
 (`rollout/step_rollouts.py`: colocated on the trainer's mesh or its
 elastic workers, DAPO's refill with `rl.dynamic_sampling`, asynchronous
-with `asynchronous.enabled`), the train stage (`rl/train_stage.py`:
+with `asynchronous.enabled`, refilled on its rollout thread with both), the train stage (`rl/train_stage.py`:
 whole batch, or streamed with `rl.stream`) and the passes fused into the
 long-tail rollout (`rollout.long_tail.fusion`). Resume, evaluation and
 checkpoints: `loop.py`.
@@ -30,6 +30,7 @@ from rlhf_jax.models import checkpoint_or_preset
 from rlhf_jax.parallel import mesh as mesh_lib
 from rlhf_jax.rl import train_stage
 from rlhf_jax.rollout import build as rollout_build
+from rlhf_jax.rollout import dynamic_sampling
 from rlhf_jax.rollout import step_rollouts
 from rlhf_jax.rollout.async_workers import WorkerBackend
 from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
@@ -101,15 +102,15 @@ def build(config, timeline: Timeline | None = None) -> Job:
   p = policy_lib.build(c, source, train_layout, rollout_layout, timeline)
   algo = algorithm(config, c, source, p)
   return Job(c=c, source=source, policy=p, algorithm=algo,
-             rollout=_rollout(c, p, source, async_layout, algo.policy_key),
+             rollout=_rollout(c, p, source, async_layout, algo),
              train_stage=_train_stage(c, algo, p.colocation, p.clock),
              train_layout=train_layout, rollout_layout=rollout_layout,
              fused=algo.fused, sft_layout=sft_layout)
 
 
-def _rollout(c, p: policy_lib.Policy, source, async_layout, policy_key):
+def _rollout(c, p: policy_lib.Policy, source, async_layout, algo):
   """The step rollout the sections `c` ask for (see the module doc)."""
-  G = c.rollout.samples_per_row
+  G, policy_key = c.rollout.samples_per_row, algo.policy_key
   if c.asynchronous.enabled:
     a = c.asynchronous
     if async_layout is None:  # The elastic workers decode.
@@ -126,7 +127,10 @@ def _rollout(c, p: policy_lib.Policy, source, async_layout, policy_key):
             switch_after_groups=(batch_groups // 2
                                  if a.switch_after_groups < 0
                                  else a.switch_after_groups),
-            in_flight=a.in_flight, last_step=c.train.steps),
+            in_flight=a.in_flight, last_step=c.train.steps,
+            refill=dynamic_sampling.Refill(
+                algo.scorer, c.rl.dynamic_max_rounds)
+            if c.rl.dynamic_sampling else None),
         p.colocation, p.clock, async_layout, group_size=G,
         eta=a.max_staleness,
         policy_key=policy_key,

@@ -119,6 +119,38 @@ def test_eta_zero_equals_the_synchronous_job(tmp_path):
 
 
 @pytest.mark.slow
+def test_eta_zero_with_dynamic_sampling_equals_the_synchronous_job(tmp_path):
+  """DAPO's dynamic sampling (up to 3 rounds a step): at eta = 0 the async
+  rollout's thread refills each batch on the step's weights from the same
+  stream, so the rounds, the groups kept, their samples and the updates
+  are the synchronous job's (`rollout/dynamic_sampling.collect`)."""
+  steps = {"train.steps": 3, "eval.every": 3, "rl.dynamic_sampling": True,
+           "rl.dynamic_max_rounds": 3}
+  sync = resume.override(tiny_grpo.get_config("runlocal"), **steps)
+  sync.rl.importance_weight = "tis"
+  rl_job.run(sync, str(tmp_path / "sync"))
+  rl_job.run(_async_config(**steps, **{"asynchronous.max_staleness": 0}),
+             str(tmp_path / "async"))
+  a, b = _records(str(tmp_path / "async")), _records(str(tmp_path / "sync"))
+  for step in range(1, 4):
+    assert a[step]["async/staleness_max"] == 0
+    for key in ("rollout/sampling_rounds", "rollout/informative_groups",
+                "rollout/informative_frac", "rollout/reward_mean",
+                "rollout/response_len_mean"):
+      assert a[step][key] == b[step][key], (step, key)
+    for key in ("rewards/addition", "rewards/digit_accuracy"):  # Summed
+      # over the rounds' groups in another order.
+      assert a[step][key] == pytest.approx(b[step][key], rel=1e-12), key
+    for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/kl"):
+      assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]) \
+          + 1e-6, (step, key, a[step][key], b[step][key])
+  # Not vacuous: a step refilled (constant groups set aside).
+  assert max(b[s]["rollout/sampling_rounds"] for s in range(1, 4)) >= 2
+  assert min(b[s]["rollout/informative_frac"] for s in range(1, 4)) < 1
+  assert a[3]["eval/accuracy"] == b[3]["eval/accuracy"]
+
+
+@pytest.mark.slow
 def test_eta_zero_on_workers_equals_the_synchronous_job_on_workers(tmp_path):
   """Elastic workers as the async rollout (2 in-process workers; the
   trainer keeps all 8 devices): at eta = 0 the same samples and updates
@@ -405,3 +437,143 @@ def test_async_rollout_stores_the_prefix_its_batches_share(tiny_model):
       assert a.tokens == b.tokens, (step, a.key)
       np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
       assert a.token_versions == b.token_versions, (step, a.key)
+
+
+def _prompt_stream(n: int = 2):
+  """Batches of n prompts (ids 0, 1, 2, ... in stream order), without end."""
+  from rlhf_jax.samples import PromptBatch
+  rng = np.random.default_rng(11)
+  for first in range(0, 10**6, n):
+    rows = rng.integers(4, 64, (n, 5)).astype(np.int32)
+    yield PromptBatch(np.arange(first, first + n, dtype=np.int32), rows,
+                      np.full(n, 5, np.int32), [""] * n, [{}] * n)
+
+
+class _FirstTokenScorer:
+  """A host scorer (RewardScorer's interface): 1 where a sample's first
+  token is a multiple of 4 (a group of 2 is informative 3 times in 8);
+  every group scored goes into `scored` (copies share it)."""
+
+  def __init__(self):
+    self.scored = []
+    self.reset()
+
+  def reset(self):
+    self.count = 0
+
+  def score(self, group, prompts):
+    del prompts
+    rewards = np.array([float(s.tokens[0] % 4 == 0) for s in group],
+                       np.float32)
+    self.scored.append(([s.key for s in group], group[0].seed, rewards))
+    self.count += len(group)
+    return rewards
+
+  def metrics(self):
+    return {"rewards/scored": float(self.count)}
+
+
+def _dynamic_rollout(tiny_model, stream, scorer, max_rounds):
+  from rlhf_jax.engine.engine_set import EngineSet
+  from rlhf_jax.engine.sampling import SamplingParams
+  from rlhf_jax.rollout.asynchronous import AsyncRollout, PagedBackend
+  from rlhf_jax.rollout.dynamic_sampling import Refill
+  import jax
+  graphdef, params = tiny_model
+  layout = fakes.rollout_layout8(2)
+  params = jax.device_put(params, layout.param_shardings(params))
+  backend = PagedBackend(EngineSet(
+      fakes.TINY_CFG, graphdef, layout, rows_per_replica=1,
+      samples_per_row=2, prefill_buckets=(8,),
+      sampling=SamplingParams(temperature=1.0, max_new_tokens=3),
+      paged=dict(num_slots=8, page_size=4, num_pages=64)))
+  return params, AsyncRollout(
+      backend, stream, num_samples=2, seed=3, eta=1, switch_after_groups=1,
+      in_flight="continue", last_step=6,
+      refill=Refill(scorer, max_rounds))
+
+
+def test_async_dynamic_sampling_refills_and_resumes_as_uninterrupted(
+    tiny_model):
+  """Async RL with DAPO's dynamic sampling (eta = 1): the rollout's thread
+  scores each round as it finishes and refills a batch from the stream
+  until it holds N informative groups, at most 2 rounds; each batch
+  trains the first N informative groups its rounds gave, in order (the
+  rest: a repeat, masked). Resumed from the snapshot of step 3's
+  checkpoint (the iterator where it was; a batch's rounds in flight), the
+  rollout gives the uninterrupted run's batches 4 to 6."""
+  import json
+  consumed, snap_step = [0], 3
+
+  def counted(stream):
+    for batch in stream:
+      consumed[0] += 1
+      yield batch
+
+  scorer = _FirstTokenScorer()
+  params, ar = _dynamic_rollout(tiny_model, counted(_prompt_stream()), scorer,
+                                max_rounds=2)
+  ar.start(params, 0, first_step=1)
+  try:
+    batches, snap = {}, None
+    for step in range(1, 7):
+      if step > 1 and step - 1 != snap_step:  # That one went with the snap.
+        ar.publish(params, step - 1)
+      batches[step] = ar.take(step)
+      if step == snap_step:
+        snap = json.loads(json.dumps(ar.publish(params, step, snapshot=True)))
+        at_snapshot = consumed[0]
+        ar.release()
+  finally:
+    ar.close()
+  # Per batch, the groups scored for it in order (their seed says which).
+  from rlhf_jax.rollout.base import step_seed
+  rounds_seen = 0
+  for step, batch in batches.items():
+    pool = [(keys, r) for keys, seed, r in scorer.scored
+            if seed == step_seed(3, step)]
+    informative = [(keys, r) for keys, r in pool if r.max() > r.min()]
+    assert len(pool) % 2 == 0 and 1 <= len(pool) // 2 <= 2, (step, len(pool))
+    # Full once 2 are informative: no round past the one that filled it.
+    assert len(informative) < 2 or len(
+        [g for g in pool[:len(pool) - 2] if g[1].max() > g[1].min()]) < 2
+    rounds_seen = max(rounds_seen, len(pool) // 2)
+    got = [[s.key for s in batch.samples[i:i + 2]] for i in (0, 2)]
+    for slot in range(2):
+      if slot < len(informative):
+        assert got[slot] == informative[slot][0], (step, slot)
+        np.testing.assert_array_equal(batch.rewards[2 * slot:2 * slot + 2],
+                                      informative[slot][1])
+        assert batch.valid[2 * slot:2 * slot + 2].all()
+      else:  # Out of rounds: a repeat of a kept group, not trained.
+        assert not batch.valid[2 * slot:2 * slot + 2].any()
+    assert batch.scored["rollout/sampling_rounds"] == len(pool) // 2
+    assert batch.scored["rollout/informative_groups"] == min(
+        len(informative), 2)
+  # Not vacuous: some batch was refilled, one ran out of rounds.
+  assert rounds_seen == 2
+  assert any(not batch.valid.all() for batch in batches.values())
+  # The snapshot caught a batch between rounds: one scored, one decoding.
+  assert [len(p["rewards"]) for p in snap["pools"].values()] == [1], snap
+
+  stream = _prompt_stream()
+  for _ in range(at_snapshot):
+    next(stream)
+  params, resumed = _dynamic_rollout(tiny_model, stream, _FirstTokenScorer(),
+                                     max_rounds=2)
+  resumed.start(params, snap_step, first_step=snap_step + 1, snapshot=snap)
+  try:
+    for step in range(snap_step + 1, 7):
+      if step > snap_step + 1:
+        resumed.publish(params, step - 1)
+      ours, theirs = resumed.take(step), batches[step]
+      assert [s.key for s in ours.samples] == [
+          s.key for s in theirs.samples], step
+      for a, b in zip(ours.samples, theirs.samples):
+        assert a.tokens == b.tokens and a.token_versions == b.token_versions
+        np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
+      np.testing.assert_array_equal(ours.rewards, theirs.rewards)
+      np.testing.assert_array_equal(ours.valid, theirs.valid)
+      assert ours.scored == theirs.scored, step
+  finally:
+    resumed.close()
